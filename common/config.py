@@ -1,0 +1,97 @@
+"""EngineConfig and ServerConfig: the one place each command-line flag is defined."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import types
+from dataclasses import dataclass, field
+from typing import Any, TypeVar, Union, get_args, get_origin, get_type_hints
+
+T = TypeVar("T")
+
+
+def flag(default: Any, help: str, **kw: Any) -> Any:
+    if default is list:
+        return field(default_factory=list, metadata={"help": help, **kw})
+    return field(default=default, metadata={"help": help, **kw})
+
+
+@dataclass
+class EngineConfig:
+    model: str | None = flag(None, "HF model dir, .gguf file, or empty for the default SmolLM2-135M-Instruct")
+    dtype: str = flag("auto", "auto | float32 | bfloat16 | float16 (auto: bf16 on CUDA and AVX512-BF16 CPUs)")
+    device: str = flag("auto", "auto | cpu | cuda")
+    max_model_len: int | None = flag(None, "context length (default: the model's, capped at 8192)")
+    block_size: int = flag(16, "tokens per KV cache block")
+    kv_cache_memory: float = flag(2.0, "GiB of KV cache on CPU")
+    gpu_memory_utilization: float = flag(0.9, "fraction of GPU memory for weights + KV cache on CUDA")
+    num_kv_blocks: int | None = flag(None, "exact number of KV blocks (overrides the memory sizing)")
+    max_num_seqs: int = flag(128, "most requests running in one step")
+    max_num_batched_tokens: int = flag(2048, "token budget of one step (prefill is chunked to fit)")
+    enable_prefix_caching: bool = flag(True, "reuse KV blocks of shared prompt prefixes")
+    scheduling_policy: str = flag("fcfs", "fcfs | priority | round-robin", choices=["fcfs", "priority", "round-robin"])
+    num_threads: int | None = flag(None, "torch CPU threads (default: the cores this process may use)")
+    enforce_eager: bool = flag(False, "never capture CUDA graphs")
+    seed: int = flag(0, "seed for requests that give none")
+    epoch: int = flag(0, "restart generation of this engine (set by launch.py)")
+    engine_index: int = flag(0, "identity of this engine on the input socket")
+
+
+@dataclass
+class ServerConfig:
+    host: str = flag("127.0.0.1", "address the HTTP server binds")
+    port: int = flag(8000, "HTTP port")
+    served_model_name: str | None = flag(None, "model name in the API (default: the model's name)")
+    api_key: str | None = flag(None, "require 'Authorization: Bearer KEY' on /v1/*")
+    allowed_origins: list[str] = flag(list, "CORS origins allowed (none by default)", nargs="*")
+    max_queued_requests: int = flag(1024, "requests waiting or running beyond which new ones get 503")
+    engine_ready_timeout: float = flag(600.0, "seconds to wait for the engine core to start")
+    engine_ping_timeout: float = flag(10.0, "seconds without an answer before the engine counts as hung")
+    max_engine_restarts: int = flag(5, "engine restarts allowed within --engine-restart-window")
+    engine_restart_window: float = flag(600.0, "seconds over which engine restarts are counted")
+    engine_restart_timeout: float = flag(60.0, "seconds a new request waits for a restarting engine")
+    log_level: str = flag("info", "uvicorn log level")
+
+
+def _base_type(tp: Any) -> Any:
+    if get_origin(tp) in (Union, types.UnionType):
+        args = [a for a in get_args(tp) if a is not type(None)]
+        return args[0]
+    return tp
+
+
+def add_cli_args(parser: argparse.ArgumentParser, cls: type) -> None:
+    hints = get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        name = "--" + f.name.replace("_", "-")
+        meta = dict(f.metadata)
+        help_text = meta.pop("help", "")
+        tp = _base_type(hints[f.name])
+        if tp is bool:
+            parser.add_argument(name, action=argparse.BooleanOptionalAction, default=f.default, help=help_text)
+        elif get_origin(tp) is list:
+            parser.add_argument(name, type=get_args(tp)[0], default=[], help=help_text, **meta)
+        else:
+            parser.add_argument(name, type=tp, default=f.default, help=help_text, **meta)
+
+
+def from_cli_args(cls: type[T], ns: argparse.Namespace) -> T:
+    return cls(**{f.name: getattr(ns, f.name) for f in dataclasses.fields(cls)})  # type: ignore[call-arg]
+
+
+def to_cli_args(cfg: Any) -> list[str]:
+    """The flags that reproduce `cfg` (launch.py passes the engine's config to its child process)."""
+    args: list[str] = []
+    for f in dataclasses.fields(cfg):
+        value = getattr(cfg, f.name)
+        name = "--" + f.name.replace("_", "-")
+        if value is None:
+            continue
+        if isinstance(value, bool):
+            args.append(name if value else "--no-" + name[2:])
+        elif isinstance(value, list):
+            args += [name, *map(str, value)] if value else []
+        else:
+            args += [name, str(value)]
+    return args

@@ -1,0 +1,136 @@
+"""Every type that crosses the frontend <-> engine-core boundary, and nothing else."""
+
+from __future__ import annotations
+
+import enum
+
+import msgspec
+
+
+class _Msg(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    pass
+
+
+class SamplingParams(_Msg, frozen=True):
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = off
+    min_p: float = 0.0
+    seed: int | None = None
+    min_tokens: int = 0
+    stop_token_ids: list[int] = []
+    ignore_eos: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logprobs: int | None = None  # top-n alternatives besides the chosen token; 0 = chosen only
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < 1e-5 or self.top_k == 1
+
+
+class FinishReason(enum.IntEnum):
+    STOP = 0
+    LENGTH = 1
+    ABORT = 2
+    ERROR = 3
+
+    def openai(self) -> str:
+        return {0: "stop", 1: "length", 2: "abort", 3: "error"}[int(self)]
+
+
+# ---- frontend -> engine ----
+
+
+class EngineRequest(_Msg, tag="add"):
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    eos_token_ids: list[int] = []
+    arrival_time: float = 0.0
+    priority: int = 0
+    # Tokens already streamed to the client: a restarted engine resumes after them.
+    output_token_ids: list[int] = []
+
+
+class AbortRequest(_Msg, tag="abort"):
+    request_ids: list[str]
+
+
+class UtilityCall(_Msg, tag="call"):
+    call_id: int
+    method: str  # "health" | "stats" | "reset_prefix_cache" | "sleep" (debug)
+    arg: float = 0.0
+
+
+EngineInput = EngineRequest | AbortRequest | UtilityCall
+
+
+# ---- engine -> frontend ----
+
+
+class Logprobs(_Msg):
+    """Per new token: its logprob, and the top-n (token id, logprob) alternatives."""
+
+    token_logprobs: list[float]
+    top_ids: list[list[int]] = []
+    top_logprobs: list[list[float]] = []
+
+
+class EngineOutput(_Msg):
+    request_id: str
+    new_token_ids: list[int]
+    finish_reason: FinishReason | None = None
+    stop_token_id: int | None = None
+    num_cached_tokens: int = 0
+    new_logprobs: Logprobs | None = None
+    error: str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+class SchedulerStats(_Msg):
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_usage: float = 0.0
+    prefix_queries: int = 0
+    prefix_hits: int = 0
+    num_preempted: int = 0
+    step_time_s: float = 0.0
+    num_blocks_in_use: int = 0
+
+
+class EngineOutputs(_Msg, tag="out"):
+    epoch: int
+    outputs: list[EngineOutput]
+    timestamp: float = 0.0
+    stats: SchedulerStats | None = None
+
+
+class UtilityResult(_Msg, tag="result"):
+    call_id: int
+    ok: bool = True
+    stats: SchedulerStats | None = None
+    error: str | None = None
+
+
+class EngineReady(_Msg, tag="ready"):
+    epoch: int
+    model: str
+    max_model_len: int
+    block_size: int
+    num_blocks: int
+    vocab_size: int
+    eos_token_ids: list[int] = []
+
+
+class EngineDead(_Msg, tag="dead"):
+    epoch: int
+    error: str
+
+
+EngineMessage = EngineOutputs | UtilityResult | EngineReady | EngineDead

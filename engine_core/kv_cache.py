@@ -1,0 +1,169 @@
+"""KV block bookkeeping: a ref-counted BlockPool with an LRU free queue, and automatic prefix caching.
+
+The tensors themselves live in the model runner; this file only decides which block holds what.
+A full block is identified by a hash chained over its parent's hash and its own token ids, so a hit
+means the whole prefix matches; the block's token ids are compared too, so a hash collision is a miss.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+from engine_core.request import Request
+
+
+class Block:
+    __slots__ = ("block_id", "ref_count", "block_hash", "token_ids")
+
+    def __init__(self, block_id: int) -> None:
+        self.block_id = block_id
+        self.ref_count = 0
+        self.block_hash: int | None = None
+        self.token_ids: tuple[int, ...] = ()
+
+
+def chain_hash(parent: int | None, token_ids: tuple[int, ...]) -> int:
+    return hash((parent, token_ids))
+
+
+class BlockPool:
+    """Free blocks wait in LRU order; a freed block keeps its hash until it is reused, so it can still hit."""
+
+    def __init__(self, num_blocks: int) -> None:
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self.free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self.cached: dict[int, int] = {}  # block hash -> block id
+
+    @property
+    def num_free(self) -> int:
+        return len(self.free)
+
+    def allocate(self) -> Block:
+        block = self.blocks[self.free.popitem(last=False)[0]]
+        if block.block_hash is not None:  # evict the least recently used cached block
+            if self.cached.get(block.block_hash) == block.block_id:
+                del self.cached[block.block_hash]
+            block.block_hash, block.token_ids = None, ()
+        block.ref_count = 1
+        return block
+
+    def touch(self, block: Block) -> None:
+        if block.ref_count == 0:
+            del self.free[block.block_id]
+        block.ref_count += 1
+
+    def release(self, block: Block) -> None:
+        block.ref_count -= 1
+        assert block.ref_count >= 0, "block freed twice"
+        if block.ref_count == 0:
+            self.free[block.block_id] = None
+
+    def lookup(self, block_hash: int, token_ids: tuple[int, ...]) -> Block | None:
+        block_id = self.cached.get(block_hash)
+        if block_id is None:
+            return None
+        block = self.blocks[block_id]
+        return block if block.token_ids == token_ids else None
+
+    def register(self, block: Block, block_hash: int, token_ids: tuple[int, ...]) -> None:
+        block.block_hash, block.token_ids = block_hash, token_ids
+        self.cached.setdefault(block_hash, block.block_id)  # keep the first copy of a duplicate
+
+    def reset_cache(self) -> None:
+        """Forget every cached hash (blocks in use keep their contents)."""
+        self.cached.clear()
+        for block in self.blocks:
+            block.block_hash, block.token_ids = None, ()
+
+
+class KVCacheManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool) -> None:
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.pool = BlockPool(num_blocks)
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - self.pool.num_free
+
+    @property
+    def usage(self) -> float:
+        return self.num_used_blocks / self.num_blocks
+
+    def _full_block_tokens(self, req: Request, index: int) -> tuple[int, ...]:
+        return tuple(req.token_ids[index * self.block_size : (index + 1) * self.block_size])
+
+    def _extend_hashes(self, req: Request, num_tokens: int) -> None:
+        """Hashes every full block within the first num_tokens tokens that has none yet."""
+        for i in range(len(req.block_hashes), num_tokens // self.block_size):
+            parent = req.block_hashes[-1] if req.block_hashes else None
+            req.block_hashes.append(chain_hash(parent, self._full_block_tokens(req, i)))
+
+    def get_computed_blocks(self, req: Request) -> list[Block]:
+        """The longest cached prefix of a request that holds no blocks. At least one token is left to
+        compute, since the last position must run through the model to give logits."""
+        if not self.enable_prefix_caching:
+            return []
+        self._extend_hashes(req, req.num_tokens - 1)
+        hits: list[Block] = []
+        for i, block_hash in enumerate(req.block_hashes[: (req.num_tokens - 1) // self.block_size]):
+            block = self.pool.lookup(block_hash, self._full_block_tokens(req, i))
+            if block is None:
+                break
+            hits.append(block)
+        return hits
+
+    def allocate_slots(self, req: Request, num_new_tokens: int, computed: list[Block] | None = None) -> bool:
+        """Makes room for num_new_tokens more tokens (after the `computed` prefix hits, which become the
+        request's first blocks). False, with nothing changed, if the pool cannot cover it."""
+        computed = computed or []
+        num_computed = req.num_computed_tokens + len(computed) * self.block_size
+        needed = -(-(num_computed + num_new_tokens) // self.block_size) - len(req.block_ids) - len(computed)
+        evictable_hits = sum(1 for b in computed if b.ref_count == 0)
+        if needed > self.pool.num_free - evictable_hits:
+            return False
+        for block in computed:
+            self.pool.touch(block)
+        req.block_ids.extend(b.block_id for b in computed)
+        req.num_computed_tokens = num_computed
+        req.num_cached_tokens = max(req.num_cached_tokens, len(computed) * self.block_size)
+        req.block_ids.extend(self.pool.allocate().block_id for _ in range(needed))
+        return True
+
+    def cache_full_blocks(self, req: Request) -> None:
+        """Registers the request's blocks that became full of computed tokens."""
+        if not self.enable_prefix_caching:
+            return
+        num_full = req.num_computed_tokens // self.block_size
+        self._extend_hashes(req, num_full * self.block_size)
+        for i in range(req.num_registered_blocks, num_full):
+            block = self.pool.blocks[req.block_ids[i]]
+            if block.block_hash is None:
+                self.pool.register(block, req.block_hashes[i], self._full_block_tokens(req, i))
+        req.num_registered_blocks = max(req.num_registered_blocks, num_full)
+
+    def free(self, req: Request) -> None:
+        # Tail blocks first, so the least shared ones are evicted first.
+        for block_id in reversed(req.block_ids):
+            self.pool.release(self.pool.blocks[block_id])
+        req.block_ids = []
+        req.num_registered_blocks = 0
+
+    def reset_prefix_cache(self) -> None:
+        self.pool.reset_cache()
+
+    def check_integrity(self, live: list[Request]) -> None:
+        """Free + in use == total, and every ref count equals the number of live holders."""
+        refs = [0] * self.num_blocks
+        for req in live:
+            for block_id in req.block_ids:
+                refs[block_id] += 1
+        for block in self.pool.blocks:
+            assert block.ref_count == refs[block.block_id], f"block {block.block_id} refs mismatch"
+            assert (block.ref_count == 0) == (block.block_id in self.pool.free), f"block {block.block_id} queue"
+        assert self.num_free_blocks + sum(1 for r in refs if r) == self.num_blocks

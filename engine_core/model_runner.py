@@ -1,0 +1,125 @@
+"""Runs one scheduled step: flat input tensors -> our model over the paged KV cache -> sampled tokens.
+
+Also owns the device, the dtype, the KV cache tensors and their sizing.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+
+from common.config import EngineConfig
+from engine_core.attention import AttentionMetadata, PrefillChunk
+from engine_core.models.loader import load_model
+from engine_core.sampler import Sampler
+from engine_core.scheduler import SampledTokens, SchedulerOutput
+
+
+def pick_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def cpu_has_bf16() -> bool:
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def pick_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" or cpu_has_bf16() else torch.float32
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+
+
+def set_cpu_threads(num_threads: int | None) -> None:
+    # One thread per core we may run on; more would fight the socket threads for the same cores.
+    torch.set_num_threads(num_threads or len(os.sched_getaffinity(0)))
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, model_path: Path, max_model_len: int) -> None:
+        self.config = config
+        self.device = pick_device(config.device)
+        self.dtype = pick_dtype(config.dtype, self.device)
+        if self.device.type == "cpu":
+            set_cpu_threads(config.num_threads)
+        self.block_size = config.block_size
+        self.model = load_model(model_path, self.dtype, self.device, max_positions=max_model_len)
+        self.vocab_size = self.model.config.vocab_size
+        self.num_blocks = config.num_kv_blocks or self._blocks_that_fit()
+        self._allocate_kv_cache()
+        self.sampler = Sampler(self.device, self.vocab_size, config.seed)
+
+    # ---- KV cache ----
+
+    def _bytes_per_block(self) -> int:
+        layers = len(self.model.attention_layers())
+        per_token = 2 * layers * self.model.num_kv_heads * self.model.head_dim * self.dtype.itemsize
+        return per_token * self.block_size
+
+    def _blocks_that_fit(self) -> int:
+        if self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            budget = free - total * (1 - self.config.gpu_memory_utilization) - 512 * 2**20  # headroom
+        else:
+            budget = self.config.kv_cache_memory * 2**30
+        return max(int(budget // self._bytes_per_block()), 1)
+
+    def _allocate_kv_cache(self) -> None:
+        layers = self.model.attention_layers()
+        shape = (2, len(layers), self.num_blocks, self.block_size, self.model.num_kv_heads, self.model.head_dim)
+        self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        for i, layer in enumerate(layers):
+            layer.k_cache, layer.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
+
+    # ---- one step ----
+
+    def _prepare(self, out: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
+        bs = self.block_size
+        ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        sample_idx: list[int] = []
+        prefills: list[PrefillChunk] = []
+        decode_tables: list[list[int]] = []
+        decode_lens: list[int] = []
+        for req, n, sample in zip(out.requests, out.num_new_tokens, out.sample, strict=True):
+            start, end = req.num_computed_tokens, req.num_computed_tokens + n
+            if n == 1:
+                decode_tables.append(req.block_ids[: (end + bs - 1) // bs])
+                decode_lens.append(end)
+            else:
+                blocks = torch.tensor(req.block_ids[: (end + bs - 1) // bs], device=self.device)
+                prefills.append(PrefillChunk(len(ids), n, end, blocks))
+            ids += req.token_ids[start:end]
+            positions += range(start, end)
+            blocks = req.block_ids
+            slots += [blocks[p // bs] * bs + p % bs for p in range(start, end)]
+            if sample:
+                sample_idx.append(len(ids) - 1)
+        dev = self.device
+        tables = lens = None
+        if decode_tables:
+            width = max(len(t) for t in decode_tables)
+            tables = torch.tensor([t + [0] * (width - len(t)) for t in decode_tables], device=dev)
+            lens = torch.tensor(decode_lens, device=dev)
+        slot_tensor = torch.tensor(slots, dtype=torch.long, device=dev)
+        meta = AttentionMetadata.build(slot_tensor, tables, lens, prefills, bs)
+        return torch.tensor(ids, device=dev), torch.tensor(positions, device=dev), meta, sample_idx
+
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput) -> SampledTokens:
+        input_ids, positions, meta, sample_idx = self._prepare(out)
+        hidden = self.model(input_ids, positions, meta)
+        sampled_reqs = [r for r, s in zip(out.requests, out.sample, strict=True) if s]
+        if not sampled_reqs:
+            return SampledTokens([], [])
+        logits = self.model.compute_logits(hidden[torch.tensor(sample_idx, device=self.device)])
+        tokens, logprobs = self.sampler(logits, sampled_reqs)
+        return SampledTokens(tokens, logprobs)

@@ -1,0 +1,106 @@
+"""GPT-2: learned positions, pre-LayerNorm blocks, fused q/k/v projection, GELU MLP, tied LM head."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine_core.attention import AttentionMetadata, paged_attention, write_kv
+
+# HF activation name -> torch GELU approximation ("gelu_new" and friends are the tanh form).
+_GELU_APPROXIMATIONS = {"gelu": "none", "gelu_new": "tanh", "gelu_pytorch_tanh": "tanh", "gelu_fast": "tanh"}
+# HF's GPT-2 checkpoints store these as Conv1D, i.e. weight [in, out]; our nn.Linear wants [out, in].
+_CONV1D_WEIGHTS = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
+
+
+class GPT2Attention(nn.Module):
+    def __init__(self, config, layer_idx: int) -> None:
+        super().__init__()
+        self.hidden_size = config.hidden_size
+        self.num_heads = self.num_kv_heads = config.num_attention_heads
+        self.head_dim = self.hidden_size // self.num_heads
+        self.scale = self.head_dim**-0.5 if config.scale_attn_weights else 1.0
+        if getattr(config, "scale_attn_by_inverse_layer_idx", False):
+            self.scale /= layer_idx + 1
+        self.c_attn = nn.Linear(self.hidden_size, 3 * self.hidden_size)  # q, k, v fused, equal sizes
+        self.c_proj = nn.Linear(self.hidden_size, self.hidden_size)
+        self.k_cache = self.v_cache = torch.empty(0)  # bound by the model runner
+
+    def forward(self, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        q, k, v = (t.view(-1, self.num_heads, self.head_dim) for t in self.c_attn(x).chunk(3, dim=-1))
+        write_kv(self.k_cache, self.v_cache, k, v, meta.slot_mapping)
+        out = paged_attention(q, k, v, self.k_cache, self.v_cache, meta, self.scale)
+        return self.c_proj(out.view(-1, self.hidden_size))
+
+
+class GPT2MLP(nn.Module):
+    def __init__(self, config) -> None:
+        super().__init__()
+        inner = config.n_inner or 4 * config.hidden_size
+        if config.activation_function not in _GELU_APPROXIMATIONS:
+            raise ValueError(f"unsupported GPT-2 activation {config.activation_function!r}")
+        self.approximate = _GELU_APPROXIMATIONS[config.activation_function]
+        self.c_fc = nn.Linear(config.hidden_size, inner)
+        self.c_proj = nn.Linear(inner, config.hidden_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.c_proj(F.gelu(self.c_fc(x), approximate=self.approximate))
+
+
+class GPT2Block(nn.Module):
+    def __init__(self, config, layer_idx: int) -> None:
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_epsilon)
+        self.attn = GPT2Attention(config, layer_idx)
+        self.ln_2 = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_epsilon)
+        self.mlp = GPT2MLP(config)
+
+    def forward(self, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x), meta)
+        return x + self.mlp(self.ln_2(x))
+
+
+class GPT2LMHeadModel(nn.Module):
+    packed_modules: dict[str, tuple[str, int]] = {}  # c_attn is already fused in the checkpoint
+
+    def __init__(self, config, max_positions: int) -> None:
+        super().__init__()
+        self.config = config
+        # max_positions is unused: the learned position table (n_positions rows) is itself the limit.
+        self.wte = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.wpe = nn.Embedding(config.n_positions, config.hidden_size)
+        self.h = nn.ModuleList(GPT2Block(config, i) for i in range(config.num_hidden_layers))
+        self.ln_f = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_epsilon)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.wte.weight
+        attn = self.h[0].attn
+        self.num_kv_heads, self.head_dim = attn.num_kv_heads, attn.head_dim
+
+    def attention_layers(self) -> list[nn.Module]:
+        return [block.attn for block in self.h]
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        x = self.wte(input_ids) + self.wpe(positions)
+        for block in self.h:
+            x = block(x, meta)
+        return self.ln_f(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()
+
+    def checkpoint_name(self, name: str) -> str | None:
+        """Maps an HF checkpoint key (with or without the "transformer." prefix) to ours; None to skip it."""
+        name = name.removeprefix("transformer.")
+        if name.endswith((".attn.bias", ".attn.masked_bias")):  # causal-mask buffers in old checkpoints
+            return None
+        if name == "lm_head.weight" and self.config.tie_word_embeddings:
+            return None
+        return name
+
+    def convert_weight(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """Loader hook, after checkpoint_name: HF Conv1D weights are [in, out], nn.Linear wants [out, in]."""
+        return tensor.t() if name.endswith(_CONV1D_WEIGHTS) else tensor

@@ -1,0 +1,119 @@
+"""The Llama family (Llama, SmolLM, Qwen2, Mistral): RMSNorm, RoPE, grouped-query attention, SwiGLU."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from engine_core.attention import AttentionMetadata, paged_attention, write_kv
+from engine_core.models.layers import MergedLinear, RMSNorm, RotaryEmbedding, apply_rotary, silu_and_mul
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config, qkv_bias: bool, o_bias: bool) -> None:
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.scale = self.head_dim**-0.5
+        self.qkv_proj = MergedLinear(config.hidden_size, [self.q_size, self.kv_size, self.kv_size], qkv_bias)
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=o_bias)
+        self.k_cache = self.v_cache = torch.empty(0)  # bound by the model runner
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata):
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = apply_rotary(q.view(-1, self.num_heads, self.head_dim), *rope)
+        k = apply_rotary(k.view(-1, self.num_kv_heads, self.head_dim), *rope)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        write_kv(self.k_cache, self.v_cache, k, v, meta.slot_mapping)
+        out = paged_attention(q, k, v, self.k_cache, self.v_cache, meta, self.scale)
+        return self.o_proj(out.view(-1, self.q_size))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config, bias: bool) -> None:
+        super().__init__()
+        size = config.intermediate_size
+        self.gate_up_proj = MergedLinear(config.hidden_size, [size, size], bias)
+        self.down_proj = nn.Linear(size, config.hidden_size, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config, qkv_bias: bool, o_bias: bool) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(config, qkv_bias, o_bias)
+        self.mlp = LlamaMLP(config, getattr(config, "mlp_bias", False))
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, x, residual, rope, meta):
+        if residual is None:
+            residual, x = x, self.input_layernorm(x)
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(x, rope, meta)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
+
+
+class LlamaForCausalLM(nn.Module):
+    # HF checkpoint name -> (our fused parameter, shard index)
+    packed_modules = {
+        "q_proj": ("qkv_proj", 0),
+        "k_proj": ("qkv_proj", 1),
+        "v_proj": ("qkv_proj", 2),
+        "gate_proj": ("gate_up_proj", 0),
+        "up_proj": ("gate_up_proj", 1),
+    }
+
+    def __init__(self, config, max_positions: int) -> None:
+        super().__init__()
+        self.config = config
+        qkv_bias, o_bias = self.attention_biases(config)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, qkv_bias, o_bias) for _ in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        attn = self.layers[0].self_attn
+        self.rotary = RotaryEmbedding(config, attn.head_dim, max_positions)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        self.num_kv_heads, self.head_dim = attn.num_kv_heads, attn.head_dim
+
+    @staticmethod
+    def attention_biases(config) -> tuple[bool, bool]:
+        if config.model_type == "qwen2":  # Qwen2: biased q/k/v, unbiased output projection
+            return True, False
+        bias = bool(getattr(config, "attention_bias", False))
+        return bias, bias
+
+    def attention_layers(self) -> list[nn.Module]:
+        return [layer.self_attn for layer in self.layers]
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)
+        rope = self.rotary.lookup(positions, x.dtype)
+        residual = None
+        for layer in self.layers:
+            x, residual = layer(x, residual, rope, meta)
+        x, _ = self.norm(x, residual)
+        return x
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()
+
+    def checkpoint_name(self, name: str) -> str | None:
+        """Maps an HF checkpoint key to ours; None for keys we do not use."""
+        name = name.removeprefix("model.")
+        if "rotary_emb" in name:
+            return None
+        if name == "lm_head.weight" and self.config.tie_word_embeddings:
+            return None
+        return name

@@ -1,0 +1,71 @@
+"""Request and RequestStatus: one request's tokens, progress, and KV blocks inside the engine core."""
+
+from __future__ import annotations
+
+import enum
+
+from common.messages import EngineRequest, FinishReason, SamplingParams
+
+
+class RequestStatus(enum.IntEnum):
+    WAITING = 0
+    RUNNING = 1
+    FINISHED = 2
+
+
+class Request:
+    __slots__ = (
+        "request_id", "params", "token_ids", "num_prompt_tokens", "eos_token_ids", "arrival_time",
+        "priority", "num_computed_tokens", "num_cached_tokens", "block_ids", "block_hashes", "status",
+        "finish_reason", "stop_token_id", "error", "num_preemptions", "seq_no", "num_registered_blocks",
+    )  # fmt: skip
+
+    def __init__(self, msg: EngineRequest, seq_no: int) -> None:
+        self.request_id = msg.request_id
+        self.params: SamplingParams = msg.params
+        # Prompt and outputs in one list; a resumed request arrives with the outputs it already streamed.
+        self.token_ids: list[int] = list(msg.prompt_token_ids) + list(msg.output_token_ids)
+        self.num_prompt_tokens = len(msg.prompt_token_ids)
+        self.eos_token_ids = frozenset(msg.eos_token_ids)
+        self.arrival_time = msg.arrival_time
+        self.priority = msg.priority
+        self.seq_no = seq_no  # admission order: the tie-breaker of every policy
+        self.num_computed_tokens = 0  # tokens whose KV is in the cache
+        self.num_cached_tokens = 0  # of those, how many came from the prefix cache
+        self.block_ids: list[int] = []
+        self.block_hashes: list[int] = []  # chained hash of each full block of token_ids
+        self.num_registered_blocks = 0  # leading blocks already offered to the prefix cache
+        self.status = RequestStatus.WAITING
+        self.finish_reason: FinishReason | None = None
+        self.stop_token_id: int | None = None
+        self.error: str | None = None
+        self.num_preemptions = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def finished(self) -> bool:
+        return self.status == RequestStatus.FINISHED
+
+    def check_stop(self, max_model_len: int) -> FinishReason | None:
+        """Called after a token was appended: EOS / stop ids (after min_tokens), then length limits."""
+        p = self.params
+        last = self.token_ids[-1]
+        if self.num_output_tokens >= p.min_tokens and (
+            (not p.ignore_eos and last in self.eos_token_ids) or last in p.stop_token_ids
+        ):
+            self.stop_token_id = last
+            return FinishReason.STOP
+        if self.num_output_tokens >= p.max_tokens or self.num_tokens >= max_model_len:
+            return FinishReason.LENGTH
+        return None

@@ -1,0 +1,114 @@
+"""Batched sampling: penalties, temperature, top-k / top-p / min-p, seeded draws, and logprobs.
+
+A seeded request's randomness is a function of (seed, output position) only, so it draws the same
+tokens whatever else shares its batch, and a resumed stream continues exactly where it stopped.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from common.messages import Logprobs, SamplingParams
+from engine_core.request import Request
+
+_SEED_MIX = 0x9E3779B97F4A7C15  # spreads (seed, position) pairs over the 63-bit seed space
+
+
+class Sampler:
+    def __init__(self, device: torch.device, vocab_size: int, seed: int = 0) -> None:
+        self.device = device
+        self.vocab_size = vocab_size
+        self.generator = torch.Generator(device=device)
+        self.generator.manual_seed(seed)
+        self._seeded = torch.Generator(device=device)
+
+    @torch.inference_mode()
+    def __call__(self, logits: torch.Tensor, requests: list[Request]) -> tuple[list[int], list[Logprobs | None]]:
+        """logits: [N, vocab] float32, one row per request, in order."""
+        params = [r.params for r in requests]
+        logits = logits[:, : self.vocab_size]
+        raw = logits
+        if any(_needs_penalty(p) or p.min_tokens for p in params):
+            logits = logits.clone()
+            for i, req in enumerate(requests):
+                _penalize(logits[i], req)
+        if all(p.greedy for p in params):
+            tokens = logits.argmax(dim=-1)
+        else:
+            tokens = self._sample(logits, requests, params)
+        token_list = tokens.tolist()
+        logprobs: list[Logprobs | None] = [None] * len(requests)
+        if any(p.logprobs is not None for p in params):
+            logprobs = _logprobs(raw, tokens, params)
+        return token_list, logprobs
+
+    def _sample(self, logits: torch.Tensor, requests: list[Request], params: list[SamplingParams]) -> torch.Tensor:
+        temps = torch.tensor([1.0 if p.greedy else p.temperature for p in params], device=logits.device)
+        probs = torch.softmax(logits / temps[:, None], dim=-1)
+        if any(p.top_k > 0 or p.top_p < 1.0 for p in params):
+            probs = _top_k_top_p(probs, params)
+        if any(p.min_p > 0 for p in params):
+            min_p = torch.tensor([p.min_p for p in params], device=probs.device)
+            probs = probs.masked_fill(probs < min_p[:, None] * probs.max(dim=-1, keepdim=True).values, 0.0)
+        # Exponential race: argmax(p / E) with E ~ Exp(1) draws from p; each row's E has its own source.
+        noise = torch.empty_like(probs).exponential_(generator=self.generator)
+        for i, (req, p) in enumerate(zip(requests, params, strict=True)):
+            if p.seed is not None:
+                self._seeded.manual_seed((p.seed * _SEED_MIX + req.num_output_tokens) & (2**63 - 1))
+                noise[i].exponential_(generator=self._seeded)
+        sampled = (probs / noise).argmax(dim=-1)
+        greedy_rows = torch.tensor([p.greedy for p in params], device=logits.device)
+        return torch.where(greedy_rows, logits.argmax(dim=-1), sampled)
+
+
+def _needs_penalty(p: SamplingParams) -> bool:
+    return p.presence_penalty != 0.0 or p.frequency_penalty != 0.0 or p.repetition_penalty != 1.0
+
+
+def _penalize(row: torch.Tensor, req: Request) -> None:
+    """In place on one row: OpenAI presence/frequency penalties over the outputs, HF-style repetition
+    penalty over prompt + outputs, and EOS / stop ids held back until min_tokens is reached."""
+    p = req.params
+    if _needs_penalty(p):
+        out_ids = torch.tensor(req.output_token_ids, dtype=torch.long, device=row.device)
+        if p.repetition_penalty != 1.0:
+            seen = torch.tensor(req.token_ids, dtype=torch.long, device=row.device).unique()
+            vals = row[seen]
+            row[seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
+        if out_ids.numel() and (p.presence_penalty or p.frequency_penalty):
+            counts = torch.bincount(out_ids, minlength=row.shape[0])[: row.shape[0]].to(row.dtype)
+            row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(row.dtype)
+    if req.num_output_tokens < p.min_tokens:
+        banned = [t for t in (*p.stop_token_ids, *req.eos_token_ids) if t < row.shape[0]]
+        if banned:
+            row[banned] = float("-inf")
+
+
+def _top_k_top_p(probs: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    sorted_probs, order = probs.sort(dim=-1, descending=True)
+    vocab = probs.shape[-1]
+    top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params], device=probs.device)
+    top_p = torch.tensor([p.top_p for p in params], device=probs.device)
+    rank = torch.arange(vocab, device=probs.device)[None, :]
+    # Keep a token if it is within top-k and the mass before it is below top-p (the first always stays).
+    mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+    keep = (rank < top_k[:, None]) & (mass_before < top_p[:, None])
+    sorted_probs = sorted_probs * keep
+    return torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
+
+
+def _logprobs(logits: torch.Tensor, tokens: torch.Tensor, params: list[SamplingParams]) -> list[Logprobs | None]:
+    logp = torch.log_softmax(logits, dim=-1)
+    chosen = logp.gather(1, tokens[:, None])[:, 0].tolist()
+    max_n = max(p.logprobs or 0 for p in params)
+    top_vals, top_ids = logp.topk(max_n, dim=-1) if max_n else (None, None)
+    result: list[Logprobs | None] = []
+    for i, p in enumerate(params):
+        if p.logprobs is None:
+            result.append(None)
+            continue
+        n = p.logprobs
+        ids = top_ids[i, :n].tolist() if top_ids is not None and n else []
+        vals = top_vals[i, :n].tolist() if top_vals is not None and n else []
+        result.append(Logprobs([chosen[i]], [ids], [vals]))
+    return result

@@ -1,0 +1,251 @@
+"""Continuous batching: which requests run this step and with how many tokens; what their new tokens mean.
+
+Each step has a token budget. Running decodes come first (one token each), then unfinished prefills,
+then waiting requests, their prompts chunked to fit, so a long prompt never stalls running streams.
+When KV blocks run out, the newest running request is preempted: its blocks are freed and it is
+recomputed later (the prefix cache usually gives most of them back).
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import deque
+from dataclasses import dataclass, field
+
+from common.messages import EngineOutput, FinishReason, Logprobs, SchedulerStats
+from engine_core.kv_cache import KVCacheManager
+from engine_core.request import Request, RequestStatus
+
+
+@dataclass
+class SchedulerOutput:
+    """The batch of one step, single-token entries first (the runner's decode path relies on it)."""
+
+    requests: list[Request] = field(default_factory=list)
+    num_new_tokens: list[int] = field(default_factory=list)
+    # Whether an entry reaches the end of its tokens this step, so that its last position is sampled.
+    sample: list[bool] = field(default_factory=list)
+
+    @property
+    def total_tokens(self) -> int:
+        return sum(self.num_new_tokens)
+
+    def add(self, req: Request, n: int) -> None:
+        self.requests.append(req)
+        self.num_new_tokens.append(n)
+        self.sample.append(req.num_computed_tokens + n == req.num_tokens)
+
+    def put_decodes_first(self) -> None:
+        order = sorted(range(len(self.requests)), key=lambda i: self.num_new_tokens[i] != 1)
+        self.requests = [self.requests[i] for i in order]
+        self.num_new_tokens = [self.num_new_tokens[i] for i in order]
+        self.sample = [self.sample[i] for i in order]
+
+
+@dataclass
+class SampledTokens:
+    token_ids: list[int]  # one per sampled entry of the SchedulerOutput, in order
+    logprobs: list[Logprobs | None]
+
+
+class Scheduler:
+    def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 max_model_len: int, policy: str = "fcfs") -> None:  # fmt: skip
+        self.kv = kv
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.policy = policy
+        self.requests: dict[str, Request] = {}  # every live request
+        self.running: list[Request] = []  # holding blocks, in admission order (newest last)
+        self.waiting: list[tuple[tuple[int, ...], Request]] = []  # heap; aborted entries dropped lazily
+        self.active: deque[Request] = deque()  # round-robin rotation of all live requests
+        self.prefix_queries = self.prefix_hits = self.num_preempted = 0
+
+    # ---- requests in and out ----
+
+    def _queue_key(self, req: Request) -> tuple[int, ...]:
+        return (req.priority, req.seq_no) if self.policy == "priority" else (req.seq_no,)
+
+    def add(self, req: Request) -> None:
+        self.requests[req.request_id] = req
+        if self.policy == "round-robin":
+            self.active.append(req)
+        else:
+            heapq.heappush(self.waiting, (self._queue_key(req), req))
+
+    def finish(self, req: Request, reason: FinishReason, error: str | None = None) -> None:
+        """Frees a request at once; queues drop it lazily when they next meet it."""
+        if req.finished:
+            return
+        req.status = RequestStatus.FINISHED
+        req.finish_reason, req.error = reason, error
+        self.kv.free(req)
+        del self.requests[req.request_id]
+
+    def abort(self, request_ids: list[str]) -> None:
+        for rid in request_ids:  # unknown or finished ids are fine: aborts are idempotent
+            req = self.requests.get(rid)
+            if req is not None:
+                self.finish(req, FinishReason.ABORT)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.requests)
+
+    # ---- scheduling ----
+
+    def schedule(self) -> SchedulerOutput:
+        self.running = [r for r in self.running if not r.finished]
+        out = SchedulerOutput()
+        if self.policy == "round-robin":
+            self._schedule_round_robin(out)
+        else:
+            self._schedule_queue(out)
+        out.put_decodes_first()
+        return out
+
+    def _schedule_queue(self, out: SchedulerOutput) -> None:
+        budget = self.max_num_batched_tokens
+        preempted = False
+        ongoing = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
+        ongoing += [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
+        for req in ongoing:
+            if budget == 0:
+                break
+            if req.status != RequestStatus.RUNNING:  # preempted earlier in this loop
+                continue
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            if self._allocate_or_preempt(req, n, out):
+                out.add(req, n)
+                budget -= n
+            else:
+                preempted = True
+        if preempted:  # memory is short: let the running ones finish before admitting more
+            return
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            req = self.waiting[0][1]
+            if req.finished:
+                heapq.heappop(self.waiting)
+                continue
+            n = self._admit(req, budget)
+            if n == 0:
+                break
+            heapq.heappop(self.waiting)
+            self.running.append(req)
+            out.add(req, n)
+            budget -= n
+
+    def _schedule_round_robin(self, out: SchedulerOutput) -> None:
+        """Time slicing: each step serves the next batch of the rotation; everyone keeps their blocks."""
+        budget = self.max_num_batched_tokens
+        batch: list[Request] = []
+        while self.active and len(batch) < self.max_num_seqs:
+            req = self.active.popleft()
+            if not req.finished:
+                batch.append(req)
+        scheduled: set[int] = set()
+        for req in batch:
+            if budget == 0:
+                break
+            if req.block_ids or req.num_computed_tokens:
+                n = min(req.num_tokens - req.num_computed_tokens, budget)
+                ok = self._allocate_or_preempt(req, n, out, protected=scheduled)
+            else:
+                n = self._admit(req, budget)
+                while n == 0 and self._preempt_one(protected=scheduled | {id(req)}):
+                    n = self._admit(req, budget)
+                ok = n > 0
+                if ok:
+                    self.running.append(req)
+            if ok:
+                out.add(req, n)
+                scheduled.add(id(req))
+                budget -= n
+        self.active.extend(r for r in batch if not r.finished)
+
+    def _admit(self, req: Request, budget: int) -> int:
+        """Takes prefix-cache hits and allocates a first chunk; returns its size, 0 if it does not fit."""
+        hits = self.kv.get_computed_blocks(req)
+        n = min(req.num_tokens - len(hits) * self.kv.block_size, budget)
+        if not self.kv.allocate_slots(req, n, hits):
+            return 0
+        self.prefix_queries += req.num_tokens
+        self.prefix_hits += len(hits) * self.kv.block_size
+        req.status = RequestStatus.RUNNING
+        return n
+
+    def _allocate_or_preempt(self, req: Request, n: int, out: SchedulerOutput,
+                             protected: set[int] | None = None) -> bool:  # fmt: skip
+        """Allocates n more slots for a running request, preempting the newest others as needed.
+        False if `req` itself had to be preempted."""
+        protected = protected if protected is not None else {id(r) for r in out.requests}
+        while not self.kv.allocate_slots(req, n):
+            victim = self._pick_victim(protected | {id(req)}) or req
+            self._preempt(victim)
+            if victim is req:
+                return False
+        return True
+
+    def _preempt_one(self, protected: set[int]) -> bool:
+        """Round-robin admission under memory pressure: preempt one unscheduled holder, if any."""
+        victim = self._pick_victim(protected)
+        if victim is not None:
+            self._preempt(victim)
+        return victim is not None
+
+    def _pick_victim(self, protected: set[int]) -> Request | None:
+        candidates = [r for r in self.running if id(r) not in protected and r.status == RequestStatus.RUNNING]
+        if not candidates:
+            return None
+        if self.policy == "priority":  # the least important, newest first among equals
+            return max(candidates, key=lambda r: (r.priority, r.seq_no))
+        return candidates[-1]
+
+    def _preempt(self, req: Request) -> None:
+        self.kv.free(req)
+        req.num_computed_tokens = 0
+        req.status = RequestStatus.WAITING
+        req.num_preemptions += 1
+        self.num_preempted += 1
+        self.running.remove(req)
+        if self.policy != "round-robin":  # round-robin keeps it in the rotation
+            heapq.heappush(self.waiting, (self._queue_key(req), req))
+
+    # ---- results ----
+
+    def update(self, out: SchedulerOutput, sampled: SampledTokens) -> list[EngineOutput]:
+        """Appends sampled tokens, applies stop conditions, frees finished requests, caches full blocks."""
+        outputs: list[EngineOutput] = []
+        j = 0
+        for req, n, is_sampled in zip(out.requests, out.num_new_tokens, out.sample, strict=True):
+            if is_sampled:
+                token, logprobs = sampled.token_ids[j], sampled.logprobs[j]
+                j += 1
+            if req.finished:  # aborted while the step ran
+                continue
+            req.num_computed_tokens += n
+            if not is_sampled:
+                self.kv.cache_full_blocks(req)
+                continue
+            req.token_ids.append(token)
+            reason = req.check_stop(self.max_model_len)
+            self.kv.cache_full_blocks(req)
+            if reason is not None:
+                self.finish(req, reason)
+            outputs.append(EngineOutput(req.request_id, [token], reason, req.stop_token_id,
+                                        req.num_cached_tokens, logprobs))  # fmt: skip
+        return outputs
+
+    def stats(self, step_time_s: float = 0.0) -> SchedulerStats:
+        num_running = sum(1 for r in self.running if not r.finished)
+        return SchedulerStats(
+            num_running=num_running,
+            num_waiting=len(self.requests) - num_running,
+            kv_usage=self.kv.usage,
+            prefix_queries=self.prefix_queries,
+            prefix_hits=self.prefix_hits,
+            num_preempted=self.num_preempted,
+            step_time_s=step_time_s,
+            num_blocks_in_use=self.kv.num_used_blocks,
+        )

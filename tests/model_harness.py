@@ -1,0 +1,62 @@
+"""Drives one of our models over a paged KV cache without the engine, for model-level parity tests."""
+
+from __future__ import annotations
+
+import torch
+
+from engine_core.attention import AttentionMetadata, PrefillChunk
+
+BLOCK_SIZE = 4  # small blocks so that every test crosses block boundaries
+
+
+class PagedRun:
+    """Each sequence gets its own contiguous run of blocks; enough for max_len tokens."""
+
+    def __init__(self, model, num_seqs: int, max_len: int, dtype=torch.float32) -> None:
+        self.model = model
+        self.blocks_per_seq = (max_len + BLOCK_SIZE - 1) // BLOCK_SIZE
+        num_blocks = num_seqs * self.blocks_per_seq
+        shape = (num_blocks, BLOCK_SIZE, model.num_kv_heads, model.head_dim)
+        for layer in model.attention_layers():
+            layer.k_cache = torch.zeros(shape, dtype=dtype)
+            layer.v_cache = torch.zeros(shape, dtype=dtype)
+        # Interleave the blocks of different sequences so that block tables are not trivial.
+        self.tables = [
+            torch.arange(self.blocks_per_seq) * num_seqs + i for i in range(num_seqs)
+        ]
+        self.lens = [0] * num_seqs
+
+    def _slots(self, seq: int, start: int, end: int) -> torch.Tensor:
+        pos = torch.arange(start, end)
+        return self.tables[seq][pos // BLOCK_SIZE] * BLOCK_SIZE + pos % BLOCK_SIZE
+
+    @torch.inference_mode()
+    def prefill(self, chunks: list[list[int]], seqs: list[int] | None = None) -> list[torch.Tensor]:
+        """Feeds a chunk of tokens to each given sequence in one flat forward; returns per-token logits."""
+        seqs = list(range(len(chunks))) if seqs is None else seqs
+        ids, pos, slots, prefills, start = [], [], [], [], 0
+        for seq, chunk in zip(seqs, chunks, strict=True):
+            s, e = self.lens[seq], self.lens[seq] + len(chunk)
+            ids += chunk
+            pos += list(range(s, e))
+            slots.append(self._slots(seq, s, e))
+            nblocks = (e + BLOCK_SIZE - 1) // BLOCK_SIZE
+            prefills.append(PrefillChunk(start, len(chunk), e, self.tables[seq][:nblocks]))
+            start += len(chunk)
+            self.lens[seq] = e
+        meta = AttentionMetadata.build(torch.cat(slots), None, None, prefills, BLOCK_SIZE)
+        hidden = self.model(torch.tensor(ids), torch.tensor(pos), meta)
+        logits = self.model.compute_logits(hidden)
+        return list(logits.split([len(c) for c in chunks]))
+
+    @torch.inference_mode()
+    def decode(self, tokens: list[int]) -> torch.Tensor:
+        """One token for every sequence, through the batched decode path; returns [num_seqs, vocab]."""
+        n = len(tokens)
+        pos = torch.tensor(self.lens[:n])
+        slots = torch.cat([self._slots(i, self.lens[i], self.lens[i] + 1) for i in range(n)])
+        self.lens[:n] = [x + 1 for x in self.lens[:n]]
+        max_blocks = max((x + BLOCK_SIZE - 1) // BLOCK_SIZE for x in self.lens[:n])
+        tables = torch.stack([t[:max_blocks] for t in self.tables[:n]])
+        meta = AttentionMetadata.build(slots, tables, torch.tensor(self.lens[:n]), [], BLOCK_SIZE)
+        return self.model.compute_logits(self.model(torch.tensor(tokens), pos, meta))
