@@ -1,0 +1,234 @@
+"""EngineCore (add / abort / step, steppable in tests without sockets) and run_engine, the process's busy loop."""
+
+from __future__ import annotations
+
+import json
+import logging
+import queue
+import threading
+import time
+import traceback
+from pathlib import Path
+
+import zmq
+from transformers import AutoConfig
+
+from common import ipc
+from common.config import EngineConfig
+from common.messages import (
+    AbortRequest,
+    EngineDead,
+    EngineOutput,
+    EngineOutputs,
+    EngineReady,
+    EngineRequest,
+    FinishReason,
+    UtilityCall,
+    UtilityResult,
+)
+from common.model_source import resolve_model
+from engine_core.kv_cache import KVCacheManager
+from engine_core.model_runner import ModelRunner
+from engine_core.request import Request
+from engine_core.scheduler import Scheduler
+
+log = logging.getLogger("roseinfer.engine")
+MAX_LOGPROBS = 20
+
+
+def model_eos_ids(path: Path, hf_config) -> list[int]:
+    """EOS ids from generation_config.json, else config.json: the default for requests that give none."""
+    eos = None
+    gen = path / "generation_config.json"
+    if gen.exists():
+        eos = json.loads(gen.read_text()).get("eos_token_id")
+    if eos is None:
+        eos = getattr(hf_config, "eos_token_id", None)
+    return [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        source = resolve_model(config.model)
+        self.model_name = source.name
+        hf_config = AutoConfig.from_pretrained(source.path)
+        limit = getattr(hf_config, "max_position_embeddings", None) or getattr(hf_config, "n_positions", 2048)
+        max_model_len = min(config.max_model_len or min(limit, 8192), limit)
+        self.runner = ModelRunner(config, source.path, max_model_len)
+        # A single request must always fit in the cache, or it could wait forever.
+        self.max_model_len = min(max_model_len, self.runner.num_blocks * config.block_size)
+        self.vocab_size = self.runner.vocab_size
+        self.eos_token_ids = model_eos_ids(source.path, hf_config)
+        self.kv = KVCacheManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
+                                   self.max_model_len, config.scheduling_policy)  # fmt: skip
+        self._rejected: list[EngineOutput] = []
+        self._seq_no = 0
+        self.last_step_time = 0.0
+
+    def ready_message(self) -> EngineReady:
+        return EngineReady(self.config.epoch, self.model_name, self.max_model_len, self.config.block_size,
+                           self.runner.num_blocks, self.vocab_size, self.eos_token_ids)  # fmt: skip
+
+    # ---- requests ----
+
+    def _invalid(self, msg: EngineRequest) -> str | None:
+        p = msg.params
+        total = len(msg.prompt_token_ids) + len(msg.output_token_ids)
+        if not msg.prompt_token_ids:
+            return "prompt is empty"
+        if any(t < 0 or t >= self.vocab_size for t in msg.prompt_token_ids) or any(
+            t < 0 or t >= self.vocab_size for t in msg.output_token_ids
+        ):
+            return f"token id outside the vocabulary [0, {self.vocab_size})"
+        if total >= self.max_model_len:
+            return f"prompt has {total} tokens; the maximum context length is {self.max_model_len}"
+        if p.max_tokens < 1:
+            return "max_tokens must be at least 1"
+        if p.temperature < 0 or not 0 < p.top_p <= 1 or p.top_k < 0 or not 0 <= p.min_p <= 1:
+            return "sampling parameters out of range"
+        if p.repetition_penalty <= 0 or (p.logprobs is not None and not 0 <= p.logprobs <= MAX_LOGPROBS):
+            return "sampling parameters out of range"
+        if msg.request_id in self.scheduler.requests:
+            return f"request id {msg.request_id!r} is already running"
+        return None
+
+    def add_request(self, msg: EngineRequest) -> None:
+        error = self._invalid(msg)
+        if error is not None:
+            self._rejected.append(EngineOutput(msg.request_id, [], FinishReason.ERROR, error=error))
+            return
+        if not msg.eos_token_ids:
+            msg.eos_token_ids = self.eos_token_ids
+        self._seq_no += 1
+        self.scheduler.add(Request(msg, self._seq_no))
+
+    def abort(self, request_ids: list[str]) -> None:
+        self.scheduler.abort(request_ids)
+
+    @property
+    def has_work(self) -> bool:
+        return self.scheduler.has_work or bool(self._rejected)
+
+    # ---- one step ----
+
+    def step(self, before_update=None) -> list[EngineOutput]:
+        """schedule -> execute -> (aborts that arrived meanwhile) -> update. Returns this step's outputs."""
+        outputs, self._rejected = self._rejected, []
+        if not self.scheduler.has_work:
+            return outputs
+        start = time.perf_counter()
+        sched = self.scheduler.schedule()
+        if not sched.requests:
+            return outputs
+        try:
+            sampled = self.runner.execute(sched)
+        except Exception as exc:  # a batch that cannot run fails its requests, not the engine
+            log.exception("step failed")
+            return outputs + self._fail(sched.requests, f"engine step failed: {exc!r}")
+        if before_update is not None:
+            before_update()
+        try:
+            outputs += self.scheduler.update(sched, sampled)
+        except Exception as exc:
+            log.exception("update failed")
+            outputs += self._fail(sched.requests, f"engine update failed: {exc!r}")
+        self.last_step_time = time.perf_counter() - start
+        return outputs
+
+    def _fail(self, requests: list[Request], error: str) -> list[EngineOutput]:
+        failed = []
+        for req in requests:
+            if not req.finished:
+                self.scheduler.finish(req, FinishReason.ERROR, error)
+                failed.append(EngineOutput(req.request_id, [], FinishReason.ERROR, error=error))
+        return failed
+
+    def stats(self):
+        return self.scheduler.stats(self.last_step_time)
+
+
+def run_engine(config: EngineConfig, addresses: ipc.Addresses) -> int:
+    """The engine-core process: socket threads around a busy loop that only touches queues."""
+    ctx = zmq.Context()
+    inputs: queue.Queue = queue.Queue()
+    outputs: queue.Queue = queue.Queue()
+    stop = threading.Event()
+    threading.Thread(target=_recv_loop, args=(ctx, addresses.input, config.engine_index, inputs, stop),
+                     daemon=True).start()  # fmt: skip
+    sender = threading.Thread(target=_send_loop, args=(ctx, addresses.output, outputs), daemon=True)
+    sender.start()
+    epoch = config.epoch
+    try:
+        core = EngineCore(config)
+        outputs.put(core.ready_message())
+        log.info("engine core ready: %s, %d KV blocks", core.model_name, core.runner.num_blocks)
+        _busy_loop(core, inputs, outputs, epoch)
+        code = 0
+    except KeyboardInterrupt:
+        code = 0
+    except BaseException as exc:  # fatal: tell the frontend before going away
+        log.error("engine core died: %s", traceback.format_exc())
+        outputs.put(EngineDead(epoch, f"{type(exc).__name__}: {exc}"))
+        code = 1
+    outputs.put(None)
+    sender.join(timeout=5)
+    stop.set()
+    ctx.destroy(linger=0)
+    return code
+
+
+def _busy_loop(core: EngineCore, inputs: queue.Queue, outputs: queue.Queue, epoch: int) -> None:
+    def drain(block: bool) -> None:
+        while True:
+            try:
+                msg = inputs.get(block=block, timeout=1.0 if block else None)
+            except queue.Empty:
+                return
+            block = False
+            if isinstance(msg, EngineRequest):
+                core.add_request(msg)
+            elif isinstance(msg, AbortRequest):
+                core.abort(msg.request_ids)
+            elif isinstance(msg, UtilityCall):
+                outputs.put(_utility(core, msg))
+
+    while True:
+        drain(block=not core.has_work)
+        if not core.has_work:
+            continue
+        step_outputs = core.step(before_update=lambda: drain(block=False))
+        if step_outputs:
+            outputs.put(EngineOutputs(epoch, step_outputs, time.time(), core.stats()))
+
+
+def _utility(core: EngineCore, call: UtilityCall) -> UtilityResult:
+    if call.method == "reset_prefix_cache":
+        core.kv.reset_prefix_cache()
+    elif call.method == "sleep":  # debug: stop stepping for a while, as a hung engine would
+        time.sleep(call.arg)
+    elif call.method not in ("health", "stats"):
+        return UtilityResult(call.call_id, ok=False, error=f"unknown method {call.method!r}")
+    return UtilityResult(call.call_id, stats=core.stats())
+
+
+def _recv_loop(ctx: zmq.Context, address: str, index: int, inputs: queue.Queue, stop: threading.Event) -> None:
+    sock = ipc.make_socket(ctx, zmq.DEALER, address, bind=False, identity=ipc.engine_identity(index))
+    try:
+        while not stop.is_set():
+            data = sock.recv()
+            try:
+                inputs.put(ipc.decode_input(data))
+            except Exception:  # a malformed message is dropped, not fatal
+                log.exception("undecodable input message")
+    except zmq.ZMQError:
+        pass  # context destroyed at shutdown
+
+
+def _send_loop(ctx: zmq.Context, address: str, outputs: queue.Queue) -> None:
+    sock = ipc.make_socket(ctx, zmq.PUSH, address, bind=False)
+    sock.setsockopt(zmq.LINGER, 2000)  # let the last messages (EngineDead) get out
+    while (msg := outputs.get()) is not None:
+        sock.send(ipc.encode(msg), copy=False)
+    sock.close()
