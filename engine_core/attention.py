@@ -2,7 +2,7 @@
 
 The flat batch of a step holds the single-token decodes first, then the prefill chunks. Decodes are
 attended in one batched call over their gathered blocks; prefill chunks (few per step) one by one.
-Pure torch, so the same code runs on CPU and CUDA.
+The torch path runs on CPU and CUDA; on CPU the decodes use a compiled kernel when one could be built.
 """
 
 from __future__ import annotations
@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+
+from engine_core.cpu_kernels import decode_kernel
 
 
 @dataclass
@@ -27,8 +29,20 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] cache slot of every token in the flat batch
     num_decodes: int = 0
     decode_block_tables: torch.Tensor | None = None  # [D, max_blocks]
-    decode_mask: torch.Tensor | None = None  # [D, 1, 1, max_blocks * block_size] bool: key is in context
+    decode_seq_lens: torch.Tensor | None = None  # [D] context length including the new token
     prefills: list[PrefillChunk] = field(default_factory=list)
+    block_size: int = 16
+    _decode_mask: torch.Tensor | None = None
+
+    @property
+    def decode_mask(self) -> torch.Tensor:
+        """[D, 1, 1, max_blocks * block_size] bool, key within context; built once, for the torch path."""
+        if self._decode_mask is None:
+            assert self.decode_block_tables is not None and self.decode_seq_lens is not None
+            max_len = self.decode_block_tables.shape[1] * self.block_size
+            key_pos = torch.arange(max_len, device=self.decode_seq_lens.device)
+            self._decode_mask = (key_pos[None, :] < self.decode_seq_lens[:, None]).view(self.num_decodes, 1, 1, -1)
+        return self._decode_mask
 
     @staticmethod
     def build(
@@ -39,13 +53,7 @@ class AttentionMetadata:
         block_size: int,
     ) -> AttentionMetadata:
         """Precomputes the masks once per step; every layer reuses them."""
-        decode_mask = None
-        num_decodes = 0
-        if decode_block_tables is not None and decode_seq_lens is not None:
-            num_decodes = decode_block_tables.shape[0]
-            max_len = decode_block_tables.shape[1] * block_size
-            key_pos = torch.arange(max_len, device=decode_seq_lens.device)
-            decode_mask = (key_pos[None, :] < decode_seq_lens[:, None]).view(num_decodes, 1, 1, max_len)
+        num_decodes = 0 if decode_block_tables is None else decode_block_tables.shape[0]
         for chunk in prefills:
             if chunk.context_len != chunk.num_tokens:  # a cached prefix or earlier chunks precede this one
                 q_pos = torch.arange(chunk.num_tokens, device=slot_mapping.device) + (
@@ -53,7 +61,7 @@ class AttentionMetadata:
                 )
                 k_pos = torch.arange(chunk.context_len, device=slot_mapping.device)
                 chunk.mask = k_pos[None, :] <= q_pos[:, None]
-        return AttentionMetadata(slot_mapping, num_decodes, decode_block_tables, decode_mask, prefills)
+        return AttentionMetadata(slot_mapping, num_decodes, decode_block_tables, decode_seq_lens, prefills, block_size)
 
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor):
@@ -89,6 +97,9 @@ def paged_attention(
 
 def _decode_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
     assert meta.decode_block_tables is not None
+    kernel = decode_kernel() if q.device.type == "cpu" else None
+    if kernel is not None and kernel.supports(q, k_cache):
+        return kernel(q, k_cache, v_cache, meta.decode_block_tables, meta.decode_seq_lens, scale)
     num_seqs, num_q_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
     # [D, blocks, block_size, Hk, hd] -> [D, Hk, L, hd]

@@ -1,0 +1,112 @@
+"""Shared by the engine tests: real prompts of mixed lengths, an in-process engine driver, HF references."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from common.config import EngineConfig
+from common.messages import EngineOutput, EngineRequest, SamplingParams
+from common.model_source import resolve_model
+from engine_core.core import EngineCore
+
+CORPUS = """The history of the lighthouse begins with fires lit on hills to guide ships home. Later, towers
+were built so the light could be seen from farther out at sea, and mirrors were added to gather it.
+In the nineteenth century, the Fresnel lens changed everything: a set of glass rings bent the light
+into a single strong beam that could reach the horizon. Keepers lived in small houses beside the
+towers, trimming wicks, polishing brass, and writing the weather into a log every few hours. Storms
+were the hardest part of the job, because the light had to burn all night no matter what the sea did.
+Today most lighthouses run by themselves, powered by electricity and watched from far away, yet many
+people still visit them to climb the stairs and look out over the water. Bread is made from flour,
+water, salt and yeast. The yeast eats sugars in the flour and releases gas, which makes the dough rise.
+Kneading builds gluten, a network of proteins that traps the gas and gives bread its chewy texture.
+A slow rise in a cool kitchen develops more flavour than a fast one in a warm place. Bakers often
+keep a starter, a living culture of wild yeast and bacteria, which they feed every day with flour and
+water. The crust forms in the oven as the surface dries and browns, and steam in the first minutes
+keeps it thin and crisp. Python is a programming language that many people learn first. Its syntax
+is simple, and it has a large standard library for files, networks, and text. Lists, dictionaries and
+sets are built in, and functions are values that can be passed around like any other object."""
+
+LENGTHS = [5, 9, 14, 22, 31, 47, 64, 80, 101, 127, 150, 175, 203, 231, 266, 300]
+
+
+@functools.cache
+def model_dir():
+    return resolve_model(None).path
+
+
+@functools.cache
+def tokenizer():
+    return AutoTokenizer.from_pretrained(model_dir())
+
+
+@functools.cache
+def mixed_prompts() -> list[list[int]]:
+    """16 prompts of 5 to 300 tokens: different slices of the corpus, so they share few prefixes."""
+    ids = tokenizer()(CORPUS)["input_ids"]
+    assert len(ids) > 300
+    return [ids[(i * 37) % (len(ids) - n) :][:n] for i, n in enumerate(LENGTHS)]
+
+
+def hf_greedy(prompts: list[list[int]], max_new: int) -> list[tuple[list[int], list[list[int]]]]:
+    """transformers' own greedy generate, one prompt at a time (no padding): tokens and top-2 per step."""
+    model = AutoModelForCausalLM.from_pretrained(model_dir(), dtype=torch.float32).eval()
+    results = []
+    with torch.inference_mode():
+        for p in prompts:
+            out = model.generate(torch.tensor([p]), max_new_tokens=max_new, do_sample=False, min_new_tokens=max_new,
+                                 output_scores=True, return_dict_in_generate=True, pad_token_id=0)  # fmt: skip
+            tokens = out.sequences[0, len(p) :].tolist()
+            top2 = [s[0].topk(2).indices.tolist() for s in out.scores]
+            results.append((tokens, top2))
+    return results
+
+
+def assert_matches_hf(ours: list[list[int]], refs, max_flips: int = 1) -> None:
+    """Equal token for token; a divergence counts as a tolerated near-tie flip only if our token is HF's
+    second choice there, and at most max_flips prompts may have one."""
+    flips = 0
+    for i, (tokens, (ref, top2)) in enumerate(zip(ours, refs, strict=True)):
+        assert len(tokens) == len(ref), f"prompt {i}: {len(tokens)} tokens, HF {len(ref)}"
+        diverged = next((j for j, (a, b) in enumerate(zip(tokens, ref, strict=True)) if a != b), None)
+        if diverged is None:
+            continue
+        assert tokens[diverged] == top2[diverged][1], f"prompt {i} differs at {diverged} beyond a near-tie"
+        flips += 1
+    assert flips <= max_flips, f"{flips} prompts flipped a near-tie"
+
+
+def fp32_config(**kw) -> EngineConfig:
+    return dataclasses.replace(EngineConfig(dtype="float32", kv_cache_memory=0.5), **kw)
+
+
+def greedy_request(rid: str, prompt: list[int], max_tokens: int, **kw) -> EngineRequest:
+    # min_tokens holds EOS back as HF's min_new_tokens does, so both produce max_tokens comparable tokens.
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, min_tokens=max_tokens, **kw)
+    return EngineRequest(rid, prompt, params)
+
+
+def run_engine(core: EngineCore, requests: list[EngineRequest], stagger: int = 0) -> dict[str, list[EngineOutput]]:
+    """Steps an in-process engine until every request finished, checking the KV invariant after each step.
+    With stagger=k, requests arrive k at a time, one batch every 3 steps, while earlier ones decode."""
+    pending = list(requests)
+    results: dict[str, list[EngineOutput]] = {r.request_id: [] for r in requests}
+    step = 0
+    while pending or core.has_work:
+        if pending and (not stagger or step % 3 == 0):
+            batch, pending = (pending[:stagger], pending[stagger:]) if stagger else (pending, [])
+            for r in batch:
+                core.add_request(r)
+        for out in core.step():
+            results[out.request_id].append(out)
+        core.kv.check_integrity(list(core.scheduler.requests.values()))
+        step += 1
+    assert core.kv.num_used_blocks == 0
+    return results
+
+
+def tokens_of(results: dict[str, list[EngineOutput]], ids: list[str]) -> list[list[int]]:
+    return [[t for out in results[rid] for t in out.new_token_ids] for rid in ids]

@@ -1,0 +1,106 @@
+"""BlockPool / KVCacheManager: ref counts, LRU eviction, prefix hits, and the integrity invariant."""
+
+from __future__ import annotations
+
+from common.messages import EngineRequest, SamplingParams
+from engine_core.kv_cache import KVCacheManager
+from engine_core.request import Request
+
+BS = 4
+
+
+def make(rid: str, tokens: list[int]) -> Request:
+    return Request(EngineRequest(rid, tokens, SamplingParams(max_tokens=8)), seq_no=0)
+
+
+def compute_all(kv: KVCacheManager, req: Request) -> None:
+    """What the scheduler does for a whole prompt in one step."""
+    hits = kv.get_computed_blocks(req)
+    assert kv.allocate_slots(req, req.num_tokens - len(hits) * BS, hits)
+    req.num_computed_tokens = req.num_tokens
+    kv.cache_full_blocks(req)
+
+
+def test_allocate_free_keeps_totals() -> None:
+    kv = KVCacheManager(10, BS, enable_prefix_caching=True)
+    a, b = make("a", list(range(9))), make("b", list(range(100, 103)))
+    compute_all(kv, a)
+    compute_all(kv, b)
+    assert len(a.block_ids) == 3 and len(b.block_ids) == 1
+    assert kv.num_used_blocks == 4
+    kv.check_integrity([a, b])
+    kv.free(a)
+    kv.free(b)
+    kv.check_integrity([])
+    assert kv.num_free_blocks == 10
+
+
+def test_prefix_hit_shares_blocks_and_checks_tokens() -> None:
+    kv = KVCacheManager(16, BS, enable_prefix_caching=True)
+    a = make("a", list(range(13)))
+    compute_all(kv, a)
+    b = make("b", list(range(12)) + [99, 98])
+    hits = kv.get_computed_blocks(b)
+    assert [h.block_id for h in hits] == a.block_ids[:3]
+    assert kv.allocate_slots(b, b.num_tokens - 12, hits)
+    assert b.num_computed_tokens == 12 and b.num_cached_tokens == 12
+    assert kv.pool.blocks[a.block_ids[0]].ref_count == 2
+    kv.check_integrity([a, b])
+    # Same hash chain but different tokens in a block must not hit: change one token of block 2.
+    c = make("c", list(range(8)) + [7, 9, 10, 11, 12])
+    assert len(kv.get_computed_blocks(c)) == 2
+
+
+def test_full_prompt_hit_leaves_one_token_to_compute() -> None:
+    kv = KVCacheManager(16, BS, enable_prefix_caching=True)
+    a = make("a", list(range(8)))
+    compute_all(kv, a)
+    b = make("b", list(range(8)))
+    assert len(kv.get_computed_blocks(b)) == 1  # the second block holds the last token: recomputed
+
+
+def test_freed_blocks_stay_cached_until_evicted_lru() -> None:
+    kv = KVCacheManager(4, BS, enable_prefix_caching=True)
+    a = make("a", list(range(9)))
+    compute_all(kv, a)
+    kv.free(a)
+    assert kv.num_free_blocks == 4
+    b = make("b", list(range(9)))
+    hits = kv.get_computed_blocks(b)
+    assert len(hits) == 2  # still cached after free
+    assert kv.allocate_slots(b, 1, hits)
+    kv.check_integrity([b])
+    kv.free(b)
+    # Fill the pool with unrelated tokens: the old blocks are evicted and stop hitting.
+    c = make("c", list(range(50, 66)))
+    compute_all(kv, c)
+    assert kv.get_computed_blocks(make("d", list(range(9)))) == []
+    kv.free(c)
+    kv.check_integrity([])
+
+
+def test_allocation_failure_changes_nothing() -> None:
+    kv = KVCacheManager(3, BS, enable_prefix_caching=True)
+    a = make("a", list(range(8)))
+    compute_all(kv, a)
+    big = make("big", list(range(20, 40)))
+    assert not kv.allocate_slots(big, 20)
+    assert big.block_ids == [] and kv.num_used_blocks == 2
+    kv.check_integrity([a])
+
+
+def test_prefix_caching_off_never_hits() -> None:
+    kv = KVCacheManager(8, BS, enable_prefix_caching=False)
+    a = make("a", list(range(9)))
+    compute_all(kv, a)
+    assert kv.get_computed_blocks(make("b", list(range(9)))) == []
+
+
+def test_reset_prefix_cache_forgets_hashes() -> None:
+    kv = KVCacheManager(8, BS, enable_prefix_caching=True)
+    a = make("a", list(range(9)))
+    compute_all(kv, a)
+    kv.free(a)
+    kv.reset_prefix_cache()
+    assert kv.get_computed_blocks(make("b", list(range(9)))) == []
+    kv.check_integrity([])
