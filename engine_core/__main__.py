@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ctypes
 import logging
 import signal
@@ -15,10 +16,8 @@ from common.model_source import ModelSourceError
 
 def _die_with_parent() -> None:
     """Linux: get SIGTERM when the process that started us dies, so no engine outlives its server."""
-    try:
+    with contextlib.suppress(OSError):
         ctypes.CDLL("libc.so.6").prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
 
 
 def main() -> int:
