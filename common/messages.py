@@ -100,7 +100,8 @@ class SchedulerStats(_Msg):
     prefix_queries: int = 0
     prefix_hits: int = 0
     num_preempted: int = 0
-    step_time_s: float = 0.0
+    step_time_s: float = 0.0  # last step: schedule + forward + sampling + update
+    forward_time_s: float = 0.0  # of which the model forward and logits
     num_blocks_in_use: int = 0
 
 

@@ -146,7 +146,7 @@ class EngineCore:
         return failed
 
     def stats(self):
-        return self.scheduler.stats(self.last_step_time)
+        return self.scheduler.stats(self.last_step_time, self.runner.last_forward_time)
 
 
 def run_engine(config: EngineConfig, addresses: ipc.Addresses) -> int:
@@ -175,7 +175,7 @@ def run_engine(config: EngineConfig, addresses: ipc.Addresses) -> int:
     outputs.put(None)
     sender.join(timeout=5)
     stop.set()
-    ctx.destroy(linger=0)
+    ctx.term()  # the recv thread's blocking recv fails with ETERM and closes its socket; destroy() would race it
     return code
 
 
@@ -223,7 +223,9 @@ def _recv_loop(ctx: zmq.Context, address: str, index: int, inputs: queue.Queue, 
             except Exception:  # a malformed message is dropped, not fatal
                 log.exception("undecodable input message")
     except zmq.ZMQError:
-        pass  # context destroyed at shutdown
+        pass  # context terminated at shutdown
+    finally:
+        sock.close(0)
 
 
 def _send_loop(ctx: zmq.Context, address: str, outputs: queue.Queue) -> None:

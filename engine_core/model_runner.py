@@ -6,6 +6,7 @@ Also owns the device, the dtype, the KV cache tensors and their sizing.
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 
 import torch
@@ -55,6 +56,7 @@ class ModelRunner:
         self.num_blocks = config.num_kv_blocks or self._blocks_that_fit()
         self._allocate_kv_cache()
         self.sampler = Sampler(self.device, self.vocab_size, config.seed)
+        self.last_forward_time = 0.0
 
     # ---- KV cache ----
 
@@ -116,10 +118,15 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> SampledTokens:
         input_ids, positions, meta, sample_idx = self._prepare(out)
+        start = time.perf_counter()
         hidden = self.model(input_ids, positions, meta)
         sampled_reqs = [r for r, s in zip(out.requests, out.sample, strict=True) if s]
         if not sampled_reqs:
+            self.last_forward_time = time.perf_counter() - start
             return SampledTokens([], [])
         logits = self.model.compute_logits(hidden[torch.tensor(sample_idx, device=self.device)])
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.last_forward_time = time.perf_counter() - start
         tokens, logprobs = self.sampler(logits, sampled_reqs)
         return SampledTokens(tokens, logprobs)

@@ -237,7 +237,7 @@ class Scheduler:
                                         req.num_cached_tokens, logprobs))  # fmt: skip
         return outputs
 
-    def stats(self, step_time_s: float = 0.0) -> SchedulerStats:
+    def stats(self, step_time_s: float = 0.0, forward_time_s: float = 0.0) -> SchedulerStats:
         num_running = sum(1 for r in self.running if not r.finished)
         return SchedulerStats(
             num_running=num_running,
@@ -247,5 +247,6 @@ class Scheduler:
             prefix_hits=self.prefix_hits,
             num_preempted=self.num_preempted,
             step_time_s=step_time_s,
+            forward_time_s=forward_time_s,
             num_blocks_in_use=self.kv.num_used_blocks,
         )

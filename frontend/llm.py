@@ -1,0 +1,73 @@
+"""LLM: offline batch generation over an engine-core process, with text in and text out."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from tqdm import tqdm
+from transformers import AutoTokenizer
+
+from common.config import EngineConfig
+from common.engine_link import EngineClient
+from common.messages import EngineRequest, SamplingParams
+from common.model_source import resolve_model
+
+
+@dataclass
+class CompletionOutput:
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finish_reason: str
+
+
+class LLM:
+    """`LLM(model=None).generate(["Hello"], SamplingParams(max_tokens=32))`: outputs in input order."""
+
+    def __init__(self, model: str | None = None, **engine_options) -> None:
+        self.source = resolve_model(model)  # converts a GGUF once, before the engine needs it
+        self.tokenizer = AutoTokenizer.from_pretrained(self.source.path)
+        config = dataclasses.replace(EngineConfig(), model=model, **engine_options)
+        self.engine = EngineClient(config)
+
+    def chat_prompt(self, messages: list[dict[str, str]]) -> list[int]:
+        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+
+    def generate(
+        self,
+        prompts: Sequence[str | list[int]],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[CompletionOutput]:
+        params_list = list(params) if isinstance(params, Sequence) else [params or SamplingParams()] * len(prompts)
+        token_prompts = [p if isinstance(p, list) else self.tokenizer(p)["input_ids"] for p in prompts]
+        for i, (p, sp) in enumerate(zip(token_prompts, params_list, strict=True)):
+            self.engine.send(EngineRequest(str(i), p, sp))
+        outputs: list[list[int]] = [[] for _ in prompts]
+        reasons: list[str | None] = [None] * len(prompts)
+        with tqdm(total=len(prompts), desc="generating", disable=not use_tqdm) as bar:
+            while any(r is None for r in reasons):
+                for out in self.engine.next_outputs(timeout=600).outputs:
+                    i = int(out.request_id)
+                    outputs[i] += out.new_token_ids
+                    if out.finished:
+                        if out.error:
+                            raise RuntimeError(f"request {i} failed: {out.error}")
+                        reasons[i] = out.finish_reason.openai()  # type: ignore[union-attr]
+                        bar.update()
+        return [
+            CompletionOutput(p, ids, self.tokenizer.decode(ids, skip_special_tokens=True), reason or "")
+            for p, ids, reason in zip(token_prompts, outputs, reasons, strict=True)
+        ]
+
+    def shutdown(self) -> None:
+        self.engine.shutdown()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()

@@ -1,0 +1,54 @@
+"""The generate CLI and the offline LLM entry on the default model, against transformers generate."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+import torch
+from transformers import AutoModelForCausalLM
+
+from common.messages import SamplingParams
+from common.model_source import resolve_model
+from frontend.llm import LLM
+
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+def test_cli_answers_paris() -> None:
+    proc = subprocess.run([sys.executable, "-m", "frontend.generate", "--prompt", "What is the capital of France?",
+                           "--dtype", "float32", "--max-tokens", "32"],
+                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "Paris" in proc.stdout
+
+
+def test_cli_reports_a_bad_model_in_one_line() -> None:
+    proc = subprocess.run([sys.executable, "-m", "frontend.generate", "--model", "/no/such/model"],
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert proc.returncode == 1
+    assert proc.stderr.strip().startswith("error:") and "Traceback" not in proc.stderr
+
+
+def test_llm_matches_hf_greedy_and_keeps_order() -> None:
+    hf = AutoModelForCausalLM.from_pretrained(resolve_model(None).path, dtype=torch.float32).eval()
+    with LLM(dtype="float32") as llm:
+        prompt = llm.chat_prompt(QUESTION)
+        with torch.inference_mode():
+            ref = hf.generate(torch.tensor([prompt]), max_new_tokens=32, min_new_tokens=32, do_sample=False)
+        params = SamplingParams(max_tokens=32, min_tokens=32, temperature=0)
+        outs = llm.generate(["Hello", prompt, "Count to five:"], [SamplingParams(max_tokens=4), params,
+                                                                  SamplingParams(max_tokens=2)])  # fmt: skip
+        assert outs[1].token_ids == ref[0, len(prompt) :].tolist()
+        assert "Paris" in outs[1].text
+        assert [len(o.token_ids) for o in (outs[0], outs[2])] == [4, 2]
+        assert outs[2].finish_reason == "length"
+
+
+def test_second_load_of_the_default_model_is_fast() -> None:
+    resolve_model(None)  # converted already (or now)
+    start = time.perf_counter()
+    path = resolve_model(None).path
+    AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    assert time.perf_counter() - start < 5.0
