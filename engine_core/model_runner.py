@@ -53,7 +53,9 @@ class ModelRunner:
         self.block_size = config.block_size
         self.model = load_model(model_path, self.dtype, self.device, max_positions=max_model_len)
         self.vocab_size = self.model.config.vocab_size
-        self.num_blocks = config.num_kv_blocks or self._blocks_that_fit()
+        # More blocks than max_num_seqs full-length requests need would only be idle prefix cache.
+        most_useful = config.max_num_seqs * -(-max_model_len // self.block_size)
+        self.num_blocks = config.num_kv_blocks or min(self._blocks_that_fit(), most_useful)
         self._allocate_kv_cache()
         self.sampler = Sampler(self.device, self.vocab_size, config.seed)
         self.last_forward_time = 0.0
