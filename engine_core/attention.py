@@ -113,13 +113,10 @@ def _decode_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: float
 
 def _attend(q, k, v, mask, scale: float, causal: bool) -> torch.Tensor:
     """One sequence: q [Tq, Hq, D], k/v [Tk, Hk, D]."""
-    out = F.scaled_dot_product_attention(
-        q.transpose(0, 1),
-        k.transpose(0, 1),
-        v.transpose(0, 1),
-        attn_mask=mask,
-        is_causal=causal,
-        scale=scale,
-        enable_gqa=q.shape[1] != k.shape[1],
-    )
-    return out.transpose(0, 1)
+    group = q.shape[1] // k.shape[1]
+    if group > 1:  # expanded by hand: SDPA's enable_gqa falls back to its slow math path on CPU
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    # 4-D inputs: with 3-D ones SDPA takes its slow math path on CPU instead of the flash kernel.
+    q, k, v = (x.transpose(0, 1).unsqueeze(0) for x in (q, k, v))
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale)
+    return out[0].transpose(0, 1)
