@@ -73,7 +73,8 @@ def bench_hf(prompts: list[list[int]], output_len: int, dtype: str, batch_size: 
                                  pad_token_id=0)  # fmt: skip
             generated += (out.shape[1] - batch.shape[1]) * batch.shape[0]
     elapsed = time.perf_counter() - start
-    return {"batch_size": batch_size, "output_tokens": generated, "seconds": elapsed, "output_tok_s": generated / elapsed}
+    tok_s = generated / elapsed
+    return {"batch_size": batch_size, "output_tokens": generated, "seconds": elapsed, "output_tok_s": tok_s}
 
 
 def main() -> None:

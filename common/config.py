@@ -47,12 +47,12 @@ class ServerConfig:
     allowed_origins: list[str] = flag(list, "CORS origins allowed (none by default)", nargs="*")
     max_queued_requests: int = flag(1024, "requests waiting or running beyond which new ones get 503")
     engine_ready_timeout: float = flag(600.0, "seconds to wait for the engine core to start")
-    engine_ping_timeout: float = flag(10.0, "seconds without an answer before the engine counts as hung")
+    engine_ping_timeout: float = flag(30.0, "seconds without an answer before the engine counts as hung (> a step)")
     drain_timeout: float = flag(30.0, "seconds in-flight requests may run on after SIGINT/SIGTERM")
     max_engine_restarts: int = flag(5, "engine restarts allowed within --engine-restart-window")
     engine_restart_window: float = flag(600.0, "seconds over which engine restarts are counted")
     engine_restart_timeout: float = flag(60.0, "seconds a new request waits for a restarting engine")
-    log_level: str = flag("info", "uvicorn log level")
+    log_level: str = flag("info", "warning hides the access log", choices=["error", "warning", "info", "debug"])
 
 
 def _base_type(tp: Any) -> Any:

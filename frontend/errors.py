@@ -1,0 +1,62 @@
+"""ApiError and the OpenAI error shape {"error": {"message", "type", "param", "code"}} every failure is sent in."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from fastapi.responses import JSONResponse
+
+_TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
+          500: "server_error", 503: "service_unavailable"}  # fmt: skip
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+
+    def body(self) -> dict[str, Any]:
+        return error_body(self.status, self.message, self.param, self.code)
+
+    def response(self, headers: dict[str, str] | None = None) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status, headers=headers)
+
+
+def bad_request(message: str, param: str | None = None, code: str | None = "invalid_value") -> ApiError:
+    return ApiError(400, message, param, code)
+
+
+def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
+    error_type = _TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
+    return {"error": {"message": message, "type": error_type, "param": param, "code": code}}
+
+
+def sse_error(status: int, message: str) -> str:
+    """An error after a stream started: one `data:` event with the error body (then the caller sends [DONE])."""
+    return f"data: {json.dumps(error_body(status, message))}\n\n"
+
+
+def from_validation_errors(errors: list[dict[str, Any]]) -> ApiError:
+    """pydantic's errors -> one 400 naming the first offending field (never FastAPI's default 422)."""
+    if not errors:
+        return bad_request("invalid request")
+    first = errors[0]
+    # A value that fits no member of a union fails once per member; the member that says more than
+    # "wrong type" (e.g. a list with too many items) explains it best.
+    same_field = [e for e in errors if tuple(e.get("loc", ()))[:2] == tuple(first.get("loc", ()))[:2]]
+    first = next((e for e in same_field if not str(e.get("type", "")).endswith("_type")), first)
+    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    if first.get("type") == "json_invalid":
+        return bad_request(f"request body is not valid JSON: {first.get('ctx', {}).get('error', '')}".rstrip(": "),
+                           None, "invalid_json")  # fmt: skip
+    if not loc:
+        return bad_request(f"request body: {first.get('msg', 'invalid')}", None, "invalid_type")
+    # Union members show up as pseudo-fields such as "list[int]"; the first element is the request field.
+    path = ".".join(p for p in loc if "[" not in p)
+    kind = str(first.get("type", ""))
+    code = "missing_required_parameter" if kind == "missing" else "invalid_type" if "type" in kind else "invalid_value"
+    return bad_request(f"{path}: {first.get('msg', 'invalid value')}", loc[0], code)

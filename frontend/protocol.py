@@ -1,0 +1,125 @@
+"""OpenAI request schemas (pydantic; violations become 400s) and their translation into SamplingParams."""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from common.messages import SamplingParams
+
+MAX_N = 64  # choices per request: each is an engine request
+MAX_STOP = 16  # stop strings (checked every token) and stop token ids
+MAX_LOGPROBS = 20  # the engine's limit on top alternatives
+_SEED = {"ge": -(2**63), "le": 2**63 - 1}  # what the wire (msgpack int64) carries
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="ignore")  # unknown fields are ignored, as OpenAI-compatible servers do
+
+
+class StreamOptions(_Model):
+    include_usage: bool = False
+
+
+class SamplingFields(_Model):
+    """Fields shared by /v1/completions, /v1/chat/completions and /generate (vLLM's extensions included)."""
+
+    model: str | None = None
+    n: int = Field(1, ge=1, le=MAX_N)
+    temperature: float | None = Field(None, ge=0)
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_k: int | None = Field(None, ge=-1)  # -1 or 0: off
+    min_p: float | None = Field(None, ge=0, le=1)
+    seed: int | None = Field(None, **_SEED)
+    stop: str | Annotated[list[str], Field(max_length=MAX_STOP)] | None = None
+    stop_token_ids: list[int] | None = Field(None, max_length=MAX_STOP)
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    repetition_penalty: float | None = Field(None, gt=0)
+    ignore_eos: bool = False
+    min_tokens: int = Field(0, ge=0)
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    user: str | None = None
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+
+    @property
+    def stop_strings(self) -> list[str]:
+        if self.stop is None:
+            return []
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+    def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
+        return SamplingParams(
+            max_tokens=max_tokens,
+            temperature=1.0 if self.temperature is None else self.temperature,
+            top_p=1.0 if self.top_p is None else self.top_p,
+            top_k=max(self.top_k or 0, 0),
+            min_p=self.min_p or 0.0,
+            seed=self.seed,
+            min_tokens=self.min_tokens,
+            stop_token_ids=list(self.stop_token_ids or []),
+            ignore_eos=self.ignore_eos,
+            presence_penalty=self.presence_penalty or 0.0,
+            frequency_penalty=self.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+            logprobs=logprobs,
+        )
+
+
+class CompletionRequest(SamplingFields):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = Field(16, ge=1)
+    echo: bool = False
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+
+
+class TextPart(_Model):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Model):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+    def template_dict(self) -> dict[str, str]:
+        """What chat templates expect: string content; OpenAI's newer "developer" role is a system prompt."""
+        content = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content or [])
+        return {"role": "system" if self.role == "developer" else self.role, "content": content}
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=1)  # deprecated by OpenAI in favour of max_completion_tokens
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    add_generation_prompt: bool = True
+
+
+class GenerateRequest(SamplingFields):
+    """POST /generate: the smallest useful request; the answer is plain text, streamed."""
+
+    prompt: str | list[int]
+    max_tokens: int = Field(16, ge=1)
+
+
+class TokenizeRequest(_Model):
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+
+
+class DetokenizeRequest(_Model):
+    model: str | None = None
+    tokens: list[int]

@@ -1,0 +1,130 @@
+"""RequestStream: one engine request's state in the frontend (prompt, streamed ids, text) and its single delta slot."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+
+from common.messages import EngineOutput, EngineRequest, FinishReason, Logprobs
+from frontend.detokenizer import IncrementalDetokenizer
+
+
+@dataclass
+class Delta:
+    """What a consumer has not seen yet. Deltas merge while it lags, so each stream holds at most one."""
+
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    logprobs: list[float] = field(default_factory=list)
+    top_ids: list[list[int]] = field(default_factory=list)
+    top_logprobs: list[list[float]] = field(default_factory=list)
+    finish_reason: str | None = None  # "stop" | "length" | "error"
+    stop_reason: str | int | None = None  # the stop string or stop token id that ended it
+    error: str | None = None
+
+    def merge(self, other: Delta) -> None:
+        self.token_ids += other.token_ids
+        self.text += other.text
+        self.logprobs += other.logprobs
+        self.top_ids += other.top_ids
+        self.top_logprobs += other.top_logprobs
+        self.finish_reason = other.finish_reason or self.finish_reason
+        self.stop_reason = other.stop_reason if other.stop_reason is not None else self.stop_reason
+        self.error = other.error or self.error
+
+
+class RequestStream:
+    """Owned by the client's output task (the writer) and one consumer (async iteration)."""
+
+    def __init__(self, request: EngineRequest, detokenizer: IncrementalDetokenizer | None,
+                 include_stop_token: bool = False) -> None:  # fmt: skip
+        self.request = request
+        self.detokenizer = detokenizer
+        self.include_stop_token = include_stop_token
+        self.output_token_ids: list[int] = []  # what was streamed: a restarted engine resumes after it
+        self.num_cached_tokens = 0
+        self.finished = False
+        self.finish_reason: str | None = None
+        self.arrival = time.monotonic()
+        self.first_token_time: float | None = None
+        self.last_token_time: float | None = None
+        self._slot: Delta | None = None
+        self._ready = asyncio.Event()
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+    # ---- writer side (the client's output task) ----
+
+    def on_output(self, out: EngineOutput) -> bool:
+        """Applies one engine output. Returns True when the frontend ended the request itself (stop string)."""
+        if self.finished:
+            return False
+        self.num_cached_tokens = max(self.num_cached_tokens, out.num_cached_tokens)
+        delta = Delta()
+        ids = out.new_token_ids
+        for i, token in enumerate(ids):
+            self.output_token_ids.append(token)
+            delta.token_ids.append(token)
+            if out.new_logprobs is not None and i < len(out.new_logprobs.token_logprobs):
+                self._add_logprobs(delta, out.new_logprobs, i)
+            if self.detokenizer is None:
+                continue
+            is_stop_token = out.stop_token_id is not None and i == len(ids) - 1
+            if not is_stop_token or self.include_stop_token:
+                delta.text += self.detokenizer.add(token)
+            if self.detokenizer.stopped:  # tokens after the stop string are dropped
+                delta.finish_reason, delta.stop_reason = "stop", self.detokenizer.stop_reason
+                break
+        if delta.finish_reason is None and out.finish_reason is not None:
+            if self.detokenizer is not None:
+                delta.text += self.detokenizer.finish()
+            delta.finish_reason = "error" if out.finish_reason == FinishReason.ERROR else out.finish_reason.openai()
+            delta.stop_reason = out.stop_token_id
+            delta.error = out.error
+        self._put(delta)
+        return delta.finish_reason is not None and out.finish_reason is None
+
+    @staticmethod
+    def _add_logprobs(delta: Delta, lp: Logprobs, i: int) -> None:
+        delta.logprobs.append(lp.token_logprobs[i])
+        delta.top_ids.append(lp.top_ids[i] if i < len(lp.top_ids) else [])
+        delta.top_logprobs.append(lp.top_logprobs[i] if i < len(lp.top_logprobs) else [])
+
+    def fail(self, error: str) -> None:
+        if not self.finished:
+            self._put(Delta(finish_reason="error", error=error))
+
+    def _put(self, delta: Delta) -> None:
+        if delta.token_ids:
+            now = time.monotonic()
+            self.first_token_time = self.first_token_time or now
+            self.last_token_time = now
+        if delta.finish_reason is not None:
+            self.finished = True
+            self.finish_reason = delta.finish_reason
+        if self._slot is None:
+            self._slot = delta
+        else:
+            self._slot.merge(delta)
+        self._ready.set()
+
+    # ---- consumer side ----
+
+    async def get(self) -> Delta:
+        """The next merged delta; the last one has finish_reason set. Raises StopAsyncIteration after it."""
+        while self._slot is None:
+            if self.finished:
+                raise StopAsyncIteration
+            self._ready.clear()
+            await self._ready.wait()
+        delta, self._slot = self._slot, None
+        return delta
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> Delta:
+        return await self.get()

@@ -1,0 +1,194 @@
+"""Serving: validated request -> prompt ids -> FanOut -> JSON response or SSE in OpenAI's order; usage; disconnects."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from common.messages import SamplingParams
+from frontend.detokenizer import IncrementalDetokenizer
+from frontend.engine_client import AsyncEngineClient, EngineUnavailable, QueueFull
+from frontend.errors import ApiError, bad_request, sse_error
+from frontend.fanout import Choice, FanOut
+from frontend.protocol import SamplingFields
+from frontend.request_stream import Delta
+from frontend.tokenizer import Tokenizer
+
+
+@dataclass
+class ServingContext:
+    client: AsyncEngineClient
+    tokenizer: Tokenizer
+    model_name: str
+    max_model_len: int
+    vocab_size: int
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
+            raise ApiError(404, f"The model `{model}` does not exist.", "model", "model_not_found")
+
+    def check_token_ids(self, ids: list[int], param: str) -> None:
+        bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise bad_request(f"token id {bad} is outside the vocabulary [0, {self.vocab_size})", param)
+
+    def check_prompt(self, ids: list[int], param: str) -> None:
+        if not ids:
+            raise bad_request(f"{param} is empty", param)
+        self.check_token_ids(ids, param)
+
+    def max_tokens(self, prompt_len: int, requested: int | None, param: str) -> int:
+        """The requested budget (default: the rest of the context), checked against max_model_len."""
+        room = self.max_model_len - prompt_len
+        if requested is None:
+            if room < 1:
+                raise bad_request(f"the prompt has {prompt_len} tokens; the maximum context length is "
+                                  f"{self.max_model_len}", param)  # fmt: skip
+            return room
+        if requested > room:
+            raise bad_request(f"This model's maximum context length is {self.max_model_len} tokens. However, you "
+                              f"requested {prompt_len + requested} tokens ({prompt_len} in the prompt, {requested} "
+                              f"in the completion).", param)  # fmt: skip
+        return requested
+
+    def sampling_params(self, req: SamplingFields, max_tokens: int, logprobs: int | None) -> SamplingParams:
+        self.check_token_ids(list(req.stop_token_ids or []), "stop_token_ids")
+        if req.min_tokens > max_tokens:
+            raise bad_request(f"min_tokens ({req.min_tokens}) is larger than max_tokens ({max_tokens})", "min_tokens")
+        return req.sampling_params(max_tokens, logprobs)
+
+    def fan_out(self, request_id: str, prompts: list[list[int]], req: SamplingFields, params: SamplingParams) -> FanOut:
+        def detokenizer(prompt: list[int]) -> IncrementalDetokenizer:
+            return IncrementalDetokenizer(self.tokenizer, prompt, req.stop_strings, req.include_stop_str_in_output,
+                                          req.skip_special_tokens, req.min_tokens)  # fmt: skip
+
+        try:
+            return FanOut(self.client, request_id, prompts, req.n, params, detokenizer,
+                          req.include_stop_str_in_output)  # fmt: skip
+        except (EngineUnavailable, QueueFull) as exc:
+            raise ApiError(503, str(exc), None, "engine_unavailable" if isinstance(exc, EngineUnavailable)
+                           else "too_many_requests") from exc  # fmt: skip
+        except ValueError as exc:  # a request id (X-Request-Id) that is already in flight
+            raise bad_request(str(exc), None, "duplicate_request_id") from exc
+
+    def failure(self, error: str | None) -> ApiError:
+        status = 503 if self.client.dead is not None else 500
+        return ApiError(status, error or "the request failed in the engine", None, "engine_error")
+
+
+def clamp(logprob: float) -> float:
+    """JSON has no -inf or NaN: a token the sampler could never pick reports -9999 as vLLM does."""
+    return logprob if logprob == logprob and logprob > -9999.0 else -9999.0
+
+
+def dumps(obj: Any) -> str:
+    return json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
+
+
+class ResponseFormat(Protocol):
+    """How one endpoint spells its chunks and its final response."""
+
+    chunk_object: str
+
+    def opening(self, index: int) -> dict[str, Any] | None: ...
+    def content(self, index: int, delta: Delta) -> dict[str, Any] | None: ...
+    def finish(self, index: int, delta: Delta) -> dict[str, Any]: ...
+    def response(self, choices: list[Choice], usage: dict[str, int]) -> dict[str, Any]: ...
+
+
+class _ClosingStreamingResponse(StreamingResponse):
+    """Runs `on_close` however the response ends (done, client gone, server stopping): aborts leftover requests."""
+
+    def __init__(self, content: AsyncIterator[str], on_close: Callable[[], None], media_type: str) -> None:
+        super().__init__(content, media_type=media_type)
+        self._on_close = on_close
+
+    async def __call__(self, scope, receive, send) -> None:  # type: ignore[override]
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._on_close()
+
+
+async def _sse(fan: FanOut, fmt: ResponseFormat, head: dict[str, Any], include_usage: bool,
+               failure: Callable[[str | None], ApiError]) -> AsyncIterator[str]:  # fmt: skip
+    """content chunks (finish_reason null) -> each choice's finish chunk -> usage chunk -> [DONE]."""
+
+    def chunk(choice: dict[str, Any]) -> str:
+        body = {**head, "object": fmt.chunk_object, "choices": [choice]}
+        if include_usage:
+            body["usage"] = None
+        return f"data: {dumps(body)}\n\n"
+
+    try:
+        for index in range(len(fan.choices)):
+            if (opening := fmt.opening(index)) is not None:
+                yield chunk(opening)
+        async for index, delta in fan.deltas():
+            if delta.finish_reason == "error":
+                err = failure(delta.error)
+                yield sse_error(err.status, err.message)
+                break
+            if (content := fmt.content(index, delta)) is not None:
+                yield chunk(content)
+            if delta.finish_reason is not None:
+                yield chunk(fmt.finish(index, delta))
+        else:
+            if include_usage:
+                yield f"data: {dumps({**head, 'object': fmt.chunk_object, 'choices': [], 'usage': fan.usage()})}\n\n"
+        yield "data: [DONE]\n\n"
+    finally:
+        fan.abort()
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns when the client goes away. The body was read already, so the next ASGI message is the disconnect."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def respond(ctx: ServingContext, raw: Request, fan: FanOut, fmt: ResponseFormat, request_id: str,
+                  stream: bool, include_usage: bool) -> Response:  # fmt: skip
+    head = {"id": request_id, "created": int(time.time()), "model": ctx.model_name}
+    if stream:
+        return _ClosingStreamingResponse(_sse(fan, fmt, head, include_usage, ctx.failure), fan.abort,
+                                         "text/event-stream")  # fmt: skip
+    work = asyncio.ensure_future(fan.collect())
+    gone = asyncio.ensure_future(_disconnected(raw))
+    try:
+        await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+        if not work.done():
+            work.cancel()
+        fan.abort()  # the client left (or this handler was cancelled): free the engine at once
+    if not work.done() or work.cancelled():
+        return Response(status_code=499)  # nobody is listening; nginx's "client closed request"
+    choices = work.result()
+    failed = next((c.result for c in choices if c.result.finish_reason == "error"), None)
+    if failed is not None:
+        raise ctx.failure(failed.error)
+    return JSONResponse({**head, **fmt.response(choices, fan.usage())})
+
+
+def stream_text(fan: FanOut) -> Response:
+    """POST /generate: the text as it is generated, plain; a failure mid-way ends it with an [error: ...] line."""
+
+    async def body() -> AsyncIterator[str]:
+        try:
+            async for _, delta in fan.deltas():
+                if delta.text:
+                    yield delta.text
+                if delta.finish_reason == "error":
+                    yield f"\n[error: {delta.error}]\n"
+        finally:
+            fan.abort()
+
+    return _ClosingStreamingResponse(body(), fan.abort, "text/plain; charset=utf-8")

@@ -1,0 +1,85 @@
+"""POST /v1/chat/completions: messages -> chat template -> choices; role/content deltas; chat-style logprobs."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import Response
+
+from frontend.errors import bad_request
+from frontend.fanout import Choice
+from frontend.protocol import ChatCompletionRequest, ChatMessage
+from frontend.request_stream import Delta
+from frontend.serving import ServingContext, clamp, respond
+from frontend.tokenizer import TokenizerError
+
+
+def chat_prompt(ctx: ServingContext, messages: list[ChatMessage], add_generation_prompt: bool = True) -> list[int]:
+    try:
+        text = ctx.tokenizer.apply_chat_template([m.template_dict() for m in messages], add_generation_prompt)
+    except TokenizerError as exc:
+        raise bad_request(str(exc), "messages") from exc
+    # The template already wrote every special token (BOS included) the model expects.
+    ids = ctx.tokenizer.encode(text, add_special_tokens=False)
+    ctx.check_prompt(ids, "messages")
+    return ids
+
+
+class ChatFormat:
+    chunk_object = "chat.completion.chunk"
+
+    def __init__(self, ctx: ServingContext, req: ChatCompletionRequest) -> None:
+        self.tok = ctx.tokenizer
+        self.want_logprobs = req.logprobs
+
+    def _entry(self, token_id: int, logprob: float) -> dict[str, Any]:
+        text = self.tok.token_text(token_id)
+        return {"token": text, "logprob": clamp(logprob), "bytes": list(text.encode())}
+
+    def _logprobs(self, delta: Delta) -> dict[str, Any] | None:
+        if not self.want_logprobs:
+            return None
+        content = []
+        for i, (token, lp) in enumerate(zip(delta.token_ids, delta.logprobs, strict=False)):
+            entry = self._entry(token, lp)
+            ids = delta.top_ids[i] if i < len(delta.top_ids) else []
+            lps = delta.top_logprobs[i] if i < len(delta.top_logprobs) else []
+            entry["top_logprobs"] = [self._entry(t, x) for t, x in zip(ids, lps, strict=False)]
+            content.append(entry)
+        return {"content": content}
+
+    def opening(self, index: int) -> dict[str, Any]:
+        return {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                "finish_reason": None}  # fmt: skip
+
+    def content(self, index: int, delta: Delta) -> dict[str, Any] | None:
+        if not delta.text and not (self.want_logprobs and delta.logprobs):
+            return None
+        return {"index": index, "delta": {"content": delta.text}, "logprobs": self._logprobs(delta),
+                "finish_reason": None}  # fmt: skip
+
+    def finish(self, index: int, delta: Delta) -> dict[str, Any]:
+        return {"index": index, "delta": {}, "logprobs": None, "finish_reason": delta.finish_reason,
+                "stop_reason": delta.stop_reason}  # fmt: skip
+
+    def response(self, choices: list[Choice], usage: dict[str, int]) -> dict[str, Any]:
+        out = [{"index": c.index, "message": {"role": "assistant", "content": c.result.text},
+                "logprobs": self._logprobs(c.result), "finish_reason": c.result.finish_reason,
+                "stop_reason": c.result.stop_reason} for c in choices]  # fmt: skip
+        return {"object": "chat.completion", "choices": out, "usage": usage}
+
+
+async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest, raw: Request,
+                                 request_id: str) -> Response:  # fmt: skip
+    ctx.check_model(req.model)
+    if req.top_logprobs is not None and not req.logprobs:
+        raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
+    prompt = chat_prompt(ctx, req.messages, req.add_generation_prompt)
+    requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+    max_tokens = ctx.max_tokens(len(prompt), requested, param)
+    params = ctx.sampling_params(req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None)
+    rid = f"chatcmpl-{request_id}"
+    fan = ctx.fan_out(rid, [prompt], req, params)
+    return await respond(ctx, raw, fan, ChatFormat(ctx, req), rid, bool(req.stream), req.include_usage)

@@ -1,0 +1,148 @@
+"""python launch.py: spawn the engine core, gate on its EngineReady, serve the API in this process, drain on signals.
+
+Process layout: this process (API + ZMQ sockets, never imports torch) -> one child, the engine core. uvicorn runs
+in this process's event loop next to the engine client, so "the API server died" and "launch.py exits" are one
+event: the engine is stopped, the ipc files removed, and the exit code says which way it went.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import signal
+import socket
+import sys
+
+import uvicorn
+
+from common import ipc
+from common.config import EngineConfig, ServerConfig, add_cli_args, from_cli_args
+from common.engine_link import EngineStartError
+from common.model_source import ModelSourceError, resolve_model
+from frontend.api_server import create_app
+from frontend.engine_client import AsyncEngineClient
+from frontend.metrics import Metrics
+from frontend.serving import ServingContext
+from frontend.supervisor import EngineSupervisor
+from frontend.tokenizer import Tokenizer, TokenizerError
+
+log = logging.getLogger("roseinfer.launch")
+
+
+def parse_args(argv: list[str] | None = None) -> tuple[EngineConfig, ServerConfig]:
+    parser = argparse.ArgumentParser(prog="python launch.py", description="OpenAI-compatible roseinfer server")
+    add_cli_args(parser, EngineConfig)
+    add_cli_args(parser, ServerConfig)
+    ns = parser.parse_args(argv)
+    return from_cli_args(EngineConfig, ns), from_cli_args(ServerConfig, ns)
+
+
+class _Server(uvicorn.Server):
+    """uvicorn minus its signal handlers: launch.py owns SIGINT/SIGTERM (uvicorn would re-raise them at exit)."""
+
+    @contextlib.contextmanager
+    def capture_signals(self):  # type: ignore[override]
+        yield
+
+
+def bind_http(host: str, port: int) -> socket.socket:
+    """Bound before the engine loads, so a taken port fails in a second, not after the model is up."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+class Launch:
+    def __init__(self, engine_config: EngineConfig, config: ServerConfig) -> None:
+        self.engine_config = engine_config
+        self.config = config
+        addresses = ipc.Addresses.new_ipc()
+        self.client = AsyncEngineClient(addresses, EngineSupervisor(engine_config, addresses),
+                                        config.engine_ping_timeout, config.max_queued_requests)  # fmt: skip
+        self.stopping = asyncio.Event()
+        self.server: _Server | None = None
+
+    def on_signal(self, sig: signal.Signals) -> None:
+        if self.stopping.is_set():  # a second signal: stop waiting for in-flight requests
+            log.warning("%s again: ending in-flight requests now", sig.name)
+            self.client.fail_all("the server is shutting down")
+            if self.server is not None:
+                self.server.force_exit = True
+            return
+        log.info("%s: no new connections; in-flight requests get %g s to finish", sig.name, self.config.drain_timeout)
+        self.stopping.set()
+        if self.server is not None:
+            self.server.should_exit = True
+            asyncio.get_running_loop().call_later(self.config.drain_timeout, self.client.fail_all,
+                                                  "the server is shutting down")  # fmt: skip
+
+    async def run(self) -> int:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, self.on_signal, sig)
+        try:
+            http = bind_http(self.config.host, self.config.port)
+        except OSError as exc:
+            print(f"error: cannot listen on {self.config.host}:{self.config.port}: {exc}", file=sys.stderr)
+            await self.client.close()
+            return 1
+        try:
+            return await self._run(http)
+        except (EngineStartError, ModelSourceError, TokenizerError) as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 1
+        finally:
+            http.close()
+            await self.client.close()  # stops the engine core, removes the ipc files
+
+    async def _run(self, http: socket.socket) -> int:
+        starting = asyncio.ensure_future(self.client.start(self.config.engine_ready_timeout))
+        stop_wait = asyncio.ensure_future(self.stopping.wait())
+        await asyncio.wait({starting, stop_wait}, return_when=asyncio.FIRST_COMPLETED)
+        stop_wait.cancel()
+        if not starting.done():  # a signal while the engine loads: just stop
+            starting.cancel()
+            return 0
+        ready = starting.result()
+        # After EngineReady: the engine resolved (and for a .gguf, converted) the model, so this is a cache hit.
+        source = resolve_model(self.engine_config.model)
+        model_name = self.config.served_model_name or ready.model
+        metrics = Metrics(model_name)
+        self.client.metrics = metrics
+        ctx = ServingContext(self.client, Tokenizer(source.path), model_name, ready.max_model_len, ready.vocab_size)
+        app = create_app(ctx, self.config, metrics)
+        self.server = _Server(uvicorn.Config(app, host=self.config.host, port=self.config.port, lifespan="off",
+                                             log_level=self.config.log_level,
+                                             timeout_graceful_shutdown=int(self.config.drain_timeout) + 5))  # fmt: skip
+        if self.stopping.is_set():
+            return 0
+        try:
+            await self.server.serve(sockets=[http])
+        except SystemExit as exc:  # uvicorn could not start: it logged why
+            log.error("API server failed to start (exit %s)", exc.code)
+            return 1
+        if not self.stopping.is_set():
+            log.error("API server stopped on its own")
+            return 1
+        return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    engine_config, config = parse_args(argv)
+    logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+
+    async def run() -> int:  # the sockets and tasks belong to this loop
+        return await Launch(engine_config, config).run()
+
+    return asyncio.run(run())
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,90 @@
+"""API test fixtures: launch.py started as a user would (free port, own TMPDIR), stopped with SIGTERM."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+# Small KV cache and context: quick to allocate; still room for 64 concurrent requests. A generous ping
+# timeout: on a busy 2-core machine one engine step can take many seconds, and that is not a hang.
+SERVER_ARGS = ["--dtype", "float32", "--num-kv-blocks", "512", "--max-model-len", "2048", "--log-level", "warning",
+               "--engine-ping-timeout", "120"]  # fmt: skip
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    def __init__(self, tmp: Path, *extra: str) -> None:
+        self.tmp = tmp  # the server's TMPDIR: its ipc run directory lives here
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = tmp / "server.log"
+        env = {**os.environ, "HF_HUB_OFFLINE": "1", "TMPDIR": str(tmp)}
+        with open(self.log, "wb") as log:
+            cmd = [sys.executable, "launch.py", "--port", str(self.port), *SERVER_ARGS, *extra]
+            self.proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
+        self.engine_pid: int | None = None
+
+    def wait_healthy(self, timeout: float = 180.0, headers: dict[str, str] | None = None) -> Server:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            assert self.proc.poll() is None, f"launch.py exited with {self.proc.returncode}:\n{self.log_text()}"
+            try:
+                if httpx.get(self.url + "/health", timeout=5).status_code == 200:
+                    children = Path(f"/proc/{self.proc.pid}/task/{self.proc.pid}/children").read_text().split()
+                    assert len(children) == 1, children  # the engine core is launch.py's only child
+                    self.engine_pid = int(children[0])
+                    return self
+            except httpx.TransportError:
+                pass
+            time.sleep(0.3)
+        raise TimeoutError(f"server not healthy after {timeout} s:\n{self.log_text()}")
+
+    def log_text(self) -> str:
+        return self.log.read_text(errors="replace")[-4000:]
+
+    def ipc_dirs(self) -> list[str]:
+        return [p.name for p in self.tmp.iterdir() if p.name.startswith("roseinfer-")]
+
+    def stop(self, timeout: float = 60.0) -> int:
+        """SIGTERM, as a process manager would; returns launch.py's exit code."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+            raise
+
+    def assert_clean_exit(self) -> None:
+        code = self.stop()
+        assert code == 0, self.log_text()
+        assert self.engine_pid is not None and not Path(f"/proc/{self.engine_pid}").exists(), "engine core left"
+        assert self.ipc_dirs() == [], "ipc files left behind"
+
+
+@pytest.fixture(scope="session")
+def server_started(tmp_path_factory: pytest.TempPathFactory):
+    """The shared server, spawned but maybe still loading (other fixtures load in parallel with it)."""
+    server = Server(tmp_path_factory.mktemp("server"))
+    yield server
+    server.assert_clean_exit()
+
+
+@pytest.fixture(scope="session")
+def server(server_started: Server) -> Server:
+    return server_started.wait_healthy()

@@ -1,0 +1,96 @@
+"""AsyncEngineClient as the asyncio direct client (no HTTP): streams, merged deltas, aborts, hung-engine detection."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+
+import pytest
+
+from common.config import EngineConfig
+from common.messages import EngineRequest, SamplingParams
+from common.model_source import resolve_model
+from frontend.detokenizer import IncrementalDetokenizer
+from frontend.engine_client import AsyncEngineClient
+from frontend.tokenizer import Tokenizer
+
+STORY = "Once upon a time, there was a dragon who"
+
+
+@pytest.fixture(scope="module")
+def env():
+    """One event loop for the module: the client's sockets and tasks belong to it."""
+    runner = asyncio.Runner()
+    config = EngineConfig(dtype="float32", num_kv_blocks=256, max_model_len=1024)
+    client = runner.run(AsyncEngineClient.spawn(config, ping_timeout=30.0))
+    yield runner, client, Tokenizer(resolve_model(None).path)
+    runner.run(client.close())
+    runner.close()
+    assert client.supervisor is not None and client.supervisor.exit_code() is not None
+
+
+def request(tok: Tokenizer, rid: str, max_tokens: int, **kw) -> EngineRequest:
+    return EngineRequest(rid, tok.encode(STORY), SamplingParams(max_tokens=max_tokens, temperature=0, **kw))
+
+
+async def running(client: AsyncEngineClient) -> int:
+    stats = (await client.call("stats", timeout=10)).stats
+    assert stats is not None
+    return stats.num_running + stats.num_waiting
+
+
+def test_lagging_consumer_gets_merged_deltas(env):
+    runner, client, tok = env
+
+    async def scenario():
+        req = request(tok, "lag", 8, ignore_eos=True)
+        stream = client.add(req, IncrementalDetokenizer(tok, req.prompt_token_ids))
+        first = await stream.get()
+        while not stream.finished:  # a consumer that lags: the engine's outputs pile up in the one slot
+            await asyncio.sleep(0.05)
+        rest = await stream.get()
+        with pytest.raises(StopAsyncIteration):
+            await stream.get()
+        assert len(first.token_ids + rest.token_ids) == 8 and len(rest.token_ids) > 1  # one merged delta
+        assert first.finish_reason is None and rest.finish_reason == "length"
+        assert first.text + rest.text == tok.decode(first.token_ids + rest.token_ids)
+        assert client.num_in_flight == 0
+
+    runner.run(scenario())
+
+
+def test_stop_string_and_early_exit_abort_in_the_engine(env):
+    runner, client, tok = env
+
+    async def scenario():
+        req = request(tok, "stop", 500, ignore_eos=True)
+        detok = IncrementalDetokenizer(tok, req.prompt_token_ids, stop=["magic"])
+        deltas = [d async for d in client.generate(req, detok)]
+        assert "".join(d.text for d in deltas) == " was a master of " and deltas[-1].stop_reason == "magic"
+        assert await running(client) == 0  # the frontend's abort reached the engine before this call
+        async with contextlib.aclosing(client.generate(request(tok, "leave", 500, ignore_eos=True))) as gen:
+            async for _ in gen:
+                break  # a consumer that leaves early aborts its request
+        assert await running(client) == 0
+
+    runner.run(scenario())
+
+
+def test_hung_engine_fails_in_flight_requests(env):
+    runner, client, tok = env
+
+    async def scenario():
+        client.ping_timeout = 1.5
+        stream = client.add(request(tok, "hung", 500, ignore_eos=True))
+        delta = await stream.get()
+        sleeper = asyncio.ensure_future(client.call("sleep", 8.0, timeout=20))  # the engine stops answering
+        start = time.monotonic()
+        while delta.finish_reason is None:
+            delta = await stream.get()
+        assert delta.finish_reason == "error" and "health check" in (delta.error or "")
+        assert time.monotonic() - start < 4 and not client.healthy
+        with pytest.raises(Exception, match="health check"):
+            await sleeper
+
+    runner.run(scenario())

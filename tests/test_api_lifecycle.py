@@ -1,0 +1,151 @@
+"""Process lifecycle: API key, CORS, queue limit, engine kill -9 under load, SIGTERM drain, start-up failures."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+from tests.conftest import REPO, Server, free_port
+
+MODEL = "SmolLM2-135M-Instruct"
+KEY = {"Authorization": "Bearer sk-test"}
+ORIGIN = "http://good.example"
+LONG = {"model": MODEL, "prompt": "Tell me about whales.", "max_tokens": 1000, "ignore_eos": True}
+
+
+@pytest.fixture(scope="module")
+def servers(tmp_path_factory: pytest.TempPathFactory):
+    """Two servers loading side by side: `guarded` (key, CORS, queue of 6) and `draining` (5 s drain)."""
+    guarded = Server(tmp_path_factory.mktemp("guarded"), "--api-key", "sk-test", "--allowed-origins", ORIGIN,
+                     "--max-queued-requests", "6")  # fmt: skip
+    draining = Server(tmp_path_factory.mktemp("draining"), "--drain-timeout", "5")
+    yield guarded.wait_healthy(), draining.wait_healthy()
+    for s in (guarded, draining):
+        if s.proc.poll() is None:
+            s.stop()
+
+
+def test_api_key_guards_v1_only(servers):
+    url = servers[0].url
+    for headers in ({}, {"Authorization": "Bearer wrong"}):
+        r = httpx.get(url + "/v1/models", headers=headers)
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+    assert httpx.get(url + "/v1/models", headers=KEY).json()["data"][0]["id"] == MODEL
+    assert httpx.get(url + "/health").status_code == 200 and httpx.get(url + "/metrics").status_code == 200
+
+
+def test_cors_allows_only_the_configured_origin(servers):
+    url = servers[0].url + "/v1/completions"
+    preflight = {"Access-Control-Request-Method": "POST", "Access-Control-Request-Headers": "authorization"}
+    ok = httpx.options(url, headers={"Origin": ORIGIN, **preflight})
+    assert ok.status_code == 200 and ok.headers["access-control-allow-origin"] == ORIGIN
+    other = httpx.options(url, headers={"Origin": "http://evil.example", **preflight})
+    assert "access-control-allow-origin" not in other.headers
+
+
+async def _stream(client: httpx.AsyncClient, body: dict, started: asyncio.Event | None = None,
+                  times: list[float] | None = None) -> tuple[int, list[str]]:  # fmt: skip
+    """All `data:` events of a streamed completion; `started` is set at the first, `times` gets each one's time."""
+    events = []
+    async with client.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
+        async for line in r.aiter_lines():
+            if line.startswith("data: "):
+                events.append(line[6:])
+                if started is not None:
+                    started.set()
+                if times is not None:
+                    times.append(time.monotonic())
+        return r.status_code, events
+
+
+async def _wait_running(client: httpx.AsyncClient, count: int) -> None:
+    for _ in range(600):
+        text = (await client.get("/metrics")).text
+        if f'roseinfer:num_requests_running{{model_name="{MODEL}"}} {float(count)}' in text:
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"never saw {count} running requests")
+
+
+def test_queue_limit_then_engine_killed_under_load(servers):
+    server = servers[0]
+
+    async def scenario() -> None:
+        async with httpx.AsyncClient(base_url=server.url, headers=KEY, timeout=60) as client:
+            streams = [asyncio.create_task(_stream(client, LONG)) for _ in range(4)]
+            plain = [asyncio.create_task(client.post("/v1/completions", json=LONG)) for _ in range(2)]
+            await _wait_running(client, 6)
+            start = time.monotonic()
+            full = await client.post("/v1/completions", json={**LONG, "max_tokens": 1})
+            assert full.status_code == 503 and time.monotonic() - start < 1.0
+            assert "max-queued-requests" in full.json()["error"]["message"]
+
+            assert server.engine_pid is not None
+            os.kill(server.engine_pid, signal.SIGKILL)
+            start = time.monotonic()
+            results = await asyncio.wait_for(asyncio.gather(*streams, *plain), timeout=5)
+            assert time.monotonic() - start < 5
+            for status, events in results[:4]:  # streams end with an error event, then [DONE]
+                assert status == 200 and events[-1] == "[DONE]" and '"error"' in events[-2], events[-2:]
+            for r in results[4:]:
+                assert r.status_code == 503 and "engine core" in r.json()["error"]["message"]
+            assert (await client.get("/health")).status_code == 503
+            after = await client.post("/v1/completions", json={**LONG, "max_tokens": 1})
+            assert after.status_code == 503 and "engine core" in after.json()["error"]["message"]
+
+    asyncio.run(scenario())
+    server.assert_clean_exit()  # SIGTERM still exits 0, and leaves no process or ipc file behind
+
+
+def test_sigterm_drains_in_flight_requests(servers):
+    server = servers[1]
+
+    async def scenario() -> None:
+        async with httpx.AsyncClient(base_url=server.url, timeout=60) as client:
+            long_started, short_started, short_times = asyncio.Event(), asyncio.Event(), []
+            long = asyncio.create_task(_stream(client, LONG, long_started))
+            await long_started.wait()
+            short = asyncio.create_task(_stream(client, {**LONG, "max_tokens": 8}, short_started, short_times))
+            await short_started.wait()
+            server.proc.send_signal(signal.SIGTERM)
+            signalled = time.monotonic()
+            (_, s_events), (_, l_events) = await asyncio.wait_for(asyncio.gather(short, long), 30)
+            assert s_events[-1] == "[DONE]" and '"finish_reason":"length"' in s_events[-2]  # finished normally
+            assert short_times[-1] > signalled  # ... while the server was already stopping
+            assert l_events[-1] == "[DONE]" and "shutting down" in l_events[-2]  # ended after --drain-timeout
+            with pytest.raises(httpx.TransportError):  # no new connections
+                await client.get("/health")
+
+    asyncio.run(scenario())
+    server.assert_clean_exit()
+
+
+def _launch(tmp_path, *args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TMPDIR": str(tmp_path)}
+    return subprocess.run([sys.executable, "launch.py", *args], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=120)  # fmt: skip
+
+
+def test_engine_start_failure_exits_with_the_engine_error(tmp_path):
+    r = _launch(tmp_path, "--dtype", "no-such-dtype", "--port", str(free_port()))
+    assert r.returncode != 0
+    assert "error: engine core failed to start" in r.stderr and "no-such-dtype" in r.stderr
+    assert not any(p.name.startswith("roseinfer-") for p in tmp_path.iterdir())
+
+
+def test_taken_port_fails_fast(tmp_path):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        start = time.monotonic()
+        r = _launch(tmp_path, "--port", str(taken.getsockname()[1]))
+    assert r.returncode == 1 and "cannot listen" in r.stderr and time.monotonic() - start < 10
+    assert not any(p.name.startswith("roseinfer-") for p in tmp_path.iterdir())
