@@ -20,6 +20,12 @@ def _die_with_parent() -> None:
         ctypes.CDLL("libc.so.6").prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
+def _stop_once(*_) -> None:
+    """SIGTERM ends the busy loop like Ctrl+C; a second one during shutdown is ignored."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    raise KeyboardInterrupt
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(prog="python -m engine_core")
     parser.add_argument("--input", required=True, help="address of the frontend's input ROUTER")
@@ -28,7 +34,7 @@ def main() -> int:
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s engine %(levelname)s %(message)s")
     _die_with_parent()
-    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+    signal.signal(signal.SIGTERM, _stop_once)
     from engine_core.core import run_engine  # after argument parsing: importing torch takes a while
 
     try:
