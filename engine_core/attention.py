@@ -80,8 +80,10 @@ def paged_attention(
     scale: float,
 ) -> torch.Tensor:
     """q: [T, Hq, D], k/v: [T, Hk, D] (this step's, already written to the cache). Returns [T, Hq, D]."""
-    out = torch.empty_like(q)
     n = meta.num_decodes
+    if n and not meta.prefills:  # the common decode-only step: no extra copy
+        return _decode_attention(q, k_cache, v_cache, meta, scale)
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if n:
         out[:n] = _decode_attention(q[:n], k_cache, v_cache, meta, scale)
     for chunk in meta.prefills:

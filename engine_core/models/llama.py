@@ -23,10 +23,12 @@ class LlamaAttention(nn.Module):
         self.k_cache = self.v_cache = torch.empty(0)  # bound by the model runner
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata):
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = apply_rotary(q.view(-1, self.num_heads, self.head_dim), *rope)
-        k = apply_rotary(k.view(-1, self.num_kv_heads, self.head_dim), *rope)
-        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        qkv = self.qkv_proj(x)
+        qk_size = self.q_size + self.kv_size
+        # q and k rotated together: one set of elementwise ops per layer instead of two.
+        qk = apply_rotary(qkv[:, :qk_size].view(-1, self.num_heads + self.num_kv_heads, self.head_dim), *rope)
+        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
+        v = qkv[:, qk_size:].view(-1, self.num_kv_heads, self.head_dim)
         write_kv(self.k_cache, self.v_cache, k, v, meta.slot_mapping)
         out = paged_attention(q, k, v, self.k_cache, self.v_cache, meta, self.scale)
         return self.o_proj(out.view(-1, self.q_size))
