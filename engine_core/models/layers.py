@@ -37,7 +37,8 @@ class RotaryEmbedding(nn.Module):
             scale = 1.0
         else:
             inv_freq, scale = ROPE_INIT_FUNCTIONS[rope_type](config, torch.device("cpu"))
-        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float), inv_freq.float())
+        inv_freq = inv_freq.float().to(torch.get_default_device())  # the init functions may answer on CPU
+        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float, device=inv_freq.device), inv_freq)
         freqs = torch.cat((freqs, freqs), dim=-1)
         self.register_buffer("cos", freqs.cos() * scale, persistent=False)
         self.register_buffer("sin", freqs.sin() * scale, persistent=False)
