@@ -1,8 +1,10 @@
-"""python launch.py: spawn the engine core, gate on its EngineReady, serve the API in this process, drain on signals.
+"""python launch.py: spawn the engine core, gate on its EngineReady, serve the API, restart a dead engine, drain.
 
 Process layout: this process (API + ZMQ sockets, never imports torch) -> one child, the engine core. uvicorn runs
 in this process's event loop next to the engine client, so "the API server died" and "launch.py exits" are one
-event: the engine is stopped, the ipc files removed, and the exit code says which way it went.
+event: the engine is stopped, the ipc files removed, and the exit code says which way it went. A dead or hung
+engine is replaced (epoch + 1) while --max-engine-restarts per --engine-restart-window allows; past that the
+server stops with exit code 1.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from frontend.api_server import create_app
 from frontend.engine_client import AsyncEngineClient
 from frontend.metrics import Metrics
 from frontend.serving import ServingContext
-from frontend.supervisor import EngineSupervisor
+from frontend.supervisor import EngineSupervisor, RestartBudget
 from frontend.tokenizer import Tokenizer, TokenizerError
 
 log = logging.getLogger("roseinfer.launch")
@@ -66,8 +68,13 @@ class Launch:
         addresses = ipc.Addresses.new_ipc()
         self.client = AsyncEngineClient(addresses, EngineSupervisor(engine_config, addresses),
                                         config.engine_ping_timeout, config.max_queued_requests)  # fmt: skip
+        # --max-engine-restarts 0: a dead engine fails what is in flight and /health stays 503 (for an outer
+        # supervisor to act on); otherwise unfinished requests wait for the replacement and resume.
+        self.client.resumable = config.max_engine_restarts > 0
+        self.client.restart_timeout = config.engine_restart_timeout
         self.stopping = asyncio.Event()
         self.server: _Server | None = None
+        self.exit_code: int | None = None  # set when the server stops itself
 
     def on_signal(self, sig: signal.Signals) -> None:
         if self.stopping.is_set():  # a second signal: stop waiting for in-flight requests
@@ -93,6 +100,9 @@ class Launch:
             print(f"error: cannot listen on {self.config.host}:{self.config.port}: {exc}", file=sys.stderr)
             await self.client.close()
             return 1
+        supervising: asyncio.Task | None = None
+        if self.client.resumable:
+            supervising = asyncio.create_task(self._supervise())
         try:
             return await self._run(http)
         except (EngineStartError, ModelSourceError, TokenizerError) as exc:
@@ -100,7 +110,37 @@ class Launch:
             return 1
         finally:
             http.close()
+            if supervising is not None:
+                supervising.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await supervising
             await self.client.close()  # stops the engine core, removes the ipc files
+
+    async def _supervise(self) -> None:
+        """Replaces a dead engine core while the budget allows; past it, fails what is in flight and stops."""
+        budget = RestartBudget(self.config.max_engine_restarts, self.config.engine_restart_window)
+        while True:
+            cause = await self.client.wait_down()
+            if self.client.ready is None:
+                return  # it never started: start() reports that
+            if self.stopping.is_set():
+                self.client.give_up(f"{cause} (not restarted: the server is shutting down)")
+                return
+            if not budget.take():
+                log.error("engine core down: %s; already restarted %d times within %g s (--max-engine-restarts): "
+                          "stopping the server", cause, budget.used, budget.window)  # fmt: skip
+                self.client.give_up(f"{cause}; the engine core keeps failing and the server is stopping")
+                self.exit_code = 1
+                self.stopping.set()
+                if self.server is not None:
+                    self.server.should_exit = True
+                return
+            if self.client.metrics is not None:
+                self.client.metrics.engine_restarts.inc()
+            log.warning("engine core down: %s; starting epoch %d (restart %d of %d within %g s), %d requests "
+                        "waiting to resume", cause, self.client.epoch + 1, budget.used, budget.max_restarts,
+                        budget.window, self.client.num_in_flight)  # fmt: skip
+            await self.client.restart(self.config.engine_ready_timeout)
 
     async def _run(self, http: socket.socket) -> int:
         starting = asyncio.ensure_future(self.client.start(self.config.engine_ready_timeout))
@@ -122,12 +162,14 @@ class Launch:
                                              log_level=self.config.log_level,
                                              timeout_graceful_shutdown=int(self.config.drain_timeout) + 5))  # fmt: skip
         if self.stopping.is_set():
-            return 0
+            return self.exit_code or 0
         try:
             await self.server.serve(sockets=[http])
         except SystemExit as exc:  # uvicorn could not start: it logged why
             log.error("API server failed to start (exit %s)", exc.code)
             return 1
+        if self.exit_code is not None:
+            return self.exit_code
         if not self.stopping.is_set():
             log.error("API server stopped on its own")
             return 1

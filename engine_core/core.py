@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import queue
 import threading
 import time
@@ -180,6 +181,10 @@ def run_engine(config: EngineConfig, addresses: ipc.Addresses) -> int:
 
 
 def _busy_loop(core: EngineCore, inputs: queue.Queue, outputs: queue.Queue, epoch: int) -> None:
+    # Debug, opt-in (crash tests): a request whose prompt holds this token id kills the process, as a poison would.
+    crash_on = os.environ.get("ROSEINFER_DEBUG_CRASH_ON_TOKEN")
+    crash_on_id = int(crash_on) if crash_on else None
+
     def drain(block: bool) -> None:
         while True:
             try:
@@ -188,6 +193,8 @@ def _busy_loop(core: EngineCore, inputs: queue.Queue, outputs: queue.Queue, epoc
                 return
             block = False
             if isinstance(msg, EngineRequest):
+                if crash_on_id is not None and crash_on_id in msg.prompt_token_ids:
+                    os._exit(1)
                 core.add_request(msg)
             elif isinstance(msg, AbortRequest):
                 core.abort(msg.request_ids)

@@ -110,7 +110,10 @@ def create_app(ctx: ServingContext, config: ServerConfig, metrics: Metrics) -> F
         """200 only while the engine core is up and answers the client's pings (never waits on a busy engine)."""
         if client.healthy:
             return Response(status_code=200)
-        return ApiError(503, client.dead or "the engine core is not ready", None, "engine_unavailable").response()
+        why = client.dead or "the engine core is not ready"
+        if client.dead is not None and client.resumable:
+            why = f"the engine core is restarting after: {why}"
+        return ApiError(503, why, None, "engine_unavailable").response()
 
     @app.get("/metrics")
     async def prometheus_metrics() -> Response:
@@ -144,7 +147,7 @@ def create_app(ctx: ServingContext, config: ServerConfig, metrics: Metrics) -> F
         prompt = ctx.tokenizer.encode(req.prompt) if isinstance(req.prompt, str) else list(req.prompt)
         ctx.check_prompt(prompt, "prompt")
         params = ctx.sampling_params(req, ctx.max_tokens(len(prompt), req.max_tokens, "max_tokens"), None)
-        return stream_text(ctx.fan_out(f"gen-{raw.state.request_id}", [prompt], req, params))
+        return stream_text(await ctx.fan_out(f"gen-{raw.state.request_id}", [prompt], req, params))
 
     start_time = time.time()
     app.add_middleware(RequestIdAndAuth, api_key=config.api_key)

@@ -23,24 +23,22 @@ from common.messages import (
     UtilityResult,
 )
 from frontend.detokenizer import IncrementalDetokenizer
+from frontend.errors import EngineUnavailable
+from frontend.liveness import EngineWatch
 from frontend.metrics import Metrics
+from frontend.recovery import EngineRecovery
 from frontend.request_stream import Delta, RequestStream
 from frontend.supervisor import EngineSupervisor
 
 log = logging.getLogger("roseinfer.frontend")
-PROCESS_POLL_S = 0.1  # how soon a vanished engine process is noticed
-PING_INTERVAL_S = 1.0
-
-
-class EngineUnavailable(RuntimeError):
-    """The engine core is dead or not ready: the request cannot run (HTTP 503)."""
+__all__ = ["AsyncEngineClient", "EngineUnavailable", "QueueFull"]
 
 
 class QueueFull(RuntimeError):
     """More requests in flight than --max-queued-requests allows (HTTP 503)."""
 
 
-class AsyncEngineClient:
+class AsyncEngineClient(EngineRecovery):
     """Also the asyncio direct client: `await AsyncEngineClient.spawn(EngineConfig(...))` needs no HTTP."""
 
     def __init__(self, addresses: ipc.Addresses, supervisor: EngineSupervisor | None = None, ping_timeout: float = 30.0,
@@ -50,6 +48,8 @@ class AsyncEngineClient:
         self.ping_timeout = ping_timeout
         self.max_queued = max_queued
         self.metrics = metrics
+        self.resumable = False
+        self.restart_timeout = 0.0  # how long a new request waits for a restarting engine
         self._ctx = zmq.asyncio.Context()
         # Sends go through a plain socket: never blocks (no HWM), and works from `finally` blocks of
         # cancelled tasks, where an await would be cancelled again.
@@ -57,6 +57,7 @@ class AsyncEngineClient:
         self._router.setsockopt(zmq.ROUTER_MANDATORY, 1)  # an unreachable engine raises, never drops silently
         self._input = zmq.Socket.shadow(self._router.underlying)
         self._output = ipc.make_socket(self._ctx, zmq.PULL, addresses.output, bind=True)
+        self._monitor = self._output.get_monitor_socket(zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED)
         self._identity = ipc.engine_identity(supervisor.config.engine_index if supervisor else 0)
         self._streams: dict[str, RequestStream] = {}
         self._calls: dict[int, asyncio.Future[UtilityResult]] = {}
@@ -65,8 +66,11 @@ class AsyncEngineClient:
         self._ready_future: asyncio.Future[EngineReady] | None = None
         self.ready: EngineReady | None = None
         self.epoch = supervisor.epoch if supervisor else 0
-        self.dead: str | None = None  # why the engine is down
-        self._engine_exiting = False  # it sent EngineDead: its process is on its way out
+        self.dead: str | None = None
+        self._down_epoch: int | None = None
+        self._down = asyncio.Event()
+        self._settled = asyncio.Event()
+        self._closing = False
 
     @classmethod
     async def spawn(cls, config: EngineConfig, ready_timeout: float = 600.0, **kw) -> AsyncEngineClient:
@@ -82,10 +86,10 @@ class AsyncEngineClient:
     async def start(self, ready_timeout: float) -> EngineReady:
         """Spawns the engine (with a supervisor), starts the output and liveness tasks, waits for EngineReady."""
         self._ready_future = asyncio.get_running_loop().create_future()
-        self._tasks = [asyncio.create_task(self._read_outputs()), asyncio.create_task(self._ping_loop())]
+        watch = EngineWatch(self, self._monitor)
+        self._tasks = [asyncio.create_task(c) for c in (self._read_outputs(), *watch.coroutines())]
         if self.supervisor is not None:
             self.supervisor.spawn()
-            self._tasks.append(asyncio.create_task(self._watch_process()))
         try:
             return await asyncio.wait_for(asyncio.shield(self._ready_future), ready_timeout)
         except TimeoutError:
@@ -109,6 +113,16 @@ class AsyncEngineClient:
         if len(self._streams) + num_requests > self.max_queued:
             raise QueueFull(f"too many requests in flight (--max-queued-requests {self.max_queued})")
 
+    async def wait_available(self) -> None:
+        """A new request arriving while the engine restarts waits for it, up to restart_timeout."""
+        if self.healthy or not self.resumable:
+            return
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._settled.wait(), self.restart_timeout)
+        if not self.healthy:
+            raise EngineUnavailable(f"the engine core is restarting and was not back within "
+                                    f"{self.restart_timeout:g} s ({self.dead})")  # fmt: skip
+
     def add(self, request: EngineRequest, detokenizer: IncrementalDetokenizer | None = None,
             include_stop_token: bool = False) -> RequestStream:  # fmt: skip
         self.check_capacity(1)
@@ -116,9 +130,12 @@ class AsyncEngineClient:
             raise ValueError(f"request id {request.request_id!r} is already in flight")
         stream = RequestStream(request, detokenizer, include_stop_token)
         try:
-            self._send(request)
+            self._send(stream.mark_sent())
         except zmq.ZMQError as exc:
-            raise EngineUnavailable(f"cannot reach the engine core: {exc}") from exc
+            if not self.resumable:
+                raise EngineUnavailable(f"cannot reach the engine core: {exc}") from exc
+            stream.sent_at = None  # it never got there: the next engine gets it
+            self.engine_down(f"cannot reach the engine core: {exc}", self.epoch)
         self._streams[request.request_id] = stream
         if self.metrics is not None:
             self.metrics.prompt_tokens.inc(len(request.prompt_token_ids))
@@ -180,13 +197,10 @@ class AsyncEngineClient:
                 if msg.stats is not None and self.metrics is not None:
                     self.metrics.observe_stats(msg.stats)
             elif isinstance(msg, EngineReady):
-                self.ready, self.epoch = msg, msg.epoch
-                if self._ready_future is not None and not self._ready_future.done():
-                    self._ready_future.set_result(msg)
+                self._on_ready(msg)
             elif isinstance(msg, EngineDead):
-                self._engine_exiting = True
-                self._on_dead(f"engine core died: {msg.error}" if self.ready else
-                              f"engine core failed to start: {msg.error}")  # fmt: skip
+                self.engine_down(f"engine core (epoch {msg.epoch}) died: {msg.error}" if self.ready else
+                                 f"engine core failed to start: {msg.error}", msg.epoch)  # fmt: skip
 
     def _on_outputs(self, msg: EngineOutputs) -> None:
         if msg.stats is not None and self.metrics is not None:
@@ -207,61 +221,20 @@ class AsyncEngineClient:
             with contextlib.suppress(zmq.ZMQError):
                 self._send(AbortRequest(stopped))
 
-    # ---- liveness ----
-
-    def _on_dead(self, reason: str) -> None:
-        if self.dead is not None:
-            return
-        log.error("%s", reason)
-        self.dead = reason
-        self.fail_all(reason)
-        for future in self._calls.values():
-            if not future.done():
-                future.set_exception(EngineUnavailable(reason))
-        if self._ready_future is not None and not self._ready_future.done():
-            self._ready_future.set_exception(EngineStartError(reason))
-        if self.metrics is not None:
-            self.metrics.engine_down()
-
-    def fail_all(self, error: str) -> None:
-        """Ends every in-flight request with `error` (its consumer sees finish_reason "error")."""
-        streams, self._streams = self._streams, {}
-        for stream in streams.values():
-            stream.fail(error)
-
-    async def _watch_process(self) -> None:
-        assert self.supervisor is not None
-        while self.dead is None:
-            await asyncio.sleep(PROCESS_POLL_S)
-            code = self.supervisor.exit_code()
-            if code is not None:
-                await asyncio.sleep(0.5)  # an EngineDead sent just before exiting says why; let it arrive
-                what = "before it was ready" if self.ready is None else "unexpectedly"
-                self._on_dead(f"engine core exited with code {code} {what}")
-
-    async def _ping_loop(self) -> None:
-        """A hung engine (no answer to a health call) is as dead as a gone one."""
-        while self.dead is None:
-            await asyncio.sleep(PING_INTERVAL_S)
-            if self.ready is None:
-                continue
-            try:
-                await self.call("health", timeout=self.ping_timeout)
-            except TimeoutError:
-                self._on_dead(f"engine core did not answer a health check within {self.ping_timeout:g} s")
-            except EngineUnavailable:
-                return
-
     async def close(self) -> None:
         """Stops the tasks and the engine process, closes the sockets, removes the ipc files."""
+        self._closing = True
         for task in self._tasks:
             task.cancel()
         for task in self._tasks:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
         self.fail_all("the server is shutting down")
+        self._settled.set()
         if self.supervisor is not None:
-            await asyncio.to_thread(self.supervisor.stop, 10.0, self._engine_exiting)
+            await asyncio.to_thread(self.supervisor.stop, 10.0)
+        self._output.disable_monitor()
+        self._monitor.close(0)
         self._router.close(0)
         self._output.close(0)
         self._ctx.term()

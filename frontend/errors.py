@@ -11,6 +11,10 @@ _TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "inva
           500: "server_error", 503: "service_unavailable"}  # fmt: skip
 
 
+class EngineUnavailable(RuntimeError):
+    """The engine core is dead, restarting or not ready: the request cannot run (HTTP 503)."""
+
+
 class ApiError(Exception):
     def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None) -> None:
         super().__init__(message)
@@ -35,9 +39,9 @@ def error_body(status: int, message: str, param: str | None = None, code: str | 
     return {"error": {"message": message, "type": error_type, "param": param, "code": code}}
 
 
-def sse_error(status: int, message: str) -> str:
+def sse_error(status: int, message: str, code: str | None = None) -> str:
     """An error after a stream started: one `data:` event with the error body (then the caller sends [DONE])."""
-    return f"data: {json.dumps(error_body(status, message))}\n\n"
+    return f"data: {json.dumps(error_body(status, message, None, code))}\n\n"
 
 
 def from_validation_errors(errors: list[dict[str, Any]]) -> ApiError:

@@ -38,6 +38,7 @@ class Metrics:
         self.num_preemptions = counter("num_preemptions", "Requests preempted by the scheduler")
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens sent to the engine")
         self.generation_tokens = counter("generation_tokens", "Tokens generated")
+        self.engine_restarts = counter("engine_restarts", "Engine core restarts after a crash or a hang")
         self.ttft = histogram("time_to_first_token_seconds", "Arrival to first token")
         self.itl = histogram("inter_token_latency_seconds", "Time between two outputs of one request")
         self.e2e = histogram("e2e_request_latency_seconds", "Arrival to the last output")

@@ -6,6 +6,8 @@ import asyncio
 import time
 from dataclasses import dataclass, field
 
+import msgspec
+
 from common.messages import EngineOutput, EngineRequest, FinishReason, Logprobs
 from frontend.detokenizer import IncrementalDetokenizer
 
@@ -22,6 +24,7 @@ class Delta:
     finish_reason: str | None = None  # "stop" | "length" | "error"
     stop_reason: str | int | None = None  # the stop string or stop token id that ended it
     error: str | None = None
+    error_code: str | None = None  # why it failed, when that is more than "the engine failed"
 
     def merge(self, other: Delta) -> None:
         self.token_ids += other.token_ids
@@ -32,6 +35,7 @@ class Delta:
         self.finish_reason = other.finish_reason or self.finish_reason
         self.stop_reason = other.stop_reason if other.stop_reason is not None else self.stop_reason
         self.error = other.error or self.error
+        self.error_code = other.error_code or self.error_code
 
 
 class RequestStream:
@@ -49,6 +53,8 @@ class RequestStream:
         self.arrival = time.monotonic()
         self.first_token_time: float | None = None
         self.last_token_time: float | None = None
+        self.sent_at: int | None = None  # len(output_token_ids) when last sent to an engine; None: in none
+        self.suspect = False  # implicated in the last engine crash
         self._slot: Delta | None = None
         self._ready = asyncio.Event()
 
@@ -93,9 +99,28 @@ class RequestStream:
         delta.top_ids.append(lp.top_ids[i] if i < len(lp.top_ids) else [])
         delta.top_logprobs.append(lp.top_logprobs[i] if i < len(lp.top_logprobs) else [])
 
-    def fail(self, error: str) -> None:
+    def fail(self, error: str, code: str | None = None) -> None:
         if not self.finished:
-            self._put(Delta(finish_reason="error", error=error))
+            self._put(Delta(finish_reason="error", error=error, error_code=code))
+
+    # ---- engine restarts (the client) ----
+
+    def mark_sent(self) -> EngineRequest:
+        """The request to (re)send. After a restart it carries the tokens already streamed, after which the
+        engine continues exactly (max_tokens stays the total: the engine counts them)."""
+        self.sent_at = len(self.output_token_ids)
+        if not self.output_token_ids:
+            return self.request
+        return msgspec.structs.replace(self.request, output_token_ids=list(self.output_token_ids))
+
+    def on_crash(self) -> bool:
+        """Records an engine crash; True when this request is implicated in two crashes running (poison).
+        Implicated: in the engine, and no token since it was sent. One that made progress did not crash the
+        engine on sight, and blaming every bystander would fail all in-flight requests after any two crashes."""
+        implicated = self.sent_at is not None and len(self.output_token_ids) == self.sent_at
+        poison = implicated and self.suspect
+        self.suspect, self.sent_at = implicated, None
+        return poison
 
     def _put(self, delta: Delta) -> None:
         if delta.token_ids:

@@ -18,6 +18,7 @@ from frontend.engine_client import AsyncEngineClient, EngineUnavailable, QueueFu
 from frontend.errors import ApiError, bad_request, sse_error
 from frontend.fanout import Choice, FanOut
 from frontend.protocol import SamplingFields
+from frontend.recovery import POISON
 from frontend.request_stream import Delta
 from frontend.tokenizer import Tokenizer
 
@@ -64,12 +65,14 @@ class ServingContext:
             raise bad_request(f"min_tokens ({req.min_tokens}) is larger than max_tokens ({max_tokens})", "min_tokens")
         return req.sampling_params(max_tokens, logprobs)
 
-    def fan_out(self, request_id: str, prompts: list[list[int]], req: SamplingFields, params: SamplingParams) -> FanOut:
+    async def fan_out(self, request_id: str, prompts: list[list[int]], req: SamplingFields,
+                      params: SamplingParams) -> FanOut:  # fmt: skip
         def detokenizer(prompt: list[int]) -> IncrementalDetokenizer:
             return IncrementalDetokenizer(self.tokenizer, prompt, req.stop_strings, req.include_stop_str_in_output,
                                           req.skip_special_tokens, req.min_tokens)  # fmt: skip
 
         try:
+            await self.client.wait_available()  # a restarting engine: wait for it (--engine-restart-timeout)
             return FanOut(self.client, request_id, prompts, req.n, params, detokenizer,
                           req.include_stop_str_in_output)  # fmt: skip
         except (EngineUnavailable, QueueFull) as exc:
@@ -78,9 +81,11 @@ class ServingContext:
         except ValueError as exc:  # a request id (X-Request-Id) that is already in flight
             raise bad_request(str(exc), None, "duplicate_request_id") from exc
 
-    def failure(self, error: str | None) -> ApiError:
+    def failure(self, error: str | None, code: str | None = None) -> ApiError:
+        if code == POISON:  # this request is the likely cause: retrying it elsewhere will not help
+            return ApiError(500, error or "the request crashed the engine core", None, code)
         status = 503 if self.client.dead is not None else 500
-        return ApiError(status, error or "the request failed in the engine", None, "engine_error")
+        return ApiError(status, error or "the request failed in the engine", None, code or "engine_error")
 
 
 def clamp(logprob: float) -> float:
@@ -118,7 +123,7 @@ class _ClosingStreamingResponse(StreamingResponse):
 
 
 async def _sse(fan: FanOut, fmt: ResponseFormat, head: dict[str, Any], include_usage: bool,
-               failure: Callable[[str | None], ApiError]) -> AsyncIterator[str]:  # fmt: skip
+               failure: Callable[[str | None, str | None], ApiError]) -> AsyncIterator[str]:  # fmt: skip
     """content chunks (finish_reason null) -> each choice's finish chunk -> usage chunk -> [DONE]."""
 
     def chunk(choice: dict[str, Any]) -> str:
@@ -133,8 +138,8 @@ async def _sse(fan: FanOut, fmt: ResponseFormat, head: dict[str, Any], include_u
                 yield chunk(opening)
         async for index, delta in fan.deltas():
             if delta.finish_reason == "error":
-                err = failure(delta.error)
-                yield sse_error(err.status, err.message)
+                err = failure(delta.error, delta.error_code)
+                yield sse_error(err.status, err.message, err.code)
                 break
             if (content := fmt.content(index, delta)) is not None:
                 yield chunk(content)
@@ -174,7 +179,7 @@ async def respond(ctx: ServingContext, raw: Request, fan: FanOut, fmt: ResponseF
     choices = work.result()
     failed = next((c.result for c in choices if c.result.finish_reason == "error"), None)
     if failed is not None:
-        raise ctx.failure(failed.error)
+        raise ctx.failure(failed.error, failed.error_code)
     return JSONResponse({**head, **fmt.response(choices, fan.usage())})
 
 

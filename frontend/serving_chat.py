@@ -81,5 +81,5 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
     max_tokens = ctx.max_tokens(len(prompt), requested, param)
     params = ctx.sampling_params(req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None)
     rid = f"chatcmpl-{request_id}"
-    fan = ctx.fan_out(rid, [prompt], req, params)
+    fan = await ctx.fan_out(rid, [prompt], req, params)
     return await respond(ctx, raw, fan, ChatFormat(ctx, req), rid, bool(req.stream), req.include_usage)

@@ -109,6 +109,6 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest, raw: Re
     max_tokens = ctx.max_tokens(max(len(p) for p in prompts), req.max_tokens, "max_tokens")
     params = ctx.sampling_params(req, max_tokens, req.logprobs)
     rid = f"cmpl-{request_id}"
-    fan = ctx.fan_out(rid, prompts, req, params)
+    fan = await ctx.fan_out(rid, prompts, req, params)
     fmt = CompletionFormat(ctx, req, prompts, texts)
     return await respond(ctx, raw, fan, fmt, rid, bool(req.stream), req.include_usage)

@@ -1,11 +1,13 @@
-"""EngineSupervisor: the engine-core process handle, (re)spawned with an epoch; the one place a restart will go."""
+"""EngineSupervisor: the engine-core process handle, (re)spawned with an epoch; RestartBudget: how often it may be."""
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import signal
 import subprocess
+import time
 
 from common import ipc
 from common.config import EngineConfig
@@ -16,7 +18,7 @@ class EngineSupervisor:
     def __init__(self, config: EngineConfig, addresses: ipc.Addresses) -> None:
         self.config = config
         self.addresses = addresses
-        self.epoch = config.epoch
+        self.epoch = config.epoch  # of the process in self.proc (or the next one to spawn)
         self.proc: subprocess.Popen | None = None
 
     def spawn(self) -> None:
@@ -31,6 +33,11 @@ class EngineSupervisor:
         finally:
             signal.signal(signal.SIGINT, previous)
 
+    def respawn(self, epoch: int) -> None:
+        """A replacement with the same configuration and a new epoch; the old process must be gone (stop())."""
+        self.epoch = epoch
+        self.spawn()
+
     @property
     def pid(self) -> int | None:
         return self.proc.pid if self.proc is not None else None
@@ -39,14 +46,16 @@ class EngineSupervisor:
         """None while the engine process runs (or was never started)."""
         return self.proc.poll() if self.proc is not None else None
 
-    def stop(self, timeout: float = 10.0, dying: bool = False) -> None:
-        """SIGTERM (the engine exits its loop cleanly), then SIGKILL if it does not go in time; reaps it.
-        `dying`: it already said it is going (EngineDead); let it finish its own exit first."""
+    def kill(self) -> None:
+        """SIGKILL without waiting: a hung (or stopped) engine honours nothing else."""
+        if self.proc is not None and self.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                self.proc.kill()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """SIGTERM (the engine exits its loop cleanly), then SIGKILL if it does not go in time; reaps it."""
         if self.proc is None:
             return
-        if dying:
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                self.proc.wait(timeout=5.0)
         if self.proc.poll() is None:
             self.proc.terminate()
             try:
@@ -54,3 +63,26 @@ class EngineSupervisor:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+
+
+class RestartBudget:
+    """At most `max_restarts` restarts in any `window` seconds; 0 turns restarts off."""
+
+    def __init__(self, max_restarts: int, window: float) -> None:
+        self.max_restarts = max_restarts
+        self.window = window
+        self._times: collections.deque[float] = collections.deque()
+
+    def take(self, now: float | None = None) -> bool:
+        """Spends one restart if the window has one left."""
+        now = time.monotonic() if now is None else now
+        while self._times and now - self._times[0] > self.window:
+            self._times.popleft()
+        if len(self._times) >= self.max_restarts:
+            return False
+        self._times.append(now)
+        return True
+
+    @property
+    def used(self) -> int:
+        return len(self._times)

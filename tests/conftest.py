@@ -88,3 +88,10 @@ def server_started(tmp_path_factory: pytest.TempPathFactory):
 @pytest.fixture(scope="session")
 def server(server_started: Server) -> Server:
     return server_started.wait_healthy()
+
+
+def engine_child(server: Server) -> int | None:
+    """launch.py's engine-core child right now (a restart replaces it), or None between two of them."""
+    pid = server.proc.pid
+    children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    return int(children[0]) if children else None

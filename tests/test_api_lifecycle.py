@@ -23,9 +23,10 @@ LONG = {"model": MODEL, "prompt": "Tell me about whales.", "max_tokens": 1000, "
 
 @pytest.fixture(scope="module")
 def servers(tmp_path_factory: pytest.TempPathFactory):
-    """Two servers loading side by side: `guarded` (key, CORS, queue of 6) and `draining` (5 s drain)."""
+    """Two servers loading side by side: `guarded` (key, CORS, queue of 6, no engine restarts: the fail-fast path)
+    and `draining` (5 s drain)."""
     guarded = Server(tmp_path_factory.mktemp("guarded"), "--api-key", "sk-test", "--allowed-origins", ORIGIN,
-                     "--max-queued-requests", "6")  # fmt: skip
+                     "--max-queued-requests", "6", "--max-engine-restarts", "0")  # fmt: skip
     draining = Server(tmp_path_factory.mktemp("draining"), "--drain-timeout", "5")
     yield guarded.wait_healthy(), draining.wait_healthy()
     for s in (guarded, draining):

@@ -1,0 +1,270 @@
+"""Surviving an engine crash over HTTP: kill -9 and a hang mid-decode resume exactly; poison requests; the budget."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import signal
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+
+from common.messages import EngineOutput, EngineRequest, SamplingParams
+from frontend.request_stream import RequestStream
+from frontend.supervisor import RestartBudget
+from tests.conftest import Server, engine_child
+
+MODEL = "SmolLM2-135M-Instruct"
+POISON_TOKEN = 12345  # ROSEINFER_DEBUG_CRASH_ON_TOKEN: the engine process exits on a prompt holding it
+PING_TIMEOUT = 10.0  # above the slowest step on a busy 2-core machine, or a slow engine counts as hung
+MAX_TOKENS = 64
+TOPICS = ["whales", "volcanoes", "the moon", "bread", "trains", "owls", "glaciers", "chess", "honey", "lighthouses",
+          "comets", "tea", "bicycles", "coral reefs", "clocks", "maps"]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def servers(tmp_path_factory: pytest.TempPathFactory):
+    """`crashy` (10 restarts, 10 s ping timeout) and `fragile` (1 restart, new requests wait 0.5 s for an engine)."""
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("ROSEINFER_DEBUG_CRASH_ON_TOKEN", str(POISON_TOKEN))  # inherited by each engine core
+        crashy = Server(tmp_path_factory.mktemp("crashy"), "--max-engine-restarts", "10", "--engine-ping-timeout",
+                        str(PING_TIMEOUT), "--max-num-batched-tokens", "512")  # fmt: skip
+        fragile = Server(tmp_path_factory.mktemp("fragile"), "--max-engine-restarts", "1", "--engine-restart-timeout",
+                         "0.5", "--num-kv-blocks", "128")  # fmt: skip
+    yield crashy.wait_healthy(), fragile.wait_healthy()
+    if fragile.proc.poll() is None:
+        fragile.stop()
+    crashy.engine_pid = engine_child(crashy)
+    crashy.assert_clean_exit()  # after five restarts: exit 0, no engine core, no ipc files
+
+
+def body(i: int, max_tokens: int = MAX_TOKENS) -> dict:
+    """Even i greedy, odd i seeded sampling: both must resume exactly."""
+    sampling = {"temperature": 0.0} if i % 2 == 0 else {"temperature": 0.8, "top_p": 0.95, "seed": 1000 + i}
+    prompt = f"Write a short story about {TOPICS[i]}."
+    return {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True, **sampling}
+
+
+@dataclass
+class Run:
+    """What one streamed completion delivered."""
+
+    status: int = 0
+    text: str = ""
+    chunks: int = 0  # content events so far: progress
+    usage: dict | None = None
+    error: dict | None = None
+    done: bool = False
+
+
+async def stream(client: httpx.AsyncClient, payload: dict, run: Run | None = None) -> Run:
+    run = run or Run()
+    payload = {**payload, "stream": True, "stream_options": {"include_usage": True}}
+    async with client.stream("POST", "/v1/completions", json=payload) as r:
+        run.status = r.status_code
+        async for line in r.aiter_lines():
+            if not line.startswith("data: "):
+                continue
+            if line == "data: [DONE]":
+                run.done = True
+                continue
+            event = json.loads(line[6:])
+            if "error" in event:
+                run.error = event["error"]
+                continue
+            run.usage = event.get("usage") or run.usage
+            for choice in event["choices"]:
+                run.text += choice["text"]
+                run.chunks += bool(choice["text"])
+    return run
+
+
+async def wait_health(client: httpx.AsyncClient, status: int, timeout: float) -> float:
+    """Seconds until /health answers `status`."""
+    start = time.monotonic()
+    while (elapsed := time.monotonic() - start) < timeout:
+        if (await client.get("/health")).status_code == status:
+            return elapsed
+        await asyncio.sleep(0.02)
+    raise AssertionError(f"/health never answered {status} within {timeout} s")
+
+
+async def wait_progress(runs: list[Run], more: int, timeout: float = 120.0) -> None:
+    """Until every stream delivered `more` content events beyond what it had."""
+    targets = [r.chunks + more for r in runs]
+    deadline = time.monotonic() + timeout
+    while any(r.chunks < t for r, t in zip(runs, targets, strict=True)):
+        assert time.monotonic() < deadline, [r.chunks for r in runs]
+        assert not any(r.done for r in runs), "a stream ended before the engine was disturbed"
+        await asyncio.sleep(0.02)
+
+
+async def restarts(client: httpx.AsyncClient) -> float:
+    text = (await client.get("/metrics")).text
+    match = re.search(rf'^roseinfer:engine_restarts_total{{model_name="{MODEL}"}} (\S+)$', text, re.M)
+    assert match, text
+    return float(match.group(1))
+
+
+def assert_same(runs: list[Run], reference: list[Run]) -> None:
+    """Complete, and token for token what the undisturbed run produced (usage counts tokens, text shows order)."""
+    for run, ref in zip(runs, reference, strict=True):
+        assert run.status == 200 and run.done and run.error is None, run
+        assert run.usage is not None and run.usage["completion_tokens"] == MAX_TOKENS
+        assert run.usage == ref.usage and run.text == ref.text
+
+
+def test_streams_resume_exactly_after_two_kills(servers):
+    server = servers[0]
+    bodies = [body(i) for i in range(16)]
+
+    async def scenario() -> None:
+        async with httpx.AsyncClient(base_url=server.url, timeout=300) as client:
+            reference = await asyncio.gather(*(stream(client, b) for b in bodies))
+            before = await restarts(client)
+            runs = [Run() for _ in bodies]
+            tasks = [asyncio.create_task(stream(client, b, r)) for b, r in zip(bodies, runs, strict=True)]
+            waiting = []
+            for _ in range(2):
+                await wait_progress(runs, 3)  # mid-decode, and (the second time) after resuming
+                pid = engine_child(server)
+                assert pid is not None
+                os.kill(pid, signal.SIGKILL)
+                assert await wait_health(client, 503, timeout=5) < 2.0  # the socket monitor notices at once
+                assert "restarting" in (await client.get("/health")).json()["error"]["message"]
+                # A new request in the gap waits for the new engine (--engine-restart-timeout, 60 s here).
+                waiting.append(asyncio.create_task(client.post("/v1/completions", json=body(2, max_tokens=4))))
+                await wait_health(client, 200, timeout=120)  # 503 until the new engine is ready
+                assert engine_child(server) not in (None, pid)
+            assert_same(await asyncio.gather(*tasks), reference)
+            assert [r.status_code for r in await asyncio.gather(*waiting)] == [200, 200]
+            assert await restarts(client) == before + 2
+
+    asyncio.run(scenario())
+    log = server.log.read_text()
+    assert "disconnected" in log and "resumed 16 unfinished requests" in log
+
+
+def test_hung_engine_is_replaced(servers):
+    server = servers[0]
+    bodies = [body(i) for i in range(4)]
+
+    async def scenario() -> None:
+        async with httpx.AsyncClient(base_url=server.url, timeout=300) as client:
+            reference = await asyncio.gather(*(stream(client, b) for b in bodies))
+            before = await restarts(client)
+            runs = [Run() for _ in bodies]
+            tasks = [asyncio.create_task(stream(client, b, r)) for b, r in zip(bodies, runs, strict=True)]
+            await wait_progress(runs, 3)
+            pid = engine_child(server)
+            assert pid is not None
+            os.kill(pid, signal.SIGSTOP)  # alive and connected, but no longer stepping
+            # Detected by the ping: its timeout, plus up to one ping interval (1 s), plus polling slack.
+            assert await wait_health(client, 503, timeout=30) < PING_TIMEOUT + 2.5
+            await wait_health(client, 200, timeout=120)
+            assert not Path(f"/proc/{pid}").exists()  # killed and reaped, not left stopped
+            assert_same(await asyncio.gather(*tasks), reference)
+            assert await restarts(client) == before + 1
+
+    asyncio.run(scenario())
+    assert "did not answer a health check" in server.log.read_text()
+
+
+async def poison_prompt(client: httpx.AsyncClient) -> list[int]:
+    ids = (await client.post("/tokenize", json={"prompt": "Describe this poison."})).json()["tokens"]
+    for i in range(len(TOPICS)):  # no ordinary prompt may trip the crash hook
+        assert POISON_TOKEN not in (await client.post("/tokenize", json={"prompt": body(i)["prompt"]})).json()["tokens"]
+    return [*ids, POISON_TOKEN]
+
+
+def test_poison_request_fails_alone(servers):
+    server = servers[0]
+    bodies = [body(i) for i in range(3)]
+
+    async def scenario() -> None:
+        async with httpx.AsyncClient(base_url=server.url, timeout=300) as client:
+            poison = {"model": MODEL, "prompt": await poison_prompt(client), "max_tokens": 8}
+            reference = await asyncio.gather(*(stream(client, b) for b in bodies))
+            before = await restarts(client)
+            runs = [Run() for _ in bodies]
+            tasks = [asyncio.create_task(stream(client, b, r)) for b, r in zip(bodies, runs, strict=True)]
+            await wait_progress(runs, 3)
+            failed = await stream(client, poison)  # crash, resume, crash again: then it is failed, not resumed
+            assert failed.status == 200 and failed.done and failed.text == "", failed
+            assert failed.error is not None and failed.error["code"] == "request_crashed_engine", failed
+            assert failed.error["type"] == "server_error" and "consecutive engine crashes" in failed.error["message"]
+            assert_same(await asyncio.gather(*tasks), reference)  # the others resumed twice and finished intact
+            assert await restarts(client) == before + 2
+            assert (await client.get("/health")).status_code == 200
+
+    asyncio.run(scenario())
+
+
+def test_restart_budget_spent_stops_the_server(servers):
+    server: Server = servers[1]
+
+    async def scenario() -> None:
+        async with httpx.AsyncClient(base_url=server.url, timeout=300) as client:
+            poison = {"model": MODEL, "prompt": await poison_prompt(client), "max_tokens": 8}
+            run = Run()
+            task = asyncio.create_task(stream(client, body(0), run))
+            await wait_progress([run], 2)
+            # Crash 1, restart 1 of 1, crash 2: the poison fails, the budget is spent, the server stops.
+            poisoned = asyncio.create_task(client.post("/v1/completions", json=poison))
+            await wait_health(client, 503, timeout=10)
+            start = time.monotonic()
+            late = await client.post("/v1/completions", json=body(1, max_tokens=4))  # waits 0.5 s, then gives up
+            assert late.status_code == 503 and "restarting" in late.json()["error"]["message"], late.text
+            assert time.monotonic() - start >= 0.5
+            r = await poisoned
+            assert r.status_code == 500 and r.json()["error"]["code"] == "request_crashed_engine", r.text
+            await task
+            assert run.status == 200 and run.done and run.error is not None and run.error["code"] == "engine_error"
+            assert "server is stopping" in run.error["message"]
+
+    asyncio.run(scenario())
+    assert server.proc.wait(timeout=60) == 1, server.log_text()
+    assert "stopping the server" in server.log.read_text()
+    assert server.ipc_dirs() == []
+    leftovers = [p for p in Path("/proc").iterdir() if p.name.isdigit() and _mentions(p, str(server.tmp))]
+    assert leftovers == [], "an engine core outlived launch.py"
+
+
+def _mentions(proc: Path, text: str) -> bool:
+    try:
+        return text in (proc / "cmdline").read_bytes().decode(errors="replace")
+    except OSError:
+        return False
+
+
+def test_restart_budget_counts_within_the_window():
+    budget = RestartBudget(2, window=10.0)
+    assert budget.take(0.0) and budget.take(1.0)
+    assert not budget.take(5.0)  # a third within 10 s
+    assert budget.take(10.5) and not budget.take(10.6)  # the first has aged out, the second not yet
+    assert not RestartBudget(0, 10.0).take(0.0)
+
+
+def test_only_a_request_without_progress_at_two_crashes_running_is_poison():
+    def stream() -> RequestStream:
+        return RequestStream(EngineRequest("r", [1, 2], SamplingParams(max_tokens=10)), None)
+
+    def token(s: RequestStream, t: int) -> None:
+        s.on_output(EngineOutput("r", [t]))
+
+    innocent, poison, newcomer = stream(), stream(), stream()
+    innocent.mark_sent()
+    token(innocent, 5)
+    poison.mark_sent()
+    assert not innocent.on_crash() and not poison.on_crash()  # crash 1: only the poison is implicated
+    resent = innocent.mark_sent()
+    assert resent.output_token_ids == [5] and resent.params.max_tokens == 10  # resumes after what it streamed
+    poison.mark_sent()
+    newcomer.mark_sent()
+    assert not innocent.on_crash() and not newcomer.on_crash()  # crash 2 at once: implicated only once
+    assert poison.on_crash()
