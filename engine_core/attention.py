@@ -79,11 +79,12 @@ def paged_attention(
     meta: AttentionMetadata,
     scale: float,
 ) -> torch.Tensor:
-    """q: [T, Hq, D], k/v: [T, Hk, D] (this step's, already written to the cache). Returns [T, Hq, D]."""
+    """q: [T, Hq, D], k/v: [T, Hk, D] (this step's, already written to the cache). Returns [T, Hq, D].
+    Tokens after the decodes and prefill chunks are padding: attended by nobody, their output is zero."""
     n = meta.num_decodes
-    if n and not meta.prefills:  # the common decode-only step: no extra copy
+    if n == q.shape[0] and not meta.prefills:  # the common decode-only step: no extra copy
         return _decode_attention(q, k_cache, v_cache, meta, scale)
-    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    out = torch.zeros(q.shape, dtype=q.dtype, device=q.device)  # rows of padding tokens stay zero
     if n:
         out[:n] = _decode_attention(q[:n], k_cache, v_cache, meta, scale)
     for chunk in meta.prefills:

@@ -18,6 +18,13 @@ from engine_core.sampler import Sampler
 from engine_core.scheduler import SampledTokens, SchedulerOutput
 
 
+def padded_size(num_tokens: int) -> int:
+    """A step's token count rounded up, so that few distinct matmul shapes occur: oneDNN builds a kernel per
+    shape (about 1 ms per linear the first time), and with continuous batching the count changes every step."""
+    multiple = 8 if num_tokens <= 256 else 64
+    return -(-num_tokens // multiple) * multiple
+
+
 def pick_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -77,7 +84,9 @@ class ModelRunner:
 
     def _allocate_kv_cache(self) -> None:
         layers = self.model.attention_layers()
-        shape = (2, len(layers), self.num_blocks, self.block_size, self.model.num_kv_heads, self.model.head_dim)
+        # One block more than the scheduler knows of: padding tokens write their KV there, and nobody reads it.
+        shape = (2, len(layers), self.num_blocks + 1, self.block_size, self.model.num_kv_heads, self.model.head_dim)
+        self.scratch_slot = self.num_blocks * self.block_size
         self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
         for i, layer in enumerate(layers):
             layer.k_cache, layer.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
@@ -107,6 +116,10 @@ class ModelRunner:
             slots += [blocks[p // bs] * bs + p % bs for p in range(start, end)]
             if sample:
                 sample_idx.append(len(ids) - 1)
+        pad = padded_size(len(ids)) - len(ids)
+        ids += [0] * pad
+        positions += [0] * pad
+        slots += [self.scratch_slot] * pad
         dev = self.device
         tables = lens = None
         if decode_tables:
@@ -126,7 +139,8 @@ class ModelRunner:
         if not sampled_reqs:
             self.last_forward_time = time.perf_counter() - start
             return SampledTokens([], [])
-        logits = self.model.compute_logits(hidden[torch.tensor(sample_idx, device=self.device)])
+        rows = sample_idx + sample_idx[-1:] * (padded_size(len(sample_idx)) - len(sample_idx))
+        logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])[: len(sample_idx)]
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self.last_forward_time = time.perf_counter() - start
