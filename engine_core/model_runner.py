@@ -108,12 +108,11 @@ class ModelRunner:
                 decode_tables.append(req.block_ids[: (end + bs - 1) // bs])
                 decode_lens.append(end)
             else:
-                blocks = torch.tensor(req.block_ids[: (end + bs - 1) // bs], device=self.device)
-                prefills.append(PrefillChunk(len(ids), n, end, blocks))
+                block_ids = torch.tensor(req.block_ids[: (end + bs - 1) // bs], device=self.device)
+                prefills.append(PrefillChunk(len(ids), n, end, block_ids))
             ids += req.token_ids[start:end]
             positions += range(start, end)
-            blocks = req.block_ids
-            slots += [blocks[p // bs] * bs + p % bs for p in range(start, end)]
+            slots += [req.block_ids[p // bs] * bs + p % bs for p in range(start, end)]
             if sample:
                 sample_idx.append(len(ids) - 1)
         pad = padded_size(len(ids)) - len(ids)

@@ -108,6 +108,7 @@ class Scheduler:
     def _schedule_queue(self, out: SchedulerOutput) -> None:
         budget = self.max_num_batched_tokens
         preempted = False
+        scheduled: set[int] = set()  # ids of this step's requests: never preemption victims
         ongoing = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
         ongoing += [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
         for req in ongoing:
@@ -116,8 +117,9 @@ class Scheduler:
             if req.status != RequestStatus.RUNNING:  # preempted earlier in this loop
                 continue
             n = min(req.num_tokens - req.num_computed_tokens, budget)
-            if self._allocate_or_preempt(req, n, out):
+            if self._allocate_or_preempt(req, n, scheduled):
                 out.add(req, n)
+                scheduled.add(id(req))
                 budget -= n
             else:
                 preempted = True
@@ -150,7 +152,7 @@ class Scheduler:
                 break
             if req.block_ids or req.num_computed_tokens:
                 n = min(req.num_tokens - req.num_computed_tokens, budget)
-                ok = self._allocate_or_preempt(req, n, out, protected=scheduled)
+                ok = self._allocate_or_preempt(req, n, scheduled)
             else:
                 n = self._admit(req, budget)
                 while n == 0 and self._preempt_one(protected=scheduled | {id(req)}):
@@ -175,11 +177,9 @@ class Scheduler:
         req.status = RequestStatus.RUNNING
         return n
 
-    def _allocate_or_preempt(self, req: Request, n: int, out: SchedulerOutput,
-                             protected: set[int] | None = None) -> bool:  # fmt: skip
-        """Allocates n more slots for a running request, preempting the newest others as needed.
+    def _allocate_or_preempt(self, req: Request, n: int, protected: set[int]) -> bool:
+        """Allocates n more slots for a running request, preempting the newest unprotected others as needed.
         False if `req` itself had to be preempted."""
-        protected = protected if protected is not None else {id(r) for r in out.requests}
         while not self.kv.allocate_slots(req, n):
             victim = self._pick_victim(protected | {id(req)}) or req
             self._preempt(victim)
