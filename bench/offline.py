@@ -24,6 +24,15 @@ def random_prompts(n: int, length: int, seed: int, vocab: int = 49152) -> list[l
     return [[rng.randrange(100, vocab - 100) for _ in range(length)] for _ in range(n)]
 
 
+def add_workload_args(parser: argparse.ArgumentParser) -> None:
+    """The all-at-once workload shared by the offline and the overhead benchmarks."""
+    parser.add_argument("--num-prompts", type=int, default=64)
+    parser.add_argument("--input-len", type=int, default=128)
+    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    parser.add_argument("--seed", type=int, default=0)
+
+
 def bench_roseinfer(prompts: list[list[int]], output_len: int, config: EngineConfig) -> dict:
     with EngineClient(config) as engine:
         params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
@@ -79,11 +88,7 @@ def bench_hf(prompts: list[list[int]], output_len: int, dtype: str, batch_size: 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--num-prompts", type=int, default=64)
-    parser.add_argument("--input-len", type=int, default=128)
-    parser.add_argument("--output-len", type=int, default=128)
-    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
-    parser.add_argument("--seed", type=int, default=0)
+    add_workload_args(parser)
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--hf-batch-sizes", default="64", help="comma-separated; the best is reported")
     parser.add_argument("--skip-hf", action="store_true")

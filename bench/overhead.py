@@ -23,6 +23,7 @@ from typing import Any
 
 from bench import serve
 from bench.compare import free_port, launched
+from bench.offline import add_workload_args
 from common.config import EngineConfig, to_cli_args
 from common.engine_link import EngineClient
 from common.messages import EngineRequest, SamplingParams
@@ -77,11 +78,7 @@ def run_http(args: argparse.Namespace, config: EngineConfig, tokenizer: Any) -> 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--num-prompts", type=int, default=64)
-    parser.add_argument("--input-len", type=int, default=128)
-    parser.add_argument("--output-len", type=int, default=128)
-    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
-    parser.add_argument("--seed", type=int, default=0)
+    add_workload_args(parser)
     parser.add_argument("--num-warmups", type=int, default=16, help="unmeasured requests first, on both sides")
     parser.add_argument("--result-json", default=None)
     ours = parser.parse_args()

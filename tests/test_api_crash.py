@@ -104,6 +104,15 @@ async def wait_progress(runs: list[Run], more: int, timeout: float = 120.0) -> N
         await asyncio.sleep(0.02)
 
 
+async def reference_then_start(client: httpx.AsyncClient, bodies: list[dict]):
+    """Runs the bodies undisturbed for a reference, then starts them again as tasks to be disturbed."""
+    reference = await asyncio.gather(*(stream(client, b) for b in bodies))
+    before = await restarts(client)
+    runs = [Run() for _ in bodies]
+    tasks = [asyncio.create_task(stream(client, b, r)) for b, r in zip(bodies, runs, strict=True)]
+    return reference, before, runs, tasks
+
+
 async def restarts(client: httpx.AsyncClient) -> float:
     text = (await client.get("/metrics")).text
     match = re.search(rf'^roseinfer:engine_restarts_total{{model_name="{MODEL}"}} (\S+)$', text, re.M)
@@ -125,10 +134,7 @@ def test_streams_resume_exactly_after_two_kills(servers):
 
     async def scenario() -> None:
         async with httpx.AsyncClient(base_url=server.url, timeout=300) as client:
-            reference = await asyncio.gather(*(stream(client, b) for b in bodies))
-            before = await restarts(client)
-            runs = [Run() for _ in bodies]
-            tasks = [asyncio.create_task(stream(client, b, r)) for b, r in zip(bodies, runs, strict=True)]
+            reference, before, runs, tasks = await reference_then_start(client, bodies)
             waiting = []
             for _ in range(2):
                 await wait_progress(runs, 3)  # mid-decode, and (the second time) after resuming
@@ -156,10 +162,7 @@ def test_hung_engine_is_replaced(servers):
 
     async def scenario() -> None:
         async with httpx.AsyncClient(base_url=server.url, timeout=300) as client:
-            reference = await asyncio.gather(*(stream(client, b) for b in bodies))
-            before = await restarts(client)
-            runs = [Run() for _ in bodies]
-            tasks = [asyncio.create_task(stream(client, b, r)) for b, r in zip(bodies, runs, strict=True)]
+            reference, before, runs, tasks = await reference_then_start(client, bodies)
             await wait_progress(runs, 3)
             pid = engine_child(server)
             assert pid is not None
@@ -189,10 +192,7 @@ def test_poison_request_fails_alone(servers):
     async def scenario() -> None:
         async with httpx.AsyncClient(base_url=server.url, timeout=300) as client:
             poison = {"model": MODEL, "prompt": await poison_prompt(client), "max_tokens": 8}
-            reference = await asyncio.gather(*(stream(client, b) for b in bodies))
-            before = await restarts(client)
-            runs = [Run() for _ in bodies]
-            tasks = [asyncio.create_task(stream(client, b, r)) for b, r in zip(bodies, runs, strict=True)]
+            reference, before, runs, tasks = await reference_then_start(client, bodies)
             await wait_progress(runs, 3)
             failed = await stream(client, poison)  # crash, resume, crash again: then it is failed, not resumed
             assert failed.status == 200 and failed.done and failed.text == "", failed
