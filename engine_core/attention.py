@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from engine_core.cpu_kernels import decode_kernel
+from engine_core.cpu_kernels import cpu_kernels
 
 
 @dataclass
@@ -100,9 +100,9 @@ def paged_attention(
 
 def _decode_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
     assert meta.decode_block_tables is not None
-    kernel = decode_kernel() if q.device.type == "cpu" else None
-    if kernel is not None and kernel.supports(q, k_cache):
-        return kernel(q, k_cache, v_cache, meta.decode_block_tables, meta.decode_seq_lens, scale)
+    kernels = cpu_kernels() if q.device.type == "cpu" else None
+    if kernels is not None and kernels.supports_decode(q, k_cache):
+        return kernels.paged_decode(q, k_cache, v_cache, meta.decode_block_tables, meta.decode_seq_lens, scale)
     num_seqs, num_q_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
     # [D, blocks, block_size, Hk, hd] -> [D, Hk, L, hd]

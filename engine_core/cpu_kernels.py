@@ -1,5 +1,9 @@
-"""The CPU decode-attention kernel (csrc/paged_decode.c): compiled once per machine with the system C
-compiler, loaded with ctypes. Absent (None) when there is no compiler; attention then uses torch."""
+"""Our compiled CPU kernels (csrc/*.c): decode attention over paged KV, and the fused elementwise layers.
+
+Built once per machine with the system C compiler into one shared library, loaded with ctypes. `cpu_kernels()`
+is None when there is no compiler (or ROSEINFER_NO_KERNELS is set); callers then take their torch path, which
+also stays the reference the kernels are tested against.
+"""
 
 from __future__ import annotations
 
@@ -16,8 +20,15 @@ from pathlib import Path
 import torch
 
 log = logging.getLogger("roseinfer.kernels")
-SOURCE = Path(__file__).parent / "csrc" / "paged_decode.c"
-_FUNCS = {torch.bfloat16: "paged_decode_bf16", torch.float32: "paged_decode_f32"}
+SOURCES = sorted((Path(__file__).parent / "csrc").glob("*.c"))
+_SUFFIX = {torch.bfloat16: "bf16", torch.float32: "f32"}
+_P, _I, _I64, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
+_SIGNATURES = {
+    "paged_decode": [_P] * 6 + [_I] * 6 + [_F],
+    "rms_norm": [_P] * 4 + [_I64, _I, _F],
+    "silu_and_mul": [_P, _P, _I64, _I],
+    "rotary": [_P] * 4 + [_I64, _I64, _I, _I],
+}
 
 
 def _cpu_flags() -> str:
@@ -32,63 +43,97 @@ def _build() -> ctypes.CDLL | None:
     if cc is None or os.environ.get("ROSEINFER_NO_KERNELS"):
         return None
     # -march=native: the binary is keyed by the CPU's flags, so a different machine compiles its own.
-    key = hashlib.sha256(SOURCE.read_bytes() + _cpu_flags().encode()).hexdigest()[:16]
+    key = hashlib.sha256(b"".join(s.read_bytes() for s in SOURCES) + _cpu_flags().encode()).hexdigest()[:16]
     cache = Path(os.environ.get("ROSEINFER_CACHE_DIR", Path.home() / ".cache" / "roseinfer")) / "kernels"
-    lib = cache / f"paged_decode-{key}.so"
+    lib = cache / f"roseinfer_kernels-{key}.so"
     if not lib.exists():
         cache.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=cache)
         os.close(fd)
-        cmd = [cc, "-O3", "-march=native", "-ffast-math", "-fopenmp", "-shared", "-fPIC", str(SOURCE), "-lm", "-o", tmp]
+        flags = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-shared", "-fPIC"]
         try:
-            subprocess.run(cmd, check=True, capture_output=True, timeout=120)
+            subprocess.run([cc, *flags, *map(str, SOURCES), "-lm", "-o", tmp], check=True, capture_output=True,
+                           timeout=180)  # fmt: skip
             os.replace(tmp, lib)  # atomic: concurrent builders never load a half-written file
         except (subprocess.SubprocessError, OSError) as exc:
-            log.warning("CPU attention kernel not built (%s); using the torch path", exc)
+            log.warning("CPU kernels not built (%s); using the torch paths", exc)
             Path(tmp).unlink(missing_ok=True)
             return None
     return ctypes.CDLL(str(lib))
 
 
-class DecodeKernel:
+class CpuKernels:
     def __init__(self, lib: ctypes.CDLL) -> None:
         self.lib = lib
-        limits = [ctypes.c_int() for _ in range(3)]
+        limits = [ctypes.c_int() for _ in range(4)]
         lib.paged_decode_limits(*map(ctypes.byref, limits))
-        self.max_group, self.max_dim, self.max_block = (x.value for x in limits)
-        for name in _FUNCS.values():
-            getattr(lib, name).argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int] * 6 + [ctypes.c_float]
+        self.max_group, self.max_dim, self.max_block, self.max_heads = (x.value for x in limits)
+        self.max_hidden = lib.layers_max_hidden()
+        self._funcs = {}
+        for name, argtypes in _SIGNATURES.items():
+            for dtype, suffix in _SUFFIX.items():
+                func = getattr(lib, f"{name}_{suffix}")
+                func.argtypes = argtypes
+                self._funcs[name, dtype] = func
 
-    def supports(self, q: torch.Tensor, k_cache: torch.Tensor) -> bool:
+    @staticmethod
+    def handles(x: torch.Tensor) -> bool:
+        return x.device.type == "cpu" and x.dtype in _SUFFIX
+
+    # ---- attention ----
+
+    def supports_decode(self, q: torch.Tensor, k_cache: torch.Tensor) -> bool:
         num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
         return (
-            q.device.type == "cpu"
-            and q.dtype in _FUNCS
+            self.handles(q)
             and k_cache.dtype == q.dtype
             and q.shape[1] // num_kv_heads <= self.max_group
+            and q.shape[1] <= self.max_heads
             and head_dim <= self.max_dim
             and block_size <= self.max_block
         )
 
-    def __call__(self, q, k_cache, v_cache, block_tables, seq_lens, scale: float) -> torch.Tensor:
+    def paged_decode(self, q, k_cache, v_cache, block_tables, seq_lens, scale: float) -> torch.Tensor:
         """q: [S, Hq, D] (one token per sequence); caches [blocks, block_size, Hk, D]; int64 tables/lens."""
         q = q.contiguous()
         out = torch.empty_like(q)
         num_seqs, num_q_heads, head_dim = q.shape
         _, block_size, num_kv_heads, _ = k_cache.shape
-        getattr(self.lib, _FUNCS[q.dtype])(
+        self._funcs["paged_decode", q.dtype](
             q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(), seq_lens.data_ptr(),
             out.data_ptr(), num_seqs, num_q_heads, num_kv_heads, head_dim, block_size, block_tables.shape[1], scale,
         )  # fmt: skip
         return out
 
+    # ---- elementwise layers (contiguous 2-D inputs) ----
 
-_kernel: DecodeKernel | None | bool = False  # False: not tried yet
+    def rms_norm(self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float):
+        """Without residual: norm(x) * weight. With it: residual += x in place, then norm(residual) * weight."""
+        out = torch.empty_like(x)
+        res_ptr = None if residual is None else residual.data_ptr()
+        self._funcs["rms_norm", x.dtype](x.data_ptr(), res_ptr, weight.data_ptr(), out.data_ptr(), x.shape[0],
+                                         x.shape[1], eps)  # fmt: skip
+        return out
+
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        width = x.shape[1] // 2
+        out = torch.empty((x.shape[0], width), dtype=x.dtype)
+        self._funcs["silu_and_mul", x.dtype](x.data_ptr(), out.data_ptr(), x.shape[0], width)
+        return out
+
+    def rotary_(self, x: torch.Tensor, num_heads: int, head_dim: int, positions, cos, sin) -> None:
+        """Rotates the first num_heads heads of every row of x [T, >= num_heads * head_dim] in place;
+        positions int64 [T]; cos/sin fp32 [max_positions, head_dim]."""
+        self._funcs["rotary", x.dtype](x.data_ptr(), positions.data_ptr(), cos.data_ptr(), sin.data_ptr(),
+                                       x.shape[0], x.stride(0), num_heads, head_dim)  # fmt: skip
 
 
-def decode_kernel() -> DecodeKernel | None:
-    global _kernel
-    if _kernel is False:
+_kernels: CpuKernels | None | bool = False  # False: not tried yet
+
+
+def cpu_kernels() -> CpuKernels | None:
+    global _kernels
+    if _kernels is False:
         lib = _build()
-        _kernel = DecodeKernel(lib) if lib is not None else None
-    return _kernel  # type: ignore[return-value]
+        _kernels = CpuKernels(lib) if lib is not None else None
+    return _kernels  # type: ignore[return-value]

@@ -5,6 +5,8 @@ Also owns the device, the dtype, the KV cache tensors and their sizing.
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import os
 import time
 from pathlib import Path
@@ -45,9 +47,17 @@ def pick_dtype(name: str, device: torch.device) -> torch.dtype:
     return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
 
 
-def set_cpu_threads(num_threads: int | None) -> None:
+def tune_cpu_process(num_threads: int | None) -> None:
     # One thread per core we may run on; more would fight the socket threads for the same cores.
     torch.set_num_threads(num_threads or len(os.sched_getaffinity(0)))
+    # Keep freed step-sized temporaries in the heap. By default glibc hands blocks above its mmap threshold back
+    # to the kernel, and every step page-faults them in again: a 2048-token prefill took 1.1 s instead of 0.8 s.
+    libc_name = ctypes.util.find_library("c")
+    libc = ctypes.CDLL(libc_name) if libc_name else None
+    if libc is not None and hasattr(libc, "mallopt"):  # glibc
+        m_trim_threshold, m_mmap_threshold = -1, -3
+        libc.mallopt(m_mmap_threshold, 32 * 2**20)  # glibc's largest allowed value
+        libc.mallopt(m_trim_threshold, 2**30)
 
 
 class ModelRunner:
@@ -56,7 +66,7 @@ class ModelRunner:
         self.device = pick_device(config.device)
         self.dtype = pick_dtype(config.dtype, self.device)
         if self.device.type == "cpu":
-            set_cpu_threads(config.num_threads)
+            tune_cpu_process(config.num_threads)
         self.block_size = config.block_size
         self.model = load_model(model_path, self.dtype, self.device, max_positions=max_model_len)
         self.vocab_size = self.model.config.vocab_size

@@ -7,14 +7,13 @@ import torch
 
 from engine_core import attention
 from engine_core.attention import AttentionMetadata
-from engine_core.cpu_kernels import decode_kernel
+from engine_core.cpu_kernels import cpu_kernels
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 @pytest.mark.parametrize("q_heads,kv_heads,head_dim", [(9, 3, 64), (4, 4, 32), (8, 1, 16)])
 def test_kernel_matches_torch_path(monkeypatch, dtype, tol, q_heads, kv_heads, head_dim) -> None:
-    kernel = decode_kernel()
-    assert kernel is not None, "the C compiler is part of the supported setup; the kernel must build"
+    assert cpu_kernels() is not None, "the C compiler is part of the supported setup; the kernel must build"
     torch.manual_seed(0)
     num_blocks, block_size, seqs = 64, 16, 7
     k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, dtype=dtype)
@@ -24,7 +23,7 @@ def test_kernel_matches_torch_path(monkeypatch, dtype, tol, q_heads, kv_heads, h
     q = torch.randn(seqs, q_heads, head_dim, dtype=dtype)
     meta = AttentionMetadata.build(torch.zeros(seqs, dtype=torch.long), tables, lens, [], block_size)
     fast = attention.paged_attention(q, q[:, :kv_heads], q[:, :kv_heads], k_cache, v_cache, meta, 0.3)
-    monkeypatch.setattr(attention, "decode_kernel", lambda: None)
+    monkeypatch.setattr(attention, "cpu_kernels", lambda: None)
     reference = attention.paged_attention(q, q[:, :kv_heads], q[:, :kv_heads], k_cache, v_cache, meta, 0.3)
     assert torch.allclose(fast.float(), reference.float(), atol=tol, rtol=tol)
     # A sequence of length 1 attends only to its first key: the output is exactly that value row.

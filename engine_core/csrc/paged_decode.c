@@ -1,5 +1,9 @@
 // Paged attention for single-token decodes on CPU: one pass over each sequence's blocks with an
 // online softmax, reading K/V straight from the cache (no gather copy). fp32 math; bf16 or fp32 storage.
+//
+// One work item is one sequence, all heads: a block's keys and values (all heads, contiguous) are used
+// while they sit in L1, and the next block is prefetched meanwhile. Decode attention is bound by memory
+// bandwidth here, so the reads matter more than the arithmetic.
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
@@ -18,71 +22,171 @@ static inline uint16_t f32_to_bf16(float f) {  // round to nearest even, as torc
     return (uint16_t)(bits >> 16);
 }
 
+#define IDENTITY(x) (x)
 #define MAX_GROUP 16
 #define MAX_DIM 256
 #define MAX_BLOCK 64
+#define MAX_HEADS 64  // per-sequence state lives on the stack: at most MAX_HEADS * MAX_DIM * 8 bytes
 
-#define DEFINE_KERNEL(NAME, T, LOAD, STORE)                                                              \
-void NAME(const T* q, const T* k_cache, const T* v_cache, const int64_t* block_tables,                 \
-          const int64_t* seq_lens, T* out, int num_seqs, int num_q_heads, int num_kv_heads,             \
-          int head_dim, int block_size, int max_blocks, float scale) {                                  \
-    const int group = num_q_heads / num_kv_heads;                                                       \
-    _Pragma("omp parallel for collapse(2) schedule(dynamic, 1)")                                         \
-    for (int s = 0; s < num_seqs; s++) {                                                                 \
+static inline void prefetch_block(const void* k, const void* v, int64_t bytes) {
+    for (int64_t off = 0; off < bytes; off += 64) {
+        __builtin_prefetch((const char*)k + off);
+        __builtin_prefetch((const char*)v + off);
+    }
+}
+
+// Folds one block's scores of one query head into its running max m, sum l and accumulator scale.
+static inline float softmax_update(float* scores, int n, float* m, float* l) {
+    float block_max = *m;
+    for (int t = 0; t < n; t++) block_max = scores[t] > block_max ? scores[t] : block_max;
+    const float correction = expf(*m - block_max);
+    *l *= correction;
+    for (int t = 0; t < n; t++) { scores[t] = expf(scores[t] - block_max); *l += scores[t]; }
+    *m = block_max;
+    return correction;
+}
+
+// Portable path: any head_dim. acc: [num_q_heads][head_dim].
+#define DEFINE_SCALAR_SEQUENCE(NAME, T, LOAD, STORE)                                                     \
+static void NAME(const T* q, const T* k_cache, const T* v_cache, const int64_t* table, int64_t len,      \
+                 T* out, int num_q_heads, int num_kv_heads, int head_dim, int block_size, float scale) { \
+    const int group = num_q_heads / num_kv_heads;                                                        \
+    const int64_t stride = (int64_t)num_kv_heads * head_dim, block_elems = block_size * stride;         \
+    float qf[num_q_heads][head_dim], acc[num_q_heads][head_dim], m[num_q_heads], l[num_q_heads];        \
+    float scores[MAX_GROUP][MAX_BLOCK], row[MAX_DIM];                                                    \
+    for (int i = 0; i < num_q_heads; i++) {                                                              \
+        for (int d = 0; d < head_dim; d++) { qf[i][d] = LOAD(q[i * head_dim + d]) * scale; acc[i][d] = 0.f; } \
+        m[i] = -INFINITY; l[i] = 0.f;                                                                    \
+    }                                                                                                    \
+    for (int64_t start = 0; start < len; start += block_size) {                                         \
+        const int64_t b = start / block_size;                                                            \
+        const T* kb = k_cache + table[b] * block_elems;                                                  \
+        const T* vb = v_cache + table[b] * block_elems;                                                  \
+        if (start + block_size < len)                                                                    \
+            prefetch_block(k_cache + table[b + 1] * block_elems, v_cache + table[b + 1] * block_elems,  \
+                           block_elems * (int64_t)sizeof(T));                                            \
+        const int n = (int)(len - start < block_size ? len - start : block_size);                        \
         for (int h = 0; h < num_kv_heads; h++) {                                                         \
-            float qf[MAX_GROUP][MAX_DIM], acc[MAX_GROUP][MAX_DIM], m[MAX_GROUP], l[MAX_GROUP];          \
-            float scores[MAX_GROUP][MAX_BLOCK], kf[MAX_DIM];                                            \
-            for (int g = 0; g < group; g++) {                                                            \
-                const T* qp = q + ((int64_t)s * num_q_heads + h * group + g) * head_dim;                 \
-                for (int d = 0; d < head_dim; d++) { qf[g][d] = LOAD(qp[d]) * scale; acc[g][d] = 0.f; } \
-                m[g] = -INFINITY; l[g] = 0.f;                                                            \
-            }                                                                                            \
-            const int64_t len = seq_lens[s];                                                             \
-            for (int64_t start = 0; start < len; start += block_size) {                                 \
-                const int64_t block = block_tables[(int64_t)s * max_blocks + start / block_size];       \
-                const int n = (int)(len - start < block_size ? len - start : block_size);                \
-                const int64_t stride = (int64_t)num_kv_heads * head_dim;                                 \
-                const T* kb = k_cache + block * block_size * stride + (int64_t)h * head_dim;             \
-                const T* vb = v_cache + block * block_size * stride + (int64_t)h * head_dim;             \
-                for (int t = 0; t < n; t++) {                                                            \
-                    for (int d = 0; d < head_dim; d++) kf[d] = LOAD(kb[t * stride + d]);                 \
-                    for (int g = 0; g < group; g++) {                                                    \
-                        float dot = 0.f;                                                                 \
-                        for (int d = 0; d < head_dim; d++) dot += qf[g][d] * kf[d];                      \
-                        scores[g][t] = dot;                                                              \
-                    }                                                                                    \
-                }                                                                                        \
+            for (int t = 0; t < n; t++) {                                                                \
+                for (int d = 0; d < head_dim; d++) row[d] = LOAD(kb[t * stride + h * head_dim + d]);     \
                 for (int g = 0; g < group; g++) {                                                        \
-                    float block_max = m[g];                                                              \
-                    for (int t = 0; t < n; t++) block_max = scores[g][t] > block_max ? scores[g][t] : block_max; \
-                    const float correction = expf(m[g] - block_max);                                    \
-                    l[g] *= correction;                                                                  \
-                    for (int d = 0; d < head_dim; d++) acc[g][d] *= correction;                         \
-                    for (int t = 0; t < n; t++) { scores[g][t] = expf(scores[g][t] - block_max); l[g] += scores[g][t]; } \
-                    m[g] = block_max;                                                                    \
-                }                                                                                        \
-                for (int t = 0; t < n; t++) {                                                            \
-                    for (int d = 0; d < head_dim; d++) kf[d] = LOAD(vb[t * stride + d]);                 \
-                    for (int g = 0; g < group; g++) {                                                    \
-                        const float p = scores[g][t];                                                    \
-                        for (int d = 0; d < head_dim; d++) acc[g][d] += p * kf[d];                       \
-                    }                                                                                    \
+                    float dot = 0.f;                                                                     \
+                    for (int d = 0; d < head_dim; d++) dot += qf[h * group + g][d] * row[d];             \
+                    scores[g][t] = dot;                                                                  \
                 }                                                                                        \
             }                                                                                            \
             for (int g = 0; g < group; g++) {                                                            \
-                T* op = out + ((int64_t)s * num_q_heads + h * group + g) * head_dim;                     \
-                const float inv = l[g] > 0.f ? 1.f / l[g] : 0.f;                                         \
-                for (int d = 0; d < head_dim; d++) op[d] = STORE(acc[g][d] * inv);                       \
+                const int i = h * group + g;                                                             \
+                const float correction = softmax_update(scores[g], n, &m[i], &l[i]);                     \
+                for (int d = 0; d < head_dim; d++) acc[i][d] *= correction;                              \
             }                                                                                            \
+            for (int t = 0; t < n; t++) {                                                                \
+                for (int d = 0; d < head_dim; d++) row[d] = LOAD(vb[t * stride + h * head_dim + d]);     \
+                for (int g = 0; g < group; g++)                                                          \
+                    for (int d = 0; d < head_dim; d++) acc[h * group + g][d] += scores[g][t] * row[d];   \
+            }                                                                                            \
+        }                                                                                                \
+    }                                                                                                    \
+    for (int i = 0; i < num_q_heads; i++) {                                                              \
+        const float inv = l[i] > 0.f ? 1.f / l[i] : 0.f;                                                 \
+        for (int d = 0; d < head_dim; d++) out[i * head_dim + d] = STORE(acc[i][d] * inv);               \
+    }                                                                                                    \
+}
+
+DEFINE_SCALAR_SEQUENCE(scalar_sequence_bf16, uint16_t, bf16_to_f32, f32_to_bf16)
+DEFINE_SCALAR_SEQUENCE(scalar_sequence_f32, float, IDENTITY, IDENTITY)
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#define HAVE_VECTOR_PATH 1
+static inline __m512 vload_bf16(const uint16_t* p) {
+    __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+}
+static inline __m512 vload_f32(const float* p) { return _mm512_loadu_ps(p); }
+
+// The same with the head dimension in 16-lane registers (head_dim % 16 == 0): each key or value row is
+// loaded and widened once and used by every query head of its group.
+#define DEFINE_VECTOR_SEQUENCE(NAME, T, VLOAD, STORE)                                                    \
+static void NAME(const T* q, const T* k_cache, const T* v_cache, const int64_t* table, int64_t len,      \
+                 T* out, int num_q_heads, int num_kv_heads, int head_dim, int block_size, float scale) { \
+    const int group = num_q_heads / num_kv_heads, nv = head_dim / 16;                                    \
+    const int64_t stride = (int64_t)num_kv_heads * head_dim, block_elems = block_size * stride;         \
+    __m512 qv[num_q_heads][nv], acc[num_q_heads][nv], row[MAX_DIM / 16];                                 \
+    float m[num_q_heads], l[num_q_heads], scores[MAX_GROUP][MAX_BLOCK];                                  \
+    for (int i = 0; i < num_q_heads; i++) {                                                              \
+        for (int j = 0; j < nv; j++) {                                                                   \
+            qv[i][j] = _mm512_mul_ps(VLOAD(q + i * head_dim + 16 * j), _mm512_set1_ps(scale));          \
+            acc[i][j] = _mm512_setzero_ps();                                                             \
+        }                                                                                                \
+        m[i] = -INFINITY; l[i] = 0.f;                                                                    \
+    }                                                                                                    \
+    for (int64_t start = 0; start < len; start += block_size) {                                         \
+        const int64_t b = start / block_size;                                                            \
+        const T* kb = k_cache + table[b] * block_elems;                                                  \
+        const T* vb = v_cache + table[b] * block_elems;                                                  \
+        if (start + block_size < len)                                                                    \
+            prefetch_block(k_cache + table[b + 1] * block_elems, v_cache + table[b + 1] * block_elems,  \
+                           block_elems * (int64_t)sizeof(T));                                            \
+        const int n = (int)(len - start < block_size ? len - start : block_size);                        \
+        for (int h = 0; h < num_kv_heads; h++) {                                                         \
+            for (int t = 0; t < n; t++) {                                                                \
+                for (int j = 0; j < nv; j++) row[j] = VLOAD(kb + t * stride + h * head_dim + 16 * j);    \
+                for (int g = 0; g < group; g++) {                                                        \
+                    __m512 dot = _mm512_mul_ps(qv[h * group + g][0], row[0]);                            \
+                    for (int j = 1; j < nv; j++) dot = _mm512_fmadd_ps(qv[h * group + g][j], row[j], dot); \
+                    scores[g][t] = _mm512_reduce_add_ps(dot);                                            \
+                }                                                                                        \
+            }                                                                                            \
+            for (int g = 0; g < group; g++) {                                                            \
+                const int i = h * group + g;                                                             \
+                const __m512 correction = _mm512_set1_ps(softmax_update(scores[g], n, &m[i], &l[i]));   \
+                for (int j = 0; j < nv; j++) acc[i][j] = _mm512_mul_ps(acc[i][j], correction);          \
+            }                                                                                            \
+            for (int t = 0; t < n; t++) {                                                                \
+                for (int j = 0; j < nv; j++) row[j] = VLOAD(vb + t * stride + h * head_dim + 16 * j);    \
+                for (int g = 0; g < group; g++) {                                                        \
+                    const __m512 p = _mm512_set1_ps(scores[g][t]);                                       \
+                    for (int j = 0; j < nv; j++) acc[h * group + g][j] = _mm512_fmadd_ps(p, row[j], acc[h * group + g][j]); \
+                }                                                                                        \
+            }                                                                                            \
+        }                                                                                                \
+    }                                                                                                    \
+    for (int i = 0; i < num_q_heads; i++) {                                                              \
+        const __m512 inv = _mm512_set1_ps(l[i] > 0.f ? 1.f / l[i] : 0.f);                                \
+        float lanes[16];                                                                                 \
+        for (int j = 0; j < nv; j++) {                                                                   \
+            _mm512_storeu_ps(lanes, _mm512_mul_ps(acc[i][j], inv));                                      \
+            for (int d = 0; d < 16; d++) out[i * head_dim + 16 * j + d] = STORE(lanes[d]);               \
         }                                                                                                \
     }                                                                                                    \
 }
 
-#define IDENTITY(x) (x)
-DEFINE_KERNEL(paged_decode_bf16, uint16_t, bf16_to_f32, f32_to_bf16)
-DEFINE_KERNEL(paged_decode_f32, float, IDENTITY, IDENTITY)
+DEFINE_VECTOR_SEQUENCE(vector_sequence_bf16, uint16_t, vload_bf16, f32_to_bf16)
+DEFINE_VECTOR_SEQUENCE(vector_sequence_f32, float, vload_f32, IDENTITY)
+#define PICK(vector, scalar) (head_dim % 16 == 0 ? (vector) : (scalar))
+#else
+#define PICK(vector, scalar) (scalar)
+#endif
 
-int paged_decode_limits(int* max_group, int* max_dim, int* max_block) {
-    *max_group = MAX_GROUP; *max_dim = MAX_DIM; *max_block = MAX_BLOCK;
+// q: [num_seqs, num_q_heads, head_dim]; caches: [blocks, block_size, num_kv_heads, head_dim];
+// block_tables: [num_seqs, max_blocks]; seq_lens: [num_seqs] (context including the new token).
+#define DEFINE_KERNEL(NAME, T, SCALAR, VECTOR)                                                           \
+void NAME(const T* q, const T* k_cache, const T* v_cache, const int64_t* block_tables,                 \
+          const int64_t* seq_lens, T* out, int num_seqs, int num_q_heads, int num_kv_heads,             \
+          int head_dim, int block_size, int max_blocks, float scale) {                                  \
+    _Pragma("omp parallel for schedule(dynamic, 1)")                                                    \
+    for (int s = 0; s < num_seqs; s++) {                                                                 \
+        const int64_t offset = (int64_t)s * num_q_heads * head_dim;                                      \
+        PICK(VECTOR, SCALAR)(q + offset, k_cache, v_cache, block_tables + (int64_t)s * max_blocks,       \
+                             seq_lens[s], out + offset, num_q_heads, num_kv_heads, head_dim, block_size, scale); \
+    }                                                                                                    \
+}
+
+DEFINE_KERNEL(paged_decode_bf16, uint16_t, scalar_sequence_bf16, vector_sequence_bf16)
+DEFINE_KERNEL(paged_decode_f32, float, scalar_sequence_f32, vector_sequence_f32)
+
+int paged_decode_limits(int* max_group, int* max_dim, int* max_block, int* max_heads) {
+    *max_group = MAX_GROUP; *max_dim = MAX_DIM; *max_block = MAX_BLOCK; *max_heads = MAX_HEADS;
     return 0;
 }

@@ -7,6 +7,14 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
+from engine_core.cpu_kernels import cpu_kernels
+
+
+def _kernels_for(x: torch.Tensor):
+    """Our fused CPU kernels when they can take x (contiguous rows on CPU), else None: use torch."""
+    kernels = cpu_kernels() if x.device.type == "cpu" else None
+    return kernels if kernels is not None and kernels.handles(x) and x.is_contiguous() and x.dim() == 2 else None
+
 
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float) -> None:
@@ -16,6 +24,11 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         """With `residual`, adds it first and returns (normed, new residual): one pass, no extra add."""
+        kernels = _kernels_for(x)
+        if kernels is not None and x.dtype == self.weight.dtype and x.shape[1] <= kernels.max_hidden:
+            if residual is None:
+                return kernels.rms_norm(x, None, self.weight, self.eps)
+            return kernels.rms_norm(x, residual, self.weight, self.eps), residual  # residual updated in place
         if residual is not None:
             x = x + residual
             residual = x
@@ -43,9 +56,27 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", freqs.cos() * scale, persistent=False)
         self.register_buffer("sin", freqs.sin() * scale, persistent=False)
 
-    def lookup(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """Once per step; every layer reuses the result. Shapes [T, 1, D] to broadcast over heads."""
-        return self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(dtype)
+    def for_step(self, positions: torch.Tensor, dtype: torch.dtype) -> StepRotary:
+        return StepRotary(self, positions, dtype)
+
+
+class StepRotary:
+    """One step's rotary embedding, built once and applied by every layer: the CPU kernel rotates in place from
+    the fp32 tables; the torch path gathers cos/sin for the step's positions once, as [T, 1, D]."""
+
+    def __init__(self, rotary: RotaryEmbedding, positions: torch.Tensor, dtype: torch.dtype) -> None:
+        self.rotary, self.positions = rotary, positions
+        self.cos = self.sin = None
+        if rotary.cos.device.type != "cpu" or cpu_kernels() is None or dtype not in (torch.float32, torch.bfloat16):
+            self.cos = rotary.cos[positions].unsqueeze(1).to(dtype)
+            self.sin = rotary.sin[positions].unsqueeze(1).to(dtype)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [T, heads, D] with unit stride inside each row (a view into the qkv projection is fine)."""
+        if self.cos is None:
+            cpu_kernels().rotary_(x, x.shape[1], x.shape[2], self.positions, self.rotary.cos, self.rotary.sin)
+            return x
+        return apply_rotary(x, self.cos, self.sin)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -70,5 +101,8 @@ class MergedLinear(nn.Linear):
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    kernels = _kernels_for(x)
+    if kernels is not None:
+        return kernels.silu_and_mul(x)
     gate, up = x.chunk(2, dim=-1)
     return F.silu(gate) * up

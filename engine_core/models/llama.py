@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from engine_core.attention import AttentionMetadata, paged_attention, write_kv
-from engine_core.models.layers import MergedLinear, RMSNorm, RotaryEmbedding, apply_rotary, silu_and_mul
+from engine_core.models.layers import MergedLinear, RMSNorm, RotaryEmbedding, StepRotary, silu_and_mul
 
 
 class LlamaAttention(nn.Module):
@@ -22,11 +22,11 @@ class LlamaAttention(nn.Module):
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=o_bias)
         self.k_cache = self.v_cache = torch.empty(0)  # bound by the model runner
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata):
+    def forward(self, x: torch.Tensor, rope: StepRotary, meta: AttentionMetadata):
         qkv = self.qkv_proj(x)
         qk_size = self.q_size + self.kv_size
-        # q and k rotated together: one set of elementwise ops per layer instead of two.
-        qk = apply_rotary(qkv[:, :qk_size].view(-1, self.num_heads + self.num_kv_heads, self.head_dim), *rope)
+        # q and k rotated together: one set of elementwise ops (or one kernel call) per layer instead of two.
+        qk = rope(qkv[:, :qk_size].view(-1, self.num_heads + self.num_kv_heads, self.head_dim))
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         v = qkv[:, qk_size:].view(-1, self.num_kv_heads, self.head_dim)
         write_kv(self.k_cache, self.v_cache, k, v, meta.slot_mapping)
@@ -101,7 +101,7 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
-        rope = self.rotary.lookup(positions, x.dtype)
+        rope = self.rotary.for_step(positions, x.dtype)
         residual = None
         for layer in self.layers:
             x, residual = layer(x, residual, rope, meta)

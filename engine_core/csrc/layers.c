@@ -1,0 +1,94 @@
+// Fused elementwise layers for CPU: residual add + RMSNorm, SiLU-and-multiply, rotary embedding.
+// Each replaces several torch ops (and their temporaries) with one pass over the rows; fp32 math.
+// Intermediate results are rounded to the storage type where the torch path rounds them, so the two
+// differ only by the order of float additions.
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+static inline float bf16_load(uint16_t x) {
+    uint32_t bits = (uint32_t)x << 16;
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+static inline uint16_t bf16_store(float f) {  // round to nearest even, as torch does
+    uint32_t bits;
+    memcpy(&bits, &f, 4);
+    bits += 0x7FFF + ((bits >> 16) & 1);
+    return (uint16_t)(bits >> 16);
+}
+
+#define F32_LOAD(x) (x)
+#define F32_STORE(x) (x)
+#define MAX_HIDDEN 16384
+#define PARALLEL_MIN_ELEMENTS 65536  // below this, waking the thread pool costs more than it saves
+
+// With residual: residual = x + residual (kept in place for the next layer), out = norm(residual) * weight.
+// Without: out = norm(x) * weight.
+#define DEFINE_RMS_NORM(NAME, T, LOAD, STORE)                                                            \
+void NAME(const T* x, T* residual, const T* weight, T* out, int64_t rows, int dim, float eps) {         \
+    _Pragma("omp parallel for if (rows * dim >= PARALLEL_MIN_ELEMENTS)")                                \
+    for (int64_t r = 0; r < rows; r++) {                                                                 \
+        float v[MAX_HIDDEN];                                                                             \
+        const T* xr = x + r * dim;                                                                       \
+        if (residual) {                                                                                  \
+            T* rr = residual + r * dim;                                                                  \
+            for (int d = 0; d < dim; d++) { T sum = STORE(LOAD(xr[d]) + LOAD(rr[d])); rr[d] = sum; v[d] = LOAD(sum); } \
+        } else {                                                                                         \
+            for (int d = 0; d < dim; d++) v[d] = LOAD(xr[d]);                                            \
+        }                                                                                                \
+        float squares = 0.f;                                                                             \
+        for (int d = 0; d < dim; d++) squares += v[d] * v[d];                                            \
+        const float inv_rms = 1.f / sqrtf(squares / dim + eps);                                          \
+        T* o = out + r * dim;                                                                            \
+        for (int d = 0; d < dim; d++) o[d] = STORE(LOAD(STORE(v[d] * inv_rms)) * LOAD(weight[d]));       \
+    }                                                                                                    \
+}
+
+// x: [rows, 2 * width] holding gate then up; out: [rows, width] = silu(gate) * up.
+#define DEFINE_SILU_AND_MUL(NAME, T, LOAD, STORE)                                                        \
+void NAME(const T* x, T* out, int64_t rows, int width) {                                                 \
+    _Pragma("omp parallel for if (rows * width >= PARALLEL_MIN_ELEMENTS)")                              \
+    for (int64_t r = 0; r < rows; r++) {                                                                 \
+        const T* gate = x + r * 2 * width;                                                               \
+        const T* up = gate + width;                                                                      \
+        T* o = out + r * width;                                                                          \
+        for (int i = 0; i < width; i++) {                                                                \
+            const float g = LOAD(gate[i]);                                                               \
+            o[i] = STORE(LOAD(STORE(g / (1.f + expf(-g)))) * LOAD(up[i]));                               \
+        }                                                                                                \
+    }                                                                                                    \
+}
+
+// In place on the first num_heads heads of each row (q and k heads lie next to each other);
+// rotate-half layout; cos/sin: fp32 tables [max_positions, head_dim] whose two halves are equal.
+#define DEFINE_ROTARY(NAME, T, LOAD, STORE)                                                              \
+void NAME(T* x, const int64_t* positions, const float* cos, const float* sin, int64_t rows,             \
+          int64_t row_stride, int num_heads, int head_dim) {                                             \
+    const int half = head_dim / 2;                                                                       \
+    _Pragma("omp parallel for if (rows * num_heads * head_dim >= PARALLEL_MIN_ELEMENTS)")               \
+    for (int64_t r = 0; r < rows; r++) {                                                                 \
+        const float* c = cos + positions[r] * head_dim;                                                  \
+        const float* s = sin + positions[r] * head_dim;                                                  \
+        for (int h = 0; h < num_heads; h++) {                                                            \
+            T* x1 = x + r * row_stride + (int64_t)h * head_dim;                                          \
+            T* x2 = x1 + half;                                                                           \
+            for (int i = 0; i < half; i++) {                                                             \
+                const float a = LOAD(x1[i]), b = LOAD(x2[i]);                                            \
+                x1[i] = STORE(a * c[i] - b * s[i]);                                                      \
+                x2[i] = STORE(b * c[i + half] + a * s[i + half]);                                        \
+            }                                                                                            \
+        }                                                                                                \
+    }                                                                                                    \
+}
+
+DEFINE_RMS_NORM(rms_norm_bf16, uint16_t, bf16_load, bf16_store)
+DEFINE_RMS_NORM(rms_norm_f32, float, F32_LOAD, F32_STORE)
+DEFINE_SILU_AND_MUL(silu_and_mul_bf16, uint16_t, bf16_load, bf16_store)
+DEFINE_SILU_AND_MUL(silu_and_mul_f32, float, F32_LOAD, F32_STORE)
+DEFINE_ROTARY(rotary_bf16, uint16_t, bf16_load, bf16_store)
+DEFINE_ROTARY(rotary_f32, float, F32_LOAD, F32_STORE)
+
+int layers_max_hidden(void) { return MAX_HIDDEN; }

@@ -1,0 +1,71 @@
+"""The fused elementwise CPU kernels (csrc/layers.c) against the torch path they replace."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import LlamaConfig
+
+from engine_core.cpu_kernels import cpu_kernels
+from engine_core.models import layers
+from engine_core.models.layers import RMSNorm, RotaryEmbedding, StepRotary, silu_and_mul
+
+DTYPES = [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)]
+
+
+@pytest.fixture
+def torch_path(monkeypatch):
+    """Calls fn with the kernels switched off (the torch reference)."""
+
+    def run(fn):
+        with monkeypatch.context() as m:
+            m.setattr(layers, "cpu_kernels", lambda: None)
+            return fn()
+
+    assert cpu_kernels() is not None, "the C compiler is part of the supported setup; the kernels must build"
+    return run
+
+
+def close(a: torch.Tensor, b: torch.Tensor, tol: float) -> bool:
+    return a.dtype == b.dtype and a.shape == b.shape and torch.allclose(a.float(), b.float(), atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("dtype,tol", DTYPES)
+@pytest.mark.parametrize("rows", [1, 7, 300])  # 300 rows crosses the threshold for using threads
+def test_rms_norm_with_and_without_residual(torch_path, dtype, tol, rows) -> None:
+    torch.manual_seed(0)
+    norm = RMSNorm(576, 1e-5).to(dtype)
+    norm.weight.data.uniform_(0.5, 1.5)
+    x, residual = torch.randn(rows, 576, dtype=dtype) * 3, torch.randn(rows, 576, dtype=dtype)
+    assert close(norm(x), torch_path(lambda: norm(x)), tol)
+    ref_out, ref_residual = torch_path(lambda: norm(x, residual.clone()))
+    kernel_residual = residual.clone()
+    out, new_residual = norm(x, kernel_residual)
+    assert new_residual is kernel_residual  # updated in place for the next layer
+    assert close(out, ref_out, tol) and close(new_residual, ref_residual, tol)
+    assert torch.equal(new_residual, x + residual)  # one rounding of the sum, as in torch
+
+
+@pytest.mark.parametrize("dtype,tol", DTYPES)
+@pytest.mark.parametrize("rows", [1, 64, 129])
+def test_silu_and_mul(torch_path, dtype, tol, rows) -> None:
+    torch.manual_seed(0)
+    x = torch.randn(rows, 2 * 1536, dtype=dtype) * 4
+    assert close(silu_and_mul(x), torch_path(lambda: silu_and_mul(x)), tol)
+
+
+@pytest.mark.parametrize("dtype,tol", DTYPES)
+def test_rotary_rotates_q_and_k_heads_in_place_inside_qkv(torch_path, dtype, tol) -> None:
+    torch.manual_seed(0)
+    config = LlamaConfig(hidden_size=576, num_attention_heads=9, num_key_value_heads=3, rope_theta=100000.0)
+    rotary = RotaryEmbedding(config, 64, max_positions=4096)
+    positions = torch.tensor([0, 1, 5, 17, 300, 4095, 2])
+    qkv = torch.randn(len(positions), (9 + 3 + 3) * 64, dtype=dtype)
+    original = qkv.clone()
+    expected = torch_path(lambda: StepRotary(rotary, positions, dtype)(qkv[:, : 12 * 64].reshape(-1, 12, 64).clone()))
+    view = qkv[:, : 12 * 64].view(-1, 12, 64)  # strided rows: the qkv width, not the q+k width
+    out = StepRotary(rotary, positions, dtype)(view)
+    assert out.data_ptr() == view.data_ptr()
+    assert close(out, expected, tol)
+    assert torch.equal(qkv[:, 12 * 64 :], original[:, 12 * 64 :])  # v untouched
+    assert torch.equal(out[0], original[0, : 12 * 64].view(12, 64))  # position 0 is the identity rotation
