@@ -95,7 +95,7 @@ class CpuKernels:
 
     def paged_decode(self, q, k_cache, v_cache, block_tables, seq_lens, scale: float) -> torch.Tensor:
         """q: [S, Hq, D] (one token per sequence); caches [blocks, block_size, Hk, D]; int64 tables/lens."""
-        q = q.contiguous()
+        q, block_tables, seq_lens = q.contiguous(), block_tables.contiguous(), seq_lens.contiguous()
         out = torch.empty_like(q)
         num_seqs, num_q_heads, head_dim = q.shape
         _, block_size, num_kv_heads, _ = k_cache.shape

@@ -15,6 +15,7 @@ import torch
 
 from common.config import EngineConfig
 from engine_core.attention import AttentionMetadata, PrefillChunk
+from engine_core.cuda_graphs import DecodeGraphs
 from engine_core.models.loader import load_model
 from engine_core.sampler import Sampler
 from engine_core.scheduler import SampledTokens, SchedulerOutput
@@ -74,6 +75,10 @@ class ModelRunner:
         most_useful = config.max_num_seqs * -(-max_model_len // self.block_size)
         self.num_blocks = config.num_kv_blocks or min(self._blocks_that_fit(), most_useful)
         self._allocate_kv_cache()
+        self.decode_graphs: DecodeGraphs | None = None
+        if self.device.type == "cuda" and not config.enforce_eager:
+            self.decode_graphs = DecodeGraphs(self.model, config.max_num_seqs, -(-max_model_len // self.block_size),
+                                              self.scratch_slot, self.block_size, self.device)  # fmt: skip
         self.sampler = Sampler(self.device, self.vocab_size, config.seed)
         self.last_forward_time = 0.0
 
@@ -143,7 +148,10 @@ class ModelRunner:
     def execute(self, out: SchedulerOutput) -> SampledTokens:
         input_ids, positions, meta, sample_idx = self._prepare(out)
         start = time.perf_counter()
-        hidden = self.model(input_ids, positions, meta)
+        if self.decode_graphs is not None and self.decode_graphs.fits(len(out.requests), meta):
+            hidden = self.decode_graphs.run(input_ids, positions, meta)
+        else:
+            hidden = self.model(input_ids, positions, meta)
         sampled_reqs = [r for r, s in zip(out.requests, out.sample, strict=True) if s]
         if not sampled_reqs:
             self.last_forward_time = time.perf_counter() - start
