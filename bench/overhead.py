@@ -1,5 +1,7 @@
 """Frontend overhead: one all-at-once workload through HTTP (launch.py, streamed) and through the engine core
 directly over ZMQ (no HTTP, no detokenizing), same prompts and engine flags; output tok/s, step times, overhead %.
+Also transformers `generate` on the same prompts (one static batch, same dtype) in the same run, so that the
+HTTP throughput has its ratio to HF as the offline benchmark has (--skip-hf leaves it out).
 
 python -m bench.overhead [--num-prompts 64 --input-len 128 --output-len 128] [--dtype bfloat16] [--result-json F]
 
@@ -23,7 +25,7 @@ from typing import Any
 
 from bench import serve
 from bench.compare import free_port, launched
-from bench.offline import add_workload_args
+from bench.offline import add_workload_args, bench_hf
 from common.config import EngineConfig, to_cli_args
 from common.engine_link import EngineClient
 from common.messages import EngineRequest, SamplingParams
@@ -80,6 +82,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_workload_args(parser)
     parser.add_argument("--num-warmups", type=int, default=16, help="unmeasured requests first, on both sides")
+    parser.add_argument("--skip-hf", action="store_true")
     parser.add_argument("--result-json", default=None)
     ours = parser.parse_args()
     # The HTTP side is bench.serve with all requests at once, capped at the same concurrency as the batch.
@@ -96,6 +99,7 @@ def main() -> None:
     warmup = [r.prompt for r in serve.warmup_requests(args, 0, tokenizer)]
     direct = run_direct(prompts, warmup, ours.output_len, config)  # type: ignore[arg-type]
     http = run_http(args, config, tokenizer)
+    hf = None if ours.skip_hf else bench_hf(prompts, ours.output_len, ours.dtype, ours.num_prompts)  # type: ignore[arg-type]
     overhead = {"throughput_loss": 1 - http["output_tok_s"] / direct["output_tok_s"],
                 "decode_step_increase": http["decode_step_ms_mean"] / direct["decode_step_ms_mean"] - 1}  # fmt: skip
     print(f"{' HTTP overhead: ' + f'{ours.num_prompts} x {ours.input_len} in x {ours.output_len} out ':=^72}")
@@ -106,9 +110,14 @@ def main() -> None:
           f"{direct['engine_steps']} steps")  # fmt: skip
     print(f"HTTP overhead: {overhead['throughput_loss']:.1%} less output tok/s, "
           f"{overhead['decode_step_increase']:+.1%} decode step time")  # fmt: skip
+    if hf is not None:
+        ratios = {name: r["output_tok_s"] / hf["output_tok_s"] for name, r in (("http", http), ("direct", direct))}
+        print(f"HF generate (batch {hf['batch_size']}): {hf['output_tok_s']:.1f} output tok/s; roseinfer over HTTP "
+              f"{ratios['http']:.2f}x, direct {ratios['direct']:.2f}x")  # fmt: skip
     if ours.result_json:
         result = {"settings": {**vars(ours), "engine": to_cli_args(config), "machine": serve.machine()},
-                  "direct": direct, "http": http, "overhead": overhead}  # fmt: skip
+                  "direct": direct, "http": http, "overhead": overhead, "hf_generate": hf,
+                  "ratio_vs_hf": ratios if hf is not None else None}  # fmt: skip
         with open(ours.result_json, "w") as f:
             json.dump(result, f, indent=2)
 

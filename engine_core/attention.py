@@ -2,7 +2,8 @@
 
 The flat batch of a step holds the single-token decodes first, then the prefill chunks. Decodes are
 attended in one batched call over their gathered blocks; prefill chunks (few per step) one by one.
-The torch path runs on CPU and CUDA; on CPU the decodes use a compiled kernel when one could be built.
+The torch path runs on CPU and CUDA; on CPU, compiled kernels take the decodes, and all prefill chunks of a
+step in one call, reading K/V from the blocks, when they could be built.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ class PrefillChunk:
     num_tokens: int  # query length
     context_len: int  # tokens in the cache after this chunk (cached prefix + chunk)
     block_ids: torch.Tensor  # the blocks covering context_len tokens
-    mask: torch.Tensor | None = None  # [q, context] bool; None = plain causal over the chunk alone
+    mask: torch.Tensor | None = None  # torch path: [q, context] bool; None = plain causal over the chunk alone
 
 
 @dataclass
@@ -33,6 +34,7 @@ class AttentionMetadata:
     prefills: list[PrefillChunk] = field(default_factory=list)
     block_size: int = 16
     _decode_mask: torch.Tensor | None = None
+    _prefill_kernel_args: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @property
     def decode_mask(self) -> torch.Tensor:
@@ -52,16 +54,29 @@ class AttentionMetadata:
         prefills: list[PrefillChunk],
         block_size: int,
     ) -> AttentionMetadata:
-        """Precomputes the masks once per step; every layer reuses them."""
+        """Every layer reuses it; what only one attention path needs is built on that path's first use."""
         num_decodes = 0 if decode_block_tables is None else decode_block_tables.shape[0]
-        for chunk in prefills:
-            if chunk.context_len != chunk.num_tokens:  # a cached prefix or earlier chunks precede this one
-                q_pos = torch.arange(chunk.num_tokens, device=slot_mapping.device) + (
-                    chunk.context_len - chunk.num_tokens
-                )
-                k_pos = torch.arange(chunk.context_len, device=slot_mapping.device)
-                chunk.mask = k_pos[None, :] <= q_pos[:, None]
         return AttentionMetadata(slot_mapping, num_decodes, decode_block_tables, decode_seq_lens, prefills, block_size)
+
+    @property
+    def prefill_kernel_args(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """For the CPU prefill kernel, built once per step: [C, 3] (first row, rows, context) and block tables."""
+        if self._prefill_kernel_args is None:
+            chunks = torch.tensor([[c.start, c.num_tokens, c.context_len] for c in self.prefills])
+            tables = torch.nn.utils.rnn.pad_sequence([c.block_ids for c in self.prefills], batch_first=True)
+            self._prefill_kernel_args = chunks, tables
+        return self._prefill_kernel_args
+
+    def prefill_mask(self, chunk: PrefillChunk) -> torch.Tensor | None:
+        """Torch path: None when the chunk is the whole context (plain causal), else [q, context] bool, built
+        once per step."""
+        if chunk.mask is None and chunk.context_len != chunk.num_tokens:  # a cached prefix or earlier chunks
+            q_pos = torch.arange(chunk.num_tokens, device=self.slot_mapping.device) + (
+                chunk.context_len - chunk.num_tokens
+            )
+            k_pos = torch.arange(chunk.context_len, device=self.slot_mapping.device)
+            chunk.mask = k_pos[None, :] <= q_pos[:, None]
+        return chunk.mask
 
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor):
@@ -87,14 +102,21 @@ def paged_attention(
     out = torch.zeros(q.shape, dtype=q.dtype, device=q.device)  # rows of padding tokens stay zero
     if n:
         out[:n] = _decode_attention(q[:n], k_cache, v_cache, meta, scale)
+    if not meta.prefills:
+        return out
+    kernels = cpu_kernels() if q.device.type == "cpu" else None
+    if kernels is not None and kernels.supports_prefill(q, k_cache):
+        kernels.paged_prefill(q, k_cache, v_cache, *meta.prefill_kernel_args, out, scale)
+        return out
     for chunk in meta.prefills:
         s, e = chunk.start, chunk.start + chunk.num_tokens
-        if chunk.mask is None:
+        mask = meta.prefill_mask(chunk)
+        if mask is None:
             out[s:e] = _attend(q[s:e], k[s:e], v[s:e], None, scale, causal=True)
         else:
             ck = k_cache[chunk.block_ids].flatten(0, 1)[: chunk.context_len]
             cv = v_cache[chunk.block_ids].flatten(0, 1)[: chunk.context_len]
-            out[s:e] = _attend(q[s:e], ck, cv, chunk.mask, scale, causal=False)
+            out[s:e] = _attend(q[s:e], ck, cv, mask, scale, causal=False)
     return out
 
 

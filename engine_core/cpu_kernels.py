@@ -25,6 +25,7 @@ _SUFFIX = {torch.bfloat16: "bf16", torch.float32: "f32"}
 _P, _I, _I64, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
 _SIGNATURES = {
     "paged_decode": [_P] * 6 + [_I] * 6 + [_F],
+    "paged_prefill": [_P, _I64, _P, _P, _P, _I, _P, _I, _P] + [_I] * 4 + [_F],
     "rms_norm": [_P] * 4 + [_I64, _I, _F],
     "silu_and_mul": [_P, _P, _I64, _I],
     "rotary": [_P] * 4 + [_I64, _I64, _I, _I],
@@ -69,6 +70,9 @@ class CpuKernels:
         lib.paged_decode_limits(*map(ctypes.byref, limits))
         self.max_group, self.max_dim, self.max_block, self.max_heads = (x.value for x in limits)
         self.max_hidden = lib.layers_max_hidden()
+        self.has_prefill = bool(lib.paged_prefill_available())
+        lib.paged_prefill_limits(*map(ctypes.byref, limits))
+        self.prefill_limits = tuple(x.value for x in limits)  # group, head_dim, block_size, heads * head_dim
         self._funcs = {}
         for name, argtypes in _SIGNATURES.items():
             for dtype, suffix in _SUFFIX.items():
@@ -104,6 +108,32 @@ class CpuKernels:
             out.data_ptr(), num_seqs, num_q_heads, num_kv_heads, head_dim, block_size, block_tables.shape[1], scale,
         )  # fmt: skip
         return out
+
+    def supports_prefill(self, q: torch.Tensor, k_cache: torch.Tensor) -> bool:
+        _, block_size, num_kv_heads, head_dim = k_cache.shape
+        max_group, max_dim, max_block, max_head_elems = self.prefill_limits
+        return (
+            self.has_prefill
+            and self.handles(q)
+            and k_cache.dtype == q.dtype
+            and head_dim % 16 == 0
+            and q.stride(2) == 1
+            and q.stride(1) == head_dim
+            and q.shape[1] // num_kv_heads <= max_group
+            and head_dim <= max_dim
+            and block_size <= max_block
+            and q.shape[1] * head_dim <= max_head_elems
+        )
+
+    def paged_prefill(self, q, k_cache, v_cache, chunks, block_tables, out, scale: float) -> None:
+        """Writes out[rows of each chunk]. q: [T, Hq, D] (rows may be strided); chunks: int64 [C, 3] of
+        (first row, query rows, context length after the chunk); block_tables: int64 [C, max_blocks]."""
+        _, block_size, num_kv_heads, head_dim = k_cache.shape
+        self._funcs["paged_prefill", q.dtype](
+            q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), chunks.data_ptr(), chunks.shape[0],
+            block_tables.data_ptr(), block_tables.shape[1], out.data_ptr(), q.shape[1], num_kv_heads, head_dim,
+            block_size, scale,
+        )  # fmt: skip
 
     # ---- elementwise layers (contiguous 2-D inputs) ----
 

@@ -30,3 +30,51 @@ def test_kernel_matches_torch_path(monkeypatch, dtype, tol, q_heads, kv_heads, h
     # A sequence of length 1 attends only to its first key: the output is exactly that value row.
     first = v_cache[tables[0, 0], 0].float().repeat_interleave(q_heads // kv_heads, dim=0)
     assert torch.allclose(fast[0].float(), first, atol=tol)
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("q_heads,kv_heads,head_dim", [(9, 3, 64), (4, 4, 32), (8, 1, 16), (6, 2, 128)])
+def test_prefill_kernel_matches_torch_path(monkeypatch, dtype, tol, q_heads, kv_heads, head_dim) -> None:
+    """A mixed step: 3 decodes, then prefill chunks with no prefix, after a cached prefix, and a one-block
+    chunk; q is a strided view into a qkv projection, as in the model. Padding rows must stay zero."""
+    torch.manual_seed(0)
+    num_blocks, block_size = 80, 16
+    k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, dtype=dtype)
+    v_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, dtype=dtype)
+    perm = torch.randperm(num_blocks)
+    decode_tables = perm[:9].view(3, 3)
+    decode_lens = torch.tensor([5, 33, 48])
+    # (query rows, context after the chunk): the cache already holds every chunk's keys, as after write_kv.
+    shapes = [(37, 37), (20, 70), (9, 16), (130, 130), (2, 3)]
+    prefills, row, used = [], 3, 9
+    for num_tokens, context in shapes:
+        blocks = -(-context // block_size)
+        prefills.append(attention.PrefillChunk(row, num_tokens, context, perm[used : used + blocks]))
+        row, used = row + num_tokens, used + blocks
+    total = row + 5  # 5 padding rows
+    qkv = torch.randn(total, (q_heads + 2 * kv_heads) * head_dim, dtype=dtype)
+    q = qkv[:, : q_heads * head_dim].view(total, q_heads, head_dim)
+    kv = torch.zeros(total, kv_heads, head_dim, dtype=dtype)  # unused: every key is read from the cache
+    for chunk in prefills:  # the torch path reads a no-prefix chunk's own k/v: give it the cached values
+        s, e = chunk.start, chunk.start + chunk.num_tokens
+        if chunk.context_len == chunk.num_tokens:
+            kv[s:e] = k_cache[chunk.block_ids].flatten(0, 1)[: chunk.num_tokens]
+    k_new, v_new = kv.clone(), kv.clone()
+    for chunk in prefills:
+        s, e = chunk.start, chunk.start + chunk.num_tokens
+        if chunk.context_len == chunk.num_tokens:
+            v_new[s:e] = v_cache[chunk.block_ids].flatten(0, 1)[: chunk.num_tokens]
+
+    def run() -> torch.Tensor:
+        meta = AttentionMetadata.build(torch.zeros(total, dtype=torch.long), decode_tables, decode_lens,
+                                       [attention.PrefillChunk(c.start, c.num_tokens, c.context_len, c.block_ids)
+                                        for c in prefills], block_size)  # fmt: skip
+        return attention.paged_attention(q, k_new, v_new, k_cache, v_cache, meta, 0.2)
+
+    kernels = cpu_kernels()
+    assert kernels is not None and kernels.has_prefill and kernels.supports_prefill(q, k_cache)
+    fast = run()
+    monkeypatch.setattr(attention, "cpu_kernels", lambda: None)
+    reference = run()
+    assert torch.allclose(fast.float(), reference.float(), atol=tol, rtol=tol)
+    assert not fast[row:].any()

@@ -81,9 +81,7 @@ class GPT2LMHeadModel(nn.Module):
     def attention_layers(self) -> list[nn.Module]:
         return [block.attn for block in self.h]
 
-    def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
-    ) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         x = self.wte(input_ids) + self.wpe(positions)
         for block in self.h:
             x = block(x, meta)

@@ -1,0 +1,160 @@
+// Paged attention for prefill chunks on CPU: each chunk's query rows attend causally to everything in the
+// cache up to their own position (a cached prefix, earlier chunks, and this chunk, already written there).
+// No gathered copy of the context, no mask tensor, no expanded KV heads: keys and values are read from
+// their blocks, once per tile of query rows, for all the query heads that share them.
+// AVX-512 only (head_dim % 16 == 0); elsewhere the caller takes the torch path.
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#define PREFILL_TILE 8  // query rows per work item: each key row loaded is used TILE * group times
+#define PREFILL_MAX_BLOCK 64
+#define PREFILL_MAX_GROUP 16
+#define PREFILL_MAX_DIM 256
+#define PREFILL_MAX_HEAD_ELEMS 8192  // num_q_heads * head_dim: a tile's state (2 x 8 x 32 KiB) lives on the stack
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+
+static inline __m512 pf_load_bf16(const uint16_t* p) {
+    __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+}
+static inline __m512 pf_load_f32(const float* p) { return _mm512_loadu_ps(p); }
+static inline uint16_t pf_store_bf16(float f) {  // round to nearest even, as torch does
+    uint32_t bits;
+    memcpy(&bits, &f, 4);
+    bits += 0x7FFF + ((bits >> 16) & 1);
+    return (uint16_t)(bits >> 16);
+}
+#define PF_IDENTITY(x) (x)
+
+// Folds n new scores into a running max m and sum l; returns the factor for the accumulator.
+static inline float pf_softmax_update(float* scores, int n, float* m, float* l) {
+    float block_max = *m;
+    for (int t = 0; t < n; t++) block_max = scores[t] > block_max ? scores[t] : block_max;
+    const float correction = expf(*m - block_max);
+    *l *= correction;
+    for (int t = 0; t < n; t++) { scores[t] = expf(scores[t] - block_max); *l += scores[t]; }
+    *m = block_max;
+    return correction;
+}
+
+// One tile: query rows [row0, row0 + rows) of a chunk whose first row sits at position first_pos.
+#define DEFINE_PREFILL_TILE(NAME, T, VLOAD, STORE)                                                        \
+static void NAME(const T* q, int64_t q_row_stride, const T* k_cache, const T* v_cache, const int64_t* table, \
+                 int64_t first_pos, int rows, T* out, int num_q_heads, int num_kv_heads, int head_dim,   \
+                 int block_size, float scale) {                                                          \
+    const int group = num_q_heads / num_kv_heads, nv = head_dim / 16;                                    \
+    const int64_t stride = (int64_t)num_kv_heads * head_dim, block_elems = block_size * stride;         \
+    __m512 qv[rows][num_q_heads][nv], acc[rows][num_q_heads][nv], row[PREFILL_MAX_DIM / 16];            \
+    float m[rows][num_q_heads], l[rows][num_q_heads], scores[rows][PREFILL_MAX_GROUP][PREFILL_MAX_BLOCK]; \
+    for (int r = 0; r < rows; r++)                                                                       \
+        for (int i = 0; i < num_q_heads; i++) {                                                          \
+            for (int j = 0; j < nv; j++) {                                                               \
+                qv[r][i][j] = _mm512_mul_ps(VLOAD(q + r * q_row_stride + i * head_dim + 16 * j), _mm512_set1_ps(scale)); \
+                acc[r][i][j] = _mm512_setzero_ps();                                                      \
+            }                                                                                            \
+            m[r][i] = -INFINITY; l[r][i] = 0.f;                                                          \
+        }                                                                                                \
+    const int64_t context = first_pos + rows;  /* keys the last row of the tile sees */                  \
+    for (int64_t start = 0; start < context; start += block_size) {                                     \
+        const T* kb = k_cache + table[start / block_size] * block_elems;                                 \
+        const T* vb = v_cache + table[start / block_size] * block_elems;                                 \
+        int visible[rows];  /* keys of this block row r may see: a prefix of it */                       \
+        int n = 0;                                                                                       \
+        for (int r = 0; r < rows; r++) {                                                                 \
+            int64_t v = first_pos + r + 1 - start;                                                       \
+            visible[r] = (int)(v < 0 ? 0 : v > block_size ? block_size : v);                             \
+            n = visible[r] > n ? visible[r] : n;                                                         \
+        }                                                                                                \
+        for (int h = 0; h < num_kv_heads; h++) {                                                         \
+            for (int t = 0; t < n; t++) {                                                                \
+                for (int j = 0; j < nv; j++) row[j] = VLOAD(kb + t * stride + h * head_dim + 16 * j);    \
+                for (int r = 0; r < rows; r++) {                                                         \
+                    if (t >= visible[r]) continue;                                                       \
+                    for (int g = 0; g < group; g++) {                                                    \
+                        const __m512* qg = qv[r][h * group + g];                                         \
+                        __m512 dot = _mm512_mul_ps(qg[0], row[0]);                                       \
+                        for (int j = 1; j < nv; j++) dot = _mm512_fmadd_ps(qg[j], row[j], dot);          \
+                        scores[r][g][t] = _mm512_reduce_add_ps(dot);                                     \
+                    }                                                                                    \
+                }                                                                                        \
+            }                                                                                            \
+            for (int r = 0; r < rows; r++) {                                                             \
+                if (!visible[r]) continue;                                                               \
+                for (int g = 0; g < group; g++) {                                                        \
+                    const int i = h * group + g;                                                         \
+                    const __m512 c = _mm512_set1_ps(pf_softmax_update(scores[r][g], visible[r], &m[r][i], &l[r][i])); \
+                    for (int j = 0; j < nv; j++) acc[r][i][j] = _mm512_mul_ps(acc[r][i][j], c);          \
+                }                                                                                        \
+            }                                                                                            \
+            for (int t = 0; t < n; t++) {                                                                \
+                for (int j = 0; j < nv; j++) row[j] = VLOAD(vb + t * stride + h * head_dim + 16 * j);    \
+                for (int r = 0; r < rows; r++) {                                                         \
+                    if (t >= visible[r]) continue;                                                       \
+                    for (int g = 0; g < group; g++) {                                                    \
+                        const int i = h * group + g;                                                     \
+                        const __m512 p = _mm512_set1_ps(scores[r][g][t]);                                \
+                        for (int j = 0; j < nv; j++) acc[r][i][j] = _mm512_fmadd_ps(p, row[j], acc[r][i][j]); \
+                    }                                                                                    \
+                }                                                                                        \
+            }                                                                                            \
+        }                                                                                                \
+    }                                                                                                    \
+    for (int r = 0; r < rows; r++)                                                                       \
+        for (int i = 0; i < num_q_heads; i++) {                                                          \
+            T* o = out + ((int64_t)r * num_q_heads + i) * head_dim;                                      \
+            const __m512 inv = _mm512_set1_ps(l[r][i] > 0.f ? 1.f / l[r][i] : 0.f);                      \
+            float lanes[16];                                                                             \
+            for (int j = 0; j < nv; j++) {                                                               \
+                _mm512_storeu_ps(lanes, _mm512_mul_ps(acc[r][i][j], inv));                               \
+                for (int d = 0; d < 16; d++) o[16 * j + d] = STORE(lanes[d]);                            \
+            }                                                                                            \
+        }                                                                                                \
+}
+
+DEFINE_PREFILL_TILE(prefill_tile_bf16, uint16_t, pf_load_bf16, pf_store_bf16)
+DEFINE_PREFILL_TILE(prefill_tile_f32, float, pf_load_f32, PF_IDENTITY)
+
+// chunks: [num_chunks, 3] int64 rows of (first row in the flat batch, query rows, context length after
+// the chunk); block_tables: [num_chunks, max_blocks]. q rows are q_row_stride elements apart (a view into
+// the qkv projection); out: [T, num_q_heads, head_dim] contiguous, written only at the chunks' rows.
+#define DEFINE_PREFILL(NAME, T, TILE_FN)                                                                  \
+void NAME(const T* q, int64_t q_row_stride, const T* k_cache, const T* v_cache, const int64_t* chunks,   \
+          int num_chunks, const int64_t* block_tables, int max_blocks, T* out, int num_q_heads,          \
+          int num_kv_heads, int head_dim, int block_size, float scale) {                                \
+    int64_t tiles = 0;                                                                                   \
+    for (int c = 0; c < num_chunks; c++) tiles += (chunks[3 * c + 1] + PREFILL_TILE - 1) / PREFILL_TILE; \
+    _Pragma("omp parallel for schedule(dynamic, 1)")                                                    \
+    for (int64_t w = 0; w < tiles; w++) {                                                                \
+        int c = 0;                                                                                       \
+        int64_t tile = w;                                                                                \
+        while (tile >= (chunks[3 * c + 1] + PREFILL_TILE - 1) / PREFILL_TILE)                            \
+            tile -= (chunks[3 * c + 1] + PREFILL_TILE - 1) / PREFILL_TILE, c++;                          \
+        const int64_t first_row = chunks[3 * c], num_rows = chunks[3 * c + 1], context = chunks[3 * c + 2]; \
+        const int64_t r0 = tile * PREFILL_TILE;                                                          \
+        const int rows = (int)(num_rows - r0 < PREFILL_TILE ? num_rows - r0 : PREFILL_TILE);             \
+        TILE_FN(q + (first_row + r0) * q_row_stride, q_row_stride, k_cache, v_cache,                     \
+                block_tables + (int64_t)c * max_blocks, context - num_rows + r0, rows,                   \
+                out + (first_row + r0) * num_q_heads * head_dim, num_q_heads, num_kv_heads, head_dim,    \
+                block_size, scale);                                                                      \
+    }                                                                                                    \
+}
+
+DEFINE_PREFILL(paged_prefill_bf16, uint16_t, prefill_tile_bf16)
+DEFINE_PREFILL(paged_prefill_f32, float, prefill_tile_f32)
+
+int paged_prefill_available(void) { return 1; }
+#else
+// Stubs keep the library's symbols the same everywhere; paged_prefill_available() tells callers not to use them.
+void paged_prefill_bf16(void) {}
+void paged_prefill_f32(void) {}
+int paged_prefill_available(void) { return 0; }
+#endif
+
+int paged_prefill_limits(int* max_group, int* max_dim, int* max_block, int* max_head_elems) {
+    *max_group = PREFILL_MAX_GROUP; *max_dim = PREFILL_MAX_DIM; *max_block = PREFILL_MAX_BLOCK;
+    *max_head_elems = PREFILL_MAX_HEAD_ELEMS;
+    return 0;
+}
