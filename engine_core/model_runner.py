@@ -16,6 +16,7 @@ import torch
 from common.config import EngineConfig
 from engine_core.attention import AttentionMetadata, PrefillChunk
 from engine_core.cuda_graphs import DecodeGraphs
+from engine_core.models.layers import pack_linears
 from engine_core.models.loader import load_model
 from engine_core.sampler import Sampler
 from engine_core.scheduler import SampledTokens, SchedulerOutput
@@ -70,6 +71,8 @@ class ModelRunner:
             tune_cpu_process(config.num_threads)
         self.block_size = config.block_size
         self.model = load_model(model_path, self.dtype, self.device, max_positions=max_model_len)
+        if self.device.type == "cpu" and self.dtype == torch.bfloat16 and torch.backends.mkldnn.is_available():
+            pack_linears(self.model)
         self.vocab_size = self.model.config.vocab_size
         # More blocks than max_num_seqs full-length requests need would only be idle prefix cache.
         most_useful = config.max_num_seqs * -(-max_model_len // self.block_size)

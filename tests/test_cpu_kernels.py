@@ -69,3 +69,17 @@ def test_rotary_rotates_q_and_k_heads_in_place_inside_qkv(torch_path, dtype, tol
     assert close(out, expected, tol)
     assert torch.equal(qkv[:, 12 * 64 :], original[:, 12 * 64 :])  # v untouched
     assert torch.equal(out[0], original[0, : 12 * 64].view(12, 64))  # position 0 is the identity rotation
+
+
+def test_packed_linears_compute_what_the_plain_ones_do() -> None:
+    """bf16 on CPU: every linear of a model swapped for its oneDNN-packed form, outputs bit for bit the same."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 96), torch.nn.GELU(), torch.nn.Linear(96, 32, bias=False))
+    model = model.to(torch.bfloat16)
+    inputs = [torch.randn(rows, 64, dtype=torch.bfloat16) for rows in (1, 7, 64, 300)]
+    with torch.inference_mode():
+        expected = [model(x) for x in inputs]
+        assert layers.pack_linears(model) == 2
+        assert not any(isinstance(m, torch.nn.Linear) for m in model.modules())
+        for x, ref in zip(inputs, expected, strict=True):
+            assert torch.equal(model(x), ref)

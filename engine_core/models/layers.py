@@ -106,3 +106,27 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
         return kernels.silu_and_mul(x)
     gate, up = x.chunk(2, dim=-1)
     return F.silu(gate) * up
+
+
+class PackedLinear(nn.Module):
+    """A linear layer whose weight is kept in oneDNN's blocked layout, made once at load. A plain bf16 linear on
+    CPU reorders its weight inside every call: at 64 decode rows that reorder took about 40% of the matmul."""
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), 64)  # 64: a row hint
+        self.bias = linear.bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
+
+
+def pack_linears(model: nn.Module) -> int:
+    """Replaces every linear layer of a loaded CPU bf16 model by a PackedLinear; returns how many. Tied weights
+    stay usable: the embedding keeps the plain tensor, the head gets its packed copy."""
+    linears = [(name, m) for name, m in model.named_modules() if isinstance(m, nn.Linear)]
+    for name, module in linears:
+        parent_name, _, attr = name.rpartition(".")
+        setattr(model.get_submodule(parent_name), attr, PackedLinear(module))
+    return len(linears)
