@@ -20,7 +20,8 @@ from pathlib import Path
 import torch
 
 log = logging.getLogger("roseinfer.kernels")
-SOURCES = sorted((Path(__file__).parent / "csrc").glob("*.c"))
+CSRC = Path(__file__).parent / "csrc"
+SOURCES = sorted(CSRC.glob("*.c"))
 _SUFFIX = {torch.bfloat16: "bf16", torch.float32: "f32"}
 _P, _I, _I64, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
 _SIGNATURES = {
@@ -44,7 +45,8 @@ def _build() -> ctypes.CDLL | None:
     if cc is None or os.environ.get("ROSEINFER_NO_KERNELS"):
         return None
     # -march=native: the binary is keyed by the CPU's flags, so a different machine compiles its own.
-    key = hashlib.sha256(b"".join(s.read_bytes() for s in SOURCES) + _cpu_flags().encode()).hexdigest()[:16]
+    files = sorted([*SOURCES, *CSRC.glob("*.h")])
+    key = hashlib.sha256(b"".join(f.read_bytes() for f in files) + _cpu_flags().encode()).hexdigest()[:16]
     cache = Path(os.environ.get("ROSEINFER_CACHE_DIR", Path.home() / ".cache" / "roseinfer")) / "kernels"
     lib = cache / f"roseinfer_kernels-{key}.so"
     if not lib.exists():

@@ -2,26 +2,8 @@
 // Each replaces several torch ops (and their temporaries) with one pass over the rows; fp32 math.
 // Intermediate results are rounded to the storage type where the torch path rounds them, so the two
 // differ only by the order of float additions.
-#include <math.h>
-#include <stdint.h>
-#include <string.h>
+#include "kernel_common.h"
 
-static inline float bf16_load(uint16_t x) {
-    uint32_t bits = (uint32_t)x << 16;
-    float f;
-    memcpy(&f, &bits, 4);
-    return f;
-}
-
-static inline uint16_t bf16_store(float f) {  // round to nearest even, as torch does
-    uint32_t bits;
-    memcpy(&bits, &f, 4);
-    bits += 0x7FFF + ((bits >> 16) & 1);
-    return (uint16_t)(bits >> 16);
-}
-
-#define F32_LOAD(x) (x)
-#define F32_STORE(x) (x)
 #define MAX_HIDDEN 16384
 #define PARALLEL_MIN_ELEMENTS 65536  // below this, waking the thread pool costs more than it saves
 

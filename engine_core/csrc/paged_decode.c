@@ -4,25 +4,8 @@
 // One work item is one sequence, all heads: a block's keys and values (all heads, contiguous) are used
 // while they sit in L1, and the next block is prefetched meanwhile. Decode attention streams the whole
 // KV cache of the batch every step, so how the reads overlap the arithmetic matters as much as either.
-#include <math.h>
-#include <stdint.h>
-#include <string.h>
+#include "kernel_common.h"
 
-static inline float bf16_to_f32(uint16_t x) {
-    uint32_t bits = (uint32_t)x << 16;
-    float f;
-    memcpy(&f, &bits, 4);
-    return f;
-}
-
-static inline uint16_t f32_to_bf16(float f) {  // round to nearest even, as torch does
-    uint32_t bits;
-    memcpy(&bits, &f, 4);
-    bits += 0x7FFF + ((bits >> 16) & 1);
-    return (uint16_t)(bits >> 16);
-}
-
-#define IDENTITY(x) (x)
 #define MAX_GROUP 16
 #define MAX_DIM 256
 #define MAX_BLOCK 64
@@ -35,17 +18,6 @@ static inline void prefetch_rows(const void* k, const void* v, int64_t bytes) {
         __builtin_prefetch((const char*)k + off);
         __builtin_prefetch((const char*)v + off);
     }
-}
-
-// Folds one block's scores of one query head into its running max m, sum l and accumulator scale.
-static inline float softmax_update(float* scores, int n, float* m, float* l) {
-    float block_max = *m;
-    for (int t = 0; t < n; t++) block_max = scores[t] > block_max ? scores[t] : block_max;
-    const float correction = expf(*m - block_max);
-    *l *= correction;
-    for (int t = 0; t < n; t++) { scores[t] = expf(scores[t] - block_max); *l += scores[t]; }
-    *m = block_max;
-    return correction;
 }
 
 // Portable path: any head_dim. acc: [num_q_heads][head_dim].
@@ -95,17 +67,10 @@ static void NAME(const T* q, const T* k_cache, const T* v_cache, const int64_t* 
     }                                                                                                    \
 }
 
-DEFINE_SCALAR_SEQUENCE(scalar_sequence_bf16, uint16_t, bf16_to_f32, f32_to_bf16)
-DEFINE_SCALAR_SEQUENCE(scalar_sequence_f32, float, IDENTITY, IDENTITY)
+DEFINE_SCALAR_SEQUENCE(scalar_sequence_bf16, uint16_t, bf16_load, bf16_store)
+DEFINE_SCALAR_SEQUENCE(scalar_sequence_f32, float, F32_LOAD, F32_STORE)
 
 #if defined(__AVX512F__)
-#include <immintrin.h>
-#define HAVE_VECTOR_PATH 1
-static inline __m512 vload_bf16(const uint16_t* p) {
-    __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p));
-    return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
-}
-static inline __m512 vload_f32(const float* p) { return _mm512_loadu_ps(p); }
 
 // The same with the head dimension in 16-lane registers (head_dim % 16 == 0): each key or value row is
 // loaded and widened once and used by every query head of its group.
@@ -164,8 +129,8 @@ static void NAME(const T* q, const T* k_cache, const T* v_cache, const int64_t* 
     }                                                                                                    \
 }
 
-DEFINE_VECTOR_SEQUENCE(vector_sequence_bf16, uint16_t, vload_bf16, f32_to_bf16)
-DEFINE_VECTOR_SEQUENCE(vector_sequence_f32, float, vload_f32, IDENTITY)
+DEFINE_VECTOR_SEQUENCE(vector_sequence_bf16, uint16_t, vload_bf16, bf16_store)
+DEFINE_VECTOR_SEQUENCE(vector_sequence_f32, float, vload_f32, F32_STORE)
 #define PICK(vector, scalar) (head_dim % 16 == 0 ? (vector) : (scalar))
 #else
 #define PICK(vector, scalar) (scalar)

@@ -3,9 +3,7 @@
 // No gathered copy of the context, no mask tensor, no expanded KV heads: keys and values are read from
 // their blocks, once per tile of query rows, for all the query heads that share them.
 // AVX-512 only (head_dim % 16 == 0); elsewhere the caller takes the torch path.
-#include <math.h>
-#include <stdint.h>
-#include <string.h>
+#include "kernel_common.h"
 
 #define PREFILL_TILE 8  // query rows per work item: each key row loaded is used TILE * group times
 #define PREFILL_MAX_BLOCK 64
@@ -14,32 +12,6 @@
 #define PREFILL_MAX_HEAD_ELEMS 8192  // num_q_heads * head_dim: a tile's state (2 x 8 x 32 KiB) lives on the stack
 
 #if defined(__AVX512F__)
-#include <immintrin.h>
-
-static inline __m512 pf_load_bf16(const uint16_t* p) {
-    __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p));
-    return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
-}
-static inline __m512 pf_load_f32(const float* p) { return _mm512_loadu_ps(p); }
-static inline uint16_t pf_store_bf16(float f) {  // round to nearest even, as torch does
-    uint32_t bits;
-    memcpy(&bits, &f, 4);
-    bits += 0x7FFF + ((bits >> 16) & 1);
-    return (uint16_t)(bits >> 16);
-}
-#define PF_IDENTITY(x) (x)
-
-// Folds n new scores into a running max m and sum l; returns the factor for the accumulator.
-static inline float pf_softmax_update(float* scores, int n, float* m, float* l) {
-    float block_max = *m;
-    for (int t = 0; t < n; t++) block_max = scores[t] > block_max ? scores[t] : block_max;
-    const float correction = expf(*m - block_max);
-    *l *= correction;
-    for (int t = 0; t < n; t++) { scores[t] = expf(scores[t] - block_max); *l += scores[t]; }
-    *m = block_max;
-    return correction;
-}
-
 // One tile: query rows [row0, row0 + rows) of a chunk whose first row sits at position first_pos.
 #define DEFINE_PREFILL_TILE(NAME, T, VLOAD, STORE)                                                        \
 static void NAME(const T* q, int64_t q_row_stride, const T* k_cache, const T* v_cache, const int64_t* table, \
@@ -85,7 +57,7 @@ static void NAME(const T* q, int64_t q_row_stride, const T* k_cache, const T* v_
                 if (!visible[r]) continue;                                                               \
                 for (int g = 0; g < group; g++) {                                                        \
                     const int i = h * group + g;                                                         \
-                    const __m512 c = _mm512_set1_ps(pf_softmax_update(scores[r][g], visible[r], &m[r][i], &l[r][i])); \
+                    const __m512 c = _mm512_set1_ps(softmax_update(scores[r][g], visible[r], &m[r][i], &l[r][i])); \
                     for (int j = 0; j < nv; j++) acc[r][i][j] = _mm512_mul_ps(acc[r][i][j], c);          \
                 }                                                                                        \
             }                                                                                            \
@@ -114,8 +86,8 @@ static void NAME(const T* q, int64_t q_row_stride, const T* k_cache, const T* v_
         }                                                                                                \
 }
 
-DEFINE_PREFILL_TILE(prefill_tile_bf16, uint16_t, pf_load_bf16, pf_store_bf16)
-DEFINE_PREFILL_TILE(prefill_tile_f32, float, pf_load_f32, PF_IDENTITY)
+DEFINE_PREFILL_TILE(prefill_tile_bf16, uint16_t, vload_bf16, bf16_store)
+DEFINE_PREFILL_TILE(prefill_tile_f32, float, vload_f32, F32_STORE)
 
 // chunks: [num_chunks, 3] int64 rows of (first row in the flat batch, query rows, context length after
 // the chunk); block_tables: [num_chunks, max_blocks]. q rows are q_row_stride elements apart (a view into

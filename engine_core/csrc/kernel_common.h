@@ -1,0 +1,43 @@
+// Helpers shared by our CPU kernels: bf16 <-> fp32, the online-softmax fold, AVX-512 row loads.
+#pragma once
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+static inline float bf16_load(uint16_t x) {
+    uint32_t bits = (uint32_t)x << 16;
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+static inline uint16_t bf16_store(float f) {  // round to nearest even, as torch does
+    uint32_t bits;
+    memcpy(&bits, &f, 4);
+    bits += 0x7FFF + ((bits >> 16) & 1);
+    return (uint16_t)(bits >> 16);
+}
+
+#define F32_LOAD(x) (x)
+#define F32_STORE(x) (x)
+
+// Folds n new attention scores into a running max m and sum l (online softmax): the scores become their
+// weights, and the return value is the factor the accumulated output must be scaled by.
+static inline float softmax_update(float* scores, int n, float* m, float* l) {
+    float block_max = *m;
+    for (int t = 0; t < n; t++) block_max = scores[t] > block_max ? scores[t] : block_max;
+    const float correction = expf(*m - block_max);
+    *l *= correction;
+    for (int t = 0; t < n; t++) { scores[t] = expf(scores[t] - block_max); *l += scores[t]; }
+    *m = block_max;
+    return correction;
+}
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+static inline __m512 vload_bf16(const uint16_t* p) {  // 16 bf16 values widened to fp32
+    __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+}
+static inline __m512 vload_f32(const float* p) { return _mm512_loadu_ps(p); }
+#endif
