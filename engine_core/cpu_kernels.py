@@ -139,6 +139,12 @@ class CpuKernels:
 
     # ---- elementwise layers (contiguous 2-D inputs) ----
 
+    def supports_rms_norm(self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor) -> bool:
+        if residual is not None and not (residual.is_contiguous() and residual.shape == x.shape):
+            return False
+        same_dtype = weight.dtype == x.dtype and (residual is None or residual.dtype == x.dtype)
+        return same_dtype and x.shape[1] <= self.max_hidden
+
     def rms_norm(self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float):
         """Without residual: norm(x) * weight. With it: residual += x in place, then norm(residual) * weight."""
         out = torch.empty_like(x)

@@ -25,7 +25,7 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         """With `residual`, adds it first and returns (normed, new residual): one pass, no extra add."""
         kernels = _kernels_for(x)
-        if kernels is not None and x.dtype == self.weight.dtype and x.shape[1] <= kernels.max_hidden:
+        if kernels is not None and kernels.supports_rms_norm(x, residual, self.weight):
             if residual is None:
                 return kernels.rms_norm(x, None, self.weight, self.eps)
             return kernels.rms_norm(x, residual, self.weight, self.eps), residual  # residual updated in place
@@ -67,7 +67,9 @@ class StepRotary:
     def __init__(self, rotary: RotaryEmbedding, positions: torch.Tensor, dtype: torch.dtype) -> None:
         self.rotary, self.positions = rotary, positions
         self.cos = self.sin = None
-        if rotary.cos.device.type != "cpu" or cpu_kernels() is None or dtype not in (torch.float32, torch.bfloat16):
+        kernel_ok = dtype in (torch.float32, torch.bfloat16) and positions.dtype == torch.int64
+        kernel_ok = kernel_ok and positions.is_contiguous()
+        if rotary.cos.device.type != "cpu" or not kernel_ok or cpu_kernels() is None:
             self.cos = rotary.cos[positions].unsqueeze(1).to(dtype)
             self.sin = rotary.sin[positions].unsqueeze(1).to(dtype)
 
