@@ -15,6 +15,7 @@ import torch
 
 from common.config import EngineConfig
 from engine_core.attention import AttentionMetadata, PrefillChunk
+from engine_core.cpu_kernels import cpu_kernels
 from engine_core.cuda_graphs import DecodeGraphs
 from engine_core.models.layers import pack_linears
 from engine_core.models.loader import load_model
@@ -69,6 +70,7 @@ class ModelRunner:
         self.dtype = pick_dtype(config.dtype, self.device)
         if self.device.type == "cpu":
             tune_cpu_process(config.num_threads)
+            cpu_kernels()  # built (once per machine, a few seconds) before the engine reports ready, not in a request
         self.block_size = config.block_size
         self.model = load_model(model_path, self.dtype, self.device, max_positions=max_model_len)
         if self.device.type == "cpu" and self.dtype == torch.bfloat16 and torch.backends.mkldnn.is_available():
