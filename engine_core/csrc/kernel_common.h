@@ -21,6 +21,10 @@ static inline uint16_t bf16_store(float f) {  // round to nearest even, as torch
 #define F32_LOAD(x) (x)
 #define F32_STORE(x) (x)
 
+// The running max before any score: finite, because -ffast-math lets the compiler assume no infinities;
+// expf(NO_SCORE - score) is still exactly 0.
+#define NO_SCORE (-1e30f)
+
 // Folds n new attention scores into a running max m and sum l (online softmax): the scores become their
 // weights, and the return value is the factor the accumulated output must be scaled by.
 static inline float softmax_update(float* scores, int n, float* m, float* l) {

@@ -30,7 +30,7 @@ static void NAME(const T* q, const T* k_cache, const T* v_cache, const int64_t* 
     float scores[MAX_GROUP][MAX_BLOCK], row[MAX_DIM];                                                    \
     for (int i = 0; i < num_q_heads; i++) {                                                              \
         for (int d = 0; d < head_dim; d++) { qf[i][d] = LOAD(q[i * head_dim + d]) * scale; acc[i][d] = 0.f; } \
-        m[i] = -INFINITY; l[i] = 0.f;                                                                    \
+        m[i] = NO_SCORE; l[i] = 0.f;                                                                     \
     }                                                                                                    \
     for (int64_t start = 0; start < len; start += block_size) {                                         \
         const int64_t b = start / block_size;                                                            \
@@ -86,7 +86,7 @@ static void NAME(const T* q, const T* k_cache, const T* v_cache, const int64_t* 
             qv[i][j] = _mm512_mul_ps(VLOAD(q + i * head_dim + 16 * j), _mm512_set1_ps(scale));          \
             acc[i][j] = _mm512_setzero_ps();                                                             \
         }                                                                                                \
-        m[i] = -INFINITY; l[i] = 0.f;                                                                    \
+        m[i] = NO_SCORE; l[i] = 0.f;                                                                     \
     }                                                                                                    \
     for (int64_t start = 0; start < len; start += block_size) {                                         \
         const int64_t b = start / block_size;                                                            \

@@ -27,7 +27,7 @@ static void NAME(const T* q, int64_t q_row_stride, const T* k_cache, const T* v_
                 qv[r][i][j] = _mm512_mul_ps(VLOAD(q + r * q_row_stride + i * head_dim + 16 * j), _mm512_set1_ps(scale)); \
                 acc[r][i][j] = _mm512_setzero_ps();                                                      \
             }                                                                                            \
-            m[r][i] = -INFINITY; l[r][i] = 0.f;                                                          \
+            m[r][i] = NO_SCORE; l[r][i] = 0.f;                                                           \
         }                                                                                                \
     const int64_t context = first_pos + rows;  /* keys the last row of the tile sees */                  \
     for (int64_t start = 0; start < context; start += block_size) {                                     \
