@@ -30,6 +30,7 @@ _SIGNATURES = {
     "rms_norm": [_P] * 4 + [_I64, _I, _F],
     "silu_and_mul": [_P, _P, _I64, _I],
     "rotary": [_P] * 4 + [_I64, _I64, _I, _I],
+    "argmax_rows": [_P, _I64, _I64, _P],
 }
 
 
@@ -164,6 +165,14 @@ class CpuKernels:
         positions int64 [T]; cos/sin fp32 [max_positions, head_dim]."""
         self._funcs["rotary", x.dtype](x.data_ptr(), positions.data_ptr(), cos.data_ptr(), sin.data_ptr(),
                                        x.shape[0], x.stride(0), num_heads, head_dim)  # fmt: skip
+
+    # ---- sampling ----
+
+    def argmax_rows(self, x: torch.Tensor) -> torch.Tensor:
+        """Greedy tokens of contiguous logits [rows, vocab], in their own dtype; first index on a tie."""
+        out = torch.empty(x.shape[0], dtype=torch.long)
+        self._funcs["argmax_rows", x.dtype](x.data_ptr(), x.shape[0], x.shape[1], out.data_ptr())
+        return out
 
 
 _kernels: CpuKernels | None | bool = False  # False: not tried yet

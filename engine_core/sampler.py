@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from common.messages import Logprobs, SamplingParams
+from engine_core.cpu_kernels import cpu_kernels
 from engine_core.request import Request
 
 _SEED_MIX = 0x9E3779B97F4A7C15  # spreads (seed, position) pairs over the 63-bit seed space
@@ -24,16 +25,18 @@ class Sampler:
 
     @torch.inference_mode()
     def __call__(self, logits: torch.Tensor, requests: list[Request]) -> tuple[list[int], list[Logprobs | None]]:
-        """logits: [N, vocab] float32, one row per request, in order."""
+        """logits: [N, vocab] in the model's dtype, one row per request, in order."""
         params = [r.params for r in requests]
         logits = logits[:, : self.vocab_size]
-        raw = logits
+        if all(p.greedy and p.logprobs is None and not (_needs_penalty(p) or p.min_tokens) for p in params):
+            return _argmax(logits).tolist(), [None] * len(requests)  # the common plain-greedy batch
+        logits = raw = logits.float()
         if any(_needs_penalty(p) or p.min_tokens for p in params):
             logits = logits.clone()
             for i, req in enumerate(requests):
                 _penalize(logits[i], req)
         if all(p.greedy for p in params):
-            tokens = logits.argmax(dim=-1)
+            tokens = _argmax(logits)
         else:
             tokens = self._sample(logits, requests, params)
         token_list = tokens.tolist()
@@ -59,6 +62,13 @@ class Sampler:
         sampled = (probs / noise).argmax(dim=-1)
         greedy_rows = torch.tensor([p.greedy for p in params], device=logits.device)
         return torch.where(greedy_rows, logits.argmax(dim=-1), sampled)
+
+
+def _argmax(logits: torch.Tensor) -> torch.Tensor:
+    kernels = cpu_kernels() if logits.device.type == "cpu" else None
+    if kernels is not None and kernels.handles(logits) and logits.is_contiguous():
+        return kernels.argmax_rows(logits)
+    return logits.argmax(dim=-1)
 
 
 def _needs_penalty(p: SamplingParams) -> bool:

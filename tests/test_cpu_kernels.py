@@ -83,3 +83,18 @@ def test_packed_linears_compute_what_the_plain_ones_do() -> None:
         assert not any(isinstance(m, torch.nn.Linear) for m in model.modules())
         for x, ref in zip(inputs, expected, strict=True):
             assert torch.equal(model(x), ref)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows,cols", [(1, 5), (3, 16), (64, 49152), (7, 1000), (2, 33)])
+def test_argmax_rows_matches_torch_first_index_on_ties(dtype, rows, cols) -> None:
+    kernels = cpu_kernels()
+    assert kernels is not None
+    torch.manual_seed(0)
+    x = torch.randn(rows, cols).to(dtype)
+    assert torch.equal(kernels.argmax_rows(x), x.argmax(dim=-1))
+    # Ties: the maximum planted at several places, in the vector part and in the scalar tail.
+    for where in ([0, cols - 1], [cols // 2, cols - 1], [cols - 2, cols - 1]):
+        tied = x.clone()
+        tied[:, where] = 100.0
+        assert kernels.argmax_rows(tied).tolist() == [min(where)] * rows

@@ -88,7 +88,7 @@ class GPT2LMHeadModel(nn.Module):
         return self.ln_f(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+        return self.lm_head(hidden)  # in the model's dtype: greedy sampling needs no fp32 copy
 
     def checkpoint_name(self, name: str) -> str | None:
         """Maps an HF checkpoint key (with or without the "transformer." prefix) to ours; None to skip it."""

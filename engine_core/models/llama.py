@@ -109,7 +109,7 @@ class LlamaForCausalLM(nn.Module):
         return x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+        return self.lm_head(hidden)  # in the model's dtype: greedy sampling needs no fp32 copy
 
     def checkpoint_name(self, name: str) -> str | None:
         """Maps an HF checkpoint key to ours; None for keys we do not use."""
