@@ -54,15 +54,14 @@ def test_prefill_kernel_matches_torch_path(monkeypatch, dtype, tol, q_heads, kv_
     total = row + 5  # 5 padding rows
     qkv = torch.randn(total, (q_heads + 2 * kv_heads) * head_dim, dtype=dtype)
     q = qkv[:, : q_heads * head_dim].view(total, q_heads, head_dim)
-    kv = torch.zeros(total, kv_heads, head_dim, dtype=dtype)  # unused: every key is read from the cache
-    for chunk in prefills:  # the torch path reads a no-prefix chunk's own k/v: give it the cached values
-        s, e = chunk.start, chunk.start + chunk.num_tokens
-        if chunk.context_len == chunk.num_tokens:
-            kv[s:e] = k_cache[chunk.block_ids].flatten(0, 1)[: chunk.num_tokens]
-    k_new, v_new = kv.clone(), kv.clone()
+    # The kernel reads every key from the cache; the torch path reads a no-prefix chunk's own k/v, so they get
+    # the cached values (the cache already holds them, as after write_kv).
+    k_new = torch.zeros(total, kv_heads, head_dim, dtype=dtype)
+    v_new = torch.zeros(total, kv_heads, head_dim, dtype=dtype)
     for chunk in prefills:
         s, e = chunk.start, chunk.start + chunk.num_tokens
         if chunk.context_len == chunk.num_tokens:
+            k_new[s:e] = k_cache[chunk.block_ids].flatten(0, 1)[: chunk.num_tokens]
             v_new[s:e] = v_cache[chunk.block_ids].flatten(0, 1)[: chunk.num_tokens]
 
     def run() -> torch.Tensor:
