@@ -17,11 +17,10 @@ from frontend.tokenizer import TokenizerError
 
 def chat_prompt(ctx: ServingContext, messages: list[ChatMessage], add_generation_prompt: bool = True) -> list[int]:
     try:
-        text = ctx.tokenizer.apply_chat_template([m.template_dict() for m in messages], add_generation_prompt)
+        # Special-token text inside the messages stays text unless the server was told to parse it.
+        ids = ctx.tokenizer.encode_chat([m.template_dict() for m in messages], add_generation_prompt)
     except TokenizerError as exc:
         raise bad_request(str(exc), "messages") from exc
-    # The template already wrote every special token (BOS included) the model expects.
-    ids = ctx.tokenizer.encode(text, add_special_tokens=False)
     ctx.check_prompt(ids, "messages")
     return ids
 

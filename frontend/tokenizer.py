@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import re
+import secrets
+from collections.abc import Callable
 from datetime import datetime
 from functools import lru_cache
 from pathlib import Path
@@ -29,12 +32,33 @@ def _raise(message: str) -> None:
     raise jinja2.TemplateError(message)
 
 
+def _map_strings(value: Any, fn: Callable[[str], str]) -> Any:
+    """`value` with `fn` applied to every string inside it (dict keys excepted: templates look fields up by name)."""
+    if isinstance(value, str):
+        return fn(value)
+    if isinstance(value, dict):
+        return {k: _map_strings(v, fn) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_map_strings(v, fn) for v in value]
+    return value
+
+
 class Tokenizer:
-    def __init__(self, model_dir: Path) -> None:
+    """`parse_special_in_content`: read special-token text inside chat messages as control tokens, as the rendered
+    prompt string would be; unsafe (a user message can close its turn and open a system one), so off by default."""
+
+    def __init__(self, model_dir: Path, parse_special_in_content: bool = False) -> None:
         path = Path(model_dir)
         if not (path / "tokenizer.json").is_file():
             raise TokenizerError(f"{path} has no tokenizer.json (the API server needs a fast tokenizer)")
         self._tok = _HFTokenizer.from_file(str(path / "tokenizer.json"))
+        self.parse_special_in_content = parse_special_in_content
+        # Encodes special-token text as plain text. A second instance, not a flag toggled on the shared one:
+        # encodes run in worker threads at the same time.
+        self._text_tok = _HFTokenizer.from_file(str(path / "tokenizer.json"))
+        self._text_tok.encode_special_tokens = True
+        specials = sorted((t.content for t in self._tok.get_added_tokens_decoder().values() if t.special), key=len)
+        self._special_re = re.compile("|".join(map(re.escape, reversed(specials)))) if specials else None
         cfg_file = path / "tokenizer_config.json"
         cfg = json.loads(cfg_file.read_text()) if cfg_file.is_file() else {}
         self.special_tokens = {
@@ -74,3 +98,41 @@ class Tokenizer:
             )
         except jinja2.TemplateError as exc:  # the template rejected the conversation (e.g. role order)
             raise TokenizerError(f"chat template: {exc}") from exc
+
+    def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> list[int]:
+        """The chat prompt's ids. Special tokens the template writes are control tokens; special-token text inside
+        the messages (content, name, any string) is plain text, as the OpenAI API treats message content."""
+        text = self.apply_chat_template(messages, add_generation_prompt)
+        # Each string that holds special-token text is swapped for a unique marker, to learn where the template
+        # writes it; the nonce keeps a user from writing a marker themselves.
+        nonce = secrets.token_hex(8)
+        strings: list[str] = []
+
+        def marker(value: str) -> str:
+            if self._special_re is None or self._special_re.search(value) is None:
+                return value
+            strings.append(value)
+            return f"\ue000{nonce}:{len(strings) - 1}\ue001"
+
+        marked = _map_strings(messages, marker)
+        if self.parse_special_in_content or not strings:
+            # The common case: the same ids as encoding the rendered string (as transformers does). The template
+            # already wrote every special token (BOS included) the model expects.
+            return self.encode(text, add_special_tokens=False)
+        # Even parts are the template's text, odd parts the index of the string written there. If putting the
+        # strings back does not give the same text, the template changed or inspected them: refuse rather than
+        # guess which characters came from the user.
+        parts = re.split(f"\ue000{nonce}:(\\d+)\ue001", self.apply_chat_template(marked, add_generation_prompt))
+        if "".join(strings[int(p)] if i % 2 else p for i, p in enumerate(parts)) != text:
+            raise TokenizerError("this model's chat template rewrites message text that contains special tokens")
+        # Spans are encoded one by one, so no BPE merge or pre-token crosses a span's edge. Acceptable: templates
+        # put a special token at the far edge of a message, where the tokenizer splits anyway, and usually a newline
+        # at the near edge, where the pre-tokenizer splits too (unless the content starts with whitespace). The
+        # text is the same either way, and only prompts that hold special-token text take this path.
+        ids: list[int] = []
+        for i, part in enumerate(parts):
+            if i % 2:
+                ids += self._text_tok.encode(strings[int(part)], add_special_tokens=False).ids
+            elif part:
+                ids += self._tok.encode(part, add_special_tokens=False).ids
+        return ids
