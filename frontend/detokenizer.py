@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Protocol
 
+from frontend.stop_strings import StopStringMatcher
+
 # Prompt tokens decoded ahead of the first output token, so tokenizers that strip a leading space
 # (SentencePiece) or merge bytes across tokens decode the first output token as they would mid-text.
 PROMPT_CONTEXT = 5
@@ -36,13 +38,12 @@ class IncrementalDetokenizer:
         self.prefix = 0
         self.read = len(context)
         self.stop = [s for s in stop or [] if s]
-        self.max_stop_len = max((len(s) for s in self.stop), default=0)
+        self.matcher = StopStringMatcher(self.stop) if self.stop else None
         self.include_stop = include_stop_str_in_output
         self.skip_special = skip_special_tokens
         self.min_tokens = min_tokens
         self.num_tokens = 0
-        self.text = ""  # output text so far, including what is held back
-        self.emitted = 0  # characters of `text` already returned
+        self.pending = ""  # output text held back: it could still turn out to be the start of a stop string
         self.stop_reason: str | None = None  # the stop string that ended the text
 
     @property
@@ -76,35 +77,20 @@ class IncrementalDetokenizer:
         return self._extend(delta, final=True)
 
     def _extend(self, delta: str, final: bool) -> str:
-        old_len = len(self.text)
-        self.text += delta
-        if self.stop and delta and self.num_tokens >= self.min_tokens:
-            self._find_stop(max(0, old_len - self.max_stop_len + 1))
-        end = len(self.text) if final or self.stopped else len(self.text) - self._held_back()
-        out = self.text[self.emitted : end]
-        self.emitted = max(self.emitted, end)
-        return out
-
-    def _find_stop(self, start: int) -> None:
-        """Earliest stop string that ends in the new text; the text is truncated at (or after) it."""
-        best: tuple[int, str] | None = None
-        for s in self.stop:
-            pos = self.text.find(s, start)
-            if pos >= 0 and (best is None or pos < best[0]):
-                best = (pos, s)
-        if best is not None:
-            pos, s = best
-            self.text = self.text[: pos + len(s) if self.include_stop else pos]
-            self.stop_reason = s
-
-    def _held_back(self) -> int:
-        """Length of the longest text suffix that could still grow into a stop string: never stream it yet."""
-        if not self.stop or self.include_stop:
-            return 0
-        held = 0
-        for s in self.stop:
-            for k in range(min(len(s) - 1, len(self.text)), held, -1):
-                if self.text.endswith(s[:k]):
-                    held = k
-                    break
-        return held
+        # Only the text not streamed yet is kept: appending to the whole output would copy all of it every token.
+        text = self.pending + delta
+        if self.matcher is not None and delta:
+            # Every character goes through the matcher, so its state is right once min_tokens is reached; a stop
+            # string counts only if it ends in text that came at or after that token.
+            match = self.matcher.feed(delta, check=self.num_tokens >= self.min_tokens)
+            if match is not None:
+                # It starts in `text`, not in streamed text: what of it came before `delta` was held back as a prefix.
+                end, s = match
+                text = text[: len(self.pending) + end - (0 if self.include_stop else len(s))]
+                self.stop_reason = s
+        # The longest text suffix that could still grow into a stop string is not streamed yet; with
+        # include_stop_str_in_output the text up to the stop string's end is shown anyway.
+        held = self.matcher.held if self.matcher is not None and not self.include_stop else 0
+        cut = len(text) if final or self.stopped else len(text) - held
+        self.pending = text[cut:]
+        return text[:cut]

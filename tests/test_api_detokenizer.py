@@ -5,8 +5,11 @@ from __future__ import annotations
 import json
 import math
 import random
+import time
 
 import pytest
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
 
 from common.model_source import resolve_model
 from frontend.detokenizer import IncrementalDetokenizer
@@ -96,3 +99,114 @@ def test_non_finite_logprobs_are_clamped_to_valid_json():
     values = [clamp(x) for x in (-math.inf, math.nan, -1e30, -0.5, 0.0)]
     assert values == [-9999.0, -9999.0, -9999.0, -0.5, 0.0]
     assert json.loads(dumps({"logprobs": values}))["logprobs"] == values
+
+
+class Pieces:
+    """A stand-in tokenizer whose token i decodes to pieces[i]: chooses exactly which text each token adds."""
+
+    def __init__(self, pieces: list[str]) -> None:
+        self.pieces = pieces
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return "".join(self.pieces[i] for i in ids)
+
+
+def run_pieces(pieces: list[str], **kw):
+    return run(Pieces(pieces), list(range(len(pieces))), **kw)  # type: ignore[arg-type]
+
+
+def first_stop(text: str, stop: list[str], after: int = 0) -> tuple[int, str] | None:
+    """Reference: the stop string match that ends first past `after`, the longer one on a tie, as (end, stop)."""
+    for end in range(after + 1, len(text) + 1):
+        for s in sorted(stop, key=len, reverse=True):
+            if s and text.endswith(s, 0, end):
+                return end, s
+    return None
+
+
+def expected_output(text: str, stop: list[str], include: bool, after: int = 0) -> tuple[str, str | None]:
+    match = first_stop(text, stop, after)
+    if match is None:
+        return text, None
+    end, s = match
+    return text[: end if include else end - len(s)], s
+
+
+def held_back(text: str, stop: list[str]) -> int:
+    """Reference: the longest suffix of `text` that is a proper prefix of a stop string."""
+    return max((k for s in stop for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
+
+
+def test_stop_that_ends_first_wins_when_two_complete_in_one_delta():
+    # "bc" is complete one character before "abcd": a client fed one character at a time stops there.
+    deltas, detok = run_pieces(["x", "abcd", "e"], stop=["abcd", "bc"])
+    assert "".join(deltas) == "xa" and detok.stop_reason == "bc"
+    # Both end at the same character: the longer one, which started earlier, cuts the text first.
+    deltas, detok = run_pieces(["x", "abcd", "e"], stop=["cd", "abcd"])
+    assert "".join(deltas) == "x" and detok.stop_reason == "abcd"
+    deltas, detok = run_pieces(["x", "abcd", "e"], stop=["cd", "abcd"], include_stop_str_in_output=True)
+    assert "".join(deltas) == "xabcd" and detok.stop_reason == "abcd"
+
+
+def test_min_tokens_ignores_stop_strings_wholly_before_it():
+    # "ab" lies in the first two tokens, before min_tokens: it never counts, even next to a longer stop string.
+    deltas, detok = run_pieces(["a", "b", "c", "d"], stop=["ab", "xxxxxxxx"], min_tokens=3)
+    assert "".join(deltas) == "abcd" and detok.stop_reason is None
+    # A match that ends in the min_tokens-th token counts, though it started before.
+    deltas, detok = run_pieces(["a", "b", "c", "d"], stop=["bc", "xxxxxxxx"], min_tokens=3)
+    assert "".join(deltas) == "a" and detok.stop_reason == "bc"
+
+
+def test_long_stop_strings_cost_time_linear_in_the_text(tok):
+    rng = random.Random(0)
+    words = TEXTS[0].replace(",", "").replace(".", "").replace("!", "").lower().split() + ["and", "a", "then"]
+    text = " ".join(rng.choice(words) for _ in range(1500))
+    ids = tok.encode(text)[:1500]
+    # Sixteen ~4,000-character stop strings of the same words (so they partly match all the time) that never occur.
+    stop = [" ".join(rng.choice(words) for _ in range(1000))[:4000] + f" zq{i}" for i in range(16)]
+    start = time.process_time()
+    deltas, detok = run(tok, ids, stop=stop)
+    elapsed = time.process_time() - start
+    assert "".join(deltas) == tok.decode(ids) and detok.stop_reason is None
+    # About 0.04 s; checking every prefix of every stop string on every token took about 27 s here.
+    assert elapsed < 1.0
+
+
+pieces_st = st.lists(st.text("ab", max_size=3) | st.text("abc", max_size=5), max_size=30)
+stops_st = st.lists(st.text("ab", max_size=6) | st.text("abc", min_size=1, max_size=3), min_size=1, max_size=4)
+
+
+@settings(derandomize=True, max_examples=400, deadline=None)
+@given(pieces=pieces_st, stop=stops_st, include=st.booleans(), min_tokens=st.integers(0, 8), data=st.data())
+@example(pieces=["aa", "aab", "aaab"], stop=["aaab", "aab"], include=False, min_tokens=0, data=None)
+@example(pieces=["a", "a", "a", "b"], stop=["aaab", "aa"], include=False, min_tokens=2, data=None)
+@example(pieces=["abab", "ab"], stop=["ababab", "bab", "ab"], include=False, min_tokens=2, data=None)
+def test_stop_strings_match_a_reference_over_the_whole_text(pieces, stop, include, min_tokens, data):
+    text = "".join(pieces)
+    if data is not None and text:  # a substring of the text, so that some stop string is often found
+        start = data.draw(st.integers(0, len(text) - 1))
+        stop = [*stop, text[start : start + data.draw(st.integers(1, 6))]]
+    deltas, detok = run_pieces(pieces, stop=stop, include_stop_str_in_output=include, min_tokens=min_tokens)
+    after = len("".join(pieces[: max(min_tokens - 1, 0)]))  # text before the min_tokens-th token
+    assert ("".join(deltas), detok.stop_reason) == expected_output(text, stop, include, after)
+    # Until it stops, each delta shows all the text but the part that could still grow into a stop string.
+    fed = shown = ""
+    for piece, delta in zip(pieces, deltas, strict=False):
+        fed, shown = fed + piece, shown + delta
+        if first_stop(fed, stop, after) is not None:
+            break
+        assert shown == fed[: len(fed) - (0 if include else held_back(fed, stop))]
+        assert len(fed) - len(shown) <= max(max(len(s) for s in stop) - 1, 0)
+
+
+words_st = st.lists(st.sampled_from(["the", " the", " end", "end", " là", "!", " 🍕", "\n", " a", "aa"]), max_size=25)
+real_stops_st = st.lists(st.sampled_from(["the end", "e", "end", " a", "aa", "aaa", "🍕", "là!", "\n the"]), min_size=1,
+                         max_size=3)  # fmt: skip
+
+
+@settings(derandomize=True, max_examples=60, deadline=None)
+@given(words=words_st, stop=real_stops_st, include=st.booleans())
+def test_stop_strings_match_a_reference_with_the_real_tokenizer(tok, words, stop, include):
+    ids = tok.encode("".join(words))
+    deltas, detok = run(tok, ids, stop=stop, include_stop_str_in_output=include)
+    assert ("".join(deltas), detok.stop_reason) == expected_output(tok.decode(ids), stop, include)
