@@ -1,25 +1,21 @@
-"""create_app: the HTTP routes, OpenAI-shaped errors, request ids, API key and CORS around the serving layer."""
+"""create_app: the HTTP routes and OpenAI-shaped errors around the serving layer, behind HttpGuard and CORS."""
 
 from __future__ import annotations
 
 import contextlib
-import hmac
-import logging
 import time
-import uuid
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
-from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from common.config import ServerConfig
 from frontend.engine_client import EngineUnavailable
 from frontend.errors import ApiError, bad_request, from_validation_errors
+from frontend.http_guard import BodyRefused, HttpGuard
 from frontend.metrics import Metrics
 from frontend.protocol import (
     ChatCompletionRequest,
@@ -28,50 +24,15 @@ from frontend.protocol import (
     GenerateRequest,
     TokenizeRequest,
 )
-from frontend.serving import ServingContext, stream_text
+from frontend.serving import ServingContext, off_loop, stream_text
 from frontend.serving_chat import chat_prompt, create_chat_completion
 from frontend.serving_completion import create_completion
 
-log = logging.getLogger("roseinfer.frontend")
-
-
-class RequestIdAndAuth:
-    """Pure ASGI (BaseHTTPMiddleware would hide client disconnects from streaming responses)."""
-
-    def __init__(self, app: ASGIApp, api_key: str | None) -> None:
-        self.app = app
-        self.expected = f"Bearer {api_key}".encode() if api_key else None
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        headers = Headers(scope=scope)
-        if scope["method"] == "POST" and "json" not in headers.get("content-type", ""):
-            # Every body here is JSON whatever the header says (curl -d sends a form content type).
-            raw = [(k, v) for k, v in scope["headers"] if k != b"content-type"]
-            scope["headers"] = [*raw, (b"content-type", b"application/json")]
-        request_id = headers.get("x-request-id") or uuid.uuid4().hex
-        scope.setdefault("state", {})["request_id"] = request_id
-        echo = (b"x-request-id", request_id.encode("latin-1"))
-
-        async def send_with_id(message: Message) -> None:
-            if message["type"] == "http.response.start":
-                message["headers"] = [*message.get("headers", []), echo]
-            await send(message)
-
-        if self.expected and scope["path"].startswith("/v1/") and scope["method"] != "OPTIONS":
-            given = headers.get("authorization", "").encode("latin-1")
-            if not hmac.compare_digest(given, self.expected):
-                error = ApiError(401, "Incorrect or missing API key (Authorization: Bearer ...)", None,
-                                 "invalid_api_key")  # fmt: skip
-                await error.response()(scope, receive, send_with_id)
-                return
-        await self.app(scope, receive, send_with_id)
-
 
 def create_app(ctx: ServingContext, config: ServerConfig, metrics: Metrics) -> FastAPI:
-    app = FastAPI(title="roseinfer", version="0.1.0")
+    docs = config.enable_docs  # off by default: the schema tells a prober every route and field
+    app = FastAPI(title="roseinfer", version="0.1.0", docs_url="/docs" if docs else None,
+                  redoc_url="/redoc" if docs else None, openapi_url="/openapi.json" if docs else None)  # fmt: skip
     client = ctx.client
 
     @app.exception_handler(RequestValidationError)
@@ -82,14 +43,13 @@ def create_app(ctx: ServingContext, config: ServerConfig, metrics: Metrics) -> F
     async def _api_error(_: Request, exc: ApiError) -> JSONResponse:
         return exc.response()
 
+    @app.exception_handler(BodyRefused)
+    async def _body_refused(_: Request, exc: BodyRefused) -> JSONResponse:
+        return exc.error.response()
+
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
         return ApiError(exc.status_code, str(exc.detail)).response(getattr(exc, "headers", None))
-
-    @app.exception_handler(Exception)
-    async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
-        log.exception("unhandled error")
-        return ApiError(500, f"internal error: {type(exc).__name__}: {exc}").response()
 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, raw: Request) -> Response:
@@ -128,29 +88,30 @@ def create_app(ctx: ServingContext, config: ServerConfig, metrics: Metrics) -> F
         if (req.prompt is None) == (req.messages is None):
             raise bad_request("give exactly one of prompt and messages", "prompt")
         if req.messages is not None:
-            ids = chat_prompt(ctx, req.messages, req.add_generation_prompt)
+            ids = await off_loop(chat_prompt, ctx, req.messages, req.add_generation_prompt)
         else:
-            ids = ctx.tokenizer.encode(req.prompt or "", add_special_tokens=req.add_special_tokens)
+            ids = await off_loop(ctx.tokenizer.encode, req.prompt or "", req.add_special_tokens)
         return {"tokens": ids, "count": len(ids), "max_model_len": ctx.max_model_len}
 
     @app.post("/detokenize")
     async def detokenize(req: DetokenizeRequest) -> dict:
         ctx.check_model(req.model)
         ctx.check_token_ids(req.tokens, "tokens")
-        return {"prompt": ctx.tokenizer.decode(req.tokens, skip_special_tokens=False)}
+        return {"prompt": await off_loop(ctx.tokenizer.decode, req.tokens, False)}
 
     @app.post("/generate")
     async def generate(req: GenerateRequest, raw: Request) -> Response:
         ctx.check_model(req.model)
         if req.n != 1:
             raise bad_request("/generate makes one completion; use /v1/completions for n > 1", "n")
-        prompt = ctx.tokenizer.encode(req.prompt) if isinstance(req.prompt, str) else list(req.prompt)
+        await ctx.admit(1)
+        prompt = await off_loop(ctx.tokenizer.encode, req.prompt) if isinstance(req.prompt, str) else list(req.prompt)
         ctx.check_prompt(prompt, "prompt")
         params = ctx.sampling_params(req, ctx.max_tokens(len(prompt), req.max_tokens, "max_tokens"), None)
         return stream_text(await ctx.fan_out(f"gen-{raw.state.request_id}", [prompt], req, params))
 
     start_time = time.time()
-    app.add_middleware(RequestIdAndAuth, api_key=config.api_key)
+    app.add_middleware(HttpGuard, config=config)
     if config.allowed_origins:  # outermost, so preflight requests need no API key
         app.add_middleware(CORSMiddleware, allow_origins=config.allowed_origins, allow_methods=["*"],
                            allow_headers=["*"], expose_headers=["X-Request-Id"])  # fmt: skip

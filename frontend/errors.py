@@ -8,6 +8,7 @@ from typing import Any
 from fastapi.responses import JSONResponse
 
 _TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
+          408: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error",
           500: "server_error", 503: "service_unavailable"}  # fmt: skip
 
 
@@ -16,27 +17,34 @@ class EngineUnavailable(RuntimeError):
 
 
 class ApiError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None) -> None:
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:  # fmt: skip
         super().__init__(message)
         self.status = status
         self.message = message
         self.param = param
         self.code = code
+        self.headers = headers
 
     def body(self) -> dict[str, Any]:
         return error_body(self.status, self.message, self.param, self.code)
 
     def response(self, headers: dict[str, str] | None = None) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status, headers=headers)
+        return JSONResponse(self.body(), status_code=self.status, headers={**(self.headers or {}), **(headers or {})})
 
 
 def bad_request(message: str, param: str | None = None, code: str | None = "invalid_value") -> ApiError:
     return ApiError(400, message, param, code)
 
 
+def _printable(text: str | None) -> str | None:
+    """Error messages quote user input, which may hold lone surrogates: JSON encoding must never fail on them."""
+    return None if text is None else text.encode("utf-8", "replace").decode("utf-8")
+
+
 def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
     error_type = _TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
-    return {"error": {"message": message, "type": error_type, "param": param, "code": code}}
+    return {"error": {"message": _printable(message), "type": error_type, "param": _printable(param), "code": code}}
 
 
 def sse_error(status: int, message: str, code: str | None = None) -> str:

@@ -4,18 +4,38 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 from common.messages import SamplingParams
 
 MAX_N = 64  # choices per request: each is an engine request
 MAX_STOP = 16  # stop strings (checked every token) and stop token ids
+MAX_STOP_CHARS = 4096  # per stop string: the matcher's tables are built per request
 MAX_LOGPROBS = 20  # the engine's limit on top alternatives
+MAX_LOGIT_BIAS = 1024  # entries (OpenAI allows about 300)
+MAX_TOP_K = 2**31 - 1  # anything above the vocabulary means "off"; bounded so no tensor build can overflow
 _SEED = {"ge": -(2**63), "le": 2**63 - 1}  # what the wire (msgpack int64) carries
+DEFAULT_COMPLETION_TOKENS = 16  # /v1/completions with max_tokens absent or null, as OpenAI and vLLM
+
+
+def _valid_text(text: str) -> str:
+    """JSON can spell lone UTF-16 surrogates ("\\ud800"); they are not text and no tokenizer takes them."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(f"not valid Unicode text (a lone surrogate at position {exc.start})") from None
+    return text
+
+
+Text = Annotated[str, AfterValidator(_valid_text)]
+StopText = Annotated[Text, Field(max_length=MAX_STOP_CHARS)]
+# OpenAI: token id (a JSON key, so a string) -> bias added to its logit before sampling.
+LogitBias = Annotated[dict[int, Annotated[float, Field(ge=-100, le=100)]], Field(max_length=MAX_LOGIT_BIAS)]
 
 
 class _Model(BaseModel):
-    model_config = ConfigDict(extra="ignore")  # unknown fields are ignored, as OpenAI-compatible servers do
+    # Unknown fields are ignored, as OpenAI-compatible servers do; Infinity and NaN are refused everywhere.
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
 
 
 class StreamOptions(_Model):
@@ -25,23 +45,24 @@ class StreamOptions(_Model):
 class SamplingFields(_Model):
     """Fields shared by /v1/completions, /v1/chat/completions and /generate (vLLM's extensions included)."""
 
-    model: str | None = None
+    model: Text | None = None
     n: int = Field(1, ge=1, le=MAX_N)
     temperature: float | None = Field(None, ge=0)
     top_p: float | None = Field(None, gt=0, le=1)
-    top_k: int | None = Field(None, ge=-1)  # -1 or 0: off
+    top_k: int | None = Field(None, ge=-1, le=MAX_TOP_K)  # -1 or 0: off
     min_p: float | None = Field(None, ge=0, le=1)
     seed: int | None = Field(None, **_SEED)
-    stop: str | Annotated[list[str], Field(max_length=MAX_STOP)] | None = None
+    stop: StopText | Annotated[list[StopText], Field(max_length=MAX_STOP)] | None = None
     stop_token_ids: list[int] | None = Field(None, max_length=MAX_STOP)
     presence_penalty: float | None = Field(None, ge=-2, le=2)
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
-    repetition_penalty: float | None = Field(None, gt=0)
+    repetition_penalty: float | None = Field(None, ge=0.01, le=2)  # 1 is off; a tiny divisor makes logits inf
+    logit_bias: LogitBias | None = None
     ignore_eos: bool = False
     min_tokens: int = Field(0, ge=0)
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
-    user: str | None = None
+    user: Text | None = None
     stream: bool | None = False
     stream_options: StreamOptions | None = None
 
@@ -70,25 +91,26 @@ class SamplingFields(_Model):
             frequency_penalty=self.frequency_penalty or 0.0,
             repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
             logprobs=logprobs,
+            logit_bias=dict(self.logit_bias or {}),
         )
 
 
 class CompletionRequest(SamplingFields):
-    prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = Field(16, ge=1)
+    prompt: Text | list[Text] | list[int] | list[list[int]]
+    max_tokens: int | None = Field(DEFAULT_COMPLETION_TOKENS, ge=1)  # null: the default, not "the whole context"
     echo: bool = False
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
 
 
 class TextPart(_Model):
     type: Literal["text"]
-    text: str
+    text: Text
 
 
 class ChatMessage(_Model):
     role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart] | None = None
-    name: str | None = None
+    content: Text | list[TextPart] | None = None
+    name: Text | None = None
 
     def template_dict(self) -> dict[str, str]:
         """What chat templates expect: string content; OpenAI's newer "developer" role is a system prompt."""
@@ -108,18 +130,18 @@ class ChatCompletionRequest(SamplingFields):
 class GenerateRequest(SamplingFields):
     """POST /generate: the smallest useful request; the answer is plain text, streamed."""
 
-    prompt: str | list[int]
+    prompt: Text | list[int]
     max_tokens: int = Field(16, ge=1)
 
 
 class TokenizeRequest(_Model):
-    model: str | None = None
-    prompt: str | None = None
+    model: Text | None = None
+    prompt: Text | None = None
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
 
 
 class DetokenizeRequest(_Model):
-    model: str | None = None
+    model: Text | None = None
     tokens: list[int]

@@ -7,7 +7,7 @@ import json
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -21,6 +21,8 @@ from frontend.protocol import SamplingFields
 from frontend.recovery import POISON
 from frontend.request_stream import Delta
 from frontend.tokenizer import Tokenizer
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -61,9 +63,19 @@ class ServingContext:
 
     def sampling_params(self, req: SamplingFields, max_tokens: int, logprobs: int | None) -> SamplingParams:
         self.check_token_ids(list(req.stop_token_ids or []), "stop_token_ids")
+        self.check_token_ids(list(req.logit_bias or {}), "logit_bias")
         if req.min_tokens > max_tokens:
             raise bad_request(f"min_tokens ({req.min_tokens}) is larger than max_tokens ({max_tokens})", "min_tokens")
         return req.sampling_params(max_tokens, logprobs)
+
+    async def admit(self, num_requests: int) -> None:
+        """Capacity first, before any text work: a full server refuses a burst in microseconds, not after
+        rendering and tokenizing every prompt. A restarting engine is waited for (--engine-restart-timeout)."""
+        try:
+            await self.client.wait_available()
+            self.client.check_capacity(num_requests)
+        except (EngineUnavailable, QueueFull) as exc:
+            raise _unavailable(exc) from exc
 
     async def fan_out(self, request_id: str, prompts: list[list[int]], req: SamplingFields,
                       params: SamplingParams) -> FanOut:  # fmt: skip
@@ -72,12 +84,11 @@ class ServingContext:
                                           req.skip_special_tokens, req.min_tokens)  # fmt: skip
 
         try:
-            await self.client.wait_available()  # a restarting engine: wait for it (--engine-restart-timeout)
+            await self.client.wait_available()
             return FanOut(self.client, request_id, prompts, req.n, params, detokenizer,
                           req.include_stop_str_in_output)  # fmt: skip
-        except (EngineUnavailable, QueueFull) as exc:
-            raise ApiError(503, str(exc), None, "engine_unavailable" if isinstance(exc, EngineUnavailable)
-                           else "too_many_requests") from exc  # fmt: skip
+        except (EngineUnavailable, QueueFull) as exc:  # the capacity others took while this one tokenized
+            raise _unavailable(exc) from exc
         except ValueError as exc:  # a request id (X-Request-Id) that is already in flight
             raise bad_request(str(exc), None, "duplicate_request_id") from exc
 
@@ -86,6 +97,18 @@ class ServingContext:
             return ApiError(500, error or "the request crashed the engine core", None, code)
         status = 503 if self.client.dead is not None else 500
         return ApiError(status, error or "the request failed in the engine", None, code or "engine_error")
+
+
+def _unavailable(exc: EngineUnavailable | QueueFull) -> ApiError:
+    if isinstance(exc, QueueFull):  # 429 + Retry-After is what clients and proxies back off on
+        return ApiError(429, str(exc), None, "too_many_requests", {"Retry-After": "1"})
+    return ApiError(503, str(exc), None, "engine_unavailable")
+
+
+async def off_loop(fn: Callable[..., T], *args: Any) -> T:
+    """Text work (chat templates, tokenizing, decoding) in a worker thread: a megabyte prompt takes seconds, and
+    the event loop must keep serving /health and every other stream meanwhile (the tokenizer releases the GIL)."""
+    return await asyncio.to_thread(fn, *args)
 
 
 def clamp(logprob: float) -> float:

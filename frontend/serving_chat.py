@@ -11,7 +11,7 @@ from frontend.errors import bad_request
 from frontend.fanout import Choice
 from frontend.protocol import ChatCompletionRequest, ChatMessage
 from frontend.request_stream import Delta
-from frontend.serving import ServingContext, clamp, respond
+from frontend.serving import ServingContext, clamp, off_loop, respond
 from frontend.tokenizer import TokenizerError
 
 
@@ -74,7 +74,8 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
     ctx.check_model(req.model)
     if req.top_logprobs is not None and not req.logprobs:
         raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
-    prompt = chat_prompt(ctx, req.messages, req.add_generation_prompt)
+    await ctx.admit(req.n)
+    prompt = await off_loop(chat_prompt, ctx, req.messages, req.add_generation_prompt)
     requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     max_tokens = ctx.max_tokens(len(prompt), requested, param)

@@ -9,9 +9,9 @@ from fastapi.responses import Response
 
 from frontend.errors import bad_request
 from frontend.fanout import Choice
-from frontend.protocol import CompletionRequest
+from frontend.protocol import DEFAULT_COMPLETION_TOKENS, CompletionRequest
 from frontend.request_stream import Delta
-from frontend.serving import ServingContext, clamp, respond
+from frontend.serving import ServingContext, clamp, off_loop, respond
 
 
 class CompletionFormat:
@@ -103,10 +103,16 @@ def completion_prompts(ctx: ServingContext, prompt: str | list[str] | list[int] 
     return ids_list, texts
 
 
+def num_prompts(prompt: str | list[str] | list[int] | list[list[int]]) -> int:
+    return 1 if isinstance(prompt, str) or not prompt or isinstance(prompt[0], int) else len(prompt)
+
+
 async def create_completion(ctx: ServingContext, req: CompletionRequest, raw: Request, request_id: str) -> Response:
     ctx.check_model(req.model)
-    prompts, texts = completion_prompts(ctx, req.prompt)
-    max_tokens = ctx.max_tokens(max(len(p) for p in prompts), req.max_tokens, "max_tokens")
+    await ctx.admit(num_prompts(req.prompt) * req.n)
+    prompts, texts = await off_loop(completion_prompts, ctx, req.prompt)
+    requested = DEFAULT_COMPLETION_TOKENS if req.max_tokens is None else req.max_tokens
+    max_tokens = ctx.max_tokens(max(len(p) for p in prompts), requested, "max_tokens")
     params = ctx.sampling_params(req, max_tokens, req.logprobs)
     rid = f"cmpl-{request_id}"
     fan = await ctx.fan_out(rid, prompts, req, params)

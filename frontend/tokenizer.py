@@ -80,7 +80,9 @@ class Tokenizer:
         self.token_text = lru_cache(maxsize=1 << 16)(self._token_text)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+        # encode_batch releases the GIL (encode holds it), so a long text tokenized in a worker thread never
+        # stalls the event loop; for a short text the two cost the same.
+        return self._tok.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
@@ -132,7 +134,7 @@ class Tokenizer:
         ids: list[int] = []
         for i, part in enumerate(parts):
             if i % 2:
-                ids += self._text_tok.encode(strings[int(part)], add_special_tokens=False).ids
+                ids += self._text_tok.encode_batch([strings[int(part)]], add_special_tokens=False)[0].ids
             elif part:
-                ids += self._tok.encode(part, add_special_tokens=False).ids
+                ids += self.encode(part, add_special_tokens=False)
         return ids

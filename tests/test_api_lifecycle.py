@@ -34,12 +34,23 @@ def servers(tmp_path_factory: pytest.TempPathFactory):
             s.stop()
 
 
-def test_api_key_guards_v1_only(servers):
+GUARDED = [("GET", "/v1/models", None), ("POST", "/v1/completions", {"prompt": "x", "max_tokens": 1}),
+           ("POST", "/generate", {"prompt": "x", "max_tokens": 1}), ("POST", "/tokenize", {"prompt": "x"}),
+           ("POST", "/detokenize", {"tokens": [1]}), ("GET", "/docs", None), ("GET", "/openapi.json", None),
+           ("GET", "/redoc", None), ("GET", "/no/such/route", None)]  # fmt: skip
+
+
+@pytest.mark.parametrize(("method", "path", "body"), GUARDED, ids=[g[1] for g in GUARDED])
+def test_api_key_guards_every_route_but_health_and_metrics(servers, method, path, body):
+    """The key used to cover /v1/* only: /generate, /tokenize, /detokenize and the API docs answered anyone."""
     url = servers[0].url
     for headers in ({}, {"Authorization": "Bearer wrong"}):
-        r = httpx.get(url + "/v1/models", headers=headers)
-        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
-    assert httpx.get(url + "/v1/models", headers=KEY).json()["data"][0]["id"] == MODEL
+        r = httpx.request(method, url + path, headers=headers, json=body)
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key", (path, r.text)
+    r = httpx.request(method, url + path, headers=KEY, json=body, timeout=60)
+    # With the key: served, except the docs, which are off unless --enable-docs.
+    docs = path in ("/docs", "/openapi.json", "/redoc", "/no/such/route")
+    assert r.status_code == (404 if docs else 200), r.text
     assert httpx.get(url + "/health").status_code == 200 and httpx.get(url + "/metrics").status_code == 200
 
 
@@ -86,8 +97,13 @@ def test_queue_limit_then_engine_killed_under_load(servers):
             await _wait_running(client, 6)
             start = time.monotonic()
             full = await client.post("/v1/completions", json={**LONG, "max_tokens": 1})
-            assert full.status_code == 503 and time.monotonic() - start < 1.0
-            assert "max-queued-requests" in full.json()["error"]["message"]
+            assert full.status_code == 429 and time.monotonic() - start < 1.0
+            assert "max-queued-requests" in full.json()["error"]["message"] and full.headers["retry-after"] == "1"
+            # A burst while full is refused before any template or tokenizer work: each answer comes at once.
+            chat = {"model": MODEL, "messages": [{"role": "user", "content": "whales " * 20_000}], "max_tokens": 1}
+            start = time.monotonic()
+            burst = await asyncio.gather(*(client.post("/v1/chat/completions", json=chat) for _ in range(64)))
+            assert {r.status_code for r in burst} == {429} and time.monotonic() - start < 2.0
 
             assert server.engine_pid is not None
             os.kill(server.engine_pid, signal.SIGKILL)
