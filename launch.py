@@ -25,6 +25,7 @@ from common.engine_link import EngineStartError
 from common.model_source import ModelSourceError, resolve_model
 from frontend.api_server import create_app
 from frontend.engine_client import AsyncEngineClient
+from frontend.http_limits import uvicorn_limits
 from frontend.metrics import Metrics
 from frontend.serving import ServingContext
 from frontend.supervisor import EngineSupervisor, RestartBudget
@@ -160,7 +161,8 @@ class Launch:
         app = create_app(ctx, self.config, metrics)
         self.server = _Server(uvicorn.Config(app, host=self.config.host, port=self.config.port, lifespan="off",
                                              log_level=self.config.log_level,
-                                             timeout_graceful_shutdown=int(self.config.drain_timeout) + 5))  # fmt: skip
+                                             timeout_graceful_shutdown=int(self.config.drain_timeout) + 5,
+                                             **uvicorn_limits(self.config)))  # fmt: skip
         if self.stopping.is_set():
             return self.exit_code or 0
         try:
