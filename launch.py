@@ -157,7 +157,8 @@ class Launch:
         model_name = self.config.served_model_name or ready.model
         metrics = Metrics(model_name)
         self.client.metrics = metrics
-        ctx = ServingContext(self.client, Tokenizer(source.path), model_name, ready.max_model_len, ready.vocab_size)
+        tokenizer = Tokenizer(source.path, parse_special_in_content=self.config.parse_special_tokens_in_content)
+        ctx = ServingContext(self.client, tokenizer, model_name, ready.max_model_len, ready.vocab_size)
         app = create_app(ctx, self.config, metrics)
         self.server = _Server(uvicorn.Config(app, host=self.config.host, port=self.config.port, lifespan="off",
                                              log_level=self.config.log_level,
