@@ -25,6 +25,7 @@ class SamplingParams(_Msg, frozen=True):
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logprobs: int | None = None  # top-n alternatives besides the chosen token; 0 = chosen only
+    logit_bias: dict[int, float] = {}  # token id -> bias added to its logit before sampling (OpenAI's)
 
     @property
     def greedy(self) -> bool:

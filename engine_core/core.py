@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import queue
 import threading
 import time
 import traceback
+from collections.abc import Iterable
 from pathlib import Path
 
 import zmq
@@ -24,6 +26,7 @@ from common.messages import (
     EngineReady,
     EngineRequest,
     FinishReason,
+    SamplingParams,
     UtilityCall,
     UtilityResult,
 )
@@ -31,10 +34,18 @@ from common.model_source import resolve_model
 from engine_core.kv_cache import KVCacheManager
 from engine_core.model_runner import ModelRunner
 from engine_core.request import Request
-from engine_core.scheduler import Scheduler
+from engine_core.scheduler import SampledTokens, Scheduler, SchedulerOutput
 
 log = logging.getLogger("roseinfer.engine")
 MAX_LOGPROBS = 20
+MAX_TOP_K = 2**31 - 1
+MAX_STOP_TOKEN_IDS = 64
+MAX_LOGIT_BIAS = 1024
+# vLLM's (0, 2], floored: logits are divided by it, and below this a float32 row overflows to inf
+# (1e-300 is 0.0 in float32), which turns sampling and logprobs into NaN.
+MIN_REPETITION_PENALTY = 1e-6
+
+RanParts = list[tuple[SchedulerOutput, SampledTokens]]  # sub-batches of a step that executed, with their tokens
 
 
 def model_eos_ids(path: Path, hf_config) -> list[int]:
@@ -85,15 +96,38 @@ class EngineCore:
             return f"token id outside the vocabulary [0, {self.vocab_size})"
         if total >= self.max_model_len:
             return f"prompt has {total} tokens; the maximum context length is {self.max_model_len}"
-        if p.max_tokens < 1:
-            return "max_tokens must be at least 1"
-        if p.temperature < 0 or not 0 < p.top_p <= 1 or p.top_k < 0 or not 0 <= p.min_p <= 1:
-            return "sampling parameters out of range"
-        if p.repetition_penalty <= 0 or (p.logprobs is not None and not 0 <= p.logprobs <= MAX_LOGPROBS):
-            return "sampling parameters out of range"
+        if len(msg.eos_token_ids) > MAX_STOP_TOKEN_IDS or not self._in_vocab(msg.eos_token_ids):
+            return "eos_token_ids out of range"
+        bad = [name for name, ok in self._param_checks(p) if not ok]
+        if bad:
+            return f"sampling parameter {bad[0]} out of range"
         if msg.request_id in self.scheduler.requests:
             return f"request id {msg.request_id!r} is already running"
         return None
+
+    def _in_vocab(self, ids: Iterable[int]) -> bool:
+        return all(0 <= t < self.vocab_size for t in ids)
+
+    def _param_checks(self, p: SamplingParams) -> list[tuple[str, bool]]:
+        """Every field, again: the frontend validates too, but no value the engine receives may reach a tensor
+        build (an int64 overflow) or the sampler's math (inf / NaN rows). NaN fails every comparison."""
+        bias = p.logit_bias
+        bias_ok = len(bias) <= MAX_LOGIT_BIAS and self._in_vocab(bias) and all(-100 <= b <= 100 for b in bias.values())
+        return [
+            ("max_tokens", p.max_tokens >= 1),
+            ("min_tokens", p.min_tokens >= 0),
+            ("temperature", math.isfinite(p.temperature) and p.temperature >= 0),
+            ("top_p", 0 < p.top_p <= 1),
+            ("top_k", 0 <= p.top_k <= MAX_TOP_K),
+            ("min_p", 0 <= p.min_p <= 1),
+            ("presence_penalty", -2 <= p.presence_penalty <= 2),
+            ("frequency_penalty", -2 <= p.frequency_penalty <= 2),
+            ("repetition_penalty", MIN_REPETITION_PENALTY <= p.repetition_penalty <= 2),
+            ("seed", p.seed is None or -(2**63) <= p.seed < 2**63),
+            ("stop_token_ids", len(p.stop_token_ids) <= MAX_STOP_TOKEN_IDS and self._in_vocab(p.stop_token_ids)),
+            ("logprobs", p.logprobs is None or 0 <= p.logprobs <= MAX_LOGPROBS),
+            ("logit_bias", bias_ok),
+        ]
 
     def add_request(self, msg: EngineRequest) -> None:
         error = self._invalid(msg)
@@ -123,20 +157,43 @@ class EngineCore:
         sched = self.scheduler.schedule()
         if not sched.requests:
             return outputs
-        try:
-            sampled = self.runner.execute(sched)
-        except Exception as exc:  # a batch that cannot run fails its requests, not the engine
-            log.exception("step failed")
-            return outputs + self._fail(sched.requests, f"engine step failed: {exc!r}")
+        ran, failed = self._execute_isolating(sched)
+        outputs += failed
         if before_update is not None:
             before_update()
-        try:
-            outputs += self.scheduler.update(sched, sampled)
-        except Exception as exc:
-            log.exception("update failed")
-            outputs += self._fail(sched.requests, f"engine update failed: {exc!r}")
+        for part, sampled in ran:
+            # Update is bookkeeping, not tensor work: a raise there is a bug that may have half-applied the
+            # part's step, which cannot be retried, so the part fails as a whole.
+            try:
+                outputs += self.scheduler.update(part, sampled)
+            except Exception as exc:
+                log.exception("update failed")
+                outputs += self._fail(part.requests, f"engine update failed: {exc!r}")
         self.last_step_time = time.perf_counter() - start
         return outputs
+
+    def _execute_isolating(self, sched: SchedulerOutput) -> tuple[RanParts, list[EngineOutput]]:
+        """Runs the batch; if it raises, runs each half on its own, recursively, so that only a request that
+        raises alone fails and the rest of the step goes on. Returns the parts that ran with their tokens, in
+        batch order, and the culprits' outputs. Retrying is safe: execute changes no request state and only
+        rewrites the same KV slots; num_computed_tokens moves in update, once per part."""
+        try:
+            return [(sched, self.runner.execute(sched))], []
+        except Exception as exc:
+            if len(sched.requests) == 1:
+                log.exception("request %s failed its step", sched.requests[0].request_id)
+                return [], self._fail(sched.requests, f"engine step failed: {exc!r}")
+            log.debug("a step of %d requests failed (%r): splitting it", len(sched.requests), exc)
+        mid = len(sched.requests) // 2
+        ran: RanParts = []
+        failed: list[EngineOutput] = []
+        for half in (slice(None, mid), slice(mid, None)):
+            # A slice of a decodes-first batch is still decodes-first.
+            part = SchedulerOutput(sched.requests[half], sched.num_new_tokens[half], sched.sample[half])
+            part_ran, part_failed = self._execute_isolating(part)
+            ran += part_ran
+            failed += part_failed
+        return ran, failed
 
     def _fail(self, requests: list[Request], error: str) -> list[EngineOutput]:
         failed = []

@@ -1,4 +1,5 @@
-"""Batched sampling: penalties, temperature, top-k / top-p / min-p, seeded draws, and logprobs.
+"""Batched sampling: per-request logits processors (penalties, logit_bias, min_tokens), temperature,
+top-k / top-p / min-p, seeded draws, and logprobs.
 
 A seeded request's randomness is a function of (seed, output position) only, so it draws the same
 tokens whatever else shares its batch, and a resumed stream continues exactly where it stopped.
@@ -28,13 +29,16 @@ class Sampler:
         """logits: [N, vocab] in the model's dtype, one row per request, in order."""
         params = [r.params for r in requests]
         logits = logits[:, : self.vocab_size]
-        if all(p.greedy and p.logprobs is None and not (_needs_penalty(p) or p.min_tokens) for p in params):
+        if all(p.greedy and p.logprobs is None and not _needs_processing(p) for p in params):
             return _argmax(logits).tolist(), [None] * len(requests)  # the common plain-greedy batch
+        # Logprobs are reported from `raw`, the model's own distribution before any processor: a choice we keep.
         logits = raw = logits.float()
-        if any(_needs_penalty(p) or p.min_tokens for p in params):
+        if any(_needs_processing(p) for p in params):
             logits = logits.clone()
             for i, req in enumerate(requests):
-                _penalize(logits[i], req)
+                if _needs_processing(req.params):
+                    for process in LOGITS_PROCESSORS:
+                        process(logits[i], req)
         if all(p.greedy for p in params):
             tokens = _argmax(logits)
         else:
@@ -71,33 +75,58 @@ def _argmax(logits: torch.Tensor) -> torch.Tensor:
     return logits.argmax(dim=-1)
 
 
+# ---- logits processors: per-request adjustments, each in place on the request's fp32 row, in this order ----
+
+
 def _needs_penalty(p: SamplingParams) -> bool:
     return p.presence_penalty != 0.0 or p.frequency_penalty != 0.0 or p.repetition_penalty != 1.0
 
 
+def _needs_processing(p: SamplingParams) -> bool:
+    """Whether any processor changes this request's row (a new processor adds its condition here)."""
+    return _needs_penalty(p) or bool(p.logit_bias) or p.min_tokens > 0
+
+
 def _penalize(row: torch.Tensor, req: Request) -> None:
-    """In place on one row: OpenAI presence/frequency penalties over the outputs, HF-style repetition
-    penalty over prompt + outputs, and EOS / stop ids held back until min_tokens is reached."""
+    """OpenAI presence/frequency penalties over the outputs, HF-style repetition penalty over prompt + outputs."""
     p = req.params
-    if _needs_penalty(p):
+    if not _needs_penalty(p):
+        return
+    if p.repetition_penalty != 1.0:
+        seen = torch.tensor(req.token_ids, dtype=torch.long, device=row.device).unique()
+        vals = row[seen]
+        row[seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
+    if req.num_output_tokens and (p.presence_penalty or p.frequency_penalty):
         out_ids = torch.tensor(req.output_token_ids, dtype=torch.long, device=row.device)
-        if p.repetition_penalty != 1.0:
-            seen = torch.tensor(req.token_ids, dtype=torch.long, device=row.device).unique()
-            vals = row[seen]
-            row[seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
-        if out_ids.numel() and (p.presence_penalty or p.frequency_penalty):
-            counts = torch.bincount(out_ids, minlength=row.shape[0])[: row.shape[0]].to(row.dtype)
-            row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(row.dtype)
+        counts = torch.bincount(out_ids, minlength=row.shape[0])[: row.shape[0]].to(row.dtype)
+        row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(row.dtype)
+
+
+def _add_logit_bias(row: torch.Tensor, req: Request) -> None:
+    """OpenAI's logit_bias: token id -> value added to its logit (the engine checked ids and range)."""
+    bias = req.params.logit_bias
+    if bias:
+        ids = torch.tensor(list(bias), dtype=torch.long, device=row.device)
+        row[ids] += torch.tensor(list(bias.values()), dtype=row.dtype, device=row.device)
+
+
+def _ban_early_stops(row: torch.Tensor, req: Request) -> None:
+    """EOS / stop ids held back until min_tokens is reached. Last, so that no bias can lift the ban."""
+    p = req.params
     if req.num_output_tokens < p.min_tokens:
-        banned = [t for t in (*p.stop_token_ids, *req.eos_token_ids) if t < row.shape[0]]
+        banned = [t for t in (*p.stop_token_ids, *req.eos_token_ids) if 0 <= t < row.shape[0]]
         if banned:
             row[banned] = float("-inf")
+
+
+LOGITS_PROCESSORS = (_penalize, _add_logit_bias, _ban_early_stops)
 
 
 def _top_k_top_p(probs: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     sorted_probs, order = probs.sort(dim=-1, descending=True)
     vocab = probs.shape[-1]
-    top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params], device=probs.device)
+    # Clamped to the vocabulary: top_k beyond it means "all", and never overflows the int64 tensor.
+    top_k = torch.tensor([min(p.top_k, vocab) if p.top_k > 0 else vocab for p in params], device=probs.device)
     top_p = torch.tensor([p.top_p for p in params], device=probs.device)
     rank = torch.arange(vocab, device=probs.device)[None, :]
     # Keep a token if it is within top-k and the mass before it is below top-p (the first always stays).

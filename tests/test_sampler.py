@@ -76,3 +76,41 @@ def test_logprobs_of_chosen_and_top_n() -> None:
     assert lp.top_ids == [[0, 1]] and abs(lp.top_logprobs[0][1] - expected[1].item()) < 1e-6
     _, (none,) = sample(logits, [req(SamplingParams(temperature=0))])
     assert none is None
+
+
+def test_logit_bias_forces_or_avoids_the_greedy_token() -> None:
+    logits = [[0, 1.0, 5.0, 2.0, 0, 0, 0, 0]]
+    (tok,), (lp,) = sample(logits, [req(SamplingParams(temperature=0, logit_bias={6: 100.0}, logprobs=0))])
+    assert tok == 6
+    # Logprobs stay those of the raw logits, before any processor.
+    assert lp is not None and abs(lp.token_logprobs[0] - torch.log_softmax(torch.tensor(logits[0]), -1)[6]) < 1e-6
+    (tok,), _ = sample(logits, [req(SamplingParams(temperature=0, logit_bias={2: -100.0}))])
+    assert tok == 3
+    # min_tokens' ban on EOS wins over a bias towards it.
+    (tok,), _ = sample(logits, [req(SamplingParams(temperature=0, min_tokens=1, logit_bias={0: 100.0}))])
+    assert tok == 2
+
+
+def test_logit_bias_restricts_a_sampled_row() -> None:
+    bias = {t: -100.0 for t in range(V) if t not in (2, 5)}
+    params = SamplingParams(temperature=1.0, logit_bias=bias)
+    draws = {sample([[1.0] * V], [req(params)], seed)[0][0] for seed in range(40)}
+    assert draws == {2, 5}
+
+
+def test_logit_bias_leaves_other_rows_alone() -> None:
+    torch.manual_seed(0)
+    logits = torch.randn(3, V).tolist()
+    plain = [req(SamplingParams(temperature=0, logprobs=2)), req(SamplingParams(temperature=0.9, seed=3, logprobs=1))]
+    biased = req(SamplingParams(temperature=0, logit_bias={t: -100.0 for t in range(V - 1)}))
+    alone = sample(logits[:2], plain)
+    tokens, logprobs = sample([logits[0], logits[2], logits[1]], [plain[0], biased, plain[1]])
+    assert tokens[1] == V - 1
+    assert [tokens[0], tokens[2]] == alone[0] and [logprobs[0], logprobs[2]] == alone[1]
+
+
+def test_top_k_beyond_the_vocabulary_is_clamped() -> None:
+    logits = [[4.0, 3.9, 3.8, 0, 0, 0, 0, 0]]
+    for top_k in (10**6, 2**63):  # 2**63 does not fit an int64 tensor: the clamp keeps it out of one
+        (tok,), _ = sample(logits, [req(SamplingParams(temperature=1.0, top_k=top_k, top_p=0.5))])
+        assert tok in (0, 1)
