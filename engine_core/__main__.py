@@ -1,4 +1,4 @@
-"""python -m engine_core --input ADDR --output ADDR [engine flags]: one engine-core process."""
+"""python -m engine_core --input ADDR --output ADDR [--parent-pid PID --run-dir DIR] [engine flags]: one engine core."""
 
 from __future__ import annotations
 
@@ -6,42 +6,94 @@ import argparse
 import contextlib
 import ctypes
 import logging
+import os
+import select
 import signal
 import sys
+import threading
+import time
+from collections.abc import Callable
+from typing import NoReturn
 
 from common import ipc
 from common.config import EngineConfig, add_cli_args, from_cli_args
 from common.model_source import ModelSourceError
 
+log = logging.getLogger("roseinfer.engine")
+
 
 def _die_with_parent() -> None:
-    """Linux: get SIGTERM when the process that started us dies, so no engine outlives its server."""
+    """Linux: get SIGTERM when the thread that started us exits (its process dying included)."""
     with contextlib.suppress(OSError):
         ctypes.CDLL("libc.so.6").prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
-def _stop_once(*_) -> None:
-    """SIGTERM ends the busy loop like Ctrl+C; a second one during shutdown is ignored."""
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    raise KeyboardInterrupt
+def _exit_orphaned(parent_pid: int, run_dir: str | None) -> NoReturn:
+    """The server is gone: nobody reads our outputs or removes the run's sockets. A clean shutdown would only
+    wait (2 s of ZMQ linger on unsent outputs, then a second or more of interpreter teardown), so remove the run
+    directory and exit now."""
+    with contextlib.suppress(Exception):
+        log.warning("server process %d is gone: exiting", parent_pid)
+    ipc.remove_run_dir(run_dir)
+    os._exit(0)
+
+
+def _watch_parent(parent_pid: int, run_dir: str | None) -> None:
+    """Exits with the parent, from a thread of its own: the SIGTERM handler runs in the main thread, so only once
+    the model step it is in has finished."""
+    pidfd: int | None = None
+    with contextlib.suppress(OSError):  # already gone, or no pidfd here (old kernel, seccomp): poll then
+        pidfd = os.pidfd_open(parent_pid)
+    if os.getppid() != parent_pid:  # it died before we watched it, maybe before PR_SET_PDEATHSIG too
+        _exit_orphaned(parent_pid, run_dir)
+
+    def watch() -> None:
+        if pidfd is not None:
+            select.select([pidfd], [], [])  # readable once the parent process has exited
+        while os.getppid() == parent_pid:
+            time.sleep(0.2)
+        _exit_orphaned(parent_pid, run_dir)
+
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
+
+
+def _on_sigterm(parent_pid: int, run_dir: str | None) -> Callable[..., None]:
+    def stop_once(*_) -> None:
+        if os.getppid() != parent_pid:  # PR_SET_PDEATHSIG: the parent died (the watcher may not have run yet)
+            _exit_orphaned(parent_pid, run_dir)
+        # A clean stop from the parent (or the thread that spawned us exited): end the busy loop like Ctrl+C, so
+        # run_engine shuts down and returns 0. A second SIGTERM during that shutdown is ignored.
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        raise KeyboardInterrupt
+
+    return stop_once
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(prog="python -m engine_core")
     parser.add_argument("--input", required=True, help="address of the frontend's input ROUTER")
     parser.add_argument("--output", required=True, help="address of the frontend's output PULL")
+    parser.add_argument("--parent-pid", type=int, help="pid of the process that started us (default: our parent)")
+    parser.add_argument("--run-dir", help="the run's ipc directory, removed if the parent dies without doing it")
     add_cli_args(parser, EngineConfig)
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s engine %(levelname)s %(message)s")
+    parent_pid = args.parent_pid or os.getppid()
     _die_with_parent()
-    signal.signal(signal.SIGTERM, _stop_once)
+    signal.signal(signal.SIGTERM, _on_sigterm(parent_pid, args.run_dir))
+    _watch_parent(parent_pid, args.run_dir)  # after the prctl: no moment where a parent's death goes unnoticed
     from engine_core.core import run_engine  # after argument parsing: importing torch takes a while
 
     try:
-        return run_engine(from_cli_args(EngineConfig, args), ipc.Addresses(args.input, args.output))
+        code = run_engine(from_cli_args(EngineConfig, args), ipc.Addresses(args.input, args.output))
     except ModelSourceError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    # The death signal can come while the parent's last threads still exit (getppid() unchanged in the handler);
+    # once the watcher's thread is frozen by interpreter shutdown it could no longer remove the run directory.
+    if os.getppid() != parent_pid:
+        _exit_orphaned(parent_pid, args.run_dir)
+    return code
 
 
 if __name__ == "__main__":
