@@ -14,6 +14,7 @@ MAX_STOP_CHARS = 4096  # per stop string: the matcher's tables are built per req
 MAX_LOGPROBS = 20  # the engine's limit on top alternatives
 MAX_LOGIT_BIAS = 1024  # entries (OpenAI allows about 300)
 MAX_TOP_K = 2**31 - 1  # anything above the vocabulary means "off"; bounded so no tensor build can overflow
+MIN_TOP_P = 1e-6  # any smaller keeps only the top token too; subnormals would read as 0 in the engine (flush-to-zero)
 _SEED = {"ge": -(2**63), "le": 2**63 - 1}  # what the wire (msgpack int64) carries
 DEFAULT_COMPLETION_TOKENS = 16  # /v1/completions with max_tokens absent or null, as OpenAI and vLLM
 
@@ -80,7 +81,7 @@ class SamplingFields(_Model):
         return SamplingParams(
             max_tokens=max_tokens,
             temperature=1.0 if self.temperature is None else self.temperature,
-            top_p=1.0 if self.top_p is None else self.top_p,
+            top_p=1.0 if self.top_p is None else max(self.top_p, MIN_TOP_P),
             top_k=max(self.top_k or 0, 0),
             min_p=self.min_p or 0.0,
             seed=self.seed,
