@@ -11,6 +11,12 @@ class _Msg(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     pass
 
 
+# Limits on SamplingParams that both sides enforce: the API refuses past them with a 400, the engine re-checks.
+MAX_LOGPROBS = 20  # top alternatives per token
+MAX_TOP_K = 2**31 - 1  # above the vocabulary means "off"; bounded so that no tensor build can overflow
+MAX_LOGIT_BIAS = 1024  # entries (OpenAI allows about 300)
+
+
 class SamplingParams(_Msg, frozen=True):
     max_tokens: int = 16
     temperature: float = 1.0

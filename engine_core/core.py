@@ -19,6 +19,9 @@ from transformers import AutoConfig
 from common import ipc
 from common.config import EngineConfig
 from common.messages import (
+    MAX_LOGIT_BIAS,
+    MAX_LOGPROBS,
+    MAX_TOP_K,
     AbortRequest,
     EngineDead,
     EngineOutput,
@@ -37,10 +40,7 @@ from engine_core.request import Request
 from engine_core.scheduler import SampledTokens, Scheduler, SchedulerOutput
 
 log = logging.getLogger("roseinfer.engine")
-MAX_LOGPROBS = 20
-MAX_TOP_K = 2**31 - 1
 MAX_STOP_TOKEN_IDS = 64
-MAX_LOGIT_BIAS = 1024
 # vLLM's (0, 2], floored: logits are divided by it, and below this a float32 row overflows to inf
 # (1e-300 is 0.0 in float32), which turns sampling and logprobs into NaN.
 MIN_REPETITION_PENALTY = 1e-6

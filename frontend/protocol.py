@@ -6,14 +6,11 @@ from typing import Annotated, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
-from common.messages import SamplingParams
+from common.messages import MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_TOP_K, SamplingParams
 
 MAX_N = 64  # choices per request: each is an engine request
 MAX_STOP = 16  # stop strings (checked every token) and stop token ids
 MAX_STOP_CHARS = 4096  # per stop string: the matcher's tables are built per request
-MAX_LOGPROBS = 20  # the engine's limit on top alternatives
-MAX_LOGIT_BIAS = 1024  # entries (OpenAI allows about 300)
-MAX_TOP_K = 2**31 - 1  # anything above the vocabulary means "off"; bounded so no tensor build can overflow
 MIN_TOP_P = 1e-6  # any smaller keeps only the top token too; subnormals would read as 0 in the engine (flush-to-zero)
 _SEED = {"ge": -(2**63), "le": 2**63 - 1}  # what the wire (msgpack int64) carries
 DEFAULT_COMPLETION_TOKENS = 16  # /v1/completions with max_tokens absent or null, as OpenAI and vLLM
