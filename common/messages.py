@@ -17,6 +17,17 @@ MAX_TOP_K = 2**31 - 1  # above the vocabulary means "off"; bounded so that no te
 MAX_LOGIT_BIAS = 1024  # entries (OpenAI allows about 300)
 
 
+class StructuredOutput(_Msg, frozen=True):
+    """A constraint on the generated text; the engine compiles it (xgrammar) into a per-step token mask.
+
+    kind: "json_object" (any JSON object), "json_schema" (spec = the schema as JSON text), "regex" (spec = the
+    pattern), "choice" (spec = a JSON list of the allowed strings) or "grammar" (spec = EBNF text).
+    """
+
+    kind: str
+    spec: str = ""
+
+
 class SamplingParams(_Msg, frozen=True):
     max_tokens: int = 16
     temperature: float = 1.0
@@ -32,6 +43,8 @@ class SamplingParams(_Msg, frozen=True):
     repetition_penalty: float = 1.0
     logprobs: int | None = None  # top-n alternatives besides the chosen token; 0 = chosen only
     logit_bias: dict[int, float] = {}  # token id -> bias added to its logit before sampling (OpenAI's)
+    structured: StructuredOutput | None = None  # constrained decoding (response_format, guided_*, tool_choice)
+    prompt_logprobs: int | None = None  # the prompt tokens' logprobs with top-k alternatives; 0 = own only
 
     @property
     def greedy(self) -> bool:
@@ -94,6 +107,9 @@ class EngineOutput(_Msg):
     num_cached_tokens: int = 0
     new_logprobs: Logprobs | None = None
     error: str | None = None
+    # With the request's first output when params.prompt_logprobs is set: one entry per prompt token after the
+    # first (the first has no logprob), in prompt order.
+    prompt_logprobs: Logprobs | None = None
 
     @property
     def finished(self) -> bool:
