@@ -1,0 +1,155 @@
+"""Tool-call parsers: generated text, fed in pieces, -> content and tool-call events; the hermes format.
+
+Every parser gives the same events however its text is split (all at once for a whole response, token by token
+for a stream), so the streamed content and arguments pieces concatenate to exactly the non-streamed ones.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+OPEN, CLOSE = "<tool_call>", "</tool_call>"
+
+
+@dataclass
+class Content:
+    text: str
+
+
+@dataclass
+class CallStart:
+    index: int  # the call's position among this choice's calls
+    id: str
+    name: str
+
+
+@dataclass
+class Arguments:
+    index: int
+    text: str  # a piece of the call's arguments (JSON text)
+
+
+Event = Content | CallStart | Arguments
+
+
+class ToolParser(Protocol):
+    calls: int  # complete calls so far
+
+    def feed(self, text: str) -> list[Event]: ...
+    def finish(self) -> list[Event]: ...
+
+
+def call_id() -> str:
+    return f"call_{secrets.token_hex(12)}"
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
+
+
+def parse_call(text: str) -> tuple[str, str] | None:
+    """{"name": ..., "arguments": {...}} -> (name, arguments as JSON text), or None when it is not a call."""
+    try:
+        call = json.loads(text, parse_constant=_no_constant)
+        if not isinstance(call, dict) or not isinstance(call.get("arguments", {}), dict):
+            return None
+        name, arguments = call.get("name"), json.dumps(call.get("arguments", {}), ensure_ascii=False)
+        if not isinstance(name, str) or not name:
+            return None
+        (name + arguments).encode()  # a lone surrogate spelled as an escape is not text
+    except (ValueError, RecursionError):
+        return None
+    return name, arguments
+
+
+def _partial_tag(text: str, tag: str) -> int:
+    """Length of the longest suffix of `text` that is a proper prefix of `tag` (the tag may be split there)."""
+    for k in range(min(len(tag) - 1, len(text)), 0, -1):
+        if text.endswith(tag[:k]):
+            return k
+    return 0
+
+
+class HermesParser:
+    """`<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, as Hermes and Qwen2.5 models write calls.
+
+    Text outside the tags is content; whitespace that only separates content from a call is dropped. A call is
+    held until its closing tag (or the end of the text), then emitted whole: a malformed one stays content, exactly
+    as written. A call the model ends without its closing tag still counts if its JSON is complete.
+    """
+
+    def __init__(self) -> None:
+        self.calls = 0
+        self.pending = ""  # content held back: trailing whitespace and what may be the start of OPEN
+        self.in_call = False
+        self.call_text = ""  # inside OPEN so far
+        self.call_ws = ""  # the whitespace before OPEN: content again if the call turns out malformed
+        self.after_call = False  # dropping whitespace after a call
+
+    def feed(self, text: str) -> list[Event]:
+        events: list[Event] = []
+        while text:
+            if self.in_call:
+                text = self._in_call(text, events)
+                continue
+            if self.after_call:
+                stripped = text.lstrip()
+                if not stripped:
+                    return events
+                text, self.after_call = stripped, False
+            buf, self.pending = self.pending + text, ""
+            text = ""
+            at = buf.find(OPEN)
+            if at >= 0:
+                before = buf[:at]
+                body = before.rstrip()
+                self._content(events, body)
+                self.call_ws, self.in_call, self.call_text = before[len(body) :], True, ""
+                text = buf[at + len(OPEN) :]
+                continue
+            keep = _partial_tag(buf, OPEN)
+            head = buf[: len(buf) - keep]
+            body = head.rstrip()
+            self._content(events, body)
+            self.pending = buf[len(body) :]
+        return events
+
+    def _in_call(self, text: str, events: list[Event]) -> str:
+        """Consumes call text; returns what follows the closing tag (empty while the call is open)."""
+        start = max(0, len(self.call_text) - len(CLOSE) + 1)  # only where a new closing tag can be
+        self.call_text += text
+        at = self.call_text.find(CLOSE, start)
+        if at < 0:
+            return ""
+        inner, rest = self.call_text[:at], self.call_text[at + len(CLOSE) :]
+        self.in_call, self.call_text = False, ""
+        self._end_call(events, inner, OPEN + inner + CLOSE)
+        return rest
+
+    def _end_call(self, events: list[Event], inner: str, raw: str) -> None:
+        call = parse_call(inner)
+        if call is None:
+            self._content(events, self.call_ws + raw)
+            return
+        name, arguments = call
+        events += [CallStart(self.calls, call_id(), name), Arguments(self.calls, arguments)]
+        self.calls += 1
+        self.after_call = True
+
+    @staticmethod
+    def _content(events: list[Event], text: str) -> None:
+        if text:
+            events.append(Content(text))
+
+    def finish(self) -> list[Event]:
+        events: list[Event] = []
+        if self.in_call:
+            self.in_call = False
+            self._end_call(events, self.call_text, OPEN + self.call_text)
+        elif not self.after_call:
+            self._content(events, self.pending)
+        self.pending = ""
+        return events

@@ -1,0 +1,154 @@
+"""Tool-call parsers on fixed model outputs: hermes tags (several calls, text around, malformed calls, streams split
+at every position), the JSON of forced calls, and OpenAI's streamed tool_calls delta shape."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+
+import pytest
+
+from frontend.tool_forced import ForcedCallsParser, NamedCallParser
+from frontend.tool_parsers import Arguments, CallStart, Content, Event, HermesParser, ToolParser
+from frontend.tool_stream import ToolStreams, finish_reason, message
+
+Result = tuple[str, list[tuple[str, str]], int]  # content, [(name, arguments)], complete calls
+
+
+def run(make: Callable[[], ToolParser], pieces: list[str]) -> Result:
+    parser = make()
+    events: list[Event] = []
+    for piece in pieces:
+        events += parser.feed(piece)
+    events += parser.finish()
+    content = "".join(e.text for e in events if isinstance(e, Content))
+    calls: list[list[str]] = []
+    for e in events:
+        if isinstance(e, CallStart):
+            assert e.index == len(calls) and e.id.startswith("call_") and len(e.id) > 16
+            calls.append([e.name, ""])
+        elif isinstance(e, Arguments):
+            calls[e.index][1] += e.text
+    return content, [(n, a) for n, a in calls], parser.calls
+
+
+def splits(text: str) -> list[list[str]]:
+    """The text whole, one character at a time, and cut in two at every position."""
+    return [[text], list(text)] + [[text[:i], text[i:]] for i in range(1, len(text))]
+
+
+def same_everywhere(make: Callable[[], ToolParser], text: str) -> Result:
+    results = {repr(run(make, pieces)) for pieces in splits(text)}
+    assert len(results) == 1, results
+    return run(make, [text])
+
+
+WEATHER = '{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}'
+TIME = '{"name": "get_time", "arguments": {"tz": "Europe/Paris"}}'
+
+HERMES_CASES = [
+    # (model output, content, calls, complete calls)
+    ("The capital is Paris.", "The capital is Paris.", [], 0),
+    (f"<tool_call>\n{WEATHER}\n</tool_call>", "", [("get_weather", '{"city": "Paris", "unit": "celsius"}')], 1),
+    (f"Let me check.\n\n<tool_call>\n{WEATHER}\n</tool_call>\n<tool_call>\n{TIME}\n</tool_call>\nDone. ",
+     "Let me check.Done. ", [("get_weather", '{"city": "Paris", "unit": "celsius"}'),
+                            ("get_time", '{"tz": "Europe/Paris"}')], 2),
+    # Malformed calls stay text, exactly as written (the whitespace before them too).
+    ('Hi <tool_call>{"name": "f", "arguments": {"a": }}</tool_call> there',
+     'Hi <tool_call>{"name": "f", "arguments": {"a": }}</tool_call> there', [], 0),
+    ('<tool_call>{"arguments": {}}</tool_call>', '<tool_call>{"arguments": {}}</tool_call>', [], 0),
+    ('<tool_call>{"name": "f", "arguments": [1]}</tool_call>', '<tool_call>{"name": "f", "arguments": [1]}</tool_call>',
+     [], 0),
+    ('<tool_call>{"name": "f", "arguments": {"x": NaN}}</tool_call>',
+     '<tool_call>{"name": "f", "arguments": {"x": NaN}}</tool_call>', [], 0),
+    (f"<tool_call>not json</tool_call> <tool_call>{TIME}</tool_call>", "<tool_call>not json</tool_call>",
+     [("get_time", '{"tz": "Europe/Paris"}')], 1),
+    # A call the model ended without its closing tag counts when its JSON is whole; a cut one is text.
+    (f"<tool_call>\n{TIME}\n", "", [("get_time", '{"tz": "Europe/Paris"}')], 1),
+    ('ok <tool_call>{"name": "get_time", "argu', 'ok <tool_call>{"name": "get_time", "argu', [], 0),
+    # Look-alikes of the tag are text.
+    ("a <tool_c", "a <tool_c", [], 0),
+    ("x < y and <tool>call</tool> <tool_callx", "x < y and <tool>call</tool> <tool_callx", [], 0),
+    # A missing "arguments" is a call without arguments; a name with escapes is decoded.
+    ('<tool_call>{"name": "caf\\u00e9"}</tool_call>', "", [("café", "{}")], 1),
+    ("  \n", "  \n", [], 0),
+]
+
+
+@pytest.mark.parametrize(("text", "content", "calls", "complete"), HERMES_CASES, ids=[c[0][:30] for c in HERMES_CASES])
+def test_hermes_outputs_split_anywhere(text, content, calls, complete):
+    assert same_everywhere(HermesParser, text) == (content, calls, complete)
+
+
+def test_hermes_split_inside_both_tags():
+    text = f"Sure.<tool_call>{WEATHER}</tool_call>"
+    pieces = ["Sure.<tool", "_ca", "ll>", WEATHER[:9], WEATHER[9:], "</tool_", "call", ">"]
+    assert run(HermesParser, pieces) == ("Sure.", [("get_weather", json.dumps(json.loads(WEATHER)["arguments"]))], 1)
+    assert run(HermesParser, pieces) == run(HermesParser, [text])
+
+
+def test_hermes_content_streams_before_the_tag():
+    parser = HermesParser()
+    assert parser.feed("Let me look that up") == [Content("Let me look that up")]
+    assert parser.feed(" <tool_") == []  # whitespace and what may be a tag wait
+    assert parser.feed("call>{") == []  # a call is held until it is whole
+    events = parser.feed(TIME[1:] + "</tool_call>")
+    assert [type(e) for e in events] == [CallStart, Arguments] and parser.calls == 1
+
+
+NAMED = '{"city": "Par\\"is}", "days": [1, 2, {"x": null}], "n": -1.5e3, "ok": true}'
+
+
+def test_named_call_is_the_arguments_object():
+    assert same_everywhere(lambda: NamedCallParser("get_weather"), NAMED) == ("", [("get_weather", NAMED)], 1)
+    assert same_everywhere(lambda: NamedCallParser("f"), "  " + NAMED + " ") == ("", [("f", NAMED)], 1)
+    # Cut short (max_tokens): the call with its arguments so far, not complete.
+    assert run(lambda: NamedCallParser("f"), [NAMED[:20]]) == ("", [("f", NAMED[:20])], 0)
+    # Output not held to the schema is content.
+    assert same_everywhere(lambda: NamedCallParser("f"), " Paris is nice") == (" Paris is nice", [], 0)
+
+
+REQUIRED = ('[{"name": "get_weather", "arguments": {"city": "[Paris]", "q": "\\"{"}}, '
+            '{"arguments": {"tz": "UTC", "n": 5}, "name": "get_time"}, {"name": "noop", "arguments": {}}]')
+
+
+def test_required_calls_in_any_key_order():
+    content, calls, complete = same_everywhere(ForcedCallsParser, REQUIRED)
+    assert content == "" and complete == 3
+    assert calls == [(c["name"], json.dumps(c["arguments"])) for c in json.loads(REQUIRED)]
+    # The arguments stream as written: before the array ends, the first call's are there already.
+    assert run(ForcedCallsParser, [REQUIRED[:60]])[1] == [("get_weather", REQUIRED[REQUIRED.index("{\"city"):60])]
+    assert same_everywhere(ForcedCallsParser, "no calls") == ("no calls", [], 0)
+
+
+def test_stream_deltas_have_openai_shape():
+    streams = ToolStreams(ForcedCallsParser)
+    deltas = []
+    for i in range(0, len(REQUIRED), 7):
+        deltas += streams.deltas(0, REQUIRED[i : i + 7], final=i + 7 >= len(REQUIRED))
+    assert streams.finish_reason(0, "stop") == "tool_calls" and streams.finish_reason(0, "length") == "length"
+    arguments: dict[int, str] = {}
+    for d in deltas:
+        assert list(d) == ["tool_calls"] and len(d["tool_calls"]) == 1
+        call = d["tool_calls"][0]
+        if call["index"] not in arguments:  # the call's first delta: its id, type and name, no arguments yet
+            assert call["id"].startswith("call_") and call["type"] == "function"
+            assert call["function"] == {"name": call["function"]["name"], "arguments": ""}
+            arguments[call["index"]] = ""
+        else:  # then pieces of the arguments only
+            assert set(call) == {"index", "function"} and set(call["function"]) == {"arguments"}
+            arguments[call["index"]] += call["function"]["arguments"]
+    assert [json.loads(arguments[i]) for i in range(3)] == [c["arguments"] for c in json.loads(REQUIRED)]
+
+
+def test_whole_message():
+    msg = message(HermesParser(), f"Checking.\n<tool_call>{TIME}</tool_call>")
+    assert msg["content"] == "Checking." and msg["tool_calls"][0]["function"] == {
+        "name": "get_time", "arguments": '{"tz": "Europe/Paris"}'}  # fmt: skip
+    named = message(NamedCallParser("f"), "{}")
+    assert named["content"] is None and named["tool_calls"][0]["id"].startswith("call_")
+    assert named["tool_calls"][0]["type"] == "function" and named["tool_calls"][0]["function"] == {
+        "name": "f", "arguments": "{}"}  # fmt: skip
+    plain = message(HermesParser(), "no tools here ")
+    assert plain == {"role": "assistant", "content": "no tools here "}
+    assert finish_reason(HermesParser(), "stop") == "stop"
