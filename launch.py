@@ -1,10 +1,11 @@
 """python launch.py: spawn the engine core, gate on its EngineReady, serve the API, restart a dead engine, drain.
 
-Process layout: this process (API + ZMQ sockets, never imports torch) -> one child, the engine core. uvicorn runs
+Process layout: this process (API + ZMQ sockets, never imports torch) -> one child per engine core (one, or
+--data-parallel-size of them, each on its own cores or GPU). uvicorn runs
 in this process's event loop next to the engine client, so "the API server died" and "launch.py exits" are one
 event: the engine is stopped, the ipc files removed, and the exit code says which way it went. A dead or hung
-engine is replaced (epoch + 1) while --max-engine-restarts per --engine-restart-window allows; past that the
-server stops with exit code 1.
+engine is replaced (epoch + 1) while --max-engine-restarts per --engine-restart-window allows (each engine has its
+own budget); past that the engine is retired, and once none is left the server stops with exit code 1.
 """
 
 from __future__ import annotations
@@ -23,12 +24,15 @@ from common import ipc
 from common.config import EngineConfig, ServerConfig, add_cli_args, from_cli_args
 from common.engine_link import EngineStartError
 from common.model_source import ModelSourceError, resolve_model
+from engine_core.tp_procs import layout as tp_layout
+from engine_core.tp_procs import run_node_agent
 from frontend.api_server import create_app
-from frontend.engine_client import AsyncEngineClient
+from frontend.engine_client import AsyncEngineClient, supervisors
+from frontend.engine_handle import EngineHandle
 from frontend.http_limits import uvicorn_limits
 from frontend.metrics import Metrics
 from frontend.serving import ServingContext
-from frontend.supervisor import EngineSupervisor, RestartBudget
+from frontend.supervisor import RestartBudget
 from frontend.tokenizer import Tokenizer, TokenizerError
 
 log = logging.getLogger("roseinfer.launch")
@@ -67,7 +71,7 @@ class Launch:
         self.engine_config = engine_config
         self.config = config
         addresses = ipc.Addresses.new_ipc()
-        self.client = AsyncEngineClient(addresses, EngineSupervisor(engine_config, addresses),
+        self.client = AsyncEngineClient(addresses, supervisors(engine_config, addresses, config.data_parallel_size),
                                         config.engine_ping_timeout, config.max_queued_requests)  # fmt: skip
         # --max-engine-restarts 0: a dead engine fails what is in flight and /health stays 503 (for an outer
         # supervisor to act on); otherwise unfinished requests wait for the replacement and resume.
@@ -118,30 +122,36 @@ class Launch:
             await self.client.close()  # stops the engine core, removes the ipc files
 
     async def _supervise(self) -> None:
-        """Replaces a dead engine core while the budget allows; past it, fails what is in flight and stops."""
-        budget = RestartBudget(self.config.max_engine_restarts, self.config.engine_restart_window)
-        while True:
-            cause = await self.client.wait_down()
-            if self.client.ready is None:
-                return  # it never started: start() reports that
-            if self.stopping.is_set():
-                self.client.give_up(f"{cause} (not restarted: the server is shutting down)")
-                return
-            if not budget.take():
-                log.error("engine core down: %s; already restarted %d times within %g s (--max-engine-restarts): "
-                          "stopping the server", cause, budget.used, budget.window)  # fmt: skip
-                self.client.give_up(f"{cause}; the engine core keeps failing and the server is stopping")
+        """Each engine is replaced while its budget allows; past it, it is retired (its requests failed). Once no
+        engine is left, the server stops with exit code 1."""
+        handles = self.client.handles
+        for handle in handles:
+            handle.budget = RestartBudget(self.config.max_engine_restarts, self.config.engine_restart_window)
+        jobs = {asyncio.ensure_future(h.supervise(self.config.engine_ready_timeout, self.stopping)): h for h in handles}
+        try:
+            await self._retire(jobs)
+        finally:
+            for job in jobs:
+                job.cancel()
+
+    async def _retire(self, jobs: dict[asyncio.Future, EngineHandle]) -> None:
+        handles = self.client.handles
+        while jobs:
+            done, _ = await asyncio.wait(jobs, return_when=asyncio.FIRST_COMPLETED)
+            for job in done:
+                handle, cause = jobs.pop(job), job.result()
+                if cause is None:
+                    continue
+                if any(not h.life.retired for h in handles if h is not handle):
+                    log.error("%s retired: %s; the other engines serve on", handle.label, cause)
+                    handle.life.give_up(f"{cause}; the {handle.label} keeps failing and is retired")
+                    continue
+                log.error("engine core down: %s; no engine left: stopping the server", cause)
+                handle.life.give_up(f"{cause}; the engine core keeps failing and the server is stopping")
                 self.exit_code = 1
                 self.stopping.set()
                 if self.server is not None:
                     self.server.should_exit = True
-                return
-            if self.client.metrics is not None:
-                self.client.metrics.engine_restarts.inc()
-            log.warning("engine core down: %s; starting epoch %d (restart %d of %d within %g s), %d requests "
-                        "waiting to resume", cause, self.client.epoch + 1, budget.used, budget.max_restarts,
-                        budget.window, self.client.num_in_flight)  # fmt: skip
-            await self.client.restart(self.config.engine_ready_timeout)
 
     async def _run(self, http: socket.socket) -> int:
         starting = asyncio.ensure_future(self.client.start(self.config.engine_ready_timeout))
@@ -155,10 +165,12 @@ class Launch:
         # After EngineReady: the engine resolved (and for a .gguf, converted) the model, so this is a cache hit.
         source = resolve_model(self.engine_config.model)
         model_name = self.config.served_model_name or ready.model
-        metrics = Metrics(model_name)
+        metrics = Metrics(model_name, len(self.client.handles))
         self.client.metrics = metrics
-        tokenizer = Tokenizer(source.path, parse_special_in_content=self.config.parse_special_tokens_in_content)
-        ctx = ServingContext(self.client, tokenizer, model_name, ready.max_model_len, ready.vocab_size)
+        tokenizer = Tokenizer(source.path, parse_special_in_content=self.config.parse_special_tokens_in_content,
+                              chat_template=self.config.chat_template)  # fmt: skip
+        ctx = ServingContext(self.client, tokenizer, model_name, ready.max_model_len, ready.vocab_size,
+                             tool_call_parser=self.config.tool_call_parser)  # fmt: skip
         app = create_app(ctx, self.config, metrics)
         self.server = _Server(uvicorn.Config(app, host=self.config.host, port=self.config.port, lifespan="off",
                                              log_level=self.config.log_level,
@@ -182,6 +194,13 @@ class Launch:
 def main(argv: list[str] | None = None) -> int:
     engine_config, config = parse_args(argv)
     logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    try:
+        tp_layout(engine_config)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if engine_config.node_rank > 0:  # another node of a multi-node group: its tensor-parallel workers, no API
+        return run_node_agent(engine_config)
 
     async def run() -> int:  # the sockets and tasks belong to this loop
         return await Launch(engine_config, config).run()

@@ -31,13 +31,13 @@ class EngineStartError(RuntimeError):
     pass
 
 
-def spawn_engine(config: EngineConfig, addresses: ipc.Addresses) -> subprocess.Popen:
+def spawn_engine(config: EngineConfig, addresses: ipc.Addresses, env: dict[str, str] | None = None) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "engine_core", "--input", addresses.input, "--output", addresses.output]
     # Our pid, not the engine's later getppid(): we may die before it looks. With the run directory, an engine
     # that outlives us removes it.
     cmd += ["--parent-pid", str(os.getpid())] + (["--run-dir", addresses.run_dir] if addresses.run_dir else [])
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [REPO_ROOT, os.environ.get("PYTHONPATH")])))
-    return subprocess.Popen(cmd + to_cli_args(config), env=env)
+    path = os.pathsep.join(filter(None, [REPO_ROOT, os.environ.get("PYTHONPATH")]))
+    return subprocess.Popen(cmd + to_cli_args(config), env={**os.environ, **(env or {}), "PYTHONPATH": path})
 
 
 class EngineLink:

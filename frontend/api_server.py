@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import time
 
 from fastapi import FastAPI, Request
@@ -13,7 +12,6 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from common.config import ServerConfig
-from frontend.engine_client import EngineUnavailable
 from frontend.errors import ApiError, bad_request, from_validation_errors
 from frontend.http_guard import BodyRefused, HttpGuard
 from frontend.metrics import Metrics
@@ -67,19 +65,21 @@ def create_app(ctx: ServingContext, config: ServerConfig, metrics: Metrics) -> F
 
     @app.get("/health")
     async def health() -> Response:
-        """200 only while the engine core is up and answers the client's pings (never waits on a busy engine)."""
+        """200 while at least one engine core is up and answers the client's pings (never waits on a busy engine);
+        the body lists every engine's state (ready, starting, restarting, dead)."""
+        engines = [h.describe() for h in client.handles]
         if client.healthy:
-            return Response(status_code=200)
+            return JSONResponse({"status": "ok" if all(e["state"] == "ready" for e in engines) else "degraded",
+                                 "engines": engines})  # fmt: skip
         why = client.dead or "the engine core is not ready"
         if client.dead is not None and client.resumable:
             why = f"the engine core is restarting after: {why}"
-        return ApiError(503, why, None, "engine_unavailable").response()
+        body = ApiError(503, why, None, "engine_unavailable").body()
+        return JSONResponse({**body, "status": "unavailable", "engines": engines}, status_code=503)
 
     @app.get("/metrics")
     async def prometheus_metrics() -> Response:
-        if client.healthy:  # fresh scheduler numbers: no step runs while the engine is idle
-            with contextlib.suppress(EngineUnavailable, TimeoutError):
-                await client.call("stats", timeout=1.0)
+        await client.refresh_stats(timeout=1.0)  # fresh scheduler numbers: no step runs while an engine is idle
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     @app.post("/tokenize")

@@ -1,4 +1,5 @@
-"""AsyncEngineClient: the API process's side of the ZMQ link: send, the single output task, streams, liveness."""
+"""AsyncEngineClient: the API process's side of the ZMQ link to one or more engine cores (data parallel): routes each
+request to an engine handle, runs the one output loop over every engine's output socket, and waits for engines."""
 
 from __future__ import annotations
 
@@ -13,21 +14,14 @@ import zmq.asyncio
 from common import ipc
 from common.config import EngineConfig
 from common.engine_link import EngineStartError
-from common.messages import (
-    AbortRequest,
-    EngineDead,
-    EngineOutputs,
-    EngineReady,
-    EngineRequest,
-    UtilityCall,
-    UtilityResult,
-)
+from common.messages import EngineReady, EngineRequest, UtilityResult
 from frontend.detokenizer import IncrementalDetokenizer
+from frontend.engine_handle import EngineHandle
 from frontend.errors import EngineUnavailable
-from frontend.liveness import EngineWatch
 from frontend.metrics import Metrics
-from frontend.recovery import EngineRecovery
+from frontend.placement import place_engines
 from frontend.request_stream import Delta, RequestStream
+from frontend.router import PrefixRouter
 from frontend.supervisor import EngineSupervisor
 
 log = logging.getLogger("roseinfer.frontend")
@@ -35,20 +29,26 @@ __all__ = ["AsyncEngineClient", "EngineUnavailable", "QueueFull"]
 
 
 class QueueFull(RuntimeError):
-    """More requests in flight than --max-queued-requests allows (HTTP 503)."""
+    """More requests in flight than --max-queued-requests allows (HTTP 429)."""
 
 
-class AsyncEngineClient(EngineRecovery):
-    """Also the asyncio direct client: `await AsyncEngineClient.spawn(EngineConfig(...))` needs no HTTP."""
+def output_address(addresses: ipc.Addresses, index: int) -> ipc.Addresses:
+    """Engine `index`'s addresses: the shared input ROUTER, an output socket of its own (the engine needs no
+    index in its messages, and the socket monitor tells which engine's connection dropped)."""
+    return ipc.Addresses(addresses.input, addresses.output if index == 0 else f"{addresses.output}{index}",
+                         addresses.run_dir)  # fmt: skip
 
-    def __init__(self, addresses: ipc.Addresses, supervisor: EngineSupervisor | None = None, ping_timeout: float = 30.0,
-                 max_queued: int = 1 << 30, metrics: Metrics | None = None) -> None:  # fmt: skip
+
+class AsyncEngineClient:
+    """Also the asyncio direct client: `await AsyncEngineClient.spawn(EngineConfig(...))` needs no HTTP.
+
+    `processes` gives one engine per entry (None: an engine someone else started, index 0, tests)."""
+
+    def __init__(self, addresses: ipc.Addresses, processes: list[EngineSupervisor | None] | None = None,
+                 ping_timeout: float = 30.0, max_queued: int = 1 << 30,
+                 metrics: Metrics | None = None) -> None:  # fmt: skip
         self.addresses = addresses
-        self.supervisor = supervisor
-        self.ping_timeout = ping_timeout
         self.max_queued = max_queued
-        self.metrics = metrics
-        self.resumable = False
         self.restart_timeout = 0.0  # how long a new request waits for a restarting engine
         self._ctx = zmq.asyncio.Context()
         # Sends go through a plain socket: never blocks (no HWM), and works from `finally` blocks of
@@ -56,26 +56,23 @@ class AsyncEngineClient(EngineRecovery):
         self._router = ipc.make_socket(self._ctx, zmq.ROUTER, addresses.input, bind=True)
         self._router.setsockopt(zmq.ROUTER_MANDATORY, 1)  # an unreachable engine raises, never drops silently
         self._input = zmq.Socket.shadow(self._router.underlying)
-        self._output = ipc.make_socket(self._ctx, zmq.PULL, addresses.output, bind=True)
-        self._monitor = self._output.get_monitor_socket(zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED)
-        self._identity = ipc.engine_identity(supervisor.config.engine_index if supervisor else 0)
-        self._streams: dict[str, RequestStream] = {}
-        self._calls: dict[int, asyncio.Future[UtilityResult]] = {}
-        self._call_id = 0
+        self._changed = asyncio.Event()  # an engine became ready, went down or was given up
+        processes = processes or [None]
+        several = len(processes) > 1
+        self.handles: list[EngineHandle] = []
+        for i, process in enumerate(processes):
+            out = ipc.make_socket(self._ctx, zmq.PULL, output_address(addresses, i).output, bind=True)
+            label = f"engine core {i}" if several else "engine core"
+            self.handles.append(EngineHandle(i, label, out, self._send, process, self._changed.set, ping_timeout))
+        self.router: PrefixRouter | None = None  # several engines: set once the block size is known
+        self.metrics = metrics
         self._tasks: list[asyncio.Task] = []
-        self._ready_future: asyncio.Future[EngineReady] | None = None
-        self.ready: EngineReady | None = None
-        self.epoch = supervisor.epoch if supervisor else 0
-        self.dead: str | None = None
-        self._down_epoch: int | None = None
-        self._down = asyncio.Event()
-        self._settled = asyncio.Event()
-        self._closing = False
 
     @classmethod
-    async def spawn(cls, config: EngineConfig, ready_timeout: float = 600.0, **kw) -> AsyncEngineClient:
+    async def spawn(cls, config: EngineConfig, ready_timeout: float = 600.0, data_parallel_size: int = 1,
+                    **kw) -> AsyncEngineClient:  # fmt: skip
         addresses = ipc.Addresses.new_ipc()
-        client = cls(addresses, EngineSupervisor(config, addresses), **kw)
+        client = cls(addresses, supervisors(config, addresses, data_parallel_size), **kw)
         try:
             await client.start(ready_timeout)
         except BaseException:
@@ -84,69 +81,118 @@ class AsyncEngineClient(EngineRecovery):
         return client
 
     async def start(self, ready_timeout: float) -> EngineReady:
-        """Spawns the engine (with a supervisor), starts the output and liveness tasks, waits for EngineReady."""
-        self._ready_future = asyncio.get_running_loop().create_future()
-        watch = EngineWatch(self, self._monitor)
-        self._tasks = [asyncio.create_task(c) for c in (self._read_outputs(), *watch.coroutines())]
-        if self.supervisor is not None:
-            self.supervisor.spawn()
+        """Spawns the engines, starts the output and liveness tasks, waits for every EngineReady."""
+        futures = [h.life.expect_ready() for h in self.handles]
+        self._tasks = [asyncio.create_task(self._read_outputs())]
+        self._tasks += [asyncio.create_task(c) for h in self.handles for c in h.coroutines()]
+        for handle in self.handles:
+            if handle.process is not None:
+                handle.process.spawn()
         try:
-            return await asyncio.wait_for(asyncio.shield(self._ready_future), ready_timeout)
+            ready = await asyncio.wait_for(asyncio.shield(asyncio.gather(*futures)), ready_timeout)
         except TimeoutError:
             raise EngineStartError(f"engine core not ready after {ready_timeout:.0f} s") from None
+        if len(self.handles) > 1:
+            self.router = PrefixRouter(ready[0].block_size)
+        return ready[0]
+
+    # ---- the whole (what /health, serving and launch.py ask) ----
+
+    @property
+    def metrics(self) -> Metrics | None:
+        return self._metrics
+
+    @metrics.setter
+    def metrics(self, metrics: Metrics | None) -> None:
+        self._metrics = metrics
+        for handle in self.handles:
+            handle.metrics = metrics
+
+    @property
+    def resumable(self) -> bool:
+        return any(h.life.resumable for h in self.handles)
+
+    @resumable.setter
+    def resumable(self, value: bool) -> None:
+        for handle in self.handles:
+            handle.life.resumable = value
+
+    @property
+    def ping_timeout(self) -> float:
+        return self.handles[0].ping_timeout
+
+    @ping_timeout.setter
+    def ping_timeout(self, value: float) -> None:
+        for handle in self.handles:
+            handle.ping_timeout = value
+
+    @property
+    def supervisor(self) -> EngineSupervisor | None:
+        return self.handles[0].process
+
+    @property
+    def ready(self) -> EngineReady | None:
+        return next((h.ready for h in self.handles if h.ready is not None), None)
 
     @property
     def healthy(self) -> bool:
-        return self.ready is not None and self.dead is None
+        """At least one engine takes requests."""
+        return any(h.healthy for h in self.handles)
+
+    @property
+    def dead(self) -> str | None:
+        """Why no engine takes requests now; None while one does."""
+        if self.healthy:
+            return None
+        return next((h.dead for h in self.handles if h.dead is not None), None)
 
     @property
     def num_in_flight(self) -> int:
-        return len(self._streams)
+        return sum(len(h.streams) for h in self.handles)
 
     # ---- requests ----
 
     def check_capacity(self, num_requests: int) -> None:
-        if self.dead is not None:
-            raise EngineUnavailable(self.dead)
-        if self.ready is None:
-            raise EngineUnavailable("the engine core is not ready")
-        if len(self._streams) + num_requests > self.max_queued:
+        if not self.healthy:
+            raise EngineUnavailable(self.dead or "the engine core is not ready")
+        if self.num_in_flight + num_requests > self.max_queued:
             raise QueueFull(f"too many requests in flight (--max-queued-requests {self.max_queued})")
 
     async def wait_available(self) -> None:
-        """A new request arriving while the engine restarts waits for it, up to restart_timeout."""
-        if self.healthy or not self.resumable:
-            return
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._settled.wait(), self.restart_timeout)
-        if not self.healthy:
+        """A new request arriving while no engine serves waits for one to come back, up to restart_timeout."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.restart_timeout
+        while not self.healthy and any(h.life.resumable for h in self.handles):
+            self._changed.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._changed.wait(), max(0.0, deadline - loop.time()))
+            if loop.time() >= deadline:
+                break
+        if not self.healthy and self.resumable:
             raise EngineUnavailable(f"the engine core is restarting and was not back within "
                                     f"{self.restart_timeout:g} s ({self.dead})")  # fmt: skip
+
+    def _owner(self, request_id: str) -> EngineHandle | None:
+        return next((h for h in self.handles if request_id in h.streams), None)
 
     def add(self, request: EngineRequest, detokenizer: IncrementalDetokenizer | None = None,
             include_stop_token: bool = False) -> RequestStream:  # fmt: skip
         self.check_capacity(1)
-        if request.request_id in self._streams:
+        if self._owner(request.request_id) is not None:
             raise ValueError(f"request id {request.request_id!r} is already in flight")
         stream = RequestStream(request, detokenizer, include_stop_token)
-        try:
-            self._send(stream.mark_sent())
-        except zmq.ZMQError as exc:
-            if not self.resumable:
-                raise EngineUnavailable(f"cannot reach the engine core: {exc}") from exc
-            stream.sent_at = None  # it never got there: the next engine gets it
-            self.engine_down(f"cannot reach the engine core: {exc}", self.epoch)
-        self._streams[request.request_id] = stream
+        live = [h for h in self.handles if h.healthy]  # a dead engine takes nothing new while it restarts
+        handle = live[0] if self.router is None else self.router.choose(request.prompt_token_ids, live)
+        handle.add(stream)
         if self.metrics is not None:
             self.metrics.prompt_tokens.inc(len(request.prompt_token_ids))
         return stream
 
     def abort(self, request_ids: list[str]) -> None:
-        """Forgets the requests and tells the engine to free them (before its next step). Never awaits."""
-        unfinished = [rid for rid in request_ids if (s := self._streams.pop(rid, None)) and not s.finished]
-        if unfinished and self.dead is None:
-            with contextlib.suppress(zmq.ZMQError):  # an unreachable engine has nothing left to free
-                self._send(AbortRequest(unfinished))
+        """Forgets the requests and tells their engines to free them (before the next step). Never awaits."""
+        for handle in self.handles:
+            unfinished = [rid for rid in request_ids if (s := handle.streams.pop(rid, None)) and not s.finished]
+            handle.abort(unfinished)
 
     async def generate(self, request: EngineRequest, detokenizer: IncrementalDetokenizer | None = None,
                        include_stop_token: bool = False) -> AsyncIterator[Delta]:  # fmt: skip
@@ -159,83 +205,75 @@ class AsyncEngineClient(EngineRecovery):
             if not stream.finished:
                 self.abort([request.request_id])
 
-    async def call(self, method: str, arg: float = 0.0, timeout: float | None = None) -> UtilityResult:
-        if self.dead is not None:
-            raise EngineUnavailable(self.dead)
-        self._call_id += 1
-        call_id = self._call_id
-        future: asyncio.Future[UtilityResult] = asyncio.get_running_loop().create_future()
-        self._calls[call_id] = future
-        try:
-            self._send(UtilityCall(call_id, method, arg))
-            return await asyncio.wait_for(future, timeout)
-        except zmq.ZMQError as exc:
-            raise EngineUnavailable(f"cannot reach the engine core: {exc}") from exc
-        finally:
-            self._calls.pop(call_id, None)
+    async def call(self, method: str, arg: float = 0.0, timeout: float | None = None,
+                   engine: int = 0) -> UtilityResult:  # fmt: skip
+        return await self.handles[engine].call(method, arg, timeout)
 
-    def _send(self, msg: EngineRequest | AbortRequest | UtilityCall) -> None:
-        self._input.send_multipart([self._identity, ipc.encode(msg)])
+    async def refresh_stats(self, timeout: float) -> None:
+        """Fresh scheduler numbers from every live engine into the metrics (no step runs while one is idle)."""
+        calls = [h.call("stats", timeout=timeout) for h in self.handles if h.healthy]
+        await asyncio.gather(*calls, return_exceptions=True)
 
-    # ---- the output task: the only loop over engine outputs ----
+    def fail_all(self, error: str) -> None:
+        """Ends every in-flight request with `error` (its consumer sees finish_reason "error")."""
+        for handle in self.handles:
+            handle.life.fail_all(error)
+
+    def _send(self, identity: bytes, data: bytes) -> None:
+        self._input.send_multipart([identity, data])
+
+    # ---- the output loop: the only reader of engine outputs, over every engine's socket ----
 
     async def _read_outputs(self) -> None:
+        if len(self.handles) == 1:
+            handle = self.handles[0]
+            while True:
+                self._dispatch(handle, await handle.output.recv(copy=False))
+        poller = zmq.asyncio.Poller()
+        owners = {}
+        for handle in self.handles:
+            poller.register(handle.output, zmq.POLLIN)
+            owners[handle.output] = (handle, zmq.Socket.shadow(handle.output.underlying))
         while True:
-            frame = await self._output.recv(copy=False)
-            try:
-                msg = ipc.decode_output(frame.buffer)
-            except Exception:  # a malformed message is dropped, not fatal to the server
-                log.exception("undecodable engine message")
-                continue
-            if isinstance(msg, EngineOutputs):
-                if msg.epoch == self.epoch:  # outputs of an older engine generation are stale
-                    self._on_outputs(msg)
-            elif isinstance(msg, UtilityResult):
-                future = self._calls.get(msg.call_id)
-                if future is not None and not future.done():
-                    future.set_result(msg)
-                if msg.stats is not None and self.metrics is not None:
-                    self.metrics.observe_stats(msg.stats)
-            elif isinstance(msg, EngineReady):
-                self._on_ready(msg)
-            elif isinstance(msg, EngineDead):
-                self.engine_down(f"engine core (epoch {msg.epoch}) died: {msg.error}" if self.ready else
-                                 f"engine core failed to start: {msg.error}", msg.epoch)  # fmt: skip
+            for sock, _ in await poller.poll():
+                handle, plain = owners[sock]
+                with contextlib.suppress(zmq.Again):  # drain: the socket's fd only signals new arrivals
+                    while True:
+                        self._dispatch(handle, plain.recv(zmq.NOBLOCK, copy=False))
 
-    def _on_outputs(self, msg: EngineOutputs) -> None:
-        if msg.stats is not None and self.metrics is not None:
-            self.metrics.observe_stats(msg.stats)
-        stopped: list[str] = []
-        for out in msg.outputs:
-            stream = self._streams.get(out.request_id)
-            if stream is None:  # aborted or already ended by a stop string
-                continue
-            previous_time, num_before = stream.last_token_time, len(stream.output_token_ids)
-            if stream.on_output(out):
-                stopped.append(out.request_id)
-            if self.metrics is not None:
-                self.metrics.observe_output(stream, len(stream.output_token_ids) - num_before, previous_time)
-            if stream.finished:
-                del self._streams[out.request_id]
-        if stopped:  # a stop string ended these in the frontend; the engine still runs them
-            with contextlib.suppress(zmq.ZMQError):
-                self._send(AbortRequest(stopped))
+    def _dispatch(self, handle: EngineHandle, frame: zmq.Frame) -> None:
+        try:
+            msg = ipc.decode_output(frame.buffer)
+        except Exception:  # a malformed message is dropped, not fatal to the server
+            log.exception("undecodable message from the %s", handle.label)
+            return
+        was_ready = handle.ready is not None
+        handle.on_message(msg)
+        if isinstance(msg, EngineReady) and was_ready and self.router is not None:
+            self.router.forget(handle.index)  # a restarted engine's prefix cache is empty
 
     async def close(self) -> None:
-        """Stops the tasks and the engine process, closes the sockets, removes the ipc files."""
-        self._closing = True
+        """Stops the tasks and the engine processes, closes the sockets, removes the ipc files."""
         for task in self._tasks:
             task.cancel()
         for task in self._tasks:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
-        self.fail_all("the server is shutting down")
-        self._settled.set()
-        if self.supervisor is not None:
-            await asyncio.to_thread(self.supervisor.stop, 10.0)
-        self._output.disable_monitor()
-        self._monitor.close(0)
+        for handle in self.handles:
+            handle.life.close()
+        self._changed.set()
+        await asyncio.gather(*(asyncio.to_thread(h.process.stop, 10.0) for h in self.handles if h.process))
+        for handle in self.handles:
+            handle.output.disable_monitor()
+            handle.monitor.close(0)
+            handle.output.close(0)
         self._router.close(0)
-        self._output.close(0)
         self._ctx.term()
         self.addresses.cleanup()
+
+
+def supervisors(config: EngineConfig, addresses: ipc.Addresses,
+                data_parallel_size: int) -> list[EngineSupervisor | None]:  # fmt: skip
+    """One engine process per data-parallel rank, each placed on its own cores (and GPU)."""
+    return [EngineSupervisor(p.config, output_address(addresses, p.config.engine_index), p.cpus, p.env)
+            for p in place_engines(config, data_parallel_size)]  # fmt: skip

@@ -5,16 +5,15 @@ from __future__ import annotations
 import asyncio
 import signal
 from collections.abc import Coroutine
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
+from common.messages import EngineReady, UtilityResult
 from frontend.errors import EngineUnavailable
-
-if TYPE_CHECKING:
-    from frontend.engine_client import AsyncEngineClient
+from frontend.supervisor import EngineSupervisor
 
 PROCESS_POLL_S = 0.1  # how soon a vanished engine process is noticed when no disconnect says so first
 PING_INTERVAL_S = 1.0
@@ -31,16 +30,33 @@ def describe_exit(code: int) -> str:
     return f"exited with code {code}"
 
 
-class EngineWatch:
-    """Three tasks; each reports to client.engine_down(reason, epoch), which ignores all but the first per epoch."""
+class Watched(Protocol):
+    """What the watch needs of the engine it watches (an EngineHandle)."""
 
-    def __init__(self, client: AsyncEngineClient, monitor: zmq.asyncio.Socket) -> None:
-        self.client = client
+    label: str  # "engine core", or "engine core 1" among several, for log lines and errors
+    epoch: int
+    ready: EngineReady | None
+    process: EngineSupervisor | None
+    ping_timeout: float
+
+    @property
+    def healthy(self) -> bool: ...
+    def is_up_or_starting(self, epoch: int) -> bool: ...
+    def engine_down(self, reason: str, epoch: int, crashed: bool = True) -> None: ...
+    async def call(self, method: str, arg: float = 0.0, timeout: float | None = None) -> UtilityResult: ...
+
+
+class EngineWatch:
+    """Three tasks per engine; each reports to engine.engine_down(reason, epoch), which ignores all but the first
+    per epoch."""
+
+    def __init__(self, engine: Watched, monitor: zmq.asyncio.Socket) -> None:
+        self.engine = engine
         self.monitor = monitor
 
     def coroutines(self) -> list[Coroutine[Any, Any, None]]:
         jobs = [self.watch_disconnects(), self.ping()]
-        return [*jobs, self.watch_process()] if self.client.supervisor is not None else jobs
+        return [*jobs, self.watch_process()] if self.engine.process is not None else jobs
 
     async def watch_disconnects(self) -> None:
         """The output PULL's socket monitor: the engine's PUSH connection closing means its process is gone."""
@@ -49,42 +65,43 @@ class EngineWatch:
             event = parse_monitor_message(await self.monitor.recv_multipart())
             fd = int(event["value"])
             if event["event"] == zmq.EVENT_ACCEPTED:
-                epochs[fd] = self.client.epoch
+                epochs[fd] = self.engine.epoch
             elif event["event"] == zmq.EVENT_DISCONNECTED and (epoch := epochs.pop(fd, None)) is not None:
                 await asyncio.sleep(LAST_WORDS_S)
-                self.client.engine_down(f"engine core (epoch {epoch}) disconnected{self._exit_note(epoch)}", epoch)
+                why = f"{self.engine.label} (epoch {epoch}) disconnected{self._exit_note(epoch)}"
+                self.engine.engine_down(why, epoch)
 
     def _exit_note(self, epoch: int) -> str:
-        supervisor = self.client.supervisor
-        if supervisor is None or supervisor.epoch != epoch or (code := supervisor.exit_code()) is None:
+        process = self.engine.process
+        if process is None or process.epoch != epoch or (code := process.exit_code()) is None:
             return ""
         return f": it {describe_exit(code)}"
 
     async def watch_process(self) -> None:
         """Process polling: covers a death the socket monitor cannot see (an engine that never connected)."""
-        supervisor = self.client.supervisor
-        assert supervisor is not None
+        process = self.engine.process
+        assert process is not None
         while True:
             await asyncio.sleep(PROCESS_POLL_S)
-            epoch, code = supervisor.epoch, supervisor.exit_code()
-            if code is None or not self.client.is_up_or_starting(epoch):
+            epoch, code = process.epoch, process.exit_code()
+            if code is None or not self.engine.is_up_or_starting(epoch):
                 continue
             await asyncio.sleep(0.5)  # an EngineDead sent just before exiting says why; let it arrive
-            what = "before it was ready" if self.client.ready is None else "unexpectedly"
-            self.client.engine_down(f"engine core (epoch {epoch}) {describe_exit(code)} {what}", epoch)
+            what = "before it was ready" if self.engine.ready is None else "unexpectedly"
+            self.engine.engine_down(f"{self.engine.label} (epoch {epoch}) {describe_exit(code)} {what}", epoch)
 
     async def ping(self) -> None:
         """A hung engine (alive, connected, not stepping) answers no health call: it is as dead as a gone one."""
-        client = self.client
+        engine = self.engine
         while True:
             await asyncio.sleep(PING_INTERVAL_S)
-            if not client.healthy:
+            if not engine.healthy:
                 continue
-            epoch = client.epoch
+            epoch = engine.epoch
             try:
-                await client.call("health", timeout=client.ping_timeout)
+                await engine.call("health", timeout=engine.ping_timeout)
             except TimeoutError:
-                client.engine_down(f"engine core (epoch {epoch}) did not answer a health check within "
-                                   f"{client.ping_timeout:g} s", epoch, crashed=False)  # fmt: skip
+                engine.engine_down(f"{self.engine.label} (epoch {epoch}) did not answer a health check within "
+                                   f"{engine.ping_timeout:g} s", epoch, crashed=False)  # fmt: skip
             except EngineUnavailable:
                 continue

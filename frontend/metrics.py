@@ -14,14 +14,17 @@ _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1
 
 
 class Metrics:
-    """One registry per app (tests create several apps in one process)."""
+    """One registry per app (tests create several apps in one process). Series about one engine core's scheduler
+    carry an `engine` label (its data-parallel index); request series are the server's."""
 
-    def __init__(self, model_name: str) -> None:
+    def __init__(self, model_name: str, num_engines: int = 1) -> None:
         self.registry = CollectorRegistry()
         r, labels = self.registry, ["model_name"]
+        engines = [str(i) for i in range(num_engines)]
 
-        def gauge(name: str, doc: str) -> Gauge:
-            return Gauge(f"roseinfer:{name}", doc, labels, registry=r).labels(model_name)
+        def per_engine(kind: type[Gauge] | type[Counter], name: str, doc: str) -> list:
+            metric = kind(f"roseinfer:{name}", doc, ["model_name", "engine"], registry=r)
+            return [metric.labels(model_name, e) for e in engines]  # every engine's series exists from the start
 
         def counter(name: str, doc: str) -> Counter:
             return Counter(f"roseinfer:{name}", doc, labels, registry=r).labels(model_name)
@@ -29,41 +32,49 @@ class Metrics:
         def histogram(name: str, doc: str) -> Histogram:
             return Histogram(f"roseinfer:{name}", doc, labels, buckets=_LATENCY_BUCKETS, registry=r).labels(model_name)
 
-        self.num_requests_running = gauge("num_requests_running", "Requests in the engine's running batch")
-        self.num_requests_waiting = gauge("num_requests_waiting", "Requests waiting in the engine")
-        self.kv_cache_usage_perc = gauge("kv_cache_usage_perc", "Fraction of KV cache blocks in use (0-1)")
-        self.kv_cache_blocks_in_use = gauge("kv_cache_blocks_in_use", "KV cache blocks held by requests")
-        self.prefix_cache_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache")
-        self.prefix_cache_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache")
-        self.num_preemptions = counter("num_preemptions", "Requests preempted by the scheduler")
+        self.num_requests_running = per_engine(Gauge, "num_requests_running", "Requests in the engine's running batch")
+        self.num_requests_waiting = per_engine(Gauge, "num_requests_waiting", "Requests waiting in the engine")
+        self.kv_cache_usage_perc = per_engine(Gauge, "kv_cache_usage_perc", "Fraction of KV cache blocks in use (0-1)")
+        self.kv_cache_blocks_in_use = per_engine(Gauge, "kv_cache_blocks_in_use", "KV cache blocks held by requests")
+        self.prefix_cache_queries = per_engine(Counter, "prefix_cache_queries",
+                                               "Prompt tokens looked up in the prefix cache")  # fmt: skip
+        self.prefix_cache_hits = per_engine(Counter, "prefix_cache_hits", "Prompt tokens found in the prefix cache")
+        self.num_preemptions = per_engine(Counter, "num_preemptions", "Requests preempted by the scheduler")
+        self.generation_tokens_by_engine = per_engine(Counter, "engine_generation_tokens", "Tokens generated")
+        self._restarts = per_engine(Counter, "engine_restarts", "Engine core restarts after a crash or a hang")
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens sent to the engine")
         self.generation_tokens = counter("generation_tokens", "Tokens generated")
-        self.engine_restarts = counter("engine_restarts", "Engine core restarts after a crash or a hang")
         self.ttft = histogram("time_to_first_token_seconds", "Arrival to first token")
         self.itl = histogram("inter_token_latency_seconds", "Time between two outputs of one request")
         self.e2e = histogram("e2e_request_latency_seconds", "Arrival to the last output")
         self.request_success = Counter("roseinfer:request_success", "Finished requests by finish reason",
                                        ["model_name", "finished_reason"], registry=r)  # fmt: skip
         self._model_name = model_name
-        self._last = SchedulerStats()
+        self._last = [SchedulerStats() for _ in engines]
 
-    def observe_stats(self, stats: SchedulerStats) -> None:
-        self.num_requests_running.set(stats.num_running)
-        self.num_requests_waiting.set(stats.num_waiting)
-        self.kv_cache_usage_perc.set(stats.kv_usage)
-        self.kv_cache_blocks_in_use.set(stats.num_blocks_in_use)
+    def engine_restarts(self, engine: int) -> Counter:
+        return self._restarts[engine]
+
+    def observe_stats(self, stats: SchedulerStats, engine: int = 0) -> None:
+        self.num_requests_running[engine].set(stats.num_running)
+        self.num_requests_waiting[engine].set(stats.num_waiting)
+        self.kv_cache_usage_perc[engine].set(stats.kv_usage)
+        self.kv_cache_blocks_in_use[engine].set(stats.num_blocks_in_use)
         # The engine reports running totals; a restarted engine starts again from zero.
+        last = self._last[engine]
         for counter, now, before in (
-            (self.prefix_cache_queries, stats.prefix_queries, self._last.prefix_queries),
-            (self.prefix_cache_hits, stats.prefix_hits, self._last.prefix_hits),
-            (self.num_preemptions, stats.num_preempted, self._last.num_preempted),
+            (self.prefix_cache_queries[engine], stats.prefix_queries, last.prefix_queries),
+            (self.prefix_cache_hits[engine], stats.prefix_hits, last.prefix_hits),
+            (self.num_preemptions[engine], stats.num_preempted, last.num_preempted),
         ):
             counter.inc(now - before if now >= before else now)
-        self._last = stats
+        self._last[engine] = stats
 
-    def observe_output(self, stream: RequestStream, num_new_tokens: int, previous_token_time: float | None) -> None:
+    def observe_output(self, stream: RequestStream, num_new_tokens: int, previous_token_time: float | None,
+                       engine: int = 0) -> None:  # fmt: skip
         if num_new_tokens:
             self.generation_tokens.inc(num_new_tokens)
+            self.generation_tokens_by_engine[engine].inc(num_new_tokens)
             assert stream.first_token_time is not None and stream.last_token_time is not None
             if previous_token_time is None:
                 self.ttft.observe(stream.first_token_time - stream.arrival)
@@ -73,9 +84,9 @@ class Metrics:
             self.e2e.observe(time.monotonic() - stream.arrival)
             self.request_success.labels(self._model_name, stream.finish_reason or "abort").inc()
 
-    def engine_down(self) -> None:
-        self.num_requests_running.set(0)
-        self.num_requests_waiting.set(0)
+    def engine_down(self, engine: int = 0) -> None:
+        self.num_requests_running[engine].set(0)
+        self.num_requests_waiting[engine].set(0)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -1,16 +1,18 @@
-"""EngineRecovery: the client's side of an engine death: notice it once, blame poison requests, restart, resume."""
+"""EngineRecovery: one engine core's life: ready, down (noticed once per epoch), poison requests blamed, restarted,
+its unfinished requests resumed on the replacement, or given up. A part of an EngineHandle (composition)."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
+from typing import Protocol
 
 import zmq
 
 from common.engine_link import EngineStartError
-from common.messages import AbortRequest, EngineReady, EngineRequest, UtilityCall, UtilityResult
+from common.messages import AbortRequest, EngineReady, EngineRequest, UtilityCall
 from frontend.errors import EngineUnavailable
-from frontend.metrics import Metrics
 from frontend.request_stream import RequestStream
 from frontend.supervisor import EngineSupervisor
 
@@ -18,51 +20,63 @@ log = logging.getLogger("roseinfer.frontend")
 POISON = "request_crashed_engine"  # error code of a request failed for being in two engine crashes running
 
 
+class Recoverable(Protocol):
+    """What recovery needs of its engine handle."""
+
+    label: str
+    process: EngineSupervisor | None
+    streams: dict[str, RequestStream]  # in flight on this engine
+
+    def send(self, msg: EngineRequest | AbortRequest | UtilityCall) -> None: ...
+    def fail_calls(self, error: Exception) -> None: ...
+
+
 class EngineRecovery:
-    """AsyncEngineClient's base: the state below is set by its __init__ and shared with its request side.
+    """With `resumable` set (launch.py does, unless --max-engine-restarts 0), a dead engine leaves its unfinished
+    streams open and sets the event wait_down() returns on; its supervisor calls restart() or give_up().
+    Without it, a dead engine fails its in-flight requests at once. `on_change` runs on every ready, down and
+    give-up: the client's requests waiting for an engine look again, the metrics forget a dead engine's batch."""
 
-    With `resumable` set (launch.py does, unless --max-engine-restarts 0), a dead engine leaves every unfinished
-    stream open and sets the event wait_down() returns on; whoever supervises calls restart() or give_up().
-    Without it, a dead engine fails every in-flight request at once."""
+    def __init__(self, engine: Recoverable, epoch: int, on_change: Callable[[], None]) -> None:
+        self.engine = engine
+        self.on_change = on_change
+        self.resumable = False
+        self.epoch = epoch  # the engine we talk to, or wait for
+        self.ready: EngineReady | None = None
+        self.dead: str | None = None  # why this engine does not answer now
+        self.retired = False  # no engine will come back here (given up)
+        self.ready_future: asyncio.Future[EngineReady] | None = None
+        self._down_epoch: int | None = None
+        self._down = asyncio.Event()  # the current engine went down and waits for restart() or give_up()
+        self._closing = False
 
-    supervisor: EngineSupervisor | None
-    metrics: Metrics | None
-    resumable: bool
-    epoch: int  # the engine we talk to, or wait for
-    ready: EngineReady | None
-    dead: str | None  # why no engine answers now
-    _streams: dict[str, RequestStream]
-    _calls: dict[int, asyncio.Future[UtilityResult]]
-    _ready_future: asyncio.Future[EngineReady] | None
-    _down_epoch: int | None
-    _down: asyncio.Event  # the current engine went down and waits for restart() or give_up()
-    _settled: asyncio.Event  # an engine answers, or none will come back: waiting requests re-check
-    _closing: bool
-
-    def _send(self, msg: EngineRequest | AbortRequest | UtilityCall) -> None:
-        raise NotImplementedError
+    @property
+    def healthy(self) -> bool:
+        return self.ready is not None and self.dead is None
 
     def is_up_or_starting(self, epoch: int) -> bool:
         return epoch == self.epoch and self._down_epoch != epoch and not self._closing
 
-    def _on_ready(self, msg: EngineReady) -> None:
+    def expect_ready(self) -> asyncio.Future[EngineReady]:
+        self.ready_future = asyncio.get_running_loop().create_future()
+        return self.ready_future
+
+    def on_ready(self, msg: EngineReady) -> None:
         if msg.epoch != self.epoch or self._down_epoch == msg.epoch:
             return  # a replaced engine's late word
         self.ready, self.dead = msg, None
-        if self._ready_future is not None and not self._ready_future.done():
-            self._ready_future.set_result(msg)
-        resumed = [s for s in self._streams.values() if not s.finished]
+        if self.ready_future is not None and not self.ready_future.done():
+            self.ready_future.set_result(msg)
+        resumed = [s for s in self.engine.streams.values() if not s.finished]
         try:
             for stream in resumed:
-                self._send(stream.mark_sent())
+                self.engine.send(stream.mark_sent())
         except zmq.ZMQError as exc:
-            self.engine_down(f"cannot reach the engine core (epoch {msg.epoch}): {exc}", msg.epoch)
+            self.engine_down(f"cannot reach the {self.engine.label} (epoch {msg.epoch}): {exc}", msg.epoch)
             return
         if resumed:
-            log.warning("engine core epoch %d ready: resumed %d unfinished requests", msg.epoch, len(resumed))
-        self._settled.set()
-
-    # ---- engine down, restart, give up ----
+            log.warning("%s epoch %d ready: resumed %d unfinished requests", self.engine.label, msg.epoch, len(resumed))
+        self.on_change()
 
     def engine_down(self, reason: str, epoch: int, crashed: bool = True) -> None:
         """Called by whatever notices first (EngineDead, process exit, disconnect, unanswered ping); once per epoch.
@@ -71,62 +85,65 @@ class EngineRecovery:
             return
         log.error("%s", reason)
         self._down_epoch, self.dead = epoch, reason
-        self._settled.clear()
-        if self.supervisor is not None:
-            self.supervisor.kill()  # gone already, or hung: either way no two engines ever run
-        for future in self._calls.values():
-            if not future.done():
-                future.set_exception(EngineUnavailable(reason))
-        if self._ready_future is not None and not self._ready_future.done():
-            self._ready_future.set_exception(EngineStartError(reason))
-        if self.metrics is not None:
-            self.metrics.engine_down()
+        if self.engine.process is not None:
+            self.engine.process.kill()  # gone already, or hung: either way no two engines ever run
+        self.engine.fail_calls(EngineUnavailable(reason))
+        if self.ready_future is not None and not self.ready_future.done():
+            self.ready_future.set_exception(EngineStartError(reason))
         if not self.resumable:
             self.give_up(reason)
             return
-        for stream in list(self._streams.values()) if crashed else []:
+        streams = self.engine.streams
+        for stream in list(streams.values()) if crashed else []:
             if stream.on_crash():  # in this crash and the one before without a token in between: the likely cause
-                del self._streams[stream.request_id]
+                del streams[stream.request_id]
                 log.error("request %s failed: in flight at two engine crashes running", stream.request_id)
                 stream.fail("the request was in flight at two consecutive engine crashes and is not retried "
                             f"(last: {reason})", POISON)  # fmt: skip
         self._down.set()
+        self.on_change()
 
     async def wait_down(self) -> str:
         """Returns (why) when the engine went down and waits for restart() or give_up()."""
         await self._down.wait()
-        return self.dead or "engine core down"
+        return self.dead or f"{self.engine.label} down"
 
     async def restart(self, ready_timeout: float) -> None:
-        """Replaces the dead engine with epoch + 1 and the same configuration; unfinished streams resume on its
-        EngineReady. Returns when it is ready or down again (wait_down() then returns at once)."""
-        assert self.supervisor is not None and self._down.is_set()
+        """Replaces the dead engine with epoch + 1 and the same configuration and placement; unfinished streams
+        resume on its EngineReady. Returns when it is ready or down again (wait_down() then returns at once)."""
+        process = self.engine.process
+        assert process is not None and self._down.is_set()
         self._down.clear()
-        self.supervisor.kill()
-        await asyncio.to_thread(self.supervisor.stop)  # reaps it (killed: no wait)
+        process.kill()
+        await asyncio.to_thread(process.stop)  # reaps it (killed: no wait)
         self.epoch += 1  # before the spawn: from here on the old engine's outputs are dropped
         try:
-            self.supervisor.respawn(self.epoch)
+            process.respawn(self.epoch)
         except OSError as exc:
-            self.engine_down(f"cannot start engine core (epoch {self.epoch}): {exc}", self.epoch)
+            self.engine_down(f"cannot start {self.engine.label} (epoch {self.epoch}): {exc}", self.epoch)
             return
-        self._ready_future = asyncio.get_running_loop().create_future()
         try:
-            await asyncio.wait_for(asyncio.shield(self._ready_future), ready_timeout)
+            await asyncio.wait_for(asyncio.shield(self.expect_ready()), ready_timeout)
         except EngineStartError:
             pass  # engine_down ran already
         except TimeoutError:
-            self.engine_down(f"engine core (epoch {self.epoch}) not ready after {ready_timeout:.0f} s", self.epoch)
+            self.engine_down(f"{self.engine.label} (epoch {self.epoch}) not ready after {ready_timeout:.0f} s",
+                             self.epoch)  # fmt: skip
 
     def give_up(self, reason: str) -> None:
-        """No engine will come back: fail what is in flight and what waits."""
-        self.resumable = False
+        """No engine will come back here: fail what is in flight on it."""
+        self.resumable, self.retired = False, True
         self.dead = self.dead or reason
         self.fail_all(reason)
-        self._settled.set()
+        self.on_change()
 
     def fail_all(self, error: str) -> None:
-        """Ends every in-flight request with `error` (its consumer sees finish_reason "error")."""
-        streams, self._streams = self._streams, {}
-        for stream in streams.values():
+        """Ends every request in flight here with `error` (its consumer sees finish_reason "error")."""
+        streams = list(self.engine.streams.values())
+        self.engine.streams.clear()
+        for stream in streams:
             stream.fail(error)
+
+    def close(self) -> None:
+        self._closing = True
+        self.fail_all("the server is shutting down")

@@ -1,10 +1,11 @@
-"""EngineSupervisor: the engine-core process handle, (re)spawned with an epoch; RestartBudget: how often it may be."""
+"""EngineSupervisor: one engine-core process, (re)spawned with an epoch where it is placed; RestartBudget: how often."""
 
 from __future__ import annotations
 
 import collections
 import contextlib
 import dataclasses
+import os
 import signal
 import subprocess
 import time
@@ -15,9 +16,12 @@ from common.engine_link import spawn_engine
 
 
 class EngineSupervisor:
-    def __init__(self, config: EngineConfig, addresses: ipc.Addresses) -> None:
+    def __init__(self, config: EngineConfig, addresses: ipc.Addresses, cpus: frozenset[int] | None = None,
+                 env: dict[str, str] | None = None) -> None:  # fmt: skip
         self.config = config
         self.addresses = addresses
+        self.cpus = cpus  # the engine's CPU affinity (data parallel: its own cores)
+        self.env = env or {}
         self.epoch = config.epoch  # of the process in self.proc (or the next one to spawn)
         self.proc: subprocess.Popen | None = None
 
@@ -28,9 +32,16 @@ class EngineSupervisor:
         # Ctrl+C in a terminal signals the whole process group. The engine must not die with it: the API
         # drains in-flight requests first, then stops the engine itself. An ignored SIGINT survives exec.
         previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+        # A child inherits the spawning thread's affinity: set for the fork, so the engine never runs (or sizes
+        # its thread pool) on another engine's cores, then ours is restored.
+        ours = os.sched_getaffinity(0) if self.cpus else None
         try:
-            self.proc = spawn_engine(dataclasses.replace(self.config, epoch=self.epoch), self.addresses)
+            if self.cpus:
+                os.sched_setaffinity(0, self.cpus)
+            self.proc = spawn_engine(dataclasses.replace(self.config, epoch=self.epoch), self.addresses, self.env)
         finally:
+            if ours is not None:
+                os.sched_setaffinity(0, ours)
             signal.signal(signal.SIGINT, previous)
 
     def respawn(self, epoch: int) -> None:

@@ -18,6 +18,9 @@ REPO = Path(__file__).resolve().parent.parent
 # timeout: on a busy 2-core machine one engine step can take many seconds, and that is not a hang.
 SERVER_ARGS = ["--dtype", "float32", "--num-kv-blocks", "512", "--max-model-len", "2048", "--log-level", "warning",
                "--engine-ping-timeout", "120"]  # fmt: skip
+# ROSEINFER_TEST_DP=2 runs the shared server (and test_api_client's direct client) with two data-parallel engines:
+# `ROSEINFER_TEST_DP=2 pytest tests/test_api.py tests/test_api_client.py tests/test_api_streaming.py`.
+TEST_DP = int(os.environ.get("ROSEINFER_TEST_DP", "1"))
 
 
 def free_port() -> int:
@@ -26,8 +29,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def dp_args(dp: int) -> list[str]:
+    return ["--data-parallel-size", str(dp)] if dp > 1 else []
+
+
 class Server:
     def __init__(self, tmp: Path, *extra: str) -> None:
+        self.num_engines = int(extra[extra.index("--data-parallel-size") + 1]) if "--data-parallel-size" in extra else 1
         self.tmp = tmp  # the server's TMPDIR: its ipc run directory lives here
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -36,22 +44,31 @@ class Server:
         with open(self.log, "wb") as log:
             cmd = [sys.executable, "launch.py", "--port", str(self.port), *SERVER_ARGS, *extra]
             self.proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
-        self.engine_pid: int | None = None
+        self.engine_pids: list[int] = []
 
     def wait_healthy(self, timeout: float = 180.0, headers: dict[str, str] | None = None) -> Server:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             assert self.proc.poll() is None, f"launch.py exited with {self.proc.returncode}:\n{self.log_text()}"
             try:
-                if httpx.get(self.url + "/health", timeout=5).status_code == 200:
-                    children = Path(f"/proc/{self.proc.pid}/task/{self.proc.pid}/children").read_text().split()
-                    assert len(children) == 1, children  # the engine core is launch.py's only child
-                    self.engine_pid = int(children[0])
+                r = httpx.get(self.url + "/health", timeout=5)
+                if r.status_code == 200 and all(e["state"] == "ready" for e in r.json()["engines"]):
+                    children = engine_children(self)
+                    assert len(children) == self.num_engines, children  # launch.py's children are its engine cores
+                    self.engine_pids = children
                     return self
             except httpx.TransportError:
                 pass
             time.sleep(0.3)
         raise TimeoutError(f"server not healthy after {timeout} s:\n{self.log_text()}")
+
+    @property
+    def engine_pid(self) -> int | None:
+        return self.engine_pids[0] if self.engine_pids else None
+
+    @engine_pid.setter
+    def engine_pid(self, pid: int | None) -> None:
+        self.engine_pids = [pid] if pid is not None else []
 
     def log_text(self) -> str:
         return self.log.read_text(errors="replace")[-4000:]
@@ -73,14 +90,15 @@ class Server:
     def assert_clean_exit(self) -> None:
         code = self.stop()
         assert code == 0, self.log_text()
-        assert self.engine_pid is not None and not Path(f"/proc/{self.engine_pid}").exists(), "engine core left"
+        assert self.engine_pids, "no engine core was ever seen"
+        assert not any(Path(f"/proc/{pid}").exists() for pid in self.engine_pids), "engine core left"
         assert self.ipc_dirs() == [], "ipc files left behind"
 
 
 @pytest.fixture(scope="session")
 def server_started(tmp_path_factory: pytest.TempPathFactory):
     """The shared server, spawned but maybe still loading (other fixtures load in parallel with it)."""
-    server = Server(tmp_path_factory.mktemp("server"))
+    server = Server(tmp_path_factory.mktemp("server"), *dp_args(TEST_DP))
     yield server
     server.assert_clean_exit()
 
@@ -90,8 +108,19 @@ def server(server_started: Server) -> Server:
     return server_started.wait_healthy()
 
 
+def engine_children(server: Server) -> list[int]:
+    """launch.py's engine-core children right now (a restart replaces one)."""
+    pid = server.proc.pid
+    return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+
+
+def engine_index_of(pid: int) -> int:
+    """The data-parallel index an engine core was started with (0 when it was given none)."""
+    args = Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")
+    return int(args[args.index("--engine-index") + 1]) if "--engine-index" in args else 0
+
+
 def engine_child(server: Server) -> int | None:
     """launch.py's engine-core child right now (a restart replaces it), or None between two of them."""
-    pid = server.proc.pid
-    children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
-    return int(children[0]) if children else None
+    children = engine_children(server)
+    return children[0] if children else None

@@ -14,6 +14,7 @@ from common.model_source import resolve_model
 from frontend.detokenizer import IncrementalDetokenizer
 from frontend.engine_client import AsyncEngineClient
 from frontend.tokenizer import Tokenizer
+from tests.conftest import TEST_DP
 
 STORY = "Once upon a time, there was a dragon who"
 
@@ -23,7 +24,7 @@ def env():
     """One event loop for the module: the client's sockets and tasks belong to it."""
     runner = asyncio.Runner()
     config = EngineConfig(dtype="float32", num_kv_blocks=256, max_model_len=1024)
-    client = runner.run(AsyncEngineClient.spawn(config, ping_timeout=30.0))
+    client = runner.run(AsyncEngineClient.spawn(config, ping_timeout=30.0, data_parallel_size=TEST_DP))
     yield runner, client, Tokenizer(resolve_model(None).path)
     runner.run(client.close())
     runner.close()
@@ -35,9 +36,13 @@ def request(tok: Tokenizer, rid: str, max_tokens: int, **kw) -> EngineRequest:
 
 
 async def running(client: AsyncEngineClient) -> int:
-    stats = (await client.call("stats", timeout=10)).stats
-    assert stats is not None
-    return stats.num_running + stats.num_waiting
+    """Requests in the engines (every data-parallel one)."""
+    total = 0
+    for engine in range(len(client.handles)):
+        stats = (await client.call("stats", timeout=10, engine=engine)).stats
+        assert stats is not None
+        total += stats.num_running + stats.num_waiting
+    return total
 
 
 def test_lagging_consumer_gets_merged_deltas(env):
@@ -83,13 +88,14 @@ def test_hung_engine_fails_in_flight_requests(env):
     async def scenario():
         client.ping_timeout = 1.5
         stream = client.add(request(tok, "hung", 500, ignore_eos=True))
+        engine = next(h for h in client.handles if "hung" in h.streams)  # the one it was routed to
         delta = await stream.get()
-        sleeper = asyncio.ensure_future(client.call("sleep", 8.0, timeout=20))  # the engine stops answering
+        sleeper = asyncio.ensure_future(client.call("sleep", 8.0, timeout=20, engine=engine.index))  # it hangs
         start = time.monotonic()
         while delta.finish_reason is None:
             delta = await stream.get()
         assert delta.finish_reason == "error" and "health check" in (delta.error or "")
-        assert time.monotonic() - start < 4 and not client.healthy
+        assert time.monotonic() - start < 4 and not engine.healthy
         with pytest.raises(Exception, match="health check"):
             await sleeper
 

@@ -115,7 +115,7 @@ async def reference_then_start(client: httpx.AsyncClient, bodies: list[dict]):
 
 async def restarts(client: httpx.AsyncClient) -> float:
     text = (await client.get("/metrics")).text
-    match = re.search(rf'^roseinfer:engine_restarts_total{{model_name="{MODEL}"}} (\S+)$', text, re.M)
+    match = re.search(rf'^roseinfer:engine_restarts_total{{engine="0",model_name="{MODEL}"}} (\S+)$', text, re.M)
     assert match, text
     return float(match.group(1))
 

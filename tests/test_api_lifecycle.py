@@ -81,7 +81,7 @@ async def _stream(client: httpx.AsyncClient, body: dict, started: asyncio.Event 
 async def _wait_running(client: httpx.AsyncClient, count: int) -> None:
     for _ in range(600):
         text = (await client.get("/metrics")).text
-        if f'roseinfer:num_requests_running{{model_name="{MODEL}"}} {float(count)}' in text:
+        if f'roseinfer:num_requests_running{{engine="0",model_name="{MODEL}"}} {float(count)}' in text:
             return
         await asyncio.sleep(0.05)
     raise AssertionError(f"never saw {count} running requests")

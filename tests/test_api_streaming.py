@@ -16,8 +16,9 @@ LONG = {"model": MODEL, "prompt": "Tell me everything about the ocean.", "max_to
 
 
 def metric(server: Server, name: str) -> float:
+    """Summed over the engines (data parallel: one series per engine)."""
     text = httpx.get(server.url + "/metrics", timeout=10).text
-    return float(next(x for x in text.splitlines() if x.startswith(f"roseinfer:{name}{{")).split()[-1])
+    return sum(float(x.split()[-1]) for x in text.splitlines() if x.startswith(f"roseinfer:{name}{{"))
 
 
 def assert_engine_idle_within(server: Server, seconds: float) -> None:
