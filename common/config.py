@@ -36,6 +36,11 @@ class EngineConfig:
     seed: int = flag(0, "seed for requests that give none")
     epoch: int = flag(0, "restart generation of this engine (set by launch.py)")
     engine_index: int = flag(0, "identity of this engine on the input socket")
+    tensor_parallel_size: int = flag(1, "ranks that split each layer (gloo on CPU, NCCL on CUDA); rank 0 schedules")
+    nnodes: int = flag(1, "machines the tensor-parallel group spans (ranks split evenly over them)")
+    node_rank: int = flag(0, "this machine's index: 0 runs the API and rank 0; others run only their workers")
+    master_addr: str = flag("127.0.0.1", "address of node 0, where the group's rendezvous store listens")
+    master_port: int | None = flag(None, "rendezvous port on node 0 (required with --nnodes > 1; default: a free one)")
 
 
 @dataclass
@@ -55,12 +60,18 @@ class ServerConfig:
     parse_special_tokens_in_content: bool = flag(
         False, "read special tokens written inside chat message content as control tokens (unsafe: prompt injection)"
     )
+    chat_template: str | None = flag(None, "path to a Jinja chat template used instead of the model's own")
+    tool_call_parser: str | None = flag(
+        None, "read tool calls in the model's own format for tool_choice auto (hermes: <tool_call>{...}</tool_call>)",
+        choices=["hermes"],
+    )
     engine_ready_timeout: float = flag(600.0, "seconds to wait for the engine core to start")
     engine_ping_timeout: float = flag(30.0, "seconds without an answer before the engine counts as hung (> a step)")
     drain_timeout: float = flag(30.0, "seconds in-flight requests may run on after SIGINT/SIGTERM")
     max_engine_restarts: int = flag(5, "engine restarts allowed within --engine-restart-window")
     engine_restart_window: float = flag(600.0, "seconds over which engine restarts are counted")
     engine_restart_timeout: float = flag(60.0, "seconds a new request waits for a restarting engine")
+    data_parallel_size: int = flag(1, "engine cores, each with its own KV cache and share of the cores (or GPU)")
     log_level: str = flag("info", "warning hides the access log", choices=["error", "warning", "info", "debug"])
 
 
