@@ -97,6 +97,7 @@ class Logprobs(_Msg):
     token_logprobs: list[float]
     top_ids: list[list[int]] = []
     top_logprobs: list[list[float]] = []
+    ranks: list[int] = []  # prompt logprobs only: each token's rank in its distribution (1 = the most likely)
 
 
 class EngineOutput(_Msg):

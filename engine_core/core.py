@@ -114,7 +114,7 @@ class EngineCore:
         bias = p.logit_bias
         bias_ok = len(bias) <= MAX_LOGIT_BIAS and self._in_vocab(bias) and all(-100 <= b <= 100 for b in bias.values())
         return [
-            ("max_tokens", p.max_tokens >= 1),
+            ("max_tokens", p.max_tokens >= 0),  # 0: score the prompt (prompt_logprobs), generate nothing
             ("min_tokens", p.min_tokens >= 0),
             ("temperature", math.isfinite(p.temperature) and p.temperature >= 0),
             ("top_p", 0 < p.top_p <= 1),
@@ -125,7 +125,7 @@ class EngineCore:
             ("repetition_penalty", MIN_REPETITION_PENALTY <= p.repetition_penalty <= 2),
             ("seed", p.seed is None or -(2**63) <= p.seed < 2**63),
             ("stop_token_ids", len(p.stop_token_ids) <= MAX_STOP_TOKEN_IDS and self._in_vocab(p.stop_token_ids)),
-            ("logprobs", p.logprobs is None or 0 <= p.logprobs <= MAX_LOGPROBS),
+            ("logprobs", all(n is None or 0 <= n <= MAX_LOGPROBS for n in (p.logprobs, p.prompt_logprobs))),
             ("logit_bias", bias_ok),
         ]
 

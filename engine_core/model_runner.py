@@ -14,11 +14,13 @@ from pathlib import Path
 import torch
 
 from common.config import EngineConfig
+from engine_core import distributed
 from engine_core.attention import AttentionMetadata, PrefillChunk
 from engine_core.cpu_kernels import cpu_kernels
 from engine_core.cuda_graphs import DecodeGraphs
 from engine_core.models.layers import pack_linears
 from engine_core.models.loader import load_model
+from engine_core.prompt_logprobs import score_prompts, wants_prompt_logprobs
 from engine_core.sampler import Sampler
 from engine_core.scheduler import SampledTokens, SchedulerOutput
 
@@ -68,6 +70,15 @@ class ModelRunner:
         self.config = config
         self.device = pick_device(config.device)
         self.dtype = pick_dtype(config.dtype, self.device)
+        # Tensor parallel: a worker has joined its group already; rank 0 starts it here (before the model
+        # loads: the workers load theirs meanwhile, and sharding needs the rank).
+        self.tp = distributed.group()
+        if self.tp is None and config.tensor_parallel_size > 1:
+            from engine_core.rendezvous import start_leader
+
+            self.tp = start_leader(config, self.device, self.dtype, max_model_len)
+        if self.tp is not None:
+            self.device = self.tp.device
         if self.device.type == "cpu":
             tune_cpu_process(config.num_threads)
             cpu_kernels()  # built (once per machine, a few seconds) before the engine reports ready, not in a request
@@ -79,9 +90,11 @@ class ModelRunner:
         # More blocks than max_num_seqs full-length requests need would only be idle prefix cache.
         most_useful = config.max_num_seqs * -(-max_model_len // self.block_size)
         self.num_blocks = config.num_kv_blocks or min(self._blocks_that_fit(), most_useful)
+        if self.tp is not None:  # every rank holds a slice of every block: one count for all
+            self.num_blocks = distributed.all_min(self.num_blocks)
         self._allocate_kv_cache()
         self.decode_graphs: DecodeGraphs | None = None
-        if self.device.type == "cuda" and not config.enforce_eager:
+        if self.device.type == "cuda" and not config.enforce_eager and self.tp is None:
             self.decode_graphs = DecodeGraphs(self.model, config.max_num_seqs, -(-max_model_len // self.block_size),
                                               self.scratch_slot, self.block_size, self.device)  # fmt: skip
         self.sampler = Sampler(self.device, self.vocab_size, config.seed)
@@ -99,7 +112,7 @@ class ModelRunner:
             free, total = torch.cuda.mem_get_info(self.device)
             budget = free - total * (1 - self.config.gpu_memory_utilization) - 512 * 2**20  # headroom
         else:
-            budget = self.config.kv_cache_memory * 2**30
+            budget = self.config.kv_cache_memory * 2**30 / distributed.tp_size()  # the flag is the whole group's
         return max(int(budget // self._bytes_per_block()), 1)
 
     def _allocate_kv_cache(self) -> None:
@@ -156,7 +169,12 @@ class ModelRunner:
         if self.decode_graphs is not None and self.decode_graphs.fits(len(out.requests), meta):
             hidden = self.decode_graphs.run(input_ids, positions, meta)
         else:
-            hidden = self.model(input_ids, positions, meta)
+            with distributed.lockstep():  # tensor parallel: the workers run the same forward
+                if self.tp is not None:
+                    distributed.send_step(input_ids, positions, meta)
+                hidden = self.model(input_ids, positions, meta)
+        if wants_prompt_logprobs(out):
+            score_prompts(self.model, hidden, out, self.vocab_size, padded_size)
         sampled_reqs = [r for r, s in zip(out.requests, out.sample, strict=True) if s]
         if not sampled_reqs:
             self.last_forward_time = time.perf_counter() - start

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 from common.messages import EngineOutput, FinishReason, Logprobs, SchedulerStats
 from engine_core.kv_cache import KVCacheManager
+from engine_core.prompt_logprobs import take_prompt_logprobs, usable_prefix_hits
 from engine_core.request import Request, RequestStatus
 
 
@@ -168,7 +169,7 @@ class Scheduler:
 
     def _admit(self, req: Request, budget: int) -> int:
         """Takes prefix-cache hits and allocates a first chunk; returns its size, 0 if it does not fit."""
-        hits = self.kv.get_computed_blocks(req)
+        hits = usable_prefix_hits(req, self.kv.get_computed_blocks(req), self.kv.block_size)
         n = min(req.num_tokens - len(hits) * self.kv.block_size, budget)
         if not self.kv.allocate_slots(req, n, hits):
             return 0
@@ -228,13 +229,19 @@ class Scheduler:
             if not is_sampled:
                 self.kv.cache_full_blocks(req)
                 continue
+            if req.params.max_tokens == 0:  # scoring a prompt: prefill only, no token
+                self.kv.cache_full_blocks(req)
+                self.finish(req, FinishReason.LENGTH)
+                outputs.append(EngineOutput(req.request_id, [], FinishReason.LENGTH, None, req.num_cached_tokens,
+                                            prompt_logprobs=take_prompt_logprobs(req)))  # fmt: skip
+                continue
             req.token_ids.append(token)
             reason = req.check_stop(self.max_model_len)
             self.kv.cache_full_blocks(req)
             if reason is not None:
                 self.finish(req, reason)
             outputs.append(EngineOutput(req.request_id, [token], reason, req.stop_token_id,
-                                        req.num_cached_tokens, logprobs))  # fmt: skip
+                                        req.num_cached_tokens, logprobs, prompt_logprobs=take_prompt_logprobs(req)))
         return outputs
 
     def stats(self, step_time_s: float = 0.0, forward_time_s: float = 0.0) -> SchedulerStats:

@@ -95,9 +95,11 @@ class SamplingFields(_Model):
 
 class CompletionRequest(SamplingFields):
     prompt: Text | list[Text] | list[int] | list[list[int]]
-    max_tokens: int | None = Field(DEFAULT_COMPLETION_TOKENS, ge=1)  # null: the default, not "the whole context"
+    # null: the default, not "the whole context"; 0 scores the prompt (echo + logprobs) and generates nothing
+    max_tokens: int | None = Field(DEFAULT_COMPLETION_TOKENS, ge=0)
     echo: bool = False
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # vLLM's extension
 
 
 class TextPart(_Model):
@@ -122,6 +124,7 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # vLLM's extension
     add_generation_prompt: bool = True
 
 

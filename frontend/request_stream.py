@@ -25,6 +25,7 @@ class Delta:
     stop_reason: str | int | None = None  # the stop string or stop token id that ended it
     error: str | None = None
     error_code: str | None = None  # why it failed, when that is more than "the engine failed"
+    prompt_logprobs: Logprobs | None = None  # with the first delta, when asked for
 
     def merge(self, other: Delta) -> None:
         self.token_ids += other.token_ids
@@ -36,6 +37,8 @@ class Delta:
         self.stop_reason = other.stop_reason if other.stop_reason is not None else self.stop_reason
         self.error = other.error or self.error
         self.error_code = other.error_code or self.error_code
+        if self.prompt_logprobs is None:
+            self.prompt_logprobs = other.prompt_logprobs
 
 
 class RequestStream:
@@ -55,6 +58,7 @@ class RequestStream:
         self.last_token_time: float | None = None
         self.sent_at: int | None = None  # len(output_token_ids) when last sent to an engine; None: in none
         self.suspect = False  # implicated in the last engine crash
+        self.prompt_logprobs_seen = False  # a resumed request's engine sends none; at most once either way
         self._slot: Delta | None = None
         self._ready = asyncio.Event()
 
@@ -70,6 +74,8 @@ class RequestStream:
             return False
         self.num_cached_tokens = max(self.num_cached_tokens, out.num_cached_tokens)
         delta = Delta()
+        if out.prompt_logprobs is not None and not self.prompt_logprobs_seen:
+            delta.prompt_logprobs, self.prompt_logprobs_seen = out.prompt_logprobs, True
         ids = out.new_token_ids
         for i, token in enumerate(ids):
             self.output_token_ids.append(token)

@@ -55,7 +55,7 @@ class ServingContext:
                 raise bad_request(f"the prompt has {prompt_len} tokens; the maximum context length is "
                                   f"{self.max_model_len}", param)  # fmt: skip
             return room
-        if requested > room:
+        if requested > room or room < 1:  # the engine needs the prompt shorter than the context, max_tokens 0 too
             raise bad_request(f"This model's maximum context length is {self.max_model_len} tokens. However, you "
                               f"requested {prompt_len + requested} tokens ({prompt_len} in the prompt, {requested} "
                               f"in the completion).", param)  # fmt: skip

@@ -9,6 +9,7 @@ from fastapi.responses import Response
 
 from frontend.errors import bad_request
 from frontend.fanout import Choice
+from frontend.prompt_logprobs import attach_vllm_shape, check_stream, with_prompt_logprobs
 from frontend.protocol import ChatCompletionRequest, ChatMessage
 from frontend.request_stream import Delta
 from frontend.serving import ServingContext, clamp, off_loop, respond
@@ -31,6 +32,7 @@ class ChatFormat:
     def __init__(self, ctx: ServingContext, req: ChatCompletionRequest) -> None:
         self.tok = ctx.tokenizer
         self.want_logprobs = req.logprobs
+        self.prompt_logprobs_k = req.prompt_logprobs
 
     def _entry(self, token_id: int, logprob: float) -> dict[str, Any]:
         text = self.tok.token_text(token_id)
@@ -66,6 +68,7 @@ class ChatFormat:
         out = [{"index": c.index, "message": {"role": "assistant", "content": c.result.text},
                 "logprobs": self._logprobs(c.result), "finish_reason": c.result.finish_reason,
                 "stop_reason": c.result.stop_reason} for c in choices]  # fmt: skip
+        attach_vllm_shape(self.tok, out, choices, self.prompt_logprobs_k)
         return {"object": "chat.completion", "choices": out, "usage": usage}
 
 
@@ -74,12 +77,14 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
     ctx.check_model(req.model)
     if req.top_logprobs is not None and not req.logprobs:
         raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
+    check_stream(req.prompt_logprobs, req.stream)
     await ctx.admit(req.n)
     prompt = await off_loop(chat_prompt, ctx, req.messages, req.add_generation_prompt)
     requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     max_tokens = ctx.max_tokens(len(prompt), requested, param)
     params = ctx.sampling_params(req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None)
+    params = with_prompt_logprobs(params, req.prompt_logprobs)
     rid = f"chatcmpl-{request_id}"
     fan = await ctx.fan_out(rid, [prompt], req, params)
     return await respond(ctx, raw, fan, ChatFormat(ctx, req), rid, bool(req.stream), req.include_usage)

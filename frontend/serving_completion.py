@@ -7,8 +7,10 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import Response
 
+from common.messages import Logprobs
 from frontend.errors import bad_request
 from frontend.fanout import Choice
+from frontend.prompt_logprobs import attach_vllm_shape, check_stream, echo_part, with_prompt_logprobs
 from frontend.protocol import DEFAULT_COMPLETION_TOKENS, CompletionRequest
 from frontend.request_stream import Delta
 from frontend.serving import ServingContext, clamp, off_loop, respond
@@ -23,18 +25,21 @@ class CompletionFormat:
         self.n = req.n
         self.echo = req.echo
         self.want_logprobs = req.logprobs is not None
+        self.logprobs_n = req.logprobs or 0
+        self.prompt_logprobs_k = req.prompt_logprobs
         self.prompts = prompts
         self.prompt_texts = prompt_texts
         self.offsets = [0] * len(prompts) * req.n  # text_offset of each choice's next token
+        self.echoed = [False] * len(prompts) * req.n
 
     def _prompt_index(self, index: int) -> int:
         return index // self.n
 
-    def _echo_logprobs(self, index: int) -> dict[str, list]:
-        """The engine computes no prompt logprobs: echoed prompt tokens carry null, as OpenAI's first token does."""
-        tokens = [self.tok.token_text(t) for t in self.prompts[self._prompt_index(index)]]
-        return {"tokens": tokens, "token_logprobs": [None] * len(tokens), "top_logprobs": [None] * len(tokens),
-                "text_offset": self._advance(index, tokens)}  # fmt: skip
+    def _echo_logprobs(self, index: int, lp: Logprobs | None) -> dict[str, list]:
+        """The echoed prompt's logprobs (the engine's prompt logprobs; the first token null, as OpenAI's)."""
+        part = echo_part(self.tok, self.prompts[self._prompt_index(index)], lp, self.logprobs_n)
+        part["text_offset"] = self._advance(index, part["tokens"])
+        return part
 
     def _advance(self, index: int, tokens: list[str]) -> list[int]:
         offsets = []
@@ -53,16 +58,25 @@ class CompletionFormat:
                 "text_offset": self._advance(index, tokens)}  # fmt: skip
 
     def opening(self, index: int) -> dict[str, Any] | None:
-        if not self.echo:
+        # With logprobs the echo waits for the first output, which brings the prompt's logprobs.
+        if not self.echo or self.want_logprobs:
             return None
-        logprobs = self._echo_logprobs(index) if self.want_logprobs else None
-        text = self.prompt_texts[self._prompt_index(index)]
-        return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": None}
+        return {"index": index, "text": self.prompt_texts[self._prompt_index(index)], "logprobs": None,
+                "finish_reason": None}  # fmt: skip
 
     def content(self, index: int, delta: Delta) -> dict[str, Any] | None:
-        if not delta.text and not (self.want_logprobs and delta.logprobs):
+        echo_now = self.echo and self.want_logprobs and not self.echoed[index]
+        if not echo_now and not delta.text and not (self.want_logprobs and delta.logprobs):
             return None
-        return {"index": index, "text": delta.text, "logprobs": self._logprobs(index, delta), "finish_reason": None}
+        if not echo_now:
+            return {"index": index, "text": delta.text, "logprobs": self._logprobs(index, delta),
+                    "finish_reason": None}  # fmt: skip
+        self.echoed[index] = True
+        echo = self._echo_logprobs(index, delta.prompt_logprobs)
+        own = self._logprobs(index, delta)
+        assert own is not None
+        return {"index": index, "text": self.prompt_texts[self._prompt_index(index)] + delta.text,
+                "logprobs": {k: echo[k] + own[k] for k in own}, "finish_reason": None}  # fmt: skip
 
     def finish(self, index: int, delta: Delta) -> dict[str, Any]:
         return {"index": index, "text": "", "logprobs": None, "finish_reason": delta.finish_reason,
@@ -75,12 +89,13 @@ class CompletionFormat:
             if self.echo:
                 text = self.prompt_texts[c.prompt_index] + text
             if self.want_logprobs:
-                logprobs = self._echo_logprobs(c.index) if self.echo else None
+                logprobs = self._echo_logprobs(c.index, c.result.prompt_logprobs) if self.echo else None
                 own = self._logprobs(c.index, c.result)
                 assert own is not None
                 logprobs = own if logprobs is None else {k: logprobs[k] + own[k] for k in own}
             out.append({"index": c.index, "text": text, "logprobs": logprobs,
                         "finish_reason": c.result.finish_reason, "stop_reason": c.result.stop_reason})  # fmt: skip
+        attach_vllm_shape(self.tok, out, choices, self.prompt_logprobs_k)
         return {"object": "text_completion", "choices": out, "usage": usage}
 
 
@@ -109,11 +124,13 @@ def num_prompts(prompt: str | list[str] | list[int] | list[list[int]]) -> int:
 
 async def create_completion(ctx: ServingContext, req: CompletionRequest, raw: Request, request_id: str) -> Response:
     ctx.check_model(req.model)
+    check_stream(req.prompt_logprobs, req.stream)
     await ctx.admit(num_prompts(req.prompt) * req.n)
     prompts, texts = await off_loop(completion_prompts, ctx, req.prompt)
     requested = DEFAULT_COMPLETION_TOKENS if req.max_tokens is None else req.max_tokens
     max_tokens = ctx.max_tokens(max(len(p) for p in prompts), requested, "max_tokens")
     params = ctx.sampling_params(req, max_tokens, req.logprobs)
+    params = with_prompt_logprobs(params, req.prompt_logprobs, req.logprobs if req.echo else None)
     rid = f"cmpl-{request_id}"
     fan = await ctx.fan_out(rid, prompts, req, params)
     fmt = CompletionFormat(ctx, req, prompts, texts)

@@ -6,7 +6,20 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine_core import distributed
 from engine_core.attention import AttentionMetadata, paged_attention, write_kv
+from engine_core.models.parallel import (
+    HeadSplit,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    head_split,
+    lm_head_rows,
+    split,
+    take_cols,
+    take_rows,
+    take_vocab_rows,
+    vocab_logits,
+)
 
 # HF activation name -> torch GELU approximation ("gelu_new" and friends are the tanh form).
 _GELU_APPROXIMATIONS = {"gelu": "none", "gelu_new": "tanh", "gelu_pytorch_tanh": "tanh", "gelu_fast": "tanh"}
@@ -15,46 +28,48 @@ _CONV1D_WEIGHTS = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight"
 
 
 class GPT2Attention(nn.Module):
-    def __init__(self, config, layer_idx: int) -> None:
+    """With tensor parallelism: this rank's heads; c_proj sums the ranks' partial outputs."""
+
+    def __init__(self, config, layer_idx: int, heads: HeadSplit) -> None:
         super().__init__()
-        self.hidden_size = config.hidden_size
-        self.num_heads = self.num_kv_heads = config.num_attention_heads
-        self.head_dim = self.hidden_size // self.num_heads
+        self.head_dim = config.hidden_size // config.num_attention_heads
+        self.num_heads = self.num_kv_heads = heads.num_heads
+        self.local_size = self.num_heads * self.head_dim
         self.scale = self.head_dim**-0.5 if config.scale_attn_weights else 1.0
         if getattr(config, "scale_attn_by_inverse_layer_idx", False):
             self.scale /= layer_idx + 1
-        self.c_attn = nn.Linear(self.hidden_size, 3 * self.hidden_size)  # q, k, v fused, equal sizes
-        self.c_proj = nn.Linear(self.hidden_size, self.hidden_size)
+        self.c_attn = nn.Linear(config.hidden_size, 3 * self.local_size)  # q, k, v fused, equal sizes
+        self.c_proj = RowParallelLinear(self.local_size, config.hidden_size)
         self.k_cache = self.v_cache = torch.empty(0)  # bound by the model runner
 
     def forward(self, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         q, k, v = (t.view(-1, self.num_heads, self.head_dim) for t in self.c_attn(x).chunk(3, dim=-1))
         write_kv(self.k_cache, self.v_cache, k, v, meta.slot_mapping)
         out = paged_attention(q, k, v, self.k_cache, self.v_cache, meta, self.scale)
-        return self.c_proj(out.view(-1, self.hidden_size))
+        return self.c_proj(out.view(-1, self.local_size))
 
 
 class GPT2MLP(nn.Module):
-    def __init__(self, config) -> None:
+    def __init__(self, config, columns: tuple[int, int]) -> None:
         super().__init__()
-        inner = config.n_inner or 4 * config.hidden_size
+        inner = columns[1] - columns[0]  # this rank's share of n_inner
         if config.activation_function not in _GELU_APPROXIMATIONS:
             raise ValueError(f"unsupported GPT-2 activation {config.activation_function!r}")
         self.approximate = _GELU_APPROXIMATIONS[config.activation_function]
         self.c_fc = nn.Linear(config.hidden_size, inner)
-        self.c_proj = nn.Linear(inner, config.hidden_size)
+        self.c_proj = RowParallelLinear(inner, config.hidden_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.c_proj(F.gelu(self.c_fc(x), approximate=self.approximate))
 
 
 class GPT2Block(nn.Module):
-    def __init__(self, config, layer_idx: int) -> None:
+    def __init__(self, config, layer_idx: int, heads: HeadSplit, columns: tuple[int, int]) -> None:
         super().__init__()
         self.ln_1 = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_epsilon)
-        self.attn = GPT2Attention(config, layer_idx)
+        self.attn = GPT2Attention(config, layer_idx, heads)
         self.ln_2 = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_epsilon)
-        self.mlp = GPT2MLP(config)
+        self.mlp = GPT2MLP(config, columns)
 
     def forward(self, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         x = x + self.attn(self.ln_1(x), meta)
@@ -68,11 +83,16 @@ class GPT2LMHeadModel(nn.Module):
         super().__init__()
         self.config = config
         # max_positions is unused: the learned position table (n_positions rows) is itself the limit.
-        self.wte = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.wpe = nn.Embedding(config.n_positions, config.hidden_size)
-        self.h = nn.ModuleList(GPT2Block(config, i) for i in range(config.num_hidden_layers))
+        size, rank = distributed.tp_size(), distributed.tp_rank()
+        self.heads = head_split(config.num_attention_heads, config.num_attention_heads, size, rank)
+        self.columns = split(config.n_inner or 4 * config.hidden_size, size, rank)
+        self.wte = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
+        self.wpe = nn.Embedding(config.n_positions, config.hidden_size)  # small: whole on every rank
+        self.h = nn.ModuleList(
+            GPT2Block(config, i, self.heads, self.columns) for i in range(config.num_hidden_layers)
+        )
         self.ln_f = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_epsilon)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = nn.Linear(config.hidden_size, lm_head_rows(config.vocab_size), bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.wte.weight
         attn = self.h[0].attn
@@ -88,7 +108,8 @@ class GPT2LMHeadModel(nn.Module):
         return self.ln_f(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden)  # in the model's dtype: greedy sampling needs no fp32 copy
+        # In the model's dtype: greedy sampling needs no fp32 copy. Rank 0 gets the whole vocabulary.
+        return vocab_logits(self.lm_head, hidden, self.config.vocab_size)
 
     def checkpoint_name(self, name: str) -> str | None:
         """Maps an HF checkpoint key (with or without the "transformer." prefix) to ours; None to skip it."""
@@ -102,3 +123,21 @@ class GPT2LMHeadModel(nn.Module):
     def convert_weight(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         """Loader hook, after checkpoint_name: HF Conv1D weights are [in, out], nn.Linear wants [out, in]."""
         return tensor.t() if name.endswith(_CONV1D_WEIGHTS) else tensor
+
+    def shard_weight(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """Loader hook, after convert_weight: this rank's rows (column-parallel) or columns (row-parallel)."""
+        if distributed.tp_size() == 1:
+            return tensor
+        start, end = self.heads.q_start * self.head_dim, self.heads.q_end * self.head_dim
+        c0, c1 = self.columns
+        if name in ("wte.weight", "lm_head.weight"):
+            return take_vocab_rows(tensor, self.config.vocab_size)
+        if ".attn.c_attn." in name:  # q, k and v stacked: this rank's heads of each
+            return torch.cat([take_rows(part, start, end) for part in tensor.chunk(3)])
+        if ".attn.c_proj." in name:
+            return take_cols(tensor, start, end)
+        if ".mlp.c_fc." in name:
+            return take_rows(tensor, c0, c1)
+        if ".mlp.c_proj." in name:
+            return take_cols(tensor, c0, c1)
+        return tensor

@@ -7,7 +7,9 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
+from engine_core import distributed
 from engine_core.cpu_kernels import cpu_kernels
+from engine_core.models.parallel import RowParallelLinear
 
 
 def _kernels_for(x: torch.Tensor):
@@ -119,8 +121,14 @@ class PackedLinear(nn.Module):
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), 64)  # 64: a row hint
         self.bias = linear.bias
+        # Row-parallel: the partial products are summed over the ranks, and the bias added once, after.
+        self.all_reduce = isinstance(linear, RowParallelLinear) and distributed.tp_size() > 1
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.all_reduce:
+            out = distributed.all_reduce(torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, None, "none", [],
+                                                                             ""))  # fmt: skip
+            return out if self.bias is None else out + self.bias
         return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
 
 

@@ -5,21 +5,41 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from engine_core import distributed
 from engine_core.attention import AttentionMetadata, paged_attention, write_kv
 from engine_core.models.layers import MergedLinear, RMSNorm, RotaryEmbedding, StepRotary, silu_and_mul
+from engine_core.models.parallel import (
+    HeadSplit,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    head_split,
+    lm_head_rows,
+    split,
+    take_cols,
+    take_rows,
+    take_vocab_rows,
+    vocab_logits,
+)
+
+
+def _heads(config) -> tuple[int, int, int]:
+    num_heads = config.num_attention_heads
+    num_kv_heads = getattr(config, "num_key_value_heads", None) or num_heads
+    return num_heads, num_kv_heads, getattr(config, "head_dim", None) or config.hidden_size // num_heads
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config, qkv_bias: bool, o_bias: bool) -> None:
+    """With tensor parallelism: this rank's heads (`heads`); o_proj sums the ranks' partial outputs."""
+
+    def __init__(self, config, qkv_bias: bool, o_bias: bool, heads: HeadSplit) -> None:
         super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
-        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
+        self.num_heads, self.num_kv_heads = heads.num_heads, heads.num_kv_heads
+        self.head_dim = _heads(config)[2]
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.scale = self.head_dim**-0.5
         self.qkv_proj = MergedLinear(config.hidden_size, [self.q_size, self.kv_size, self.kv_size], qkv_bias)
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=o_bias)
+        self.o_proj = RowParallelLinear(self.q_size, config.hidden_size, bias=o_bias)
         self.k_cache = self.v_cache = torch.empty(0)  # bound by the model runner
 
     def forward(self, x: torch.Tensor, rope: StepRotary, meta: AttentionMetadata):
@@ -35,21 +55,21 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config, bias: bool) -> None:
+    def __init__(self, config, bias: bool, columns: tuple[int, int]) -> None:
         super().__init__()
-        size = config.intermediate_size
+        size = columns[1] - columns[0]  # this rank's intermediate columns
         self.gate_up_proj = MergedLinear(config.hidden_size, [size, size], bias)
-        self.down_proj = nn.Linear(size, config.hidden_size, bias=bias)
+        self.down_proj = RowParallelLinear(size, config.hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config, qkv_bias: bool, o_bias: bool) -> None:
+    def __init__(self, config, qkv_bias: bool, o_bias: bool, heads: HeadSplit, columns: tuple[int, int]) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(config, qkv_bias, o_bias)
-        self.mlp = LlamaMLP(config, getattr(config, "mlp_bias", False))
+        self.self_attn = LlamaAttention(config, qkv_bias, o_bias, heads)
+        self.mlp = LlamaMLP(config, getattr(config, "mlp_bias", False), columns)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -77,14 +97,18 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         qkv_bias, o_bias = self.attention_biases(config)
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        size, rank = distributed.tp_size(), distributed.tp_rank()
+        self.heads = head_split(*_heads(config)[:2], size, rank)
+        self.columns = split(config.intermediate_size, size, rank)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, qkv_bias, o_bias) for _ in range(config.num_hidden_layers)
+            LlamaDecoderLayer(config, qkv_bias, o_bias, self.heads, self.columns)
+            for _ in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         attn = self.layers[0].self_attn
         self.rotary = RotaryEmbedding(config, attn.head_dim, max_positions)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = nn.Linear(config.hidden_size, lm_head_rows(config.vocab_size), bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.num_kv_heads, self.head_dim = attn.num_kv_heads, attn.head_dim
@@ -109,7 +133,8 @@ class LlamaForCausalLM(nn.Module):
         return x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden)  # in the model's dtype: greedy sampling needs no fp32 copy
+        # In the model's dtype: greedy sampling needs no fp32 copy. Rank 0 gets the whole vocabulary.
+        return vocab_logits(self.lm_head, hidden, self.config.vocab_size)
 
     def checkpoint_name(self, name: str) -> str | None:
         """Maps an HF checkpoint key to ours; None for keys we do not use."""
@@ -119,3 +144,22 @@ class LlamaForCausalLM(nn.Module):
         if name == "lm_head.weight" and self.config.tie_word_embeddings:
             return None
         return name
+
+    def shard_weight(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """Loader hook, with HF names: this rank's rows (column-parallel) or columns (row-parallel) of a weight."""
+        if distributed.tp_size() == 1:
+            return tensor
+        h, hd, (c0, c1) = self.heads, self.head_dim, self.columns
+        if name in ("embed_tokens.weight", "lm_head.weight"):
+            return take_vocab_rows(tensor, self.config.vocab_size)
+        if ".q_proj." in name:
+            return take_rows(tensor, h.q_start * hd, h.q_end * hd)
+        if ".k_proj." in name or ".v_proj." in name:
+            return take_rows(tensor, h.kv_start * hd, h.kv_end * hd)
+        if ".o_proj." in name:
+            return take_cols(tensor, h.q_start * hd, h.q_end * hd)
+        if ".gate_proj." in name or ".up_proj." in name:
+            return take_rows(tensor, c0, c1)
+        if ".down_proj." in name:
+            return take_cols(tensor, c0, c1)
+        return tensor

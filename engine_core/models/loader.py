@@ -49,6 +49,8 @@ def load_weights(model: nn.Module, state: dict[str, torch.Tensor] | Path) -> Non
             continue
         if hasattr(model, "convert_weight"):  # a layout fix-up, e.g. GPT-2's Conv1D [in, out] weights
             tensor = model.convert_weight(name, tensor)
+        if hasattr(model, "shard_weight"):  # tensor parallel: this rank's slice (HF names, before fusing)
+            tensor = model.shard_weight(name, tensor)
         for hf_part, (ours, shard) in getattr(model, "packed_modules", {}).items():
             if f".{hf_part}." in name:
                 target = name.replace(f".{hf_part}.", f".{ours}.")

@@ -1,0 +1,71 @@
+"""Prompt logprobs in the API: the request side (which k the engine computes) and the two response shapes.
+
+OpenAI's legacy completions report them with `echo` + `logprobs: n` as the leading part of `choices[i].logprobs`
+(the first token null); vLLM's extension `prompt_logprobs: k` (completions and chat) adds `prompt_logprobs` per
+choice: None for the first token, then {token id: {logprob, rank, decoded_token}} holding the prompt token and
+the top-k. The engine sends them once, with each request's first output.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+from common.messages import Logprobs, SamplingParams
+from frontend.errors import bad_request
+from frontend.fanout import Choice
+from frontend.serving import clamp
+from frontend.tokenizer import Tokenizer
+
+
+def with_prompt_logprobs(params: SamplingParams, *wanted: int | None) -> SamplingParams:
+    """params asking the engine for the largest k any part of the response needs (None: none does)."""
+    asked = [k for k in wanted if k is not None]
+    if not asked:
+        return params
+    return msgspec.structs.replace(params, prompt_logprobs=max(asked))
+
+
+def check_stream(prompt_logprobs: int | None, stream: bool | None) -> None:
+    # As vLLM: they come whole with the first output, and a chunk has no place for them.
+    if prompt_logprobs is not None and stream:
+        raise bad_request("prompt_logprobs is not available with stream=true", "prompt_logprobs")
+
+
+def echo_part(tok: Tokenizer, prompt: list[int], lp: Logprobs | None, n: int) -> dict[str, list]:
+    """The prompt's share of legacy completion logprobs: tokens, token_logprobs, top_logprobs (text_offset is
+    the caller's: it runs on into the generated part)."""
+    rest = len(prompt) - 1
+    own: list[float | None] = [None] * rest
+    top: list[dict[str, float] | None] = [None] * rest
+    if lp is not None and len(lp.token_logprobs) == rest:
+        own = [clamp(x) for x in lp.token_logprobs]
+        top = [{tok.token_text(t): clamp(v) for t, v in zip(ids[:n], vals[:n], strict=False)}
+               for ids, vals in zip(lp.top_ids, lp.top_logprobs, strict=False)]  # fmt: skip
+    return {"tokens": [tok.token_text(t) for t in prompt], "token_logprobs": [None, *own], "top_logprobs": [None, *top]}
+
+
+def vllm_shape(tok: Tokenizer, prompt: list[int], lp: Logprobs | None, k: int) -> list[dict[str, Any] | None]:
+    entries: list[dict[str, Any] | None] = [None]
+    if lp is None:
+        return entries + [None] * (len(prompt) - 1)
+    for i, token in enumerate(prompt[1:]):
+        ids = lp.top_ids[i][:k] if i < len(lp.top_ids) else []
+        vals = lp.top_logprobs[i][:k] if i < len(lp.top_logprobs) else []
+        entry = {str(t): {"logprob": clamp(v), "rank": r, "decoded_token": tok.token_text(t)}
+                 for r, (t, v) in enumerate(zip(ids, vals, strict=False), start=1)}  # fmt: skip
+        if str(token) not in entry:  # the prompt token itself, at its own rank
+            rank = lp.ranks[i] if i < len(lp.ranks) else len(ids) + 1
+            entry = {str(token): {"logprob": clamp(lp.token_logprobs[i]), "rank": rank,
+                                  "decoded_token": tok.token_text(token)}, **entry}  # fmt: skip
+        entries.append(entry)
+    return entries
+
+
+def attach_vllm_shape(tok: Tokenizer, out: list[dict[str, Any]], choices: list[Choice], k: int | None) -> None:
+    """Adds each choice's `prompt_logprobs` (vLLM's shape) to the response choices, when they were asked for."""
+    if k is None:
+        return
+    for body, c in zip(out, choices, strict=True):
+        body["prompt_logprobs"] = vllm_shape(tok, c.stream.request.prompt_token_ids, c.result.prompt_logprobs, k)

@@ -1,0 +1,216 @@
+"""Tensor parallelism over torch.distributed (gloo, CPU, float32): two ranks serve over HTTP token for token what
+transformers generates greedily, on the default model and on tiny random Llama (one KV head, replicated), Qwen2
+(q/k/v biases, odd vocabulary) and GPT-2 (odd vocabulary) configs; two "nodes" on loopback form one group; the
+group dies and restarts as one, whichever of its processes is killed.
+
+The servers start together (module fixtures) and load while the references are computed. Tiny models get a
+word-level tokenizer ("t0", "t1", ...), so a completion's text gives back its token ids.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+import transformers
+from tokenizers import Tokenizer, models, pre_tokenizers
+
+from engine_core.models.parallel import HeadSplit, head_split, split, vocab_shard
+from tests.conftest import REPO, Server, free_port
+
+TP = ["--tensor-parallel-size", "2"]
+MAX_TOKENS = 10
+TINY = {  # name -> (config, HF class)
+    "llama": (lambda: transformers.LlamaConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                               num_attention_heads=4, num_key_value_heads=1, vocab_size=128,
+                                               architectures=["LlamaForCausalLM"]), transformers.LlamaForCausalLM),
+    "qwen2": (lambda: transformers.Qwen2Config(hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                               num_attention_heads=4, num_key_value_heads=2, vocab_size=127,
+                                               tie_word_embeddings=True, architectures=["Qwen2ForCausalLM"]),
+              transformers.Qwen2ForCausalLM),
+    "gpt2": (lambda: transformers.GPT2Config(n_embd=64, n_layer=2, n_head=4, vocab_size=129, n_positions=256,
+                                             architectures=["GPT2LMHeadModel"]), transformers.GPT2LMHeadModel),
+}  # fmt: skip
+# Token-id prompts: different lengths in one batch, and a second round that hits the first one's cached prefix.
+PROMPTS = [[5, 9, 17, 3, 44, 2, 8], list(range(10, 50)), [7] * 3]
+PREFIX_HIT = list(range(10, 50))[:33] + [1, 2, 3]
+
+
+def save_tiny(name: str, root: Path) -> tuple[Path, transformers.PreTrainedModel]:
+    """A seeded random model (every weight, bias and norm randomised) with a word-level tokenizer."""
+    config, hf_class = TINY[name]
+    torch.manual_seed(0)
+    hf = hf_class(config()).eval()
+    with torch.no_grad():
+        for pname, param in hf.named_parameters():
+            is_norm = any(part in pname for part in ("norm", "ln_")) and pname.endswith(".weight")
+            param.copy_(1 + 0.1 * torch.randn_like(param) if is_norm else 0.15 * torch.randn_like(param))
+    path = root / name
+    hf.save_pretrained(path)
+    vocab = hf.config.vocab_size
+    tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(vocab)}, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.save(str(path / "tokenizer.json"))
+    return path, hf
+
+
+@torch.inference_mode()
+def hf_greedy(hf, prompt: list[int], n: int = MAX_TOKENS) -> list[int]:
+    ids = list(prompt)
+    for _ in range(n):
+        ids.append(int(hf(torch.tensor([ids])).logits[0, -1].argmax()))
+    return ids[len(prompt) :]
+
+
+async def _complete(url: str, prompts: list, **kw) -> list[str]:
+    async with httpx.AsyncClient(timeout=300) as client:
+        bodies = [{"prompt": p, "max_tokens": MAX_TOKENS, "temperature": 0, **kw} for p in prompts]
+        replies = await asyncio.gather(*(client.post(url + "/v1/completions", json=b) for b in bodies))
+    assert all(r.status_code == 200 for r in replies), [r.text for r in replies]
+    return [r.json()["choices"][0]["text"] for r in replies]
+
+
+def tiny_greedy_over_http(server: Server, prompts: list[list[int]]) -> list[list[int]]:
+    texts = asyncio.run(_complete(server.url, prompts, ignore_eos=True))
+    return [[int(t) for t in re.findall(r"t(\d+)", text)] for text in texts]
+
+
+def children(pid: int) -> list[int]:
+    try:
+        return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    except FileNotFoundError:
+        return []
+
+
+def replaced(server: Server, engine: int, timeout: float = 300.0) -> None:
+    """Waits for launch.py's next engine core, and for it to be ready."""
+    deadline = time.monotonic() + timeout
+    while set(children(server.proc.pid)) <= {engine}:
+        assert time.monotonic() < deadline, server.log_text()
+        time.sleep(0.1)
+    server.wait_healthy(timeout=timeout)
+
+
+def gone(pid: int, timeout: float = 15.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] in "ZX":
+                return True
+        except FileNotFoundError:
+            return True
+        time.sleep(0.1)
+    return False
+
+
+@pytest.fixture(scope="module")
+def tiny_models(tmp_path_factory) -> dict[str, tuple[Path, transformers.PreTrainedModel]]:
+    root = tmp_path_factory.mktemp("tiny")
+    return {name: save_tiny(name, root) for name in TINY}
+
+
+@pytest.fixture(scope="module")
+def servers(tmp_path_factory, tiny_models):
+    """One TP=2 server per model, all starting at once."""
+    started = {"smollm2": Server(tmp_path_factory.mktemp("tp-smollm2"), *TP)}
+    for name, (path, _) in tiny_models.items():
+        started[name] = Server(tmp_path_factory.mktemp(f"tp-{name}"), *TP, "--model", str(path))
+    try:
+        yield started
+    finally:
+        for server in started.values():
+            server.stop()
+
+
+def healthy(servers: dict[str, Server], name: str) -> Server:
+    server = servers[name].wait_healthy(timeout=300)
+    assert server.engine_pid is not None and len(children(server.engine_pid)) == 1  # rank 0 and its one worker
+    return server
+
+
+def test_splits():
+    assert split(1536, 2, 1) == (768, 1536) and split(9, 2, 0) == (0, 5)
+    # SmolLM2: 9 query heads in 3 KV groups -> one rank holds one group, the other two.
+    assert [head_split(9, 3, 2, r) for r in (0, 1)] == [HeadSplit(0, 6, 0, 2), HeadSplit(6, 9, 2, 3)]
+    assert head_split(4, 1, 2, 1) == HeadSplit(2, 4, 0, 1)  # one KV head: replicated on both ranks
+    with pytest.raises(ValueError):
+        head_split(6, 2, 4, 0)
+    assert vocab_shard(127, 2, 1) == (64, 127, 64)  # the last shard is padded to 64 rows
+
+
+def test_default_model_greedy_equals_transformers(servers):
+    from common.model_source import resolve_model
+
+    path = resolve_model(None).path
+    tok = transformers.AutoTokenizer.from_pretrained(path)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    texts = ["Once upon a time, there was a dragon who", "The capital of France is"]
+    refs = [hf.generate(torch.tensor([tok(t)["input_ids"]]), max_new_tokens=MAX_TOKENS, do_sample=False)[0]
+            for t in texts]  # fmt: skip
+    refs = [tok.decode(r[len(tok(t)["input_ids"]) :], skip_special_tokens=True)
+            for r, t in zip(refs, texts, strict=True)]  # fmt: skip
+    server = healthy(servers, "smollm2")
+    assert asyncio.run(_complete(server.url, texts)) == refs
+
+
+@pytest.mark.parametrize("name", list(TINY))
+def test_tiny_greedy_equals_transformers(servers, tiny_models, name):
+    _, hf = tiny_models[name]
+    refs = [hf_greedy(hf, p) for p in [*PROMPTS, PREFIX_HIT]]
+    server = healthy(servers, name)
+    assert tiny_greedy_over_http(server, PROMPTS) == refs[:-1]
+    assert tiny_greedy_over_http(server, [PREFIX_HIT]) == refs[-1:]  # its first 32 tokens come from the cache
+
+
+def test_group_dies_and_restarts_as_one(servers, tiny_models):
+    """kill -9 of the engine core takes its worker along and a fresh group serves; kill -9 of the worker takes the
+    engine core along, and again a fresh group serves."""
+    _, hf = tiny_models["llama"]
+    ref = [hf_greedy(hf, PROMPTS[0])]
+    server = healthy(servers, "llama")
+    for victim in ("engine", "worker"):
+        engine = server.engine_pid
+        assert engine is not None
+        (worker,) = children(engine)
+        subprocess.run(["kill", "-9", str(engine if victim == "engine" else worker)], check=True)
+        assert gone(worker) and gone(engine), victim
+        replaced(server, engine)
+        assert server.engine_pid != engine and len(children(server.engine_pid)) == 1
+        assert tiny_greedy_over_http(server, [PROMPTS[0]]) == ref
+
+
+def test_two_nodes_on_loopback(tmp_path, tiny_models):
+    """TP=2 over two process trees (node 0: API + rank 0; node 1: launch.py --node-rank 1 with rank 1); node 1
+    outlives a restart of node 0's engine core and joins the new group."""
+    path, hf = tiny_models["qwen2"]
+    port = free_port()
+    flags = [*TP, "--model", str(path), "--nnodes", "2", "--master-addr", "127.0.0.1", "--master-port", str(port)]
+    log = open(tmp_path / "node1.log", "wb")  # noqa: SIM115 (closed below)
+    node1 = subprocess.Popen([sys.executable, "launch.py", *flags, "--node-rank", "1", "--dtype", "float32"],
+                             cwd=REPO, stdout=log, stderr=subprocess.STDOUT)  # fmt: skip
+    node0 = Server(tmp_path, *flags, "--node-rank", "0")
+    try:
+        node0.wait_healthy(timeout=300)
+        assert node0.engine_pid is not None and children(node0.engine_pid) == []  # rank 1 is node 1's
+        (worker,) = children(node1.pid)
+        ref = [hf_greedy(hf, PROMPTS[1])]
+        assert tiny_greedy_over_http(node0, [PROMPTS[1]]) == ref
+        engine = node0.engine_pid
+        subprocess.run(["kill", "-9", str(engine)], check=True)
+        assert gone(worker), "node 1's worker outlived the group"
+        replaced(node0, engine)
+        assert tiny_greedy_over_http(node0, [PROMPTS[1]]) == ref
+        assert node1.poll() is None and children(node1.pid) not in ([], [worker])
+    finally:
+        node0.stop()
+        node1.send_signal(signal.SIGTERM)
+        assert node1.wait(timeout=30) == 0
+        log.close()
