@@ -1,4 +1,4 @@
-"""bench/reliability.py: its pure helpers (metrics text, SSE folding, outcome checks, the mix plan); no server."""
+"""bench/reliability/: its pure helpers (metrics text, SSE folding, outcome checks, the mix plan); no server."""
 
 from __future__ import annotations
 
@@ -8,24 +8,12 @@ import os
 
 import pytest
 
-from bench.reliability import (
-    METRIC_BLOCKS,
-    METRIC_RUNNING,
-    Outcome,
-    big_json_body,
-    bounded_gather,
-    is_loopback,
-    mix_body,
-    mix_plan,
-    parse_args,
-    parse_metrics,
-    parse_status_line,
-    problem,
-    read_event,
-    rss_mb,
-    scaled,
-    tally,
-)
+from bench.reliability.big_body import big_json_body, parse_status_line
+from bench.reliability.cli import is_loopback, parse_args
+from bench.reliability.client import METRIC_BLOCKS, METRIC_RUNNING, bounded_gather, parse_metrics
+from bench.reliability.outcome import Outcome, problem, read_event, tally
+from bench.reliability.plan import mix_body, mix_plan, scaled
+from bench.reliability.probe import rss_mb
 
 METRICS_TEXT = """# HELP roseinfer:num_requests_running Requests in the engine's running batch
 # TYPE roseinfer:num_requests_running gauge

@@ -1,0 +1,85 @@
+"""The fuzzer's client side: sending an example's requests at once, and what is wrong with each answer."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Iterator
+
+import httpx
+
+from tests.fuzz_request_strategies import CHAT, CMPL, DETOK, GEN, TOK, Req
+
+ERROR_KEYS = {"message", "type", "param", "code"}
+FINISH = {"stop", "length"}
+
+
+def sse_events(text: str) -> Iterator[str]:
+    for line in text.split("\n"):
+        if line.startswith("data: "):
+            yield line[6:]
+
+
+def problems(req: Req, status: int, ctype: str, raw: bytes) -> list[str]:
+    """What is wrong with one answer (an empty list: nothing)."""
+    where = f"{req!r} -> {status} {raw[:600]!r}"
+    if status == NO_ANSWER:
+        return [f"no answer ({ctype}): {req!r}"]
+    if status >= 500:
+        return [f"5xx: {where}"]
+    if 400 <= status < 500:
+        try:
+            error = json.loads(raw)["error"]
+            assert set(error) == ERROR_KEYS and isinstance(error["message"], str) and error["message"]
+            assert isinstance(error["type"], str) and error["type"]
+        except (ValueError, KeyError, TypeError, AssertionError):
+            return [f"not an OpenAI error: {where}"]
+        return []
+    if status != 200:
+        return [f"unexpected status: {where}"]
+    try:
+        problem = _bad_200(req, ctype, raw.decode("utf-8"))
+    except (ValueError, KeyError, TypeError, IndexError) as exc:  # not UTF-8, not JSON, or not shaped as it should
+        problem = f"unreadable answer ({type(exc).__name__}: {exc})"
+    return [f"{problem}: {where}"] if problem else []
+
+
+def _bad_200(req: Req, ctype: str, text: str) -> str | None:
+    if ctype.startswith("text/event-stream"):
+        events = list(sse_events(text))
+        if not events or events[-1] != "[DONE]":
+            return "SSE without a final [DONE]"
+        chunks = [json.loads(e) for e in events[:-1]]
+        if any("error" in c for c in chunks):  # a failure after the 200 went out: a 5xx in all but status
+            return f"error event in a stream {[c for c in chunks if 'error' in c]}"
+        finishes = [ch["finish_reason"] for c in chunks for ch in c["choices"] if ch.get("finish_reason")]
+        return None if finishes and set(finishes) <= FINISH else f"finish reasons {finishes}"
+    if req.path == GEN:  # a failure mid-way ends the text with an "[error: ...]" line (serving.stream_text)
+        return "/generate failed mid-stream" if "\n[error: " in text else None
+    answer = json.loads(text)
+    if req.path in (CMPL, CHAT):
+        finishes = [c["finish_reason"] for c in answer["choices"]]
+        return None if finishes and set(finishes) <= FINISH and answer["usage"] else f"finish reasons {finishes}"
+    if req.path == TOK:
+        return None if answer["count"] == len(answer["tokens"]) else "count != len(tokens)"
+    if req.path == DETOK:
+        return None if isinstance(answer["prompt"], str) else "prompt is not a string"
+    return f"200 from {req.path}"
+
+
+NO_ANSWER = -1  # send()'s status when the server never answered in full: a timeout (a hang?) or a dropped connection
+
+
+async def send(client: httpx.AsyncClient, req: Req) -> tuple[int, str, bytes]:
+    headers = {"content-type": req.content_type} if req.content_type else {}
+    try:
+        async with client.stream("POST", req.path, content=req.content, headers=headers) as r:
+            return r.status_code, r.headers.get("content-type", ""), await r.aread()  # streams read to their end
+    except httpx.TransportError as exc:
+        return NO_ANSWER, f"{type(exc).__name__}: {exc}", b""
+
+
+async def send_all(url: str, reqs: list[Req]) -> list[tuple[int, str, bytes]]:
+    # A generous read timeout: on the busy 2-core machine one engine step may take seconds; beyond it, a hang.
+    async with httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(120, connect=30)) as client:
+        return await asyncio.gather(*(send(client, r) for r in reqs))
