@@ -33,7 +33,9 @@ _leader_store: list[dist.TCPStore] = []  # kept alive for the life of the engine
 def start_leader(config: EngineConfig, device: torch.device, dtype: torch.dtype, max_model_len: int):
     """Rank 0: opens the rendezvous, starts this node's workers (they load the model while we do), joins."""
     shape = layout(config)
-    port = config.master_port or 0  # 0: a free port, so a restarted group never meets the dead one's
+    # One node: always a free port, so that neither a restarted group nor another engine core (data parallel)
+    # can meet a group that is not its own. Several nodes: the agreed port; a restart rebinds it.
+    port = config.master_port if shape.nnodes > 1 else 0
     store = dist.TCPStore(config.master_addr, port, is_master=True, wait_for_workers=False, timeout=STORE_TIMEOUT)
     _leader_store.append(store)
     generation = uuid.uuid4().hex

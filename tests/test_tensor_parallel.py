@@ -117,22 +117,51 @@ def tiny_models(tmp_path_factory) -> dict[str, tuple[Path, transformers.PreTrain
     return {name: save_tiny(name, root) for name in TINY}
 
 
+class TwoNodes:
+    """TP=2 over two process trees on loopback: node 0 is launch.py with the API and rank 0; node 1 is
+    `launch.py --node-rank 1`, which runs only rank 1 (and replaces it when the group restarts)."""
+
+    def __init__(self, tmp: Path, model: Path) -> None:
+        port = free_port()
+        flags = [*TP, "--model", str(model), "--nnodes", "2", "--master-addr", "127.0.0.1", "--master-port",
+                 str(port)]  # fmt: skip
+        self.node1_log = open(tmp / "node1.log", "wb")  # noqa: SIM115 (closed in stop)
+        self.node1 = subprocess.Popen([sys.executable, "launch.py", *flags, "--node-rank", "1", "--dtype", "float32"],
+                                      cwd=REPO, stdout=self.node1_log, stderr=subprocess.STDOUT)  # fmt: skip
+        self.node0 = Server(tmp, *flags, "--node-rank", "0")
+
+    def stop(self) -> None:
+        self.node0.stop()
+        self.node1.send_signal(signal.SIGTERM)
+        code = self.node1.wait(timeout=30)
+        self.node1_log.close()
+        assert code == 0, Path(self.node1_log.name).read_text(errors="replace")[-2000:]
+
+
 @pytest.fixture(scope="module")
 def servers(tmp_path_factory, tiny_models):
-    """One TP=2 server per model, all starting at once."""
-    started = {"smollm2": Server(tmp_path_factory.mktemp("tp-smollm2"), *TP)}
-    for name, (path, _) in tiny_models.items():
-        started[name] = Server(tmp_path_factory.mktemp(f"tp-{name}"), *TP, "--model", str(path))
+    """One TP=2 server per model, all starting at once; Qwen2's spans two "nodes"."""
+    started: dict[str, Server] = {"smollm2": Server(tmp_path_factory.mktemp("tp-smollm2"), *TP)}
+    for name in ("llama", "gpt2"):
+        started[name] = Server(tmp_path_factory.mktemp(f"tp-{name}"), *TP, "--model", str(tiny_models[name][0]))
+    two_nodes = TwoNodes(tmp_path_factory.mktemp("tp-two-nodes"), tiny_models["qwen2"][0])
+    started["qwen2"] = two_nodes.node0
     try:
-        yield started
+        yield started, two_nodes
     finally:
-        for server in started.values():
-            server.stop()
+        for name, server in started.items():
+            if name != "qwen2":
+                server.stop()
+        two_nodes.stop()
 
 
-def healthy(servers: dict[str, Server], name: str) -> Server:
-    server = servers[name].wait_healthy(timeout=300)
-    assert server.engine_pid is not None and len(children(server.engine_pid)) == 1  # rank 0 and its one worker
+def healthy(servers, name: str) -> Server:
+    server = servers[0][name].wait_healthy(timeout=300)
+    assert server.engine_pid is not None
+    if name == "qwen2":  # rank 1 is node 1's child, not the engine core's
+        assert children(server.engine_pid) == [] and len(children(servers[1].node1.pid)) == 1
+    else:
+        assert len(children(server.engine_pid)) == 1  # rank 0 and its one worker
     return server
 
 
@@ -187,30 +216,17 @@ def test_group_dies_and_restarts_as_one(servers, tiny_models):
         assert tiny_greedy_over_http(server, [PROMPTS[0]]) == ref
 
 
-def test_two_nodes_on_loopback(tmp_path, tiny_models):
-    """TP=2 over two process trees (node 0: API + rank 0; node 1: launch.py --node-rank 1 with rank 1); node 1
-    outlives a restart of node 0's engine core and joins the new group."""
-    path, hf = tiny_models["qwen2"]
-    port = free_port()
-    flags = [*TP, "--model", str(path), "--nnodes", "2", "--master-addr", "127.0.0.1", "--master-port", str(port)]
-    log = open(tmp_path / "node1.log", "wb")  # noqa: SIM115 (closed below)
-    node1 = subprocess.Popen([sys.executable, "launch.py", *flags, "--node-rank", "1", "--dtype", "float32"],
-                             cwd=REPO, stdout=log, stderr=subprocess.STDOUT)  # fmt: skip
-    node0 = Server(tmp_path, *flags, "--node-rank", "0")
-    try:
-        node0.wait_healthy(timeout=300)
-        assert node0.engine_pid is not None and children(node0.engine_pid) == []  # rank 1 is node 1's
-        (worker,) = children(node1.pid)
-        ref = [hf_greedy(hf, PROMPTS[1])]
-        assert tiny_greedy_over_http(node0, [PROMPTS[1]]) == ref
-        engine = node0.engine_pid
-        subprocess.run(["kill", "-9", str(engine)], check=True)
-        assert gone(worker), "node 1's worker outlived the group"
-        replaced(node0, engine)
-        assert tiny_greedy_over_http(node0, [PROMPTS[1]]) == ref
-        assert node1.poll() is None and children(node1.pid) not in ([], [worker])
-    finally:
-        node0.stop()
-        node1.send_signal(signal.SIGTERM)
-        assert node1.wait(timeout=30) == 0
-        log.close()
+def test_two_nodes_group_restarts(servers, tiny_models):
+    """A restart of node 0's engine core ends node 1's worker too (its rendezvous store is gone); node 1 starts a
+    fresh one, which joins the new group, and the two nodes serve again."""
+    _, hf = tiny_models["qwen2"]
+    ref = [hf_greedy(hf, PROMPTS[1])]
+    node0, node1 = healthy(servers, "qwen2"), servers[1].node1
+    (worker,) = children(node1.pid)
+    engine = node0.engine_pid
+    assert engine is not None
+    subprocess.run(["kill", "-9", str(engine)], check=True)
+    assert gone(worker), "node 1's worker outlived the group"
+    replaced(node0, engine)
+    assert tiny_greedy_over_http(node0, [PROMPTS[1]]) == ref
+    assert node1.poll() is None and children(node1.pid) not in ([], [worker])
