@@ -4,7 +4,7 @@ connects, claims its rank in that generation, and joins the process group under 
 
 A restarted engine core is a new store and a new id, so nothing of the dead group's rendezvous can be read by the
 new one; a worker that arrives while a stale group still holds its rank (its own predecessor was killed alone)
-finds the rank claimed and exits, and its node agent retries until the new generation is up.
+finds the rank claimed, reports the group broken (rank 0 exits and is restarted) and waits for the next generation.
 """
 
 from __future__ import annotations
@@ -53,6 +53,8 @@ def start_leader(config: EngineConfig, device: torch.device, dtype: torch.dtype,
         os._exit(1)
 
     watch_workers(procs, worker_exited)
+    if shape.nnodes > 1:
+        _exit_when_broken(config.master_addr, store.port, generation)
     if shares:
         os.sched_setaffinity(0, shares[0])
     log.info("tensor parallel: %d ranks over %d node(s), rendezvous port %d", shape.size, shape.nnodes, store.port)
@@ -69,12 +71,38 @@ def connect(addr: str, port: int) -> dist.TCPStore:
             time.sleep(0.5)
 
 
-def claim(store: dist.TCPStore, rank: int) -> tuple[str, dict] | None:
-    """(generation, info) with our rank claimed in it; None if that rank is taken in the current generation."""
-    generation = store.get(GROUP_KEY).decode()
-    if store.add(f"{generation}/claim/{rank}", 1) != 1:
-        return None
-    return generation, json.loads(store.get(f"{generation}/info"))
+def claim_rank(addr: str, port: int, rank: int) -> tuple[dist.TCPStore, str, dict]:
+    """(store, generation, info) once our rank is claimed in the current generation. If it is held there, its
+    holder died (we are its replacement) or this node was started twice: we tell rank 0 the group is broken,
+    so that it restarts now rather than at its next step, and wait for the next generation."""
+    store = connect(addr, port)
+    reported = None
+    while True:
+        try:
+            generation = store.get(GROUP_KEY).decode()
+            if store.add(f"{generation}/claim/{rank}", 1) == 1:
+                return store, generation, json.loads(store.get(f"{generation}/info"))
+            if reported != generation:
+                log.warning("rank %d is held in the current group: reporting it broken, waiting for the next", rank)
+                store.set(f"{generation}/broken", str(rank))
+                reported = generation
+            time.sleep(0.5)
+        except RuntimeError:  # the store went away with its engine core: wait for the next one
+            store = connect(addr, port)
+
+
+def _exit_when_broken(addr: str, port: int, generation: str) -> None:
+    """Rank 0 of a multi-node group: a worker on another node died and its replacement says so; exit, and the
+    supervisor restarts the whole group (we would only notice at our next step otherwise)."""
+    watcher = dist.TCPStore(addr, port, is_master=False, timeout=datetime.timedelta(seconds=10))
+
+    def watch() -> None:
+        while not watcher.check([f"{generation}/broken"]):
+            time.sleep(0.5)
+        log.error("a worker of the group died (its replacement reported it): the engine core exits")
+        os._exit(1)
+
+    threading.Thread(target=watch, name="group-watch", daemon=True).start()
 
 
 def exit_with_leader(addr: str, port: int, generation: str) -> None:

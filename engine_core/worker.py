@@ -39,7 +39,8 @@ def serve(runner) -> int:
                 op, args = distributed.receive(runner.block_size)
             except RuntimeError as exc:  # rank 0 went away (its death signal or store watch ends us as well)
                 log.warning("the group ended: %s", str(exc).splitlines()[0][:200])
-                return 1
+                logging.shutdown()
+                os._exit(1)  # not a normal exit: gloo's threads abort the interpreter's teardown
             if op == distributed.OP_STOP:
                 return 0
             if op == distributed.OP_STEP:
@@ -71,12 +72,7 @@ def main() -> int:
     if not 0 < args.rank < shape.size:
         parser.error(f"--rank must be in [1, {shape.size})")
     assert config.master_port is not None, "workers need --master-port"
-    store = rendezvous.connect(config.master_addr, config.master_port)
-    claimed = rendezvous.claim(store, args.rank)
-    if claimed is None:
-        log.warning("rank %d is held in the current group (a stale one?): exiting to retry", args.rank)
-        return 3
-    generation, info = claimed
+    store, generation, info = rendezvous.claim_rank(config.master_addr, config.master_port, args.rank)
     rendezvous.exit_with_leader(config.master_addr, config.master_port, generation)
     if info["size"] != shape.size:
         raise SystemExit(f"rank 0 runs {info['size']} ranks, this node was started for {shape.size}")

@@ -217,16 +217,18 @@ def test_group_dies_and_restarts_as_one(servers, tiny_models):
 
 
 def test_two_nodes_group_restarts(servers, tiny_models):
-    """A restart of node 0's engine core ends node 1's worker too (its rendezvous store is gone); node 1 starts a
-    fresh one, which joins the new group, and the two nodes serve again."""
+    """kill -9 of node 0's engine core ends node 1's worker too (the rendezvous store is gone); node 1 starts a
+    fresh one, which joins the new group. kill -9 of node 1's worker: node 1 starts a fresh one, which finds its
+    rank held in the old group and reports it broken; node 0's engine core exits and the group restarts."""
     _, hf = tiny_models["qwen2"]
     ref = [hf_greedy(hf, PROMPTS[1])]
     node0, node1 = healthy(servers, "qwen2"), servers[1].node1
-    (worker,) = children(node1.pid)
-    engine = node0.engine_pid
-    assert engine is not None
-    subprocess.run(["kill", "-9", str(engine)], check=True)
-    assert gone(worker), "node 1's worker outlived the group"
-    replaced(node0, engine)
-    assert tiny_greedy_over_http(node0, [PROMPTS[1]]) == ref
-    assert node1.poll() is None and children(node1.pid) not in ([], [worker])
+    for victim in ("engine", "worker"):
+        (worker,) = children(node1.pid)
+        engine = node0.engine_pid
+        assert engine is not None
+        subprocess.run(["kill", "-9", str(engine if victim == "engine" else worker)], check=True)
+        assert gone(worker), victim
+        replaced(node0, engine)
+        assert tiny_greedy_over_http(node0, [PROMPTS[1]]) == ref
+        assert node1.poll() is None and children(node1.pid) not in ([], [worker])
