@@ -84,7 +84,7 @@ MAX_TOKENS_FIELD = (CLEAN_MAX_TOKENS, field(MAX_TOKENS))
 LOGPROBS = weighted((4, st.integers(-1, 25)), (1, st.none()))
 COMPLETION = body(
     {"model": MODEL_FIELD, "prompt": (CLEAN_PROMPT, PROMPT), "max_tokens": MAX_TOKENS_FIELD},
-    {**SAMPLING, "echo": BOOL, "logprobs": LOGPROBS},
+    {**SAMPLING, "echo": BOOL, "logprobs": LOGPROBS, "prompt_logprobs": LOGPROBS},
 )
 CHAT_BODY = body(
     {"model": MODEL_FIELD, "messages": (CLEAN_MESSAGES, MESSAGES), "max_tokens": MAX_TOKENS_FIELD},
@@ -94,6 +94,7 @@ CHAT_BODY = body(
         "logprobs": BOOL,
         "add_generation_prompt": BOOL,
         "top_logprobs": LOGPROBS,
+        "prompt_logprobs": LOGPROBS,
     },
 )
 GENERATE = body(
