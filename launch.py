@@ -196,6 +196,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
         tp_layout(engine_config)
+        if engine_config.nnodes > 1 and config.data_parallel_size > 1:  # the engine cores would share one port
+            raise ValueError("--data-parallel-size > 1 with --nnodes > 1 is not supported")
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
