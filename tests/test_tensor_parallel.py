@@ -142,17 +142,21 @@ class TwoNodes:
 def servers(tmp_path_factory, tiny_models):
     """One TP=2 server per model, all starting at once; Qwen2's spans two "nodes"."""
     started: dict[str, Server] = {"smollm2": Server(tmp_path_factory.mktemp("tp-smollm2"), *TP)}
-    for name in ("llama", "gpt2"):
-        started[name] = Server(tmp_path_factory.mktemp(f"tp-{name}"), *TP, "--model", str(tiny_models[name][0]))
+    started["llama"] = Server(tmp_path_factory.mktemp("tp-llama"), *TP, "--model", str(tiny_models["llama"][0]))
+    # A small token budget: the 40-token prompt is prefilled in chunks, in steps that also decode the others.
+    started["gpt2"] = Server(tmp_path_factory.mktemp("tp-gpt2"), *TP, "--model", str(tiny_models["gpt2"][0]),
+                             "--max-num-batched-tokens", "16")  # fmt: skip
     two_nodes = TwoNodes(tmp_path_factory.mktemp("tp-two-nodes"), tiny_models["qwen2"][0])
     started["qwen2"] = two_nodes.node0
+    seen: set[int] = set()  # every engine core and worker healthy() saw
     try:
-        yield started, two_nodes
+        yield started, two_nodes, seen
     finally:
         for name, server in started.items():
             if name != "qwen2":
                 server.stop()
         two_nodes.stop()
+    assert all(gone(pid) for pid in seen), "a rank outlived its server"
 
 
 def healthy(servers, name: str) -> Server:
@@ -160,8 +164,11 @@ def healthy(servers, name: str) -> Server:
     assert server.engine_pid is not None
     if name == "qwen2":  # rank 1 is node 1's child, not the engine core's
         assert children(server.engine_pid) == [] and len(children(servers[1].node1.pid)) == 1
+        servers[2].update(children(servers[1].node1.pid))
     else:
         assert len(children(server.engine_pid)) == 1  # rank 0 and its one worker
+        servers[2].update(children(server.engine_pid))
+    servers[2].add(server.engine_pid)
     return server
 
 
