@@ -38,6 +38,7 @@ from engine_core.kv_cache import KVCacheManager
 from engine_core.model_runner import ModelRunner
 from engine_core.request import Request
 from engine_core.scheduler import SampledTokens, Scheduler, SchedulerOutput
+from engine_core.structured import GrammarService
 
 log = logging.getLogger("roseinfer.engine")
 MAX_STOP_TOKEN_IDS = 64
@@ -72,6 +73,7 @@ class EngineCore:
         self.max_model_len = min(max_model_len, self.runner.num_blocks * config.block_size)
         self.vocab_size = self.runner.vocab_size
         self.eos_token_ids = model_eos_ids(source.path, hf_config)
+        self.grammars = GrammarService(source.path, self.vocab_size, self.eos_token_ids)  # constrained decoding
         self.kv = KVCacheManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
                                    self.max_model_len, config.scheduling_policy)  # fmt: skip
@@ -90,16 +92,13 @@ class EngineCore:
         total = len(msg.prompt_token_ids) + len(msg.output_token_ids)
         if not msg.prompt_token_ids:
             return "prompt is empty"
-        if any(t < 0 or t >= self.vocab_size for t in msg.prompt_token_ids) or any(
-            t < 0 or t >= self.vocab_size for t in msg.output_token_ids
-        ):
+        if not self._in_vocab(msg.prompt_token_ids) or not self._in_vocab(msg.output_token_ids):
             return f"token id outside the vocabulary [0, {self.vocab_size})"
         if total >= self.max_model_len:
             return f"prompt has {total} tokens; the maximum context length is {self.max_model_len}"
         if len(msg.eos_token_ids) > MAX_STOP_TOKEN_IDS or not self._in_vocab(msg.eos_token_ids):
             return "eos_token_ids out of range"
-        bad = [name for name, ok in self._param_checks(p) if not ok]
-        if bad:
+        if bad := [name for name, ok in self._param_checks(p) if not ok]:
             return f"sampling parameter {bad[0]} out of range"
         if msg.request_id in self.scheduler.requests:
             return f"request id {msg.request_id!r} is already running"
@@ -137,7 +136,7 @@ class EngineCore:
         if not msg.eos_token_ids:
             msg.eos_token_ids = self.eos_token_ids
         self._seq_no += 1
-        self.scheduler.add(Request(msg, self._seq_no))
+        self.scheduler.add(self.grammars.attach(Request(msg, self._seq_no)))
 
     def abort(self, request_ids: list[str]) -> None:
         self.scheduler.abort(request_ids)
@@ -155,6 +154,7 @@ class EngineCore:
             return outputs
         start = time.perf_counter()
         sched = self.scheduler.schedule()
+        outputs += self.scheduler.take_early_outputs()  # constrained requests whose grammar failed
         if not sched.requests:
             return outputs
         ran, failed = self._execute_isolating(sched)

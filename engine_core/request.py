@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import enum
+from typing import TYPE_CHECKING
 
 from common.messages import EngineRequest, FinishReason, SamplingParams
 from engine_core.prompt_logprobs import PromptLogprobs, new_accumulator
+
+if TYPE_CHECKING:
+    from engine_core.structured import RequestGrammar
 
 
 class RequestStatus(enum.IntEnum):
@@ -19,7 +23,7 @@ class Request:
         "request_id", "params", "token_ids", "num_prompt_tokens", "eos_token_ids", "arrival_time",
         "priority", "num_computed_tokens", "num_cached_tokens", "block_ids", "block_hashes", "status",
         "finish_reason", "stop_token_id", "error", "num_preemptions", "seq_no", "num_registered_blocks",
-        "prompt_logprobs",
+        "prompt_logprobs", "grammar",
     )  # fmt: skip
 
     def __init__(self, msg: EngineRequest, seq_no: int) -> None:
@@ -42,6 +46,7 @@ class Request:
         self.stop_token_id: int | None = None
         self.error: str | None = None
         self.num_preemptions = 0
+        self.grammar: RequestGrammar | None = None  # constrained decoding (engine_core/structured.py)
         # Filled during prefill when params.prompt_logprobs is set; None once sent with the first output.
         self.prompt_logprobs: PromptLogprobs | None = new_accumulator(msg.params.prompt_logprobs,
                                                                       bool(msg.output_token_ids))

@@ -12,6 +12,7 @@ import torch
 from common.messages import Logprobs, SamplingParams
 from engine_core.cpu_kernels import cpu_kernels
 from engine_core.request import Request
+from engine_core.structured import apply_masks
 
 _SEED_MIX = 0x9E3779B97F4A7C15  # spreads (seed, position) pairs over the 63-bit seed space
 
@@ -39,6 +40,7 @@ class Sampler:
                 if _needs_processing(req.params):
                     for process in LOGITS_PROCESSORS:
                         process(logits[i], req)
+            apply_masks(logits, raw, requests)  # grammars last, batched over the constrained rows
         if all(p.greedy for p in params):
             tokens = _argmax(logits)
         else:
@@ -84,7 +86,7 @@ def _needs_penalty(p: SamplingParams) -> bool:
 
 def _needs_processing(p: SamplingParams) -> bool:
     """Whether any processor changes this request's row (a new processor adds its condition here)."""
-    return _needs_penalty(p) or bool(p.logit_bias) or p.min_tokens > 0
+    return _needs_penalty(p) or bool(p.logit_bias) or p.min_tokens > 0 or p.structured is not None
 
 
 def _penalize(row: torch.Tensor, req: Request) -> None:

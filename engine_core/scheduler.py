@@ -16,6 +16,7 @@ from common.messages import EngineOutput, FinishReason, Logprobs, SchedulerStats
 from engine_core.kv_cache import KVCacheManager
 from engine_core.prompt_logprobs import take_prompt_logprobs, usable_prefix_hits
 from engine_core.request import Request, RequestStatus
+from engine_core.structured import release
 
 
 @dataclass
@@ -62,6 +63,8 @@ class Scheduler:
         self.waiting: list[tuple[tuple[int, ...], Request]] = []  # heap; aborted entries dropped lazily
         self.active: deque[Request] = deque()  # round-robin rotation of all live requests
         self.prefix_queries = self.prefix_hits = self.num_preempted = 0
+        self.gated: list[Request] = []  # constrained requests whose grammar is still compiling
+        self.early_outputs: list[EngineOutput] = []  # requests that ended before running (a grammar error)
 
     # ---- requests in and out ----
 
@@ -70,6 +73,12 @@ class Scheduler:
 
     def add(self, req: Request) -> None:
         self.requests[req.request_id] = req
+        if req.grammar is not None:
+            self.gated.append(req)
+        else:
+            self._enqueue(req)
+
+    def _enqueue(self, req: Request) -> None:
         if self.policy == "round-robin":
             self.active.append(req)
         else:
@@ -98,6 +107,8 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         self.running = [r for r in self.running if not r.finished]
+        if self.gated:
+            self._release_gated()
         out = SchedulerOutput()
         if self.policy == "round-robin":
             self._schedule_round_robin(out)
@@ -105,6 +116,19 @@ class Scheduler:
             self._schedule_queue(out)
         out.put_decodes_first()
         return out
+
+    def _release_gated(self) -> None:
+        """Constrained requests join the queue when their grammar is ready; nobody else waits for a compile."""
+        ready, ended, self.gated = release(self.gated, wait=len(self.gated) == len(self.requests))
+        for req in ready:
+            self._enqueue(req)
+        for req, reason, error in ended:
+            self.finish(req, reason, error)
+            self.early_outputs.append(EngineOutput(req.request_id, [], reason, error=error))
+
+    def take_early_outputs(self) -> list[EngineOutput]:
+        outputs, self.early_outputs = self.early_outputs, []
+        return outputs
 
     def _schedule_queue(self, out: SchedulerOutput) -> None:
         budget = self.max_num_batched_tokens
@@ -237,11 +261,14 @@ class Scheduler:
                 continue
             req.token_ids.append(token)
             reason = req.check_stop(self.max_model_len)
+            if req.grammar is not None:
+                reason = req.grammar.advance(token, reason)
             self.kv.cache_full_blocks(req)
+            error = "sampled token rejected by the grammar" if reason == FinishReason.ERROR else None
             if reason is not None:
-                self.finish(req, reason)
+                self.finish(req, reason, error)
             outputs.append(EngineOutput(req.request_id, [token], reason, req.stop_token_id,
-                                        req.num_cached_tokens, logprobs, prompt_logprobs=take_prompt_logprobs(req)))
+                                        req.num_cached_tokens, logprobs, error, take_prompt_logprobs(req)))
         return outputs
 
     def stats(self, step_time_s: float = 0.0, forward_time_s: float = 0.0) -> SchedulerStats:

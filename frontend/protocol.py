@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
@@ -11,6 +11,7 @@ from common.messages import MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_TOP_K, SamplingPar
 MAX_N = 64  # choices per request: each is an engine request
 MAX_STOP = 16  # stop strings (checked every token) and stop token ids
 MAX_STOP_CHARS = 4096  # per stop string: the matcher's tables are built per request
+MAX_CHOICES = 1024  # guided_choice strings
 MIN_TOP_P = 1e-6  # any smaller keeps only the top token too; subnormals would read as 0 in the engine (flush-to-zero)
 _SEED = {"ge": -(2**63), "le": 2**63 - 1}  # what the wire (msgpack int64) carries
 DEFAULT_COMPLETION_TOKENS = 16  # /v1/completions with max_tokens absent or null, as OpenAI and vLLM
@@ -93,7 +94,41 @@ class SamplingFields(_Model):
         )
 
 
-class CompletionRequest(SamplingFields):
+class JsonSchemaFormat(_Model):
+    name: Text = Field("response", max_length=64)
+    description: Text | None = None
+    schema_: dict[str, Any] | bool | None = Field(None, alias="schema")  # None: any JSON object
+    strict: bool | None = None
+
+
+class ResponseFormat(_Model):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputsParams(_Model):
+    """vLLM's `structured_outputs` object: one of these."""
+
+    json_: dict[str, Any] | bool | Text | None = Field(None, alias="json")
+    regex: Text | None = None
+    choice: list[Text] | None = Field(None, max_length=MAX_CHOICES)
+    grammar: Text | None = None
+    json_object: bool | None = None
+
+
+class StructuredFields(_Model):
+    """Constrained decoding (frontend/structured_request.py): OpenAI's response_format, vLLM's guided_* and
+    structured_outputs. At most one may be given; texts are bounded by common/structured.py's MAX_SPEC_CHARS."""
+
+    response_format: ResponseFormat | None = None
+    guided_json: dict[str, Any] | bool | Text | None = None
+    guided_regex: Text | None = None
+    guided_choice: list[Text] | None = Field(None, max_length=MAX_CHOICES)
+    guided_grammar: Text | None = None
+    structured_outputs: StructuredOutputsParams | None = None
+
+
+class CompletionRequest(SamplingFields, StructuredFields):
     prompt: Text | list[Text] | list[int] | list[list[int]]
     # null: the default, not "the whole context"; 0 scores the prompt (echo + logprobs) and generates nothing
     max_tokens: int | None = Field(DEFAULT_COMPLETION_TOKENS, ge=0)
@@ -118,7 +153,7 @@ class ChatMessage(_Model):
         return {"role": "system" if self.role == "developer" else self.role, "content": content}
 
 
-class ChatCompletionRequest(SamplingFields):
+class ChatCompletionRequest(SamplingFields, StructuredFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(None, ge=1)  # deprecated by OpenAI in favour of max_completion_tokens
     max_completion_tokens: int | None = Field(None, ge=1)

@@ -13,6 +13,7 @@ from frontend.prompt_logprobs import attach_vllm_shape, check_stream, with_promp
 from frontend.protocol import ChatCompletionRequest, ChatMessage
 from frontend.request_stream import Delta
 from frontend.serving import ServingContext, clamp, off_loop, respond
+from frontend.structured_request import with_structured_output
 from frontend.tokenizer import TokenizerError
 
 
@@ -85,6 +86,7 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
     max_tokens = ctx.max_tokens(len(prompt), requested, param)
     params = ctx.sampling_params(req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None)
     params = with_prompt_logprobs(params, req.prompt_logprobs)
+    params = await with_structured_output(req, params)  # response_format, guided_*: a bad one is a 400
     rid = f"chatcmpl-{request_id}"
     fan = await ctx.fan_out(rid, [prompt], req, params)
     return await respond(ctx, raw, fan, ChatFormat(ctx, req), rid, bool(req.stream), req.include_usage)

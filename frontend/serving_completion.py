@@ -14,6 +14,7 @@ from frontend.prompt_logprobs import attach_vllm_shape, check_stream, echo_part,
 from frontend.protocol import DEFAULT_COMPLETION_TOKENS, CompletionRequest
 from frontend.request_stream import Delta
 from frontend.serving import ServingContext, clamp, off_loop, respond
+from frontend.structured_request import with_structured_output
 
 
 class CompletionFormat:
@@ -131,6 +132,7 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest, raw: Re
     max_tokens = ctx.max_tokens(max(len(p) for p in prompts), requested, "max_tokens")
     params = ctx.sampling_params(req, max_tokens, req.logprobs)
     params = with_prompt_logprobs(params, req.prompt_logprobs, req.logprobs if req.echo else None)
+    params = await with_structured_output(req, params)  # response_format, guided_*: a bad one is a 400
     rid = f"cmpl-{request_id}"
     fan = await ctx.fan_out(rid, prompts, req, params)
     fmt = CompletionFormat(ctx, req, prompts, texts)

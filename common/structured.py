@@ -1,0 +1,66 @@
+"""StructuredOutput -> xgrammar Grammar: the one translation both processes use. The API builds the grammar to
+refuse a bad schema, regex or EBNF with a 400 before it reaches the engine; the engine compiles the same grammar
+against the model's vocabulary.
+
+JSON (json_object, json_schema) is generated compact and in one fixed layout: `{"a": 1, "b": [1, 2]}`, i.e.
+", " and ": " as separators and no other whitespace. With free whitespace a small model can emit newlines until
+max_tokens, and the grammar would never end the request.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import TYPE_CHECKING
+
+from common.messages import StructuredOutput
+
+if TYPE_CHECKING:
+    import xgrammar
+
+KINDS = ("json_object", "json_schema", "regex", "choice", "grammar")
+MAX_SPEC_CHARS = 256 * 1024  # schema / regex / EBNF text; a grammar's compile time grows with it
+ANY_OBJECT_SCHEMA = '{"type": "object"}'
+# xgrammar's errors start with "[hh:mm:ss] /path/file.cc:123: " and sometimes "Check failed: (...) is false: ".
+_NOISE = re.compile(r"^\[[\d:]+\] \S+:\d+: (Check failed: .*? is false: )?")
+
+
+def choice_ebnf(choices: list[str]) -> str:
+    """One alternative per allowed string, as EBNF string literals (JSON's escapes are EBNF's)."""
+    return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
+
+
+def grammar_of(so: StructuredOutput) -> xgrammar.Grammar:
+    """Raises ValueError (bad spec) or RuntimeError (xgrammar refused it)."""
+    import xgrammar as xgr  # lazily: it loads torch, which the API process needs for nothing else
+
+    if so.kind == "json_schema":
+        return xgr.Grammar.from_json_schema(so.spec, any_whitespace=False)
+    if so.kind == "json_object":
+        return xgr.Grammar.from_json_schema(ANY_OBJECT_SCHEMA, any_whitespace=False)
+    if so.kind == "regex":
+        return xgr.Grammar.from_regex(so.spec)
+    if so.kind == "grammar":
+        return xgr.Grammar.from_ebnf(so.spec)
+    if so.kind == "choice":
+        choices = json.loads(so.spec)
+        if not isinstance(choices, list) or not choices or not all(isinstance(c, str) and c for c in choices):
+            raise ValueError("choice must be a non-empty list of non-empty strings")
+        return xgr.Grammar.from_ebnf(choice_ebnf(choices))
+    raise ValueError(f"unknown structured output kind {so.kind!r}")
+
+
+def spec_error(so: StructuredOutput) -> str | None:
+    """Why this constraint cannot be compiled, in one line; None when it can."""
+    if len(so.spec) > MAX_SPEC_CHARS:
+        return f"the {so.kind} specification is longer than {MAX_SPEC_CHARS} characters"
+    try:
+        grammar_of(so)
+    except Exception as exc:  # whatever xgrammar raises, a bad spec is the caller's 400, never a 500
+        return error_text(exc)
+    return None
+
+
+def error_text(exc: BaseException) -> str:
+    lines = [line for line in str(exc).strip().splitlines() if line.strip()]
+    return _NOISE.sub("", lines[0]) if lines else type(exc).__name__

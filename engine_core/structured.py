@@ -1,0 +1,173 @@
+"""Constrained decoding with xgrammar: grammars compiled on a background thread, a matcher per request, and the
+batched token mask the sampler applies to the constrained rows of a step.
+
+Life of a constrained request: `GrammarService.attach` starts (or reuses) the compile of its (kind, spec); the
+scheduler keeps it out of the queue until `release` finds the grammar ready, so it holds back nobody; its matcher
+then replays any tokens it already streamed (a resume after an engine crash). Each step `apply_masks` limits its
+logits row to the tokens the grammar allows; after sampling, `RequestGrammar.advance` feeds the matcher the token
+and finishes the request with STOP as soon as the grammar allows nothing but the end (or its stop token came).
+Preemption keeps the matcher: only KV blocks are recomputed, the tokens and so the grammar state stay.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import logging
+import threading
+from collections import OrderedDict
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from common.messages import FinishReason, StructuredOutput
+from common.structured import MAX_SPEC_CHARS, error_text, grammar_of
+
+if TYPE_CHECKING:
+    from engine_core.request import Request
+
+log = logging.getLogger("roseinfer.engine")
+CACHE_ENTRIES = 256  # compiled grammars kept (tool schemas repeat request after request)
+IDLE_WAIT_S = 0.02  # how long an otherwise idle engine sleeps on a compile instead of spinning
+
+
+class GrammarService:
+    """One per engine: the tokenizer's xgrammar view (built once, on first use) and the compile cache."""
+
+    def __init__(self, model_path: Path, vocab_size: int, stop_token_ids: list[int]) -> None:
+        self.model_path = model_path
+        self.vocab_size = vocab_size  # the logits' width, which may exceed the tokenizer's
+        self.stop_token_ids = stop_token_ids
+        self._pool = cf.ThreadPoolExecutor(1, thread_name_prefix="grammar")  # xgrammar compiles without the GIL
+        self._compiler: Any = None  # xgrammar.GrammarCompiler, made on the pool's thread
+        self._cache: OrderedDict[tuple[str, str], cf.Future] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def attach(self, req: Request) -> Request:
+        so = req.params.structured
+        if so is not None:
+            req.grammar = RequestGrammar(self._compiled(so), self)
+        return req
+
+    def _compiled(self, so: StructuredOutput) -> cf.Future:
+        key = (so.kind, so.spec)
+        with self._lock:
+            future = self._cache.get(key)
+            if future is None:
+                future = self._cache[key] = self._pool.submit(self._compile, so)
+                while len(self._cache) > CACHE_ENTRIES:
+                    self._cache.popitem(last=False)
+            self._cache.move_to_end(key)
+            return future
+
+    def _compile(self, so: StructuredOutput) -> Any:
+        if len(so.spec) > MAX_SPEC_CHARS:  # the API refuses these; the engine checks every field again
+            raise ValueError(f"the specification is longer than {MAX_SPEC_CHARS} characters")
+        if self._compiler is None:
+            import xgrammar as xgr
+            from transformers import AutoTokenizer
+
+            tokenizer = AutoTokenizer.from_pretrained(self.model_path)
+            info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=self.vocab_size,
+                                                      stop_token_ids=self.stop_token_ids or None)  # fmt: skip
+            self._compiler = xgr.GrammarCompiler(info, max_threads=2)
+        return self._compiler.compile_grammar(grammar_of(so))
+
+
+class RequestGrammar:
+    """One request's grammar: its compile (a future) until ready, then its matcher."""
+
+    __slots__ = ("future", "service", "matcher", "stop_ids")
+
+    def __init__(self, future: cf.Future, service: GrammarService) -> None:
+        self.future = future
+        self.service = service
+        self.matcher: Any = None
+        self.stop_ids: list[int] = []
+
+    def start(self, req: Request) -> tuple[FinishReason, str | None] | None:
+        """Makes the matcher once the grammar is compiled and replays the request's outputs so far. None: it
+        may run; otherwise how it ends without running (compile error, or its outputs already end the grammar)."""
+        import xgrammar as xgr
+
+        try:
+            compiled = self.future.result()
+        except Exception as exc:
+            log.info("grammar for request %s failed to compile: %s", req.request_id, exc)
+            return FinishReason.ERROR, f"the structured output constraint could not be compiled: {error_text(exc)}"
+        # The request's own EOS ids end the grammar, so that its finish is the one check_stop reports.
+        self.stop_ids = sorted(req.eos_token_ids) or list(self.service.stop_token_ids)
+        self.matcher = xgr.GrammarMatcher(compiled, override_stop_tokens=self.stop_ids or None)
+        for token in req.output_token_ids:
+            reason = self.advance(token, None)
+            if reason is not None:
+                return reason, None if reason == FinishReason.STOP else "resumed output does not match the grammar"
+        return None
+
+    def advance(self, token: int, reason: FinishReason | None) -> FinishReason | None:
+        """The matcher takes the sampled token; returns the request's finish reason, given check_stop's."""
+        if not self.matcher.accept_token(token):
+            return FinishReason.ERROR  # only when the mask was not applied: a bug, not the user's fault
+        if self.matcher.is_terminated() or (self.matcher.is_completed() and self._only_stop_allowed()):
+            return FinishReason.STOP
+        return reason
+
+    def _only_stop_allowed(self) -> bool:
+        """Whether the grammar is over: nothing but a stop token may follow (JSON after its last brace)."""
+        import xgrammar as xgr
+
+        bitmask = xgr.allocate_token_bitmask(1, self.service.vocab_size)
+        self.matcher.fill_next_token_bitmask(bitmask)
+        allowed = _unpack(bitmask[0], self.service.vocab_size)
+        allowed[self.stop_ids] = False
+        return not bool(allowed.any())
+
+
+def _unpack(words: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    bits = (words[:, None] >> torch.arange(32, dtype=torch.int32)) & 1
+    return bits.flatten()[:vocab_size].bool()
+
+
+def release(gated: list[Request], wait: bool) -> tuple[list[Request], list[tuple[Request, FinishReason, str | None]],
+                                                       list[Request]]:  # fmt: skip
+    """Splits the requests waiting for a grammar into (ready to queue, ended, still compiling); aborted ones drop.
+    With `wait` (nothing else to run) it first sleeps briefly on the compiles, so the engine loop does not spin."""
+    live = [r for r in gated if not r.finished]
+    if wait and live:
+        cf.wait([r.grammar.future for r in live], timeout=IDLE_WAIT_S, return_when=cf.FIRST_COMPLETED)
+    ready, ended, pending = [], [], []
+    for req in live:
+        if not req.grammar.future.done():
+            pending.append(req)
+        elif (end := req.grammar.start(req)) is None:
+            ready.append(req)
+        else:
+            ended.append((req, *end))
+    return ready, ended, pending
+
+
+_batch_matcher: Any = None
+
+
+def apply_masks(logits: torch.Tensor, raw: torch.Tensor, requests: list[Request]) -> None:
+    """Sets every token the grammar forbids to -inf, on the constrained rows only, all rows in one bitmask."""
+    global _batch_matcher
+    rows = [i for i, r in enumerate(requests) if r.grammar is not None]
+    if not rows:
+        return
+    import xgrammar as xgr
+
+    if _batch_matcher is None:
+        _batch_matcher = xgr.BatchGrammarMatcher(max_threads=2)
+    bitmask = xgr.allocate_token_bitmask(len(requests), logits.shape[-1])
+    _batch_matcher.batch_fill_next_token_bitmask([requests[i].grammar.matcher for i in rows], bitmask, indices=rows)
+    bitmask = bitmask.to(logits.device, non_blocking=True)
+    xgr.apply_token_bitmask_inplace(logits, bitmask, indices=rows)
+    # A processor may have banned every token the grammar allows (min_tokens holding back the EOS that is the
+    # grammar's only way on): the grammar wins, over the model's own logits.
+    index = torch.tensor(rows, device=logits.device)
+    dead = torch.isneginf(logits[index]).all(dim=-1)
+    if bool(dead.any()):
+        for i in index[dead].tolist():
+            logits[i] = raw[i]
+            xgr.apply_token_bitmask_inplace(logits, bitmask, indices=[i])

@@ -1,0 +1,92 @@
+"""A request's output constraint: OpenAI's response_format, vLLM's guided_* fields and structured_outputs object ->
+one StructuredOutput, checked here (an invalid schema, regex or grammar is a 400) before the engine compiles it."""
+
+from __future__ import annotations
+
+import functools
+import json
+from typing import Any
+
+import msgspec
+
+from common.messages import SamplingParams, StructuredOutput
+from common.structured import spec_error
+from frontend.errors import bad_request
+from frontend.protocol import StructuredFields
+from frontend.serving import off_loop
+
+
+def _json_text(value: Any, param: str) -> str:
+    """A schema given as an object, a boolean or JSON text -> JSON text (the engine's spec)."""
+    if isinstance(value, str):
+        return value
+    try:
+        return json.dumps(value, ensure_ascii=False)
+    except (ValueError, RecursionError) as exc:  # nested past Python's recursion limit
+        raise bad_request(f"{param} cannot be encoded as JSON: {exc}", param) from None
+
+
+def _schema(value: Any, param: str) -> StructuredOutput:
+    return StructuredOutput("json_schema", _json_text(value, param))
+
+
+def requested(req: StructuredFields) -> tuple[StructuredOutput, str] | None:
+    """The constraint the request asks for and the field that asked, or None; more than one is a 400."""
+    found: list[tuple[StructuredOutput, str]] = []
+    fmt = req.response_format
+    if fmt is not None and fmt.type == "json_object":
+        found.append((StructuredOutput("json_object"), "response_format"))
+    elif fmt is not None and fmt.type == "json_schema":
+        if fmt.json_schema is None:
+            raise bad_request("response_format of type json_schema needs a json_schema object", "response_format")
+        schema = fmt.json_schema.schema_
+        found.append((StructuredOutput("json_object") if schema is None else _schema(schema, "response_format"),
+                      "response_format"))  # fmt: skip
+    if req.guided_json is not None:
+        found.append((_schema(req.guided_json, "guided_json"), "guided_json"))
+    if req.guided_regex is not None:
+        found.append((StructuredOutput("regex", req.guided_regex), "guided_regex"))
+    if req.guided_choice is not None:
+        found.append((StructuredOutput("choice", json.dumps(req.guided_choice)), "guided_choice"))
+    if req.guided_grammar is not None:
+        found.append((StructuredOutput("grammar", req.guided_grammar), "guided_grammar"))
+    so = req.structured_outputs
+    if so is not None:
+        param = "structured_outputs"
+        if so.json_ is not None:
+            found.append((_schema(so.json_, param), param))
+        if so.regex is not None:
+            found.append((StructuredOutput("regex", so.regex), param))
+        if so.choice is not None:
+            found.append((StructuredOutput("choice", json.dumps(so.choice)), param))
+        if so.grammar is not None:
+            found.append((StructuredOutput("grammar", so.grammar), param))
+        if so.json_object:
+            found.append((StructuredOutput("json_object"), param))
+    if len(found) > 1:
+        names = ", ".join(f"{p} ({s.kind})" for s, p in found)
+        raise bad_request(f"at most one output constraint may be given; this request has {names}", found[1][1])
+    return found[0] if found else None
+
+
+@functools.lru_cache(maxsize=256)
+def _cached_error(so: StructuredOutput) -> str | None:
+    return spec_error(so)  # tool schemas and response formats repeat: check each once
+
+
+async def check(so: StructuredOutput, param: str) -> None:
+    """400 unless xgrammar can build the constraint's grammar. Off the event loop: a large schema takes a while,
+    and the first call imports xgrammar (and torch with it)."""
+    error = await off_loop(_cached_error, so)
+    if error is not None:
+        raise bad_request(f"invalid {so.kind} constraint in {param}: {error}", param)
+
+
+async def with_structured_output(req: StructuredFields, params: SamplingParams) -> SamplingParams:
+    """params with the request's constraint, checked; unchanged (and no thread hop) when there is none."""
+    found = requested(req)
+    if found is None:
+        return params
+    so, param = found
+    await check(so, param)
+    return msgspec.structs.replace(params, structured=so)
