@@ -167,6 +167,12 @@ def compare(api: dict[int, list[tuple[float, bool]]], hf: dict[int, list[tuple[f
     }
 
 
+def tree_version() -> str:
+    """The checkout the server ran from (git describe, -dirty with uncommitted edits), or why there is none."""
+    git = subprocess.run(["git", "describe", "--always", "--dirty"], cwd=REPO, capture_output=True, text=True)
+    return git.stdout.strip() if git.returncode == 0 else "not a git checkout"
+
+
 def metrics(results: dict[str, Any]) -> dict[str, float]:
     r = results["results"][TASK]
     return {"acc": r["acc,none"], "acc_norm": r["acc_norm,none"]}
@@ -243,7 +249,7 @@ def main() -> int:
         "dtype": "float32",
         "lm_eval_version": hf_results.get("lm_eval_version"),
         "transformers_version": hf_results.get("transformers_version"),
-        "git_hash": hf_results.get("git_hash"),
+        "roseinfer_version": tree_version(),
         "local_completions": {**metrics(api_results), "wall_s": round(api_s, 1), "command": api_cmd},
         "hf": {**metrics(hf_results), "wall_s": round(hf_s, 1), "command": hf_cmd},
         "comparison": cmp,
