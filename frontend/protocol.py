@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
@@ -11,6 +12,7 @@ from common.messages import MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_TOP_K, SamplingPar
 MAX_N = 64  # choices per request: each is an engine request
 MAX_STOP = 16  # stop strings (checked every token) and stop token ids
 MAX_STOP_CHARS = 4096  # per stop string: the matcher's tables are built per request
+MAX_TOOLS = 128  # tool definitions per request, as OpenAI
 MAX_CHOICES = 1024  # guided_choice strings
 MIN_TOP_P = 1e-6  # any smaller keeps only the top token too; subnormals would read as 0 in the engine (flush-to-zero)
 _SEED = {"ge": -(2**63), "le": 2**63 - 1}  # what the wire (msgpack int64) carries
@@ -142,15 +144,72 @@ class TextPart(_Model):
     text: Text
 
 
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
+
+
+class FunctionCall(_Model):
+    name: Text
+    arguments: Text  # JSON text, as the model wrote it
+
+
+class ToolCall(_Model):
+    """A call the assistant made earlier in the conversation."""
+
+    id: Text
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+    def template_dict(self) -> dict[str, Any]:
+        """HF chat templates expect the arguments as an object (they write it with tojson)."""
+        arguments: Any = self.function.arguments
+        try:  # only a clean object: no NaN, no lone surrogates spelled as escapes, no nesting past recursion
+            parsed = json.loads(arguments, parse_constant=_no_constant)
+            json.dumps(parsed, ensure_ascii=False).encode()
+            arguments = parsed if isinstance(parsed, dict) else arguments
+        except (ValueError, RecursionError):
+            pass
+        return {"id": self.id, "type": "function", "function": {"name": self.function.name, "arguments": arguments}}
+
+
 class ChatMessage(_Model):
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Text | list[TextPart] | None = None
     name: Text | None = None
+    tool_calls: list[ToolCall] | None = Field(None, max_length=MAX_TOOLS)  # assistant messages only
+    tool_call_id: Text | None = None  # tool messages: the call this answers
 
-    def template_dict(self) -> dict[str, str]:
-        """What chat templates expect: string content; OpenAI's newer "developer" role is a system prompt."""
+    def template_dict(self) -> dict[str, Any]:
+        """What chat templates expect: string content (null content, as beside tool calls, is ""); OpenAI's newer
+        "developer" role is a system prompt; tool calls and tool results in the shape HF templates read."""
         content = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content or [])
-        return {"role": "system" if self.role == "developer" else self.role, "content": content}
+        out: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role, "content": content}
+        if self.tool_calls:
+            out["tool_calls"] = [c.template_dict() for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        return out
+
+
+class FunctionDefinition(_Model):
+    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")  # OpenAI's rule
+    description: Text | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema of an object; checked in frontend/tool_calls.py
+    strict: bool | None = None
+
+
+class ToolDefinition(_Model):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Model):
+    name: Text
+
+
+class NamedToolChoice(_Model):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ChatCompletionRequest(SamplingFields, StructuredFields):
@@ -161,6 +220,9 @@ class ChatCompletionRequest(SamplingFields, StructuredFields):
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # vLLM's extension
     add_generation_prompt: bool = True
+    tools: list[ToolDefinition] | None = Field(None, max_length=MAX_TOOLS)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
 
 
 class GenerateRequest(SamplingFields):

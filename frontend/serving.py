@@ -32,6 +32,7 @@ class ServingContext:
     model_name: str
     max_model_len: int
     vocab_size: int
+    tool_call_parser: str | None = None  # --tool-call-parser: reads calls in the model's own format (tool_choice auto)
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:
@@ -126,7 +127,7 @@ class ResponseFormat(Protocol):
     chunk_object: str
 
     def opening(self, index: int) -> dict[str, Any] | None: ...
-    def content(self, index: int, delta: Delta) -> dict[str, Any] | None: ...
+    def content(self, index: int, delta: Delta) -> dict[str, Any] | list[dict[str, Any]] | None: ...
     def finish(self, index: int, delta: Delta) -> dict[str, Any]: ...
     def response(self, choices: list[Choice], usage: dict[str, int]) -> dict[str, Any]: ...
 
@@ -164,8 +165,9 @@ async def _sse(fan: FanOut, fmt: ResponseFormat, head: dict[str, Any], include_u
                 err = failure(delta.error, delta.error_code)
                 yield sse_error(err.status, err.message, err.code)
                 break
-            if (content := fmt.content(index, delta)) is not None:
-                yield chunk(content)
+            content = fmt.content(index, delta)  # several chunks where one delta holds text and tool calls
+            for piece in content if isinstance(content, list) else [] if content is None else [content]:
+                yield chunk(piece)
             if delta.finish_reason is not None:
                 yield chunk(fmt.finish(index, delta))
         else:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import msgspec
 from fastapi import Request
 from fastapi.responses import Response
 
@@ -13,14 +14,17 @@ from frontend.prompt_logprobs import attach_vllm_shape, check_stream, with_promp
 from frontend.protocol import ChatCompletionRequest, ChatMessage
 from frontend.request_stream import Delta
 from frontend.serving import ServingContext, clamp, off_loop, respond
-from frontend.structured_request import with_structured_output
+from frontend.structured_request import check, with_structured_output
 from frontend.tokenizer import TokenizerError
+from frontend.tool_calls import ToolPlan, plan_tools
+from frontend.tool_stream import ToolStreams, finish_reason, message
 
 
-def chat_prompt(ctx: ServingContext, messages: list[ChatMessage], add_generation_prompt: bool = True) -> list[int]:
+def chat_prompt(ctx: ServingContext, messages: list[ChatMessage], add_generation_prompt: bool = True,
+                tools: list[dict[str, Any]] | None = None) -> list[int]:  # fmt: skip
     try:
         # Special-token text inside the messages stays text unless the server was told to parse it.
-        ids = ctx.tokenizer.encode_chat([m.template_dict() for m in messages], add_generation_prompt)
+        ids = ctx.tokenizer.encode_chat([m.template_dict() for m in messages], add_generation_prompt, tools)
     except TokenizerError as exc:
         raise bad_request(str(exc), "messages") from exc
     ctx.check_prompt(ids, "messages")
@@ -30,9 +34,12 @@ def chat_prompt(ctx: ServingContext, messages: list[ChatMessage], add_generation
 class ChatFormat:
     chunk_object = "chat.completion.chunk"
 
-    def __init__(self, ctx: ServingContext, req: ChatCompletionRequest) -> None:
+    def __init__(self, ctx: ServingContext, req: ChatCompletionRequest, tools: ToolPlan | None = None) -> None:
         self.tok = ctx.tokenizer
         self.want_logprobs = req.logprobs
+        make_parser = tools.make_parser() if tools is not None else None
+        self.make_parser = make_parser  # None: the text is plain content
+        self.tool_streams = ToolStreams(make_parser) if make_parser is not None else None
         self.prompt_logprobs_k = req.prompt_logprobs
 
     def _entry(self, token_id: int, logprob: float) -> dict[str, Any]:
@@ -55,20 +62,35 @@ class ChatFormat:
         return {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                 "finish_reason": None}  # fmt: skip
 
-    def content(self, index: int, delta: Delta) -> dict[str, Any] | None:
+    def content(self, index: int, delta: Delta) -> dict[str, Any] | list[dict[str, Any]] | None:
+        if self.tool_streams is not None:  # the text goes through the choice's tool-call parser
+            deltas = self.tool_streams.deltas(index, delta.text, delta.finish_reason is not None)
+            logprobs = self._logprobs(delta)
+            if not deltas and logprobs is not None and logprobs["content"]:
+                deltas = [{}]
+            return [{"index": index, "delta": d, "logprobs": logprobs if i == 0 else None, "finish_reason": None}
+                    for i, d in enumerate(deltas)]  # fmt: skip
         if not delta.text and not (self.want_logprobs and delta.logprobs):
             return None
         return {"index": index, "delta": {"content": delta.text}, "logprobs": self._logprobs(delta),
                 "finish_reason": None}  # fmt: skip
 
     def finish(self, index: int, delta: Delta) -> dict[str, Any]:
-        return {"index": index, "delta": {}, "logprobs": None, "finish_reason": delta.finish_reason,
+        reason = delta.finish_reason
+        if self.tool_streams is not None:
+            reason = self.tool_streams.finish_reason(index, reason)
+        return {"index": index, "delta": {}, "logprobs": None, "finish_reason": reason,
                 "stop_reason": delta.stop_reason}  # fmt: skip
 
     def response(self, choices: list[Choice], usage: dict[str, int]) -> dict[str, Any]:
-        out = [{"index": c.index, "message": {"role": "assistant", "content": c.result.text},
-                "logprobs": self._logprobs(c.result), "finish_reason": c.result.finish_reason,
-                "stop_reason": c.result.stop_reason} for c in choices]  # fmt: skip
+        out = []
+        for c in choices:
+            msg, reason = {"role": "assistant", "content": c.result.text}, c.result.finish_reason
+            if self.make_parser is not None:
+                parser = self.make_parser()
+                msg, reason = message(parser, c.result.text), finish_reason(parser, reason)
+            out.append({"index": c.index, "message": msg, "logprobs": self._logprobs(c.result),
+                        "finish_reason": reason, "stop_reason": c.result.stop_reason})  # fmt: skip
         attach_vllm_shape(self.tok, out, choices, self.prompt_logprobs_k)
         return {"object": "chat.completion", "choices": out, "usage": usage}
 
@@ -79,14 +101,19 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
     if req.top_logprobs is not None and not req.logprobs:
         raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
     check_stream(req.prompt_logprobs, req.stream)
+    # Tool schemas are checked off the event loop: a large one takes a while.
+    tools = await off_loop(plan_tools, req, ctx.tool_call_parser) if req.tools else plan_tools(req, None)
     await ctx.admit(req.n)
-    prompt = await off_loop(chat_prompt, ctx, req.messages, req.add_generation_prompt)
+    prompt = await off_loop(chat_prompt, ctx, req.messages, req.add_generation_prompt, tools.template_tools)
     requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     max_tokens = ctx.max_tokens(len(prompt), requested, param)
     params = ctx.sampling_params(req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None)
     params = with_prompt_logprobs(params, req.prompt_logprobs)
     params = await with_structured_output(req, params)  # response_format, guided_*: a bad one is a 400
+    if tools.structured is not None:  # a forced tool call: the output is held to the tools' schema (it wins)
+        await check(tools.structured, "tools")
+        params = msgspec.structs.replace(params, structured=tools.structured)
     rid = f"chatcmpl-{request_id}"
     fan = await ctx.fan_out(rid, [prompt], req, params)
-    return await respond(ctx, raw, fan, ChatFormat(ctx, req), rid, bool(req.stream), req.include_usage)
+    return await respond(ctx, raw, fan, ChatFormat(ctx, req, tools), rid, bool(req.stream), req.include_usage)

@@ -33,11 +33,12 @@ def _raise(message: str) -> None:
 
 
 def _map_strings(value: Any, fn: Callable[[str], str]) -> Any:
-    """`value` with `fn` applied to every string inside it (dict keys excepted: templates look fields up by name)."""
+    """`value` with `fn` applied to every string inside it, dict keys too (a tool schema's property names are the
+    user's text; `fn` changes only strings that hold special-token text, which no field name a template reads does)."""
     if isinstance(value, str):
         return fn(value)
     if isinstance(value, dict):
-        return {k: _map_strings(v, fn) for k, v in value.items()}
+        return {_map_strings(k, fn): _map_strings(v, fn) for k, v in value.items()}
     if isinstance(value, list):
         return [_map_strings(v, fn) for v in value]
     return value
@@ -47,7 +48,8 @@ class Tokenizer:
     """`parse_special_in_content`: read special-token text inside chat messages as control tokens, as the rendered
     prompt string would be; unsafe (a user message can close its turn and open a system one), so off by default."""
 
-    def __init__(self, model_dir: Path, parse_special_in_content: bool = False) -> None:
+    def __init__(self, model_dir: Path, parse_special_in_content: bool = False,
+                 chat_template: str | None = None) -> None:  # fmt: skip
         path = Path(model_dir)
         if not (path / "tokenizer.json").is_file():
             raise TokenizerError(f"{path} has no tokenizer.json (the API server needs a fast tokenizer)")
@@ -68,6 +70,11 @@ class Tokenizer:
         template = template_file.read_text() if template_file.is_file() else cfg.get("chat_template")
         if isinstance(template, list):  # named templates: take the default one
             template = next((t["template"] for t in template if t.get("name") == "default"), None)
+        if chat_template is not None:  # --chat-template: a Jinja file instead of the model's own
+            try:
+                template = Path(chat_template).read_text()
+            except OSError as exc:
+                raise TokenizerError(f"--chat-template: cannot read {chat_template}: {exc}") from exc
         # The same environment transformers renders chat templates in, so prompts match token for token.
         env = jinja2.sandbox.ImmutableSandboxedEnvironment(
             trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
@@ -75,7 +82,10 @@ class Tokenizer:
         env.filters["tojson"] = lambda x, indent=None, **_: json.dumps(x, ensure_ascii=False, indent=indent)
         env.globals["raise_exception"] = _raise
         env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-        self._template = env.from_string(template) if template else None
+        try:
+            self._template = env.from_string(template) if template else None
+        except jinja2.TemplateSyntaxError as exc:
+            raise TokenizerError(f"chat template: line {exc.lineno}: {exc.message}") from exc
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
         self.token_text = lru_cache(maxsize=1 << 16)(self._token_text)
 
@@ -91,20 +101,25 @@ class Tokenizer:
         """One token's text for logprobs (may be a partial UTF-8 character, shown as U+FFFD)."""
         return self._tok.decode([token_id], skip_special_tokens=False)
 
-    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                            tools: list[dict[str, Any]] | None = None) -> str:  # fmt: skip
+        """`tools`: function definitions in HF's shape ({"type": "function", "function": {...}}), or None."""
         if self._template is None:
             raise TokenizerError("this model has no chat template; use /v1/completions")
         try:
             return self._template.render(
-                messages=messages, add_generation_prompt=add_generation_prompt, **self.special_tokens
+                messages=messages, tools=tools, add_generation_prompt=add_generation_prompt, **self.special_tokens
             )
         except jinja2.TemplateError as exc:  # the template rejected the conversation (e.g. role order)
             raise TokenizerError(f"chat template: {exc}") from exc
+        except (TypeError, ValueError, KeyError) as exc:  # e.g. a message shape it does not expect (tool calls)
+            raise TokenizerError(f"chat template failed on this conversation: {exc}") from exc
 
-    def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> list[int]:
+    def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                    tools: list[dict[str, Any]] | None = None) -> list[int]:  # fmt: skip
         """The chat prompt's ids. Special tokens the template writes are control tokens; special-token text inside
-        the messages (content, name, any string) is plain text, as the OpenAI API treats message content."""
-        text = self.apply_chat_template(messages, add_generation_prompt)
+        the messages and tools (content, name, any string) is plain text, as the OpenAI API treats message content."""
+        text = self.apply_chat_template(messages, add_generation_prompt, tools)
         # Each string that holds special-token text is swapped for a unique marker, to learn where the template
         # writes it; the nonce keeps a user from writing a marker themselves.
         nonce = secrets.token_hex(8)
@@ -116,25 +131,36 @@ class Tokenizer:
             strings.append(value)
             return f"\ue000{nonce}:{len(strings) - 1}\ue001"
 
-        marked = _map_strings(messages, marker)
+        marked, marked_tools = _map_strings([messages, tools], marker)
         if self.parse_special_in_content or not strings:
             # The common case: the same ids as encoding the rendered string (as transformers does). The template
             # already wrote every special token (BOS included) the model expects.
             return self.encode(text, add_special_tokens=False)
-        # Even parts are the template's text, odd parts the index of the string written there. If putting the
-        # strings back does not give the same text, the template changed or inspected them: refuse rather than
-        # guess which characters came from the user.
-        parts = re.split(f"\ue000{nonce}:(\\d+)\ue001", self.apply_chat_template(marked, add_generation_prompt))
-        if "".join(strings[int(p)] if i % 2 else p for i, p in enumerate(parts)) != text:
+        # Even parts are the template's text, odd parts the index of the string written there, as it is or (tool
+        # definitions and call arguments, written with tojson) JSON-escaped. If putting the strings back does not
+        # give the same text, the template changed or inspected them: refuse rather than guess which characters
+        # came from the user.
+        marked_text = self.apply_chat_template(marked, add_generation_prompt, marked_tools)
+        parts = re.split(f"\ue000{nonce}:(\\d+)\ue001", marked_text)
+        spans: list[str] = []
+        at = 0
+        for i, part in enumerate(parts):
+            forms = (strings[int(part)], json.dumps(strings[int(part)], ensure_ascii=False)[1:-1]) if i % 2 else (part,)
+            written = next((f for f in forms if text.startswith(f, at)), None)
+            if written is None:
+                raise TokenizerError("this model's chat template rewrites message text that contains special tokens")
+            spans.append(written)
+            at += len(written)
+        if at != len(text):
             raise TokenizerError("this model's chat template rewrites message text that contains special tokens")
         # Spans are encoded one by one, so no BPE merge or pre-token crosses a span's edge. Acceptable: templates
         # put a special token at the far edge of a message, where the tokenizer splits anyway, and usually a newline
         # at the near edge, where the pre-tokenizer splits too (unless the content starts with whitespace). The
         # text is the same either way, and only prompts that hold special-token text take this path.
         ids: list[int] = []
-        for i, part in enumerate(parts):
+        for i, span in enumerate(spans):
             if i % 2:
-                ids += self._text_tok.encode_batch([strings[int(part)]], add_special_tokens=False)[0].ids
-            elif part:
-                ids += self.encode(part, add_special_tokens=False)
+                ids += self._text_tok.encode_batch([span], add_special_tokens=False)[0].ids
+            elif span:
+                ids += self.encode(span, add_special_tokens=False)
         return ids

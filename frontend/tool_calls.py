@@ -1,0 +1,178 @@
+"""Tool calling, request side: tools and tool_choice checked, the tools the chat template sees, and the JSON schema
+that enforces tool_choice "required" or a named function through constrained decoding (any model, any template)."""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import jsonschema
+
+from common.messages import StructuredOutput
+from frontend.errors import bad_request
+from frontend.protocol import ChatCompletionRequest, ChatMessage, FunctionDefinition, ToolDefinition
+from frontend.tool_forced import ForcedCallsParser, NamedCallParser
+from frontend.tool_parsers import HermesParser, ToolParser
+
+TOOL_PARSERS = ("hermes",)  # --tool-call-parser choices
+MAX_SCHEMA_DEPTH = 32  # nesting of a tool's parameters: every walk over it (ours, jsonschema's, the grammar's) recurses
+_EMPTY_PARAMETERS = {"type": "object", "properties": {}}  # OpenAI: no parameters is a function without arguments
+
+Mode = Literal["none", "auto", "required", "named"]
+
+
+@dataclass(frozen=True)
+class ToolPlan:
+    """What one chat request does with its tools."""
+
+    mode: Mode
+    template_tools: list[dict[str, Any]] | None  # what the chat template receives (None: no tools in the prompt)
+    structured: StructuredOutput | None = None  # "required" / "named": the output is held to this schema
+    named: str | None = None  # the function a named tool_choice forces
+    parser: str | None = None  # "auto": the model's own format, parsed when the server has a parser
+
+    def make_parser(self) -> Callable[[], ToolParser] | None:
+        """A factory for one choice's parser, or None when the output is plain content."""
+        if self.mode == "named":
+            name = self.named or ""
+            return lambda: NamedCallParser(name)
+        if self.mode == "required":
+            return ForcedCallsParser
+        if self.mode == "auto" and self.parser == "hermes":
+            return HermesParser
+        return None
+
+
+def _check_json(value: Any, where: str) -> None:
+    """User JSON that goes into prompts, schemas and the engine: bounded depth, finite numbers, valid text."""
+    stack = [(value, 0)]
+    while stack:
+        node, depth = stack.pop()
+        if depth > MAX_SCHEMA_DEPTH:
+            raise bad_request(f"{where} is nested deeper than {MAX_SCHEMA_DEPTH} levels", "tools")
+        if isinstance(node, float) and not math.isfinite(node):
+            raise bad_request(f"{where} holds a number that is not finite", "tools")
+        items = node.items() if isinstance(node, dict) else enumerate(node) if isinstance(node, list) else ()
+        for key, child in items:
+            texts = [key, child] if isinstance(key, str) else [child]
+            for text in texts:
+                if isinstance(text, str):
+                    try:
+                        text.encode("utf-8")
+                    except UnicodeEncodeError:
+                        raise bad_request(f"{where} holds text that is not valid Unicode", "tools") from None
+            stack.append((child, depth + 1))
+
+
+def _parameters(fn: FunctionDefinition) -> dict[str, Any]:
+    return fn.parameters if fn.parameters is not None else _EMPTY_PARAMETERS
+
+
+def check_tools(tools: list[ToolDefinition]) -> None:
+    """Unique names; parameters a valid JSON schema (draft 2020-12) of an object."""
+    seen: set[str] = set()
+    for i, tool in enumerate(tools):
+        fn = tool.function
+        where = f"tools[{i}].function.parameters"
+        if fn.name in seen:
+            raise bad_request(f"tools: the function name {fn.name!r} is defined twice", "tools")
+        seen.add(fn.name)
+        if fn.parameters is None:
+            continue
+        _check_json(fn.parameters, where)
+        if fn.parameters.get("type", "object") != "object":
+            raise bad_request(f"{where} must describe an object (\"type\": \"object\")", "tools")
+        try:
+            jsonschema.Draft202012Validator.check_schema(fn.parameters)
+        except jsonschema.SchemaError as exc:
+            path = "".join(f"[{p!r}]" for p in exc.path)
+            raise bad_request(f"{where} is not a valid JSON schema: {exc.message} (at {path or 'the top'})",
+                              "tools") from None  # fmt: skip
+        except RecursionError:
+            raise bad_request(f"{where} is too deeply nested", "tools") from None
+
+
+def check_messages(messages: list[ChatMessage]) -> None:
+    for i, m in enumerate(messages):
+        if m.tool_calls and m.role != "assistant":
+            raise bad_request(f"messages[{i}]: only assistant messages carry tool_calls", "messages")
+        if m.role == "tool" and m.tool_call_id is None:
+            raise bad_request(f"messages[{i}]: a tool message needs the tool_call_id it answers", "messages")
+
+
+def _hoist_defs(parameters: dict[str, Any], prefix: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """A tool's $defs / definitions, renamed and moved to the root of the combined schema ($refs resolve from the
+    root, and two tools may use the same names); its "#/$defs/X" and "#/definitions/X" refs follow them."""
+    parameters = copy.deepcopy(parameters)
+    defs: dict[str, Any] = {}
+    for key in ("$defs", "definitions"):
+        for name, sub in (parameters.pop(key, None) or {}).items():
+            defs[f"{prefix}{key.strip('$')}_{name}"] = sub
+    stack: list[Any] = [parameters, defs]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, dict):
+            ref = node.get("$ref")
+            for key in ("$defs", "definitions"):
+                if isinstance(ref, str) and ref.startswith(f"#/{key}/"):
+                    node["$ref"] = f"#/$defs/{prefix}{key.strip('$')}_{ref[len(key) + 3:]}"
+            stack.extend(node.values())
+        elif isinstance(node, list):
+            stack.extend(node)
+    return parameters, defs
+
+
+def required_schema(tools: list[ToolDefinition], parallel: bool) -> dict[str, Any]:
+    """An array of calls, each {"name": one tool's name, "arguments": that tool's parameters}, at least one
+    (exactly one without parallel_tool_calls)."""
+    alternatives, defs = [], {}
+    for i, tool in enumerate(tools):
+        parameters, own = _hoist_defs(_parameters(tool.function), f"tool{i}_")
+        defs.update(own)
+        alternatives.append({"type": "object", "properties": {"name": {"type": "string", "const": tool.function.name},
+                             "arguments": parameters}, "required": ["name", "arguments"]})  # fmt: skip
+    schema: dict[str, Any] = {"type": "array", "items": {"anyOf": alternatives}, "minItems": 1}
+    if not parallel:
+        schema["maxItems"] = 1
+    if defs:
+        schema["$defs"] = defs
+    return schema
+
+
+def _template_tool(tool: ToolDefinition) -> dict[str, Any]:
+    """The shape HF chat templates read (they write it with tojson): what the client sent, without nulls."""
+    fn = tool.function
+    out: dict[str, Any] = {"name": fn.name}
+    if fn.description is not None:
+        out["description"] = fn.description
+    out["parameters"] = _parameters(fn)
+    return {"type": "function", "function": out}
+
+
+def plan_tools(req: ChatCompletionRequest, parser: str | None) -> ToolPlan:
+    """Checks the request's tools, tool_choice and tool messages (400 on any fault) and says what to do."""
+    check_messages(req.messages)
+    tools, choice = req.tools or [], req.tool_choice
+    if not tools:
+        if choice is not None:
+            raise bad_request("tool_choice is only allowed when tools are given", "tool_choice")
+        return ToolPlan("none", None)
+    check_tools(tools)
+    if choice == "none":  # the model is told of no tools, so it writes no calls of its own format either
+        return ToolPlan("none", None)
+    template_tools = [_template_tool(t) for t in tools]
+    if choice is None or choice == "auto":
+        return ToolPlan("auto", template_tools, parser=parser)
+    if choice == "required":
+        schema = required_schema(tools, req.parallel_tool_calls)
+        return ToolPlan("required", template_tools, StructuredOutput("json_schema", json.dumps(schema)))
+    name = choice.function.name
+    tool = next((t for t in tools if t.function.name == name), None)
+    if tool is None:
+        raise bad_request(f"tool_choice names the function {name!r}, which is not among the tools", "tool_choice")
+    spec = json.dumps(_parameters(tool.function))
+    return ToolPlan("named", template_tools, StructuredOutput("json_schema", spec), named=name)

@@ -1,0 +1,177 @@
+"""Tool calling end to end with the official openai client: forced calls (tool_choice "required" and a named
+function, through constrained decoding) streamed and not, tool results sent back, the hermes parser on a server
+started with --tool-call-parser hermes and a tool-aware --chat-template, and 400s for bad tool requests."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import jsonschema
+import openai
+import pytest
+
+from tests.conftest import Server
+from tests.test_api_streaming import assert_engine_idle_within
+
+MODEL = "SmolLM2-135M-Instruct"
+TEMPLATE = Path(__file__).parent / "data" / "tool_template.jinja"
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city",
+           "parameters": {"type": "object", "properties": {"city": {"enum": ["Paris", "London", "Tokyo"]},
+                          "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+                          "required": ["city", "days"]}}}  # fmt: skip
+TIME = {"type": "function", "function": {"name": "get_time", "description": "The time in a timezone", "parameters": {
+    "type": "object", "properties": {"tz": {"enum": ["UTC", "CET"]}}, "required": ["tz"]}}}  # fmt: skip
+TOOLS = [WEATHER, TIME]
+PARAMETERS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+ASK = [{"role": "user", "content": "What is the weather in Paris for the next 3 days?"}]
+HERMES = '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}</tool_call>'
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    s = Server(tmp_path_factory.mktemp("tools"), "--tool-call-parser", "hermes", "--chat-template", str(TEMPLATE))
+    yield s.wait_healthy()
+    s.assert_clean_exit()
+
+
+def check_calls(calls: list[dict[str, Any]], names: set[str]) -> None:
+    """Each call as OpenAI shapes it, for one of `names`, with arguments that validate against its parameters."""
+    assert calls
+    for call in calls:
+        assert call["id"].startswith("call_") and call["type"] == "function" and call["function"]["name"] in names
+        jsonschema.validate(json.loads(call["function"]["arguments"]), PARAMETERS[call["function"]["name"]])
+    assert len({c["id"] for c in calls}) == len(calls)
+
+
+def from_stream(chunks: list[Any]) -> tuple[str, list[dict[str, Any]], str | None]:
+    """Content, calls and finish_reason of a stream, checking every tool_calls delta has OpenAI's shape."""
+    content, calls, finish = "", [], None
+    for chunk in chunks:
+        for choice in chunk.choices:
+            delta = choice.delta
+            content += delta.content or ""
+            for tc in delta.tool_calls or []:
+                if tc.index == len(calls):  # first delta of a call: id, type, name and no arguments yet
+                    assert tc.id and tc.type == "function" and tc.function.name and tc.function.arguments == ""
+                    calls.append({"id": tc.id, "type": tc.type, "function": {"name": tc.function.name,
+                                                                             "arguments": ""}})  # fmt: skip
+                else:  # then only pieces of its arguments
+                    assert tc.index == len(calls) - 1 and tc.id is None and tc.function.name is None
+                    calls[tc.index]["function"]["arguments"] += tc.function.arguments
+            assert finish is None, "nothing after the finish chunk"
+            finish = choice.finish_reason
+    return content, calls, finish
+
+
+def test_forced_calls_streamed_and_not(server: Server):
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    cases = [("required", {"get_weather", "get_time"}), (named, {"get_weather"})]
+
+    async def run() -> list[Any]:
+        async with openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0, timeout=300) as c:
+            calls = []
+            for choice, _ in cases:
+                kw = {"model": MODEL, "messages": ASK, "tools": TOOLS, "tool_choice": choice, "max_tokens": 64,
+                      "temperature": 0}  # fmt: skip
+                calls += [c.chat.completions.create(**kw), c.chat.completions.create(**kw, stream=True)]
+            calls.append(c.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, tool_choice="required",
+                                                   parallel_tool_calls=False, max_tokens=64, n=2, temperature=1,
+                                                   seed=7))  # fmt: skip
+            results = await asyncio.gather(*calls)
+            return [r if not isinstance(r, openai.AsyncStream) else [x async for x in r] for r in results]
+
+    results = asyncio.run(run())
+    for i, (_, names) in enumerate(cases):
+        whole, streamed = results[2 * i], results[2 * i + 1]
+        msg = whole.choices[0].message
+        assert whole.choices[0].finish_reason == "tool_calls" and msg.content is None
+        check_calls([c.model_dump() for c in msg.tool_calls], names)
+        content, calls, finish = from_stream(streamed)
+        assert finish == "tool_calls" and content == ""
+        check_calls(calls, names)
+        # Greedy: the stream's pieces concatenate to the same calls as the whole response.
+        assert [c["function"] for c in calls] == [c.function.model_dump() for c in msg.tool_calls]
+    for choice in results[-1].choices:  # parallel_tool_calls false: exactly one call per choice
+        assert choice.finish_reason == "tool_calls" and len(choice.message.tool_calls) == 1
+        check_calls([c.model_dump() for c in choice.message.tool_calls], {"get_weather", "get_time"})
+    assert_engine_idle_within(server, 5.0)
+
+
+def test_conversation_with_calls_and_results(server: Server):
+    call = {"id": "call_0a1b2c", "type": "function", "function": {"name": "get_weather",
+            "arguments": '{"city": "Paris", "days": 3}'}}  # fmt: skip
+    messages = [*ASK, {"role": "assistant", "content": None, "tool_calls": [call]},
+                {"role": "tool", "tool_call_id": call["id"], "content": "Sunny, 22 C"}]
+    named = {"type": "function", "function": {"name": "get_time"}}
+
+    async def run() -> list[Any]:
+        async with openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0, timeout=300) as c:
+            return await asyncio.gather(
+                c.chat.completions.create(model=MODEL, messages=messages, tools=TOOLS, max_tokens=4),
+                c.chat.completions.create(model=MODEL, messages=messages, tools=TOOLS, tool_choice=named),
+                c.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, max_tokens=1))  # fmt: skip
+
+    reply, again, alone = asyncio.run(run())
+    assert reply.choices[0].finish_reason in ("stop", "length") and reply.choices[0].message.content
+    # The call and its result are in the prompt (the template writes both).
+    assert reply.usage.prompt_tokens > alone.usage.prompt_tokens + 20
+    assert again.choices[0].finish_reason == "tool_calls"
+    check_calls([c.model_dump() for c in again.choices[0].message.tool_calls], {"get_time"})
+
+
+def test_hermes_parser_on_the_server(server: Server):
+    """tool_choice auto with the hermes parser: the model's output is held to a hermes-format text by a regex
+    (the small model would not write one itself), and goes through the parser like any model's would."""
+    regex = re.sub(r"([.{}\[\]])", r"\\\1", "Sure.\n" + HERMES)
+    kw = {"model": MODEL, "messages": ASK, "tools": TOOLS, "max_tokens": 64, "extra_body": {"guided_regex": regex}}
+
+    async def run() -> list[Any]:
+        async with openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0, timeout=300) as c:
+            create = c.chat.completions.create
+            whole, stream, plain = await asyncio.gather(create(**kw), create(**kw, stream=True),
+                                                        create(**kw, tool_choice="none"))  # fmt: skip
+            return [whole, [x async for x in stream], plain]
+
+    whole, chunks, plain = asyncio.run(run())
+    msg = whole.choices[0].message
+    assert whole.choices[0].finish_reason == "tool_calls" and msg.content == "Sure."
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in msg.tool_calls] == [
+        ("get_weather", {"city": "Paris", "days": 3})]  # fmt: skip
+    content, calls, finish = from_stream(chunks)
+    assert (content, finish) == ("Sure.", "tool_calls")
+    assert [c["function"] for c in calls] == [c.function.model_dump() for c in msg.tool_calls]
+    # tool_choice none: the same text is content, as written.
+    assert plain.choices[0].message.content == "Sure.\n" + HERMES and plain.choices[0].message.tool_calls is None
+    assert plain.choices[0].finish_reason == "stop"
+    assert_engine_idle_within(server, 5.0)
+
+
+BAD = [
+    ({"tool_choice": "required"}, "tool_choice", "only allowed when tools"),
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice", "nope"),
+    ({"tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice", "tool_choice"),
+    ({"tools": [WEATHER, WEATHER]}, "tools", "twice"),
+    ({"tools": [{"type": "function", "function": {"name": "bad name"}}]}, "tools", "pattern"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "array"}}}]}, "tools", "object"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "required": 3}}}]},
+     "tools", "JSON schema"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
+        "a": {"type": "string", "pattern": "(?<=x)"}}}}}], "tool_choice": "required"}, "tools", "json_schema"),
+    ({"messages": [{"role": "tool", "content": "22 C"}]}, "messages", "tool_call_id"),
+    ({"messages": [{"role": "assistant", "tool_calls": [{"id": "c", "function": {"name": "f"}}]}]}, "messages",
+     "arguments"),
+]
+
+
+@pytest.mark.parametrize(("body", "param", "words"), BAD, ids=[f"{b[1]}-{b[2]}" for b in BAD])
+def test_bad_tool_requests(server: Server, body, param, words):
+    r = httpx.post(server.url + "/v1/chat/completions", json={"model": MODEL, "messages": ASK, **body}, timeout=60)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["type"] == "invalid_request_error" and error["param"] == param and words in error["message"], error
