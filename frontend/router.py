@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Sequence
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 MAX_ENTRIES = 1 << 16  # block hashes remembered (LRU): about 8 MB at most
 MAX_BLOCKS = 256  # full blocks hashed per prompt: bounds the work for a huge prompt
@@ -16,6 +16,9 @@ class Routable(Protocol):
 
     @property
     def load(self) -> int: ...
+
+
+E = TypeVar("E", bound=Routable)
 
 
 class PrefixRouter:
@@ -42,12 +45,12 @@ class PrefixRouter:
             hashes.append(h)
         return hashes
 
-    def choose(self, prompt: Sequence[int], engines: Sequence[Routable]) -> Routable:
+    def choose(self, prompt: Sequence[int], engines: Sequence[E]) -> E:
         """The engine for `prompt` among `engines` (those that take new requests now); remembers the choice."""
         hashes = self.block_hashes(prompt)
         masks = [self._engines.get(h, 0) for h in hashes]
 
-        def cost(engine: Routable) -> tuple[int, int]:
+        def cost(engine: E) -> tuple[int, int]:
             bit, cached = 1 << engine.index, 0
             for mask in masks:
                 if not mask & bit:
