@@ -7,6 +7,8 @@ import json
 from collections.abc import Callable
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from frontend.tool_forced import ForcedCallsParser, NamedCallParser
 from frontend.tool_parsers import Arguments, CallStart, Content, Event, HermesParser, ToolParser
@@ -152,3 +154,24 @@ def test_whole_message():
     plain = message(HermesParser(), "no tools here ")
     assert plain == {"role": "assistant", "content": "no tools here "}
     assert finish_reason(HermesParser(), "stop") == "stop"
+
+
+# Text made of the pieces parsers care about: tags (whole and cut), JSON punctuation, names, whitespace.
+PIECES = ["<tool_call>", "</tool_call>", "<tool_", "call>", "</tool", "<", ">", "{", "}", "[", "]", ",", ":", '"',
+          "\\", '\\"', '"name"', '"arguments"', '"get_time"', "{}", "1.5", "true", "null", " ", "\n", "hi",
+          "é"]  # fmt: skip
+TEXTS = st.lists(st.sampled_from(PIECES + [WEATHER, TIME, REQUIRED, NAMED]), max_size=12).map("".join)
+PARSERS = [HermesParser, ForcedCallsParser, lambda: NamedCallParser("f")]
+
+
+@settings(max_examples=300, derandomize=True, deadline=None, database=None)
+@given(TEXTS, st.lists(st.integers(0, 400), max_size=4), st.sampled_from(range(len(PARSERS))))
+def test_any_text_parses_the_same_however_split(text, cuts, which):
+    """Never raises; the same content and calls whether the text comes whole or in pieces."""
+    make = PARSERS[which]
+    bounds = sorted({min(c, len(text)) for c in cuts} | {0, len(text)})
+    pieces = [text[a:b] for a, b in zip(bounds, bounds[1:], strict=False)]
+    whole = run(make, [text])
+    assert run(make, pieces) == whole
+    if which == 0 and not whole[1]:  # hermes without a call: the text is all content, exactly
+        assert whole[0] == text

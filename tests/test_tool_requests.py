@@ -9,6 +9,8 @@ from typing import Any
 
 import jsonschema
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from common.messages import StructuredOutput
 from common.model_source import resolve_model
@@ -157,3 +159,35 @@ def test_missing_or_broken_template_file(tmp_path):
     (tmp_path / "bad.jinja").write_text("{% for m in messages %}")
     with pytest.raises(Exception, match="chat template"):
         Tokenizer(resolve_model(None).path, chat_template=str(tmp_path / "bad.jinja"))
+
+
+WORDS = ["type", "object", "string", "properties", "required", "$ref", "#/$defs/a", "$defs", "a", "items", "enum",
+         "anyOf", "pattern", "(", "minimum", "const", "\ud800"]  # fmt: skip
+JSON = st.recursive(st.one_of(st.none(), st.booleans(), st.integers(-5, 5), st.floats(), st.sampled_from(WORDS)),
+                    lambda inner: st.one_of(st.lists(inner, max_size=3),
+                                            st.dictionaries(st.sampled_from(WORDS), inner, max_size=4)),
+                    max_leaves=12)  # fmt: skip
+PARAMETERS = st.one_of(JSON, JSON.map(lambda v: {"type": "object", "properties": {"a": v}, "required": ["a"]}))
+TOOL_CHOICE = st.sampled_from([None, "none", "auto", "required", {"type": "function", "function": {"name": "f"}}])
+
+
+@settings(max_examples=300, derandomize=True, deadline=None, database=None)
+@given(PARAMETERS, TOOL_CHOICE, st.booleans())
+def test_any_parameters_are_a_plan_or_a_400(parameters, tool_choice, parallel):
+    """Whatever the parameters hold: a 400 naming tools, or a plan whose forced schema xgrammar either builds or
+    refuses with a message (the API's 400) and jsonschema can use."""
+    body = {"tools": [{"type": "function", "function": {"name": "f", "parameters": parameters}}],
+            "tool_choice": tool_choice, "parallel_tool_calls": parallel}  # fmt: skip
+    try:
+        req = ChatCompletionRequest.model_validate({"messages": USER, **body})
+    except ValueError:
+        return  # pydantic's 400 (parameters not an object)
+    try:
+        p = plan_tools(req, "hermes")
+    except ApiError as exc:
+        assert exc.status == 400 and exc.param == "tools"
+        return
+    if p.structured is not None:
+        jsonschema.Draft202012Validator.check_schema(json.loads(p.structured.spec))
+        error = spec_error(p.structured)  # never raises: None, or why (the API's 400)
+        assert error is None or (isinstance(error, str) and error)
