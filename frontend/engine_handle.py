@@ -47,6 +47,7 @@ class EngineHandle:
         self.ping_timeout = ping_timeout
         self.metrics: Metrics | None = None
         self.budget: RestartBudget | None = None  # set by whoever supervises (launch.py)
+        self.restarts = 0
         self.streams: dict[str, RequestStream] = {}  # in flight on this engine
         self._calls: dict[int, asyncio.Future[UtilityResult]] = {}
         self._call_id = 0
@@ -98,7 +99,7 @@ class EngineHandle:
                                 "in_flight": len(self.streams), "load_tokens": self.load}  # fmt: skip
         if self.process is not None:
             info["pid"] = self.process.pid
-            info["restarts"] = self.budget.used if self.budget is not None else 0
+            info["restarts"] = self.restarts
         if self.dead is not None:
             info["error"] = self.dead
         return info
@@ -206,6 +207,7 @@ class EngineHandle:
                 log.error("%s down: %s; already restarted %d times within %g s (--max-engine-restarts)", self.label,
                           cause, budget.used, budget.window)  # fmt: skip
                 return cause
+            self.restarts += 1
             if self.metrics is not None:
                 self.metrics.engine_restarts(self.index).inc()
             log.warning("%s down: %s; starting epoch %d (restart %d of %d within %g s), %d requests waiting to "

@@ -150,6 +150,7 @@ def test_kill_one_engine_under_32_streams(server: Server):
     asyncio.run(scenario())
     status, body = health(server)
     assert status == 200 and [e["state"] for e in body["engines"]] == ["ready", "ready"], body
+    assert body["engines"][1]["restarts"] == body["engines"][0]["restarts"] + 1, body
     assert "engine core 1 (epoch 0) disconnected" in server.log.read_text()
 
 
