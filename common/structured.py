@@ -21,6 +21,9 @@ if TYPE_CHECKING:
 KINDS = ("json_object", "json_schema", "regex", "choice", "grammar")
 MAX_SPEC_CHARS = 256 * 1024  # schema / regex / EBNF text; a grammar's compile time grows with it
 ANY_OBJECT_SCHEMA = '{"type": "object"}'
+# Regex / EBNF repetition counts: xgrammar's parser takes about 15 s over "a{1000000}", and its compile is worse.
+MAX_REPEAT = 10_000
+_REPEAT = re.compile(r"\{\s*(\d+)\s*(?:,\s*(\d*)\s*)?\}")
 # xgrammar's errors start with "[hh:mm:ss] /path/file.cc:123: " and sometimes "Check failed: (...) is false: ".
 _NOISE = re.compile(r"^\[[\d:]+\] \S+:\d+: (Check failed: .*? is false: )?")
 
@@ -54,6 +57,10 @@ def spec_error(so: StructuredOutput) -> str | None:
     """Why this constraint cannot be compiled, in one line; None when it can."""
     if len(so.spec) > MAX_SPEC_CHARS:
         return f"the {so.kind} specification is longer than {MAX_SPEC_CHARS} characters"
+    if so.kind in ("regex", "grammar"):
+        counts = [int(n) for m in _REPEAT.finditer(so.spec) for n in m.groups() if n]
+        if counts and max(counts) > MAX_REPEAT:
+            return f"repetition count {max(counts)} is above the limit of {MAX_REPEAT}"
     try:
         grammar_of(so)
     except Exception as exc:  # whatever xgrammar raises, a bad spec is the caller's 400, never a 500

@@ -139,7 +139,13 @@ def release(gated: list[Request], wait: bool) -> tuple[list[Request], list[tuple
     for req in live:
         if not req.grammar.future.done():
             pending.append(req)
-        elif (end := req.grammar.start(req)) is None:
+            continue
+        try:
+            end = req.grammar.start(req)
+        except Exception as exc:  # a matcher that cannot be made fails its request, never the engine
+            log.exception("grammar matcher for request %s", req.request_id)
+            end = FinishReason.ERROR, f"the structured output constraint failed: {error_text(exc)}"
+        if end is None:
             ready.append(req)
         else:
             ended.append((req, *end))

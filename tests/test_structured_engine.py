@@ -1,0 +1,106 @@
+"""Constrained decoding inside the engine core: resume after a crash, preemption, compile errors, neighbours
+untouched, and constraints that meet min_tokens or ignore_eos."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from common.messages import EngineRequest, FinishReason, SamplingParams, StructuredOutput
+from engine_core.core import EngineCore
+from tests.engine_helpers import fp32_config, greedy_request, mixed_prompts, run_engine, tokenizer, tokens_of
+
+SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
+                                           "tags": {"type": "array", "items": {"enum": ["a", "b", "c"]},
+                                                    "maxItems": 4}},
+          "required": ["name", "tags"]}  # fmt: skip
+JSON = StructuredOutput("json_schema", json.dumps(SCHEMA))
+
+
+@pytest.fixture(scope="module")
+def core():
+    return EngineCore(fp32_config())
+
+
+def chat_ids(text: str) -> list[int]:
+    ids = tokenizer().apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
+    return ids if isinstance(ids, list) else ids["input_ids"]
+
+
+def sampled(rid: str, seed: int, structured: StructuredOutput | None = JSON, outputs: list[int] | None = None,
+            **kw) -> EngineRequest:  # fmt: skip
+    params = SamplingParams(max_tokens=120, temperature=1.0, seed=seed, structured=structured, **kw)
+    return EngineRequest(rid, chat_ids("Describe a dog as JSON."), params, output_token_ids=outputs or [])
+
+
+def text(tokens: list[int]) -> str:
+    return tokenizer().decode(tokens, skip_special_tokens=True)
+
+
+def test_resumed_request_continues_inside_the_grammar(core: EngineCore):
+    full = run_engine(core, [sampled("whole", 7)])["whole"]
+    tokens = tokens_of({"whole": full}, ["whole"])[0]
+    assert full[-1].finish_reason == FinishReason.STOP
+    assert isinstance(json.loads(text(tokens)), dict)
+    cut = len(tokens) // 2
+    assert 0 < cut < len(tokens) - 1
+    # A restarted engine gets the tokens already streamed: the matcher replays them, and the seeded draw
+    # (a function of seed and position) continues exactly as before.
+    resumed = run_engine(core, [sampled("resumed", 7, outputs=tokens[:cut])])["resumed"]
+    assert tokens[:cut] + tokens_of({"r": resumed}, ["r"])[0] == tokens
+    assert resumed[-1].finish_reason == FinishReason.STOP
+
+
+def test_resumed_outputs_outside_the_grammar_fail_only_that_request(core: EngineCore):
+    bad = tokenizer()("hello", add_special_tokens=False)["input_ids"]  # JSON must start with "{"
+    results = run_engine(core, [sampled("bad", 1, outputs=bad), sampled("good", 2)])
+    assert results["bad"][-1].finish_reason == FinishReason.ERROR and "grammar" in results["bad"][-1].error
+    assert json.loads(text(tokens_of(results, ["good"])[0]))["name"] is not None
+
+
+def test_compile_error_fails_only_its_request(core: EngineCore):
+    broken = StructuredOutput("regex", "a(b")
+    unknown = StructuredOutput("xml", "<a/>")
+    results = run_engine(core, [sampled("broken", 1, broken), sampled("unknown", 1, unknown), sampled("ok", 3)])
+    for rid in ("broken", "unknown"):
+        out = results[rid]
+        assert len(out) == 1 and out[0].finish_reason == FinishReason.ERROR and out[0].new_token_ids == []
+        assert "could not be compiled" in out[0].error
+    assert "parenthesis" in results["broken"][0].error
+    assert results["ok"][-1].finish_reason == FinishReason.STOP
+
+
+def test_unconstrained_neighbours_are_unaffected(core: EngineCore):
+    prompts = mixed_prompts()[:6]
+    plain = [greedy_request(f"p{i}", p, 12) for i, p in enumerate(prompts)]
+    alone = tokens_of(run_engine(core, plain), [r.request_id for r in plain])
+    mixed = [greedy_request(f"m{i}", p, 12) for i, p in enumerate(prompts)]
+    constrained = [sampled(f"c{i}", i) for i in range(4)]
+    # Constrained requests interleaved with the plain ones, in the same steps.
+    together = run_engine(core, [r for pair in zip(mixed, constrained + [None] * 2, strict=True) for r in pair if r])
+    assert tokens_of(together, [r.request_id for r in mixed]) == alone
+    for r in constrained:
+        assert json.loads(text(tokens_of(together, [r.request_id])[0]))
+
+
+def test_grammar_ends_the_request_despite_ignore_eos_and_min_tokens(core: EngineCore):
+    choice = StructuredOutput("choice", json.dumps(["yes", "no"]))
+    reqs = [sampled("min", 1, choice, min_tokens=20), sampled("ign", 2, choice, ignore_eos=True),
+            sampled("lp", 3, choice, logprobs=2)]  # fmt: skip
+    results = run_engine(core, reqs)
+    for r in reqs:
+        out = results[r.request_id]
+        assert text(tokens_of(results, [r.request_id])[0]) in ("yes", "no"), out
+        assert out[-1].finish_reason == FinishReason.STOP
+    assert all(o.new_logprobs is not None for o in results["lp"])
+
+
+def test_preempted_requests_keep_their_grammar_state():
+    core = EngineCore(fp32_config(num_kv_blocks=24, block_size=16))  # too few blocks for 8 at once
+    reqs = [sampled(f"r{i}", i) for i in range(8)]
+    results = run_engine(core, reqs)
+    assert core.scheduler.num_preempted > 0
+    for r in reqs:
+        assert results[r.request_id][-1].finish_reason == FinishReason.STOP
+        assert json.loads(text(tokens_of(results, [r.request_id])[0]))["tags"] is not None
