@@ -2,7 +2,7 @@
 unconstrained and then held to a JSON schema, output tok/s and time per step for each.
 
 python -m bench.structured [--num-requests 32] [--max-tokens 96] [--repeat 2] [--modes plain,json_fast,json_short]
-    [--result-json bench/results/structured.json]
+    [--num-threads N] [--result-json bench/results/structured.json]
 
 `plain` uses only the EngineCore API that predates constrained decoding, so the same command run in a worktree
 of an older commit measures unconstrained throughput before and after (--modes plain).
@@ -75,6 +75,7 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=2)
     parser.add_argument("--modes", default="plain,json_fast,json_short")
     parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--num-threads", type=int, default=None, help="torch threads (default: one per core)")
     parser.add_argument("--result-json", default=None)
     args = parser.parse_args()
     from transformers import AutoTokenizer
@@ -82,7 +83,7 @@ def main() -> None:
     from common.model_source import resolve_model
     from engine_core.core import EngineCore
 
-    core = EngineCore(EngineConfig(dtype=args.dtype, kv_cache_memory=1.0))
+    core = EngineCore(EngineConfig(dtype=args.dtype, kv_cache_memory=1.0, num_threads=args.num_threads))
     tokenizer = AutoTokenizer.from_pretrained(resolve_model(None).path)
     modes = args.modes.split(",")
     for mode in modes:  # warm-up: kernels, oneDNN shapes, grammar compiles (cached afterwards)

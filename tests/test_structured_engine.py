@@ -11,7 +11,7 @@ from common.messages import EngineRequest, FinishReason, SamplingParams, Structu
 from engine_core.core import EngineCore
 from tests.engine_helpers import fp32_config, greedy_request, mixed_prompts, run_engine, tokenizer, tokens_of
 
-SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
+SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 24},
                                            "tags": {"type": "array", "items": {"enum": ["a", "b", "c"]},
                                                     "maxItems": 4}},
           "required": ["name", "tags"]}  # fmt: skip
