@@ -22,18 +22,18 @@ import uvicorn
 
 from common import ipc
 from common.config import EngineConfig, ServerConfig, add_cli_args, from_cli_args
-from common.engine_link import EngineStartError
 from common.model_source import ModelSourceError, resolve_model
 from engine_core.tp_procs import layout as tp_layout
 from engine_core.tp_procs import run_node_agent
-from frontend.api_server import create_app
-from frontend.engine_client import AsyncEngineClient, supervisors
-from frontend.engine_handle import EngineHandle
-from frontend.http_limits import uvicorn_limits
+from frontend.api.api_server import create_app
+from frontend.api.http_limits import uvicorn_limits
+from frontend.api.serving import ServingContext
+from frontend.engine.engine_client import AsyncEngineClient, supervisors
+from frontend.engine.engine_handle import EngineHandle
+from frontend.engine.spawn import EngineStartError
+from frontend.engine.supervisor import RestartBudget
 from frontend.metrics import Metrics
-from frontend.serving import ServingContext
-from frontend.supervisor import RestartBudget
-from frontend.tokenizer import Tokenizer, TokenizerError
+from frontend.text.tokenizer import Tokenizer, TokenizerError
 
 log = logging.getLogger("roseinfer.launch")
 

@@ -15,8 +15,8 @@ import statistics
 import time
 
 from common.config import EngineConfig
-from common.engine_link import EngineClient
 from common.messages import EngineOutputs, EngineRequest, SamplingParams
+from frontend.offline.engine_link import EngineClient
 
 
 def random_prompts(n: int, length: int, seed: int, vocab: int = 49152) -> list[list[int]]:

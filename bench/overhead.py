@@ -27,8 +27,8 @@ from bench import serve
 from bench.compare import free_port, launched
 from bench.offline import add_workload_args, bench_hf
 from common.config import EngineConfig, to_cli_args
-from common.engine_link import EngineClient
 from common.messages import EngineRequest, SamplingParams
+from frontend.offline.engine_link import EngineClient
 
 
 def run_direct(prompts: list[list[int]], warmup: list[list[int]], output_len: int,

@@ -1,5 +1,5 @@
 """Hypothesis strategies for the fuzzer's field values: around and beyond every bound of the request schemas
-(frontend/protocol.py), and of every wrong type."""
+(frontend/api/protocol.py), and of every wrong type."""
 
 from __future__ import annotations
 
@@ -90,7 +90,7 @@ LOGIT_BIAS = weighted(
 STREAM_OPTIONS = st.one_of(st.fixed_dictionaries({"include_usage": field(BOOL)}), st.none(),
                            st.just({"continuous_usage_stats": True}))  # fmt: skip
 
-# The fields of SamplingFields (frontend/protocol.py), shared by completions, chat and /generate: values around
+# The fields of SamplingFields (frontend/api/protocol.py), shared by completions, chat and /generate: values around
 # their bounds (body() adds the wrong types).
 SAMPLING: dict[str, SearchStrategy[Any]] = {
     "n": N,

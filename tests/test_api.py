@@ -10,9 +10,9 @@ import openai
 import pytest
 
 from common.config import EngineConfig
-from common.engine_link import EngineClient, token_ids
 from common.messages import EngineRequest, SamplingParams
 from common.model_source import resolve_model
+from frontend.offline.engine_link import EngineClient, token_ids
 from tests.conftest import Server
 
 MODEL = "SmolLM2-135M-Instruct"

@@ -11,9 +11,9 @@ import pytest
 from common.config import EngineConfig
 from common.messages import EngineRequest, SamplingParams
 from common.model_source import resolve_model
-from frontend.detokenizer import IncrementalDetokenizer
-from frontend.engine_client import AsyncEngineClient
-from frontend.tokenizer import Tokenizer
+from frontend.engine.engine_client import AsyncEngineClient
+from frontend.text.detokenizer import IncrementalDetokenizer
+from frontend.text.tokenizer import Tokenizer
 from tests.conftest import TEST_DP
 
 STORY = "Once upon a time, there was a dragon who"

@@ -15,8 +15,8 @@ import httpx
 import pytest
 
 from common.messages import EngineOutput, EngineRequest, SamplingParams
-from frontend.request_stream import RequestStream
-from frontend.supervisor import RestartBudget
+from frontend.engine.request_stream import RequestStream
+from frontend.engine.supervisor import RestartBudget
 from tests.conftest import Server, engine_child
 
 MODEL = "SmolLM2-135M-Instruct"

@@ -12,9 +12,9 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from common.model_source import resolve_model
-from frontend.detokenizer import IncrementalDetokenizer
-from frontend.serving import clamp, dumps
-from frontend.tokenizer import Tokenizer
+from frontend.api.serving import clamp, dumps
+from frontend.text.detokenizer import IncrementalDetokenizer
+from frontend.text.tokenizer import Tokenizer
 
 TEXTS = [
     "Hello, world! The quick brown fox jumps over the lazy dog.",

@@ -17,8 +17,8 @@ import httpx
 import pytest
 
 from common.config import EngineConfig
-from frontend.placement import place_engines
-from frontend.router import PrefixRouter
+from frontend.engine.placement import place_engines
+from frontend.engine.router import PrefixRouter
 from tests.conftest import Server, engine_children, engine_index_of
 from tests.test_api import (  # noqa: F401  (fixtures and tests, run here against two engines)
     base,

@@ -10,8 +10,8 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from common.config import EngineConfig
-from common.engine_link import EngineClient, token_ids
 from common.messages import AbortRequest, EngineRequest, FinishReason, SamplingParams
+from frontend.offline.engine_link import EngineClient, token_ids
 from tests.engine_helpers import mixed_prompts
 
 

@@ -11,21 +11,21 @@ from transformers import AutoModelForCausalLM
 
 from common.messages import SamplingParams
 from common.model_source import resolve_model
-from frontend.llm import LLM
+from frontend.offline.llm import LLM
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 
 
 def test_cli_answers_paris() -> None:
-    proc = subprocess.run([sys.executable, "-m", "frontend.generate", "--prompt", "What is the capital of France?",
-                           "--dtype", "float32", "--max-tokens", "32"],
+    proc = subprocess.run([sys.executable, "-m", "frontend.offline.generate", "--prompt",
+                           "What is the capital of France?", "--dtype", "float32", "--max-tokens", "32"],
                           capture_output=True, text=True, timeout=300)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "Paris" in proc.stdout
 
 
 def test_cli_reports_a_bad_model_in_one_line() -> None:
-    proc = subprocess.run([sys.executable, "-m", "frontend.generate", "--model", "/no/such/model"],
+    proc = subprocess.run([sys.executable, "-m", "frontend.offline.generate", "--model", "/no/such/model"],
                           capture_output=True, text=True, timeout=120)  # fmt: skip
     assert proc.returncode == 1
     assert proc.stderr.strip().startswith("error:") and "Traceback" not in proc.stderr

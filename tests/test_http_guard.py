@@ -7,7 +7,7 @@ import json
 from typing import Any
 
 from common.config import ServerConfig
-from frontend.http_guard import HttpGuard
+from frontend.api.http_guard import HttpGuard
 
 
 async def _echo_body(scope, receive, send) -> None:

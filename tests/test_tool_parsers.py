@@ -10,9 +10,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from frontend.tool_forced import ForcedCallsParser, NamedCallParser
-from frontend.tool_parsers import Arguments, CallStart, Content, Event, HermesParser, ToolParser
-from frontend.tool_stream import ToolStreams, finish_reason, message
+from frontend.tools.tool_forced import ForcedCallsParser, NamedCallParser
+from frontend.tools.tool_parsers import Arguments, CallStart, Content, Event, HermesParser, ToolParser
+from frontend.tools.tool_stream import ToolStreams, finish_reason, message
 
 Result = tuple[str, list[tuple[str, str]], int]  # content, [(name, arguments)], complete calls
 

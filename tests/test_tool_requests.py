@@ -15,10 +15,10 @@ from hypothesis import strategies as st
 from common.messages import StructuredOutput
 from common.model_source import resolve_model
 from common.structured import spec_error
+from frontend.api.protocol import ChatCompletionRequest
 from frontend.errors import ApiError
-from frontend.protocol import ChatCompletionRequest
-from frontend.tokenizer import Tokenizer
-from frontend.tool_calls import plan_tools
+from frontend.text.tokenizer import Tokenizer
+from frontend.tools.tool_calls import plan_tools
 
 TEMPLATE = Path(__file__).parent / "data" / "tool_template.jinja"
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Current weather", "parameters": {

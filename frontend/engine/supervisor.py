@@ -12,7 +12,7 @@ import time
 
 from common import ipc
 from common.config import EngineConfig
-from common.engine_link import spawn_engine
+from frontend.engine.spawn import spawn_engine
 
 
 class EngineSupervisor:

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 import msgspec
 
 from common.messages import EngineOutput, EngineRequest, FinishReason, Logprobs
-from frontend.detokenizer import IncrementalDetokenizer
+from frontend.text.detokenizer import IncrementalDetokenizer
 
 
 @dataclass

@@ -13,10 +13,10 @@ from typing import Any
 import msgspec
 
 from common.messages import Logprobs, SamplingParams
+from frontend.api.serving import clamp
+from frontend.engine.fanout import Choice
 from frontend.errors import bad_request
-from frontend.fanout import Choice
-from frontend.serving import clamp
-from frontend.tokenizer import Tokenizer
+from frontend.text.tokenizer import Tokenizer
 
 
 def with_prompt_logprobs(params: SamplingParams, *wanted: int | None) -> SamplingParams:

@@ -10,9 +10,9 @@ from tqdm import tqdm
 from transformers import AutoTokenizer
 
 from common.config import EngineConfig
-from common.engine_link import EngineClient
 from common.messages import EngineRequest, SamplingParams
 from common.model_source import resolve_model
+from frontend.offline.engine_link import EngineClient
 
 
 @dataclass

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from frontend.stop_strings import StopStringMatcher
+from frontend.text.stop_strings import StopStringMatcher
 
 # Prompt tokens decoded ahead of the first output token, so tokenizers that strip a leading space
 # (SentencePiece) or merge bytes across tokens decode the first output token as they would mid-text.

@@ -13,10 +13,10 @@ from typing import Any, Literal
 import jsonschema
 
 from common.messages import StructuredOutput
+from frontend.api.protocol import ChatCompletionRequest, ChatMessage, FunctionDefinition, ToolDefinition
 from frontend.errors import bad_request
-from frontend.protocol import ChatCompletionRequest, ChatMessage, FunctionDefinition, ToolDefinition
-from frontend.tool_forced import ForcedCallsParser, NamedCallParser
-from frontend.tool_parsers import HermesParser, ToolParser
+from frontend.tools.tool_forced import ForcedCallsParser, NamedCallParser
+from frontend.tools.tool_parsers import HermesParser, ToolParser
 
 TOOL_PARSERS = ("hermes",)  # --tool-call-parser choices
 MAX_SCHEMA_DEPTH = 32  # nesting of a tool's parameters: every walk over it (ours, jsonschema's, the grammar's) recurses

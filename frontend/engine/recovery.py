@@ -10,11 +10,11 @@ from typing import Protocol
 
 import zmq
 
-from common.engine_link import EngineStartError
 from common.messages import AbortRequest, EngineReady, EngineRequest, UtilityCall
+from frontend.engine.request_stream import RequestStream
+from frontend.engine.spawn import EngineStartError
+from frontend.engine.supervisor import EngineSupervisor
 from frontend.errors import EngineUnavailable
-from frontend.request_stream import RequestStream
-from frontend.supervisor import EngineSupervisor
 
 log = logging.getLogger("roseinfer.frontend")
 POISON = "request_crashed_engine"  # error code of a request failed for being in two engine crashes running

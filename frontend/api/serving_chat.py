@@ -8,16 +8,16 @@ import msgspec
 from fastapi import Request
 from fastapi.responses import Response
 
+from frontend.api.prompt_logprobs import attach_vllm_shape, check_stream, with_prompt_logprobs
+from frontend.api.protocol import ChatCompletionRequest, ChatMessage
+from frontend.api.serving import ServingContext, clamp, off_loop, respond
+from frontend.api.structured_request import check, with_structured_output
+from frontend.engine.fanout import Choice
+from frontend.engine.request_stream import Delta
 from frontend.errors import bad_request
-from frontend.fanout import Choice
-from frontend.prompt_logprobs import attach_vllm_shape, check_stream, with_prompt_logprobs
-from frontend.protocol import ChatCompletionRequest, ChatMessage
-from frontend.request_stream import Delta
-from frontend.serving import ServingContext, clamp, off_loop, respond
-from frontend.structured_request import check, with_structured_output
-from frontend.tokenizer import TokenizerError
-from frontend.tool_calls import ToolPlan, plan_tools
-from frontend.tool_stream import ToolStreams, finish_reason, message
+from frontend.text.tokenizer import TokenizerError
+from frontend.tools.tool_calls import ToolPlan, plan_tools
+from frontend.tools.tool_stream import ToolStreams, finish_reason, message
 
 
 def chat_prompt(ctx: ServingContext, messages: list[ChatMessage], add_generation_prompt: bool = True,

@@ -1,4 +1,4 @@
-"""python -m frontend.generate --prompt TEXT: chat-templated generation from the command line."""
+"""python -m frontend.offline.generate --prompt TEXT: chat-templated generation from the command line."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from common.model_source import ModelSourceError
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m frontend.generate")
+    parser = argparse.ArgumentParser(prog="python -m frontend.offline.generate")
     parser.add_argument("--prompt", default="What is the capital of France?")
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
@@ -20,7 +20,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
     add_cli_args(parser, EngineConfig)
     args = parser.parse_args(argv)
-    from frontend.llm import LLM  # after parsing, so --help is instant
+    from frontend.offline.llm import LLM  # after parsing, so --help is instant
 
     config = from_cli_args(EngineConfig, args)
     options = {k: v for k, v in vars(config).items() if k != "model"}

@@ -13,14 +13,14 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from common.messages import SamplingParams
-from frontend.detokenizer import IncrementalDetokenizer
-from frontend.engine_client import AsyncEngineClient, EngineUnavailable, QueueFull
+from frontend.api.protocol import SamplingFields
+from frontend.engine.engine_client import AsyncEngineClient, EngineUnavailable, QueueFull
+from frontend.engine.fanout import Choice, FanOut
+from frontend.engine.recovery import POISON
+from frontend.engine.request_stream import Delta
 from frontend.errors import ApiError, bad_request, sse_error
-from frontend.fanout import Choice, FanOut
-from frontend.protocol import SamplingFields
-from frontend.recovery import POISON
-from frontend.request_stream import Delta
-from frontend.tokenizer import Tokenizer
+from frontend.text.detokenizer import IncrementalDetokenizer
+from frontend.text.tokenizer import Tokenizer
 
 T = TypeVar("T")
 

@@ -12,19 +12,19 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from common.config import ServerConfig
-from frontend.errors import ApiError, bad_request, from_validation_errors
-from frontend.http_guard import BodyRefused, HttpGuard
-from frontend.metrics import Metrics
-from frontend.protocol import (
+from frontend.api.http_guard import BodyRefused, HttpGuard
+from frontend.api.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
     GenerateRequest,
     TokenizeRequest,
 )
-from frontend.serving import ServingContext, off_loop, stream_text
-from frontend.serving_chat import chat_prompt, create_chat_completion
-from frontend.serving_completion import create_completion
+from frontend.api.serving import ServingContext, off_loop, stream_text
+from frontend.api.serving_chat import chat_prompt, create_chat_completion
+from frontend.api.serving_completion import create_completion
+from frontend.errors import ApiError, bad_request, from_validation_errors
+from frontend.metrics import Metrics
 
 
 def create_app(ctx: ServingContext, config: ServerConfig, metrics: Metrics) -> FastAPI:

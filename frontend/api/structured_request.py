@@ -11,9 +11,9 @@ import msgspec
 
 from common.messages import SamplingParams, StructuredOutput
 from common.structured import spec_error
+from frontend.api.protocol import StructuredFields
+from frontend.api.serving import off_loop
 from frontend.errors import bad_request
-from frontend.protocol import StructuredFields
-from frontend.serving import off_loop
 
 
 def _json_text(value: Any, param: str) -> str:

@@ -8,13 +8,13 @@ from fastapi import Request
 from fastapi.responses import Response
 
 from common.messages import Logprobs
+from frontend.api.prompt_logprobs import attach_vllm_shape, check_stream, echo_part, with_prompt_logprobs
+from frontend.api.protocol import DEFAULT_COMPLETION_TOKENS, CompletionRequest
+from frontend.api.serving import ServingContext, clamp, off_loop, respond
+from frontend.api.structured_request import with_structured_output
+from frontend.engine.fanout import Choice
+from frontend.engine.request_stream import Delta
 from frontend.errors import bad_request
-from frontend.fanout import Choice
-from frontend.prompt_logprobs import attach_vllm_shape, check_stream, echo_part, with_prompt_logprobs
-from frontend.protocol import DEFAULT_COMPLETION_TOKENS, CompletionRequest
-from frontend.request_stream import Delta
-from frontend.serving import ServingContext, clamp, off_loop, respond
-from frontend.structured_request import with_structured_output
 
 
 class CompletionFormat:

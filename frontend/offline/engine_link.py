@@ -1,17 +1,15 @@
-"""Starting an engine-core process and talking to it over ZMQ directly, with no HTTP (tests, tools, LLM)."""
+"""Talking to an engine core over ZMQ directly, with no HTTP or asyncio: the offline LLM, tests and tools."""
 
 from __future__ import annotations
 
-import os
 import subprocess
-import sys
 import time
 from collections.abc import Iterable
 
 import zmq
 
 from common import ipc
-from common.config import EngineConfig, to_cli_args
+from common.config import EngineConfig
 from common.messages import (
     AbortRequest,
     EngineDead,
@@ -23,21 +21,7 @@ from common.messages import (
     UtilityCall,
     UtilityResult,
 )
-
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-class EngineStartError(RuntimeError):
-    pass
-
-
-def spawn_engine(config: EngineConfig, addresses: ipc.Addresses, env: dict[str, str] | None = None) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "engine_core", "--input", addresses.input, "--output", addresses.output]
-    # Our pid, not the engine's later getppid(): we may die before it looks. With the run directory, an engine
-    # that outlives us removes it.
-    cmd += ["--parent-pid", str(os.getpid())] + (["--run-dir", addresses.run_dir] if addresses.run_dir else [])
-    path = os.pathsep.join(filter(None, [REPO_ROOT, os.environ.get("PYTHONPATH")]))
-    return subprocess.Popen(cmd + to_cli_args(config), env={**os.environ, **(env or {}), "PYTHONPATH": path})
+from frontend.engine.spawn import EngineStartError, spawn_engine
 
 
 class EngineLink:

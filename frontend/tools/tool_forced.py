@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 
-from frontend.tool_parsers import Arguments, CallStart, Content, Event, call_id
+from frontend.tools.tool_parsers import Arguments, CallStart, Content, Event, call_id
 
 _WS = " \t\r\n"
 

@@ -119,7 +119,7 @@ class StructuredOutputsParams(_Model):
 
 
 class StructuredFields(_Model):
-    """Constrained decoding (frontend/structured_request.py): OpenAI's response_format, vLLM's guided_* and
+    """Constrained decoding (frontend/api/structured_request.py): OpenAI's response_format, vLLM's guided_* and
     structured_outputs. At most one may be given; texts are bounded by common/structured.py's MAX_SPEC_CHARS."""
 
     response_format: ResponseFormat | None = None
@@ -194,7 +194,7 @@ class ChatMessage(_Model):
 class FunctionDefinition(_Model):
     name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")  # OpenAI's rule
     description: Text | None = None
-    parameters: dict[str, Any] | None = None  # a JSON schema of an object; checked in frontend/tool_calls.py
+    parameters: dict[str, Any] | None = None  # a JSON schema of an object; checked in frontend/tools/tool_calls.py
     strict: bool | None = None
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from frontend.tool_parsers import Arguments, CallStart, Content, Event, ToolParser
+from frontend.tools.tool_parsers import Arguments, CallStart, Content, Event, ToolParser
 
 
 def _deltas(events: list[Event]) -> list[dict[str, Any]]:

@@ -12,8 +12,8 @@ import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
 from common.messages import EngineReady, UtilityResult
+from frontend.engine.supervisor import EngineSupervisor
 from frontend.errors import EngineUnavailable
-from frontend.supervisor import EngineSupervisor
 
 PROCESS_POLL_S = 0.1  # how soon a vanished engine process is noticed when no disconnect says so first
 PING_INTERVAL_S = 1.0

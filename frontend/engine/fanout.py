@@ -10,9 +10,9 @@ from dataclasses import dataclass, field
 import msgspec
 
 from common.messages import EngineRequest, SamplingParams
-from frontend.detokenizer import IncrementalDetokenizer
-from frontend.engine_client import AsyncEngineClient
-from frontend.request_stream import Delta, RequestStream
+from frontend.engine.engine_client import AsyncEngineClient
+from frontend.engine.request_stream import Delta, RequestStream
+from frontend.text.detokenizer import IncrementalDetokenizer
 
 
 @dataclass

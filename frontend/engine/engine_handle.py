@@ -23,12 +23,12 @@ from common.messages import (
     UtilityCall,
     UtilityResult,
 )
+from frontend.engine.liveness import EngineWatch
+from frontend.engine.recovery import EngineRecovery
+from frontend.engine.request_stream import RequestStream
+from frontend.engine.supervisor import EngineSupervisor, RestartBudget
 from frontend.errors import EngineUnavailable
-from frontend.liveness import EngineWatch
 from frontend.metrics import Metrics
-from frontend.recovery import EngineRecovery
-from frontend.request_stream import RequestStream
-from frontend.supervisor import EngineSupervisor, RestartBudget
 
 log = logging.getLogger("roseinfer.frontend")
 Sender = Callable[[bytes, bytes], None]  # (identity, encoded message) through the client's input ROUTER

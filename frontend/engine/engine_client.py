@@ -13,16 +13,16 @@ import zmq.asyncio
 
 from common import ipc
 from common.config import EngineConfig
-from common.engine_link import EngineStartError
 from common.messages import EngineReady, EngineRequest, UtilityResult
-from frontend.detokenizer import IncrementalDetokenizer
-from frontend.engine_handle import EngineHandle
+from frontend.engine.engine_handle import EngineHandle
+from frontend.engine.placement import place_engines
+from frontend.engine.request_stream import Delta, RequestStream
+from frontend.engine.router import PrefixRouter
+from frontend.engine.spawn import EngineStartError
+from frontend.engine.supervisor import EngineSupervisor
 from frontend.errors import EngineUnavailable
 from frontend.metrics import Metrics
-from frontend.placement import place_engines
-from frontend.request_stream import Delta, RequestStream
-from frontend.router import PrefixRouter
-from frontend.supervisor import EngineSupervisor
+from frontend.text.detokenizer import IncrementalDetokenizer
 
 log = logging.getLogger("roseinfer.frontend")
 __all__ = ["AsyncEngineClient", "EngineUnavailable", "QueueFull"]
