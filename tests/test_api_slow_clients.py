@@ -32,6 +32,19 @@ def _connect(server: Server, first: bytes = b"") -> socket.socket:
     return sock
 
 
+def _read_response(sock: socket.socket) -> bytes:
+    """One whole HTTP response (head and Content-Length body): the next read then starts at the next response."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        data += sock.recv(4096) or b""
+    head, _, body = data.partition(b"\r\n\r\n")
+    length = next((int(line.split(b":", 1)[1]) for line in head.split(b"\r\n")
+                   if line.lower().startswith(b"content-length:")), 0)  # fmt: skip
+    while len(body) < length:
+        body += sock.recv(4096)
+    return head + b"\r\n\r\n" + body
+
+
 def _read_until_closed(socks: list[socket.socket], deadline: float, trickle_until: float = 0.0) -> list[bytes | None]:
     """What each socket received before the server closed it (None: reset), trickling a header byte every 0.1 s
     until `trickle_until`; fails for any still open at `deadline`."""
@@ -83,10 +96,10 @@ def test_slow_headers_are_cut_while_others_are_served(server):
 def test_keep_alive_connection_gets_a_fresh_header_deadline(server):
     sock = _connect(server, b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
     sock.settimeout(5)
-    assert sock.recv(4096).startswith(b"HTTP/1.1 200 ")
+    assert _read_response(sock).startswith(b"HTTP/1.1 200 ")
     time.sleep(HEADER_TIMEOUT * 0.6)  # within the deadline: the connection is still usable
     sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
-    assert sock.recv(4096).startswith(b"HTTP/1.1 200 ")
+    assert _read_response(sock).startswith(b"HTTP/1.1 200 ")
     start = time.monotonic()
     sock.sendall(b"GET /health HTTP/1.1\r\n")  # then a third request that never finishes its head
     [answer] = _read_until_closed([sock], start + HEADER_TIMEOUT + MARGIN)

@@ -163,7 +163,11 @@ def test_missing_or_broken_template_file(tmp_path):
 
 WORDS = ["type", "object", "string", "properties", "required", "$ref", "#/$defs/a", "$defs", "a", "items", "enum",
          "anyOf", "pattern", "(", "minimum", "const", "\ud800"]  # fmt: skip
-JSON = st.recursive(st.one_of(st.none(), st.booleans(), st.integers(-5, 5), st.floats(), st.sampled_from(WORDS)),
+# No subnormal draws: once an earlier test loads the engine's CPU kernels (-ffast-math sets flush-to-zero) into this
+# process, hypothesis refuses to generate them.
+SCALARS = st.one_of(st.none(), st.booleans(), st.integers(-5, 5), st.floats(allow_subnormal=False),
+                    st.sampled_from(WORDS))
+JSON = st.recursive(SCALARS,
                     lambda inner: st.one_of(st.lists(inner, max_size=3),
                                             st.dictionaries(st.sampled_from(WORDS), inner, max_size=4)),
                     max_leaves=12)  # fmt: skip

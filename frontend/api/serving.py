@@ -16,7 +16,7 @@ from common.messages import SamplingParams
 from frontend.api.protocol import SamplingFields
 from frontend.engine.engine_client import AsyncEngineClient, EngineUnavailable, QueueFull
 from frontend.engine.fanout import Choice, FanOut
-from frontend.engine.recovery import POISON
+from frontend.engine.recovery import ENGINE_GONE, POISON
 from frontend.engine.request_stream import Delta
 from frontend.errors import ApiError, bad_request, sse_error
 from frontend.text.detokenizer import IncrementalDetokenizer
@@ -96,7 +96,8 @@ class ServingContext:
     def failure(self, error: str | None, code: str | None = None) -> ApiError:
         if code == POISON:  # this request is the likely cause: retrying it elsewhere will not help
             return ApiError(500, error or "the request crashed the engine core", None, code)
-        status = 503 if self.client.dead is not None else 500
+        # Its engine will not come back (retired past its restart budget, or shutdown), or none serves: retry later.
+        status = 503 if code == ENGINE_GONE or self.client.dead is not None else 500
         return ApiError(status, error or "the request failed in the engine", None, code or "engine_error")
 
 

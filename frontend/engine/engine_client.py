@@ -16,6 +16,7 @@ from common.config import EngineConfig
 from common.messages import EngineReady, EngineRequest, UtilityResult
 from frontend.engine.engine_handle import EngineHandle
 from frontend.engine.placement import place_engines
+from frontend.engine.recovery import ENGINE_GONE
 from frontend.engine.request_stream import Delta, RequestStream
 from frontend.engine.router import PrefixRouter
 from frontend.engine.spawn import EngineStartError
@@ -217,7 +218,7 @@ class AsyncEngineClient:
     def fail_all(self, error: str) -> None:
         """Ends every in-flight request with `error` (its consumer sees finish_reason "error")."""
         for handle in self.handles:
-            handle.life.fail_all(error)
+            handle.life.fail_all(error, ENGINE_GONE)
 
     def _send(self, identity: bytes, data: bytes) -> None:
         self._input.send_multipart([identity, data])

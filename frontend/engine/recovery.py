@@ -18,6 +18,7 @@ from frontend.errors import EngineUnavailable
 
 log = logging.getLogger("roseinfer.frontend")
 POISON = "request_crashed_engine"  # error code of a request failed for being in two engine crashes running
+ENGINE_GONE = "engine_unavailable"  # error code of a request whose engine will not come back (retired, shutdown)
 
 
 class Recoverable(Protocol):
@@ -134,16 +135,16 @@ class EngineRecovery:
         """No engine will come back here: fail what is in flight on it."""
         self.resumable, self.retired = False, True
         self.dead = self.dead or reason
-        self.fail_all(reason)
+        self.fail_all(reason, ENGINE_GONE)
         self.on_change()
 
-    def fail_all(self, error: str) -> None:
+    def fail_all(self, error: str, code: str | None = None) -> None:
         """Ends every request in flight here with `error` (its consumer sees finish_reason "error")."""
         streams = list(self.engine.streams.values())
         self.engine.streams.clear()
         for stream in streams:
-            stream.fail(error)
+            stream.fail(error, code)
 
     def close(self) -> None:
         self._closing = True
-        self.fail_all("the server is shutting down")
+        self.fail_all("the server is shutting down", ENGINE_GONE)
