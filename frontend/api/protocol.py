@@ -8,6 +8,7 @@ from typing import Annotated, Any, Literal
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 from common.messages import MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_TOP_K, SamplingParams
+from frontend.tools.tool_parsers import no_constant
 
 MAX_N = 64  # choices per request: each is an engine request
 MAX_STOP = 16  # stop strings (checked every token) and stop token ids
@@ -144,10 +145,6 @@ class TextPart(_Model):
     text: Text
 
 
-def _no_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not JSON")
-
-
 class FunctionCall(_Model):
     name: Text
     arguments: Text  # JSON text, as the model wrote it
@@ -164,7 +161,7 @@ class ToolCall(_Model):
         """HF chat templates expect the arguments as an object (they write it with tojson)."""
         arguments: Any = self.function.arguments
         try:  # only a clean object: no NaN, no lone surrogates spelled as escapes, no nesting past recursion
-            parsed = json.loads(arguments, parse_constant=_no_constant)
+            parsed = json.loads(arguments, parse_constant=no_constant)
             json.dumps(parsed, ensure_ascii=False).encode()
             arguments = parsed if isinstance(parsed, dict) else arguments
         except (ValueError, RecursionError):

@@ -46,14 +46,15 @@ def call_id() -> str:
     return f"call_{secrets.token_hex(12)}"
 
 
-def _no_constant(name: str) -> Any:
+def no_constant(name: str) -> Any:
+    """json.loads' parse_constant: NaN and Infinity are not JSON."""
     raise ValueError(f"{name} is not JSON")
 
 
 def parse_call(text: str) -> tuple[str, str] | None:
     """{"name": ..., "arguments": {...}} -> (name, arguments as JSON text), or None when it is not a call."""
     try:
-        call = json.loads(text, parse_constant=_no_constant)
+        call = json.loads(text, parse_constant=no_constant)
         if not isinstance(call, dict) or not isinstance(call.get("arguments", {}), dict):
             return None
         name, arguments = call.get("name"), json.dumps(call.get("arguments", {}), ensure_ascii=False)
