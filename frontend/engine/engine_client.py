@@ -163,7 +163,7 @@ class AsyncEngineClient:
         """A new request arriving while no engine serves waits for one to come back, up to restart_timeout."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.restart_timeout
-        while not self.healthy and any(h.life.resumable for h in self.handles):
+        while not self.healthy and self.resumable:
             self._changed.clear()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._changed.wait(), max(0.0, deadline - loop.time()))
