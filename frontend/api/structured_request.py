@@ -30,6 +30,22 @@ def _schema(value: Any, param: str) -> StructuredOutput:
     return StructuredOutput("json_schema", _json_text(value, param))
 
 
+def _specs(schema: Any, regex: str | None, choice: list[str] | None, grammar: str | None,
+           params: tuple[str, str, str, str]) -> list[tuple[StructuredOutput, str]]:  # fmt: skip
+    """The json / regex / choice / grammar constraints given (vLLM's guided_* fields and structured_outputs hold
+    the same four), each with the field that asked."""
+    found: list[tuple[StructuredOutput, str]] = []
+    if schema is not None:
+        found.append((_schema(schema, params[0]), params[0]))
+    if regex is not None:
+        found.append((StructuredOutput("regex", regex), params[1]))
+    if choice is not None:
+        found.append((StructuredOutput("choice", json.dumps(choice)), params[2]))
+    if grammar is not None:
+        found.append((StructuredOutput("grammar", grammar), params[3]))
+    return found
+
+
 def requested(req: StructuredFields) -> tuple[StructuredOutput, str] | None:
     """The constraint the request asks for and the field that asked, or None; more than one is a 400."""
     found: list[tuple[StructuredOutput, str]] = []
@@ -42,27 +58,13 @@ def requested(req: StructuredFields) -> tuple[StructuredOutput, str] | None:
         schema = fmt.json_schema.schema_
         found.append((StructuredOutput("json_object") if schema is None else _schema(schema, "response_format"),
                       "response_format"))  # fmt: skip
-    if req.guided_json is not None:
-        found.append((_schema(req.guided_json, "guided_json"), "guided_json"))
-    if req.guided_regex is not None:
-        found.append((StructuredOutput("regex", req.guided_regex), "guided_regex"))
-    if req.guided_choice is not None:
-        found.append((StructuredOutput("choice", json.dumps(req.guided_choice)), "guided_choice"))
-    if req.guided_grammar is not None:
-        found.append((StructuredOutput("grammar", req.guided_grammar), "guided_grammar"))
+    found += _specs(req.guided_json, req.guided_regex, req.guided_choice, req.guided_grammar,
+                    ("guided_json", "guided_regex", "guided_choice", "guided_grammar"))  # fmt: skip
     so = req.structured_outputs
     if so is not None:
-        param = "structured_outputs"
-        if so.json_ is not None:
-            found.append((_schema(so.json_, param), param))
-        if so.regex is not None:
-            found.append((StructuredOutput("regex", so.regex), param))
-        if so.choice is not None:
-            found.append((StructuredOutput("choice", json.dumps(so.choice)), param))
-        if so.grammar is not None:
-            found.append((StructuredOutput("grammar", so.grammar), param))
+        found += _specs(so.json_, so.regex, so.choice, so.grammar, ("structured_outputs",) * 4)
         if so.json_object:
-            found.append((StructuredOutput("json_object"), param))
+            found.append((StructuredOutput("json_object"), "structured_outputs"))
     if len(found) > 1:
         names = ", ".join(f"{p} ({s.kind})" for s, p in found)
         raise bad_request(f"at most one output constraint may be given; this request has {names}", found[1][1])
