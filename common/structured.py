@@ -18,7 +18,6 @@ from common.messages import StructuredOutput
 if TYPE_CHECKING:
     import xgrammar
 
-KINDS = ("json_object", "json_schema", "regex", "choice", "grammar")
 MAX_SPEC_CHARS = 256 * 1024  # schema / regex / EBNF text; a grammar's compile time grows with it
 ANY_OBJECT_SCHEMA = '{"type": "object"}'
 # Regex / EBNF repetition counts: xgrammar's parser takes about 15 s over "a{1000000}", and its compile is worse.

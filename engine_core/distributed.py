@@ -22,7 +22,7 @@ from engine_core.attention import AttentionMetadata, PrefillChunk
 
 # Workers wait in a broadcast for as long as the engine idles: no timeout that an idle night could reach.
 GROUP_TIMEOUT = datetime.timedelta(days=365)
-OP_STOP, OP_STEP, OP_LOGITS = 0, 1, 2
+OP_STEP, OP_LOGITS = 1, 2
 _HEADER = 8
 
 
@@ -128,10 +128,6 @@ def announce_logits(hidden: torch.Tensor) -> None:
     _broadcast_op(OP_LOGITS, list(hidden.shape), hidden.contiguous())
 
 
-def send_stop() -> None:
-    _broadcast_op(OP_STOP, [], None)
-
-
 def receive(block_size: int) -> tuple[int, tuple]:
     """Workers: the next op from rank 0 and its arguments."""
     assert _group is not None
@@ -139,8 +135,6 @@ def receive(block_size: int) -> tuple[int, tuple]:
     header = torch.empty(_HEADER, dtype=torch.long, device=dev)
     dist.broadcast(header, src=0)
     op, *sizes = header.tolist()
-    if op == OP_STOP:
-        return op, ()
     if op == OP_LOGITS:
         hidden = torch.empty(sizes[:2], dtype=_group.dtype, device=dev)
         dist.broadcast(hidden, src=0)
@@ -159,10 +153,3 @@ def receive(block_size: int) -> tuple[int, tuple]:
     prefills = [PrefillChunk(s, n, ctx, ids) for (s, n, ctx, _), ids in zip(chunks, block_ids, strict=True)]
     meta = AttentionMetadata.build(slots, tables, lens, prefills, block_size)
     return op, (input_ids, positions, meta)
-
-
-def leave() -> None:
-    global _group
-    if _group is not None and dist.is_initialized():
-        dist.destroy_process_group()
-    _group = None

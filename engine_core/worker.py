@@ -14,6 +14,7 @@ import logging
 import os
 import signal
 import sys
+from typing import NoReturn
 
 from common.config import EngineConfig, add_cli_args, from_cli_args
 
@@ -27,8 +28,8 @@ def _die_with(parent_pid: int) -> None:
         os._exit(1)
 
 
-def serve(runner) -> int:
-    """Follows rank 0's broadcasts until it says stop."""
+def serve(runner) -> NoReturn:
+    """Follows rank 0's broadcasts until the group ends (rank 0 never sends a stop: its death ends us)."""
     import torch
 
     from engine_core import distributed
@@ -41,8 +42,6 @@ def serve(runner) -> int:
                 log.warning("the group ended: %s", str(exc).splitlines()[0][:200])
                 logging.shutdown()
                 os._exit(1)  # not a normal exit: gloo's threads abort the interpreter's teardown
-            if op == distributed.OP_STOP:
-                return 0
             if op == distributed.OP_STEP:
                 runner.model(*args)
             else:
@@ -84,7 +83,7 @@ def main() -> int:
                      pick_dtype(config.dtype, device))  # fmt: skip
     runner = ModelRunner(config, resolve_model(config.model).path, info["max_model_len"])
     log.info("rank %d of %d ready", args.rank, shape.size)
-    return serve(runner)
+    serve(runner)
 
 
 if __name__ == "__main__":

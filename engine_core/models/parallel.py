@@ -113,20 +113,15 @@ def lm_head_rows(vocab_size: int) -> int:
     return vocab_shard(vocab_size, distributed.tp_size(), distributed.tp_rank())[2]
 
 
-def gather_logits(local: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """Rank 0 gets [rows, vocab] from every rank's [rows, padded slice]; other ranks get their own slice back."""
-    if distributed.tp_size() == 1:
-        return local
-    full = distributed.gather_to_leader(local)
-    return local if full is None else full[:, :vocab_size]
-
-
 def vocab_logits(lm_head: nn.Module, hidden: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """The LM head over `hidden`. With several ranks, rank 0 first tells the workers which rows (they compute
-    their vocabulary slice of the same rows and join the gather); rank 0 returns [rows, vocab]."""
+    their vocabulary slice of the same rows and join the gather); rank 0 returns [rows, vocab], the others their
+    own [rows, padded slice]."""
     if distributed.tp_size() == 1:
         return lm_head(hidden)
     with distributed.lockstep():
         if distributed.tp_rank() == 0:
             distributed.announce_logits(hidden)
-        return gather_logits(lm_head(hidden), vocab_size)
+        local = lm_head(hidden)
+        full = distributed.gather_to_leader(local)
+        return local if full is None else full[:, :vocab_size]
