@@ -248,10 +248,9 @@ class AsyncEngineClient:
         except Exception:  # a malformed message is dropped, not fatal to the server
             log.exception("undecodable message from the %s", handle.label)
             return
-        was_ready = handle.ready is not None
-        handle.on_message(msg)
-        if isinstance(msg, EngineReady) and was_ready and self.router is not None:
+        if isinstance(msg, EngineReady) and self.router is not None and handle.ready is not None:
             self.router.forget(handle.index)  # a restarted engine's prefix cache is empty
+        handle.on_message(msg)
 
     async def close(self) -> None:
         """Stops the tasks and the engine processes, closes the sockets, removes the ipc files."""
