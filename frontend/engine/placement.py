@@ -36,7 +36,7 @@ def place_engines(config: EngineConfig, n: int, cores: list[int] | None = None) 
         return [Placement(config)]
     cores = sorted(os.sched_getaffinity(0)) if cores is None else cores
     per = len(cores) // n
-    tp = max(1, int(getattr(config, "tensor_parallel_size", 1) or 1))
+    tp = max(1, config.tensor_parallel_size)
     gpus = _visible_gpus() if config.device != "cpu" else []
     placements = []
     for i in range(n):
@@ -44,7 +44,7 @@ def place_engines(config: EngineConfig, n: int, cores: list[int] | None = None) 
         threads = config.num_threads or max(1, per)
         env = {"CUDA_VISIBLE_DEVICES": ",".join(gpus[(i * tp + k) % len(gpus)] for k in range(tp))} if gpus else {}
         changes: dict = {"engine_index": i, "num_threads": threads}
-        if getattr(config, "master_port", None):  # each engine's tensor-parallel group has its own rendezvous
-            changes["master_port"] = config.master_port + i  # type: ignore[attr-defined]
+        if config.master_port:  # each engine's tensor-parallel group has its own rendezvous
+            changes["master_port"] = config.master_port + i
         placements.append(Placement(dataclasses.replace(config, **changes), cpus, env))
     return placements
