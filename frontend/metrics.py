@@ -41,7 +41,7 @@ class Metrics:
         self.prefix_cache_hits = per_engine(Counter, "prefix_cache_hits", "Prompt tokens found in the prefix cache")
         self.num_preemptions = per_engine(Counter, "num_preemptions", "Requests preempted by the scheduler")
         self.generation_tokens_by_engine = per_engine(Counter, "engine_generation_tokens", "Tokens generated")
-        self._restarts = per_engine(Counter, "engine_restarts", "Engine core restarts after a crash or a hang")
+        self.engine_restarts = per_engine(Counter, "engine_restarts", "Engine core restarts after a crash or a hang")
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens sent to the engine")
         self.generation_tokens = counter("generation_tokens", "Tokens generated")
         self.ttft = histogram("time_to_first_token_seconds", "Arrival to first token")
@@ -51,9 +51,6 @@ class Metrics:
                                        ["model_name", "finished_reason"], registry=r)  # fmt: skip
         self._model_name = model_name
         self._last = [SchedulerStats() for _ in engines]
-
-    def engine_restarts(self, engine: int) -> Counter:
-        return self._restarts[engine]
 
     def observe_stats(self, stats: SchedulerStats, engine: int = 0) -> None:
         self.num_requests_running[engine].set(stats.num_running)

@@ -209,7 +209,7 @@ class EngineHandle:
                 return cause
             self.restarts += 1
             if self.metrics is not None:
-                self.metrics.engine_restarts(self.index).inc()
+                self.metrics.engine_restarts[self.index].inc()
             log.warning("%s down: %s; starting epoch %d (restart %d of %d within %g s), %d requests waiting to "
                         "resume", self.label, cause, self.epoch + 1, budget.used, budget.max_restarts, budget.window,
                         len(self.streams))  # fmt: skip
