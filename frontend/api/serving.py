@@ -128,7 +128,7 @@ class ResponseFormat(Protocol):
     chunk_object: str
 
     def opening(self, index: int) -> dict[str, Any] | None: ...
-    def content(self, index: int, delta: Delta) -> dict[str, Any] | list[dict[str, Any]] | None: ...
+    def content(self, index: int, delta: Delta) -> list[dict[str, Any]]: ...  # several where text and tool calls
     def finish(self, index: int, delta: Delta) -> dict[str, Any]: ...
     def response(self, choices: list[Choice], usage: dict[str, int]) -> dict[str, Any]: ...
 
@@ -166,8 +166,7 @@ async def _sse(fan: FanOut, fmt: ResponseFormat, head: dict[str, Any], include_u
                 err = failure(delta.error, delta.error_code)
                 yield sse_error(err.status, err.message, err.code)
                 break
-            content = fmt.content(index, delta)  # several chunks where one delta holds text and tool calls
-            for piece in content if isinstance(content, list) else [] if content is None else [content]:
+            for piece in fmt.content(index, delta):
                 yield chunk(piece)
             if delta.finish_reason is not None:
                 yield chunk(fmt.finish(index, delta))

@@ -62,7 +62,7 @@ class ChatFormat:
         return {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                 "finish_reason": None}  # fmt: skip
 
-    def content(self, index: int, delta: Delta) -> dict[str, Any] | list[dict[str, Any]] | None:
+    def content(self, index: int, delta: Delta) -> list[dict[str, Any]]:
         if self.tool_streams is not None:  # the text goes through the choice's tool-call parser
             deltas = self.tool_streams.deltas(index, delta.text, delta.finish_reason is not None)
             logprobs = self._logprobs(delta)
@@ -71,9 +71,9 @@ class ChatFormat:
             return [{"index": index, "delta": d, "logprobs": logprobs if i == 0 else None, "finish_reason": None}
                     for i, d in enumerate(deltas)]  # fmt: skip
         if not delta.text and not (self.want_logprobs and delta.logprobs):
-            return None
-        return {"index": index, "delta": {"content": delta.text}, "logprobs": self._logprobs(delta),
-                "finish_reason": None}  # fmt: skip
+            return []
+        return [{"index": index, "delta": {"content": delta.text}, "logprobs": self._logprobs(delta),
+                 "finish_reason": None}]  # fmt: skip
 
     def finish(self, index: int, delta: Delta) -> dict[str, Any]:
         reason = delta.finish_reason

@@ -65,19 +65,19 @@ class CompletionFormat:
         return {"index": index, "text": self.prompt_texts[self._prompt_index(index)], "logprobs": None,
                 "finish_reason": None}  # fmt: skip
 
-    def content(self, index: int, delta: Delta) -> dict[str, Any] | None:
+    def content(self, index: int, delta: Delta) -> list[dict[str, Any]]:
         echo_now = self.echo and self.want_logprobs and not self.echoed[index]
         if not echo_now and not delta.text and not (self.want_logprobs and delta.logprobs):
-            return None
+            return []
         if not echo_now:
-            return {"index": index, "text": delta.text, "logprobs": self._logprobs(index, delta),
-                    "finish_reason": None}  # fmt: skip
+            return [{"index": index, "text": delta.text, "logprobs": self._logprobs(index, delta),
+                     "finish_reason": None}]  # fmt: skip
         self.echoed[index] = True
         echo = self._echo_logprobs(index, delta.prompt_logprobs)
         own = self._logprobs(index, delta)
         assert own is not None
-        return {"index": index, "text": self.prompt_texts[self._prompt_index(index)] + delta.text,
-                "logprobs": {k: echo[k] + own[k] for k in own}, "finish_reason": None}  # fmt: skip
+        return [{"index": index, "text": self.prompt_texts[self._prompt_index(index)] + delta.text,
+                 "logprobs": {k: echo[k] + own[k] for k in own}, "finish_reason": None}]  # fmt: skip
 
     def finish(self, index: int, delta: Delta) -> dict[str, Any]:
         return {"index": index, "text": "", "logprobs": None, "finish_reason": delta.finish_reason,
