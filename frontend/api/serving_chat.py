@@ -38,8 +38,7 @@ class ChatFormat:
         self.tok = ctx.tokenizer
         self.want_logprobs = req.logprobs
         make_parser = tools.make_parser() if tools is not None else None
-        self.make_parser = make_parser  # None: the text is plain content
-        self.tool_streams = ToolStreams(make_parser) if make_parser is not None else None
+        self.tool_streams = ToolStreams(make_parser) if make_parser is not None else None  # None: plain content
         self.prompt_logprobs_k = req.prompt_logprobs
 
     def _entry(self, token_id: int, logprob: float) -> dict[str, Any]:
@@ -86,8 +85,8 @@ class ChatFormat:
         out = []
         for c in choices:
             msg, reason = {"role": "assistant", "content": c.result.text}, c.result.finish_reason
-            if self.make_parser is not None:
-                parser = self.make_parser()
+            if self.tool_streams is not None:
+                parser = self.tool_streams.make_parser()
                 msg, reason = message(parser, c.result.text), finish_reason(parser, reason)
             out.append({"index": c.index, "message": msg, "logprobs": self._logprobs(c.result),
                         "finish_reason": reason, "stop_reason": c.result.stop_reason})  # fmt: skip
