@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from common.config import EngineConfig
-from engine_core import distributed
+from engine_core import distributed, memory_profile
 from engine_core.attention import AttentionMetadata, PrefillChunk
 from engine_core.cpu_kernels import cpu_kernels
 from engine_core.cuda_graphs import DecodeGraphs
@@ -83,13 +83,19 @@ class ModelRunner:
             tune_cpu_process(config.num_threads)
             cpu_kernels()  # built (once per machine, a few seconds) before the engine reports ready, not in a request
         self.block_size = config.block_size
+        # Fail before loading anything where we can: too few explicit blocks; on CUDA, a card whose free memory is
+        # below what we were asked to take (the snapshot is the baseline of the profile after the weights load).
+        if config.num_kv_blocks:
+            memory_profile.check_num_kv_blocks(config.num_kv_blocks, max_model_len, self.block_size)
+        profiling = self.device.type == "cuda" and not config.num_kv_blocks
+        start = memory_profile.snapshot_at_start(self.device, config.gpu_memory_utilization) if profiling else None
         self.model = load_model(model_path, self.dtype, self.device, max_positions=max_model_len)
         if self.device.type == "cpu" and self.dtype == torch.bfloat16 and torch.backends.mkldnn.is_available():
             pack_linears(self.model)
         self.vocab_size = self.model.config.vocab_size
         # More blocks than max_num_seqs full-length requests need would only be idle prefix cache.
         most_useful = config.max_num_seqs * -(-max_model_len // self.block_size)
-        self.num_blocks = config.num_kv_blocks or min(self._blocks_that_fit(), most_useful)
+        self.num_blocks = config.num_kv_blocks or min(self._blocks_that_fit(start, max_model_len), most_useful)
         if self.tp is not None:  # every rank holds a slice of every block: one count for all
             self.num_blocks = distributed.all_min(self.num_blocks)
         self._allocate_kv_cache()
@@ -107,13 +113,16 @@ class ModelRunner:
         per_token = 2 * layers * self.model.num_kv_heads * self.model.head_dim * self.dtype.itemsize
         return per_token * self.block_size
 
-    def _blocks_that_fit(self) -> int:
-        if self.device.type == "cuda":
-            free, total = torch.cuda.mem_get_info(self.device)
-            budget = free - total * (1 - self.config.gpu_memory_utilization) - 512 * 2**20  # headroom
-        else:
-            budget = self.config.kv_cache_memory * 2**30 / distributed.tp_size()  # the flag is the whole group's
-        return max(int(budget // self._bytes_per_block()), 1)
+    def _blocks_that_fit(self, start: memory_profile.StartSnapshot | None, max_model_len: int) -> int:
+        """Raises KvCacheSizeError (engine_core/memory_profile.py) when one max_model_len request would not fit."""
+        per_block, bs = self._bytes_per_block(), self.block_size
+        if start is not None:
+            graphs = not self.config.enforce_eager and self.tp is None
+            reserve = memory_profile.CUDA_GRAPH_RESERVE if graphs else 0
+            mem = memory_profile.profile_gpu(self, start, max_model_len, reserve)
+            return memory_profile.gpu_kv_blocks(mem, self.config.gpu_memory_utilization, per_block, max_model_len, bs)
+        gib = self.config.kv_cache_memory  # CPU: the whole group's
+        return memory_profile.cpu_kv_blocks(gib, distributed.tp_size(), per_block, max_model_len, bs)
 
     def _allocate_kv_cache(self) -> None:
         layers = self.model.attention_layers()

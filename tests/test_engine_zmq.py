@@ -12,12 +12,12 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from common.config import EngineConfig
 from common.messages import AbortRequest, EngineRequest, FinishReason, SamplingParams
 from frontend.offline.engine_link import EngineClient, token_ids
-from tests.engine_helpers import mixed_prompts
+from tests.engine_helpers import GPU_TEST_KV, mixed_prompts
 
 
 @pytest.fixture(scope="module")
 def engine():
-    with EngineClient(EngineConfig(max_num_batched_tokens=512)) as client:
+    with EngineClient(EngineConfig(max_num_batched_tokens=512, **GPU_TEST_KV)) as client:
         yield client
 
 
@@ -67,18 +67,11 @@ def test_prefix_cache_hit_skips_prefill(engine: EngineClient) -> None:
     prefix = [rng.randrange(100, 40000) for _ in range(200)]
     params = SamplingParams(max_tokens=1, temperature=0)
     engine.call("reset_prefix_cache")
-    # Warm up with an unrelated prompt of the same length, so both timings see a warm engine.
-    engine.generate([EngineRequest("warm", [rng.randrange(100, 40000) for _ in range(210)], params)])
+    # No timing assertion: a step's time does not follow its token count on a GPU (nor reliably on a busy CPU).
     cold = engine.generate([EngineRequest("cold", prefix + [11] * 10, params)])["cold"][0]
-    t0 = time.perf_counter()
-    engine.generate([EngineRequest("cold2", [rng.randrange(100, 40000) for _ in range(210)], params)])
-    cold_time = time.perf_counter() - t0
-    t0 = time.perf_counter()
     hit = engine.generate([EngineRequest("hit", prefix + [12] * 10, params)])["hit"][0]
-    hit_time = time.perf_counter() - t0
     assert cold.num_cached_tokens == 0
     assert hit.num_cached_tokens >= 192
-    assert hit_time < 0.6 * cold_time, (hit_time, cold_time)
     stats = engine.call("stats").stats
     assert stats is not None and stats.prefix_hits >= 192
 

@@ -12,6 +12,7 @@ from transformers import AutoModelForCausalLM
 from common.messages import SamplingParams
 from common.model_source import resolve_model
 from frontend.offline.llm import LLM
+from tests.engine_helpers import GPU_TEST_KV
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 
@@ -33,7 +34,7 @@ def test_cli_reports_a_bad_model_in_one_line() -> None:
 
 def test_llm_matches_hf_greedy_and_keeps_order() -> None:
     hf = AutoModelForCausalLM.from_pretrained(resolve_model(None).path, dtype=torch.float32).eval()
-    with LLM(dtype="float32") as llm:
+    with LLM(dtype="float32", **GPU_TEST_KV) as llm:
         prompt = llm.chat_prompt(QUESTION)
         with torch.inference_mode():
             ref = hf.generate(torch.tensor([prompt]), max_new_tokens=32, min_new_tokens=32, do_sample=False)

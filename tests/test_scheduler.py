@@ -9,6 +9,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from common.config import EngineConfig
 from common.messages import EngineRequest, SamplingParams
 from engine_core.core import EngineCore
+from tests.engine_helpers import GPU_TEST_KV
 
 
 @pytest.fixture(scope="module")
@@ -23,7 +24,7 @@ def tiny_dir(tmp_path_factory):
 
 
 def core_for(model: str, **kw) -> EngineCore:
-    return EngineCore(EngineConfig(model=model, dtype="float32", **kw))
+    return EngineCore(EngineConfig(model=model, dtype="float32", **{**GPU_TEST_KV, **kw}))
 
 
 def req(rid: str, n_prompt: int, max_tokens: int, priority: int = 0) -> EngineRequest:
@@ -84,7 +85,7 @@ def test_long_prompt_never_stalls_running_decodes(tiny_dir) -> None:
 
 
 def test_preemption_recomputes_and_frees(tiny_dir) -> None:
-    core = core_for(tiny_dir, num_kv_blocks=12, block_size=16)
+    core = core_for(tiny_dir, num_kv_blocks=12, block_size=16, max_model_len=192)
     for i in range(6):
         core.add_request(req(f"r{i}", 40, 30))
     order = finish_order(core)

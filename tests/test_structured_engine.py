@@ -97,7 +97,7 @@ def test_grammar_ends_the_request_despite_ignore_eos_and_min_tokens(core: Engine
 
 
 def test_preempted_requests_keep_their_grammar_state():
-    core = EngineCore(fp32_config(num_kv_blocks=24, block_size=16))  # too few blocks for 8 at once
+    core = EngineCore(fp32_config(num_kv_blocks=24, block_size=16, max_model_len=384))  # too few blocks for 8 at once
     reqs = [sampled(f"r{i}", i) for i in range(8)]
     results = run_engine(core, reqs)
     assert core.scheduler.num_preempted > 0

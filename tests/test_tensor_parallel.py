@@ -26,7 +26,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from engine_core.models.parallel import HeadSplit, head_split, split, vocab_shard
 from tests.conftest import REPO, Server, free_port
 
-TP = ["--tensor-parallel-size", "2"]
+TP = ["--tensor-parallel-size", "2", "--device", "cpu"]  # gloo on CPU cores, on a GPU machine too (one GPU)
 MAX_TOKENS = 10
 TINY = {  # name -> (config, HF class)
     "llama": (lambda: transformers.LlamaConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=2,
