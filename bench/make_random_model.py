@@ -1,0 +1,124 @@
+"""Random-weight Llama models for GPU benchmarks: an HF directory (config.json, sharded bf16 safetensors, the
+default model's tokenizer and chat template) of a named shape. Speed depends on the shape, not on the values.
+
+python -m bench.make_random_model NAME OUT_DIR [--seed 0]     NAME: smollm2-135m | llama-1b | llama-7b
+
+Weights are drawn tensor by tensor in bf16 (std 0.02, norms 1) and written a shard at a time, so a 7B model
+never exists in memory as a whole, let alone in fp32.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from common.model_source import resolve_model
+
+# Overrides of the default model's (SmolLM2-135M) config.json.
+SHAPES: dict[str, dict] = {
+    "smollm2-135m": {},
+    "llama-1b": {"hidden_size": 2048, "num_hidden_layers": 16, "num_attention_heads": 32, "num_key_value_heads": 8,
+                 "intermediate_size": 8192, "head_dim": 64, "vocab_size": 49152, "tie_word_embeddings": True},
+    "llama-7b": {"hidden_size": 4096, "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 32,
+                 "intermediate_size": 11008, "head_dim": 128, "vocab_size": 49152, "tie_word_embeddings": False,
+                 "max_position_embeddings": 4096, "rms_norm_eps": 1e-5,
+                 "rope_parameters": {"rope_theta": 10000.0, "rope_type": "default"}},
+}  # fmt: skip
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json",
+                   "special_tokens_map.json")  # fmt: skip
+SHARD_BYTES = 2 * 2**30
+
+
+def model_config(name: str) -> dict:
+    base = json.loads((resolve_model(None).path / "config.json").read_text())
+    config = {**base, **SHAPES[name], "dtype": "bfloat16", "_model_name_or_path": f"random-{name}"}
+    config.pop("torch_dtype", None)
+    return config
+
+
+def tensor_shapes(config: dict) -> Iterator[tuple[str, tuple[int, ...]]]:
+    """HF Llama checkpoint names and shapes."""
+    h, inter, vocab = config["hidden_size"], config["intermediate_size"], config["vocab_size"]
+    d = config.get("head_dim") or h // config["num_attention_heads"]
+    q, kv = config["num_attention_heads"] * d, config["num_key_value_heads"] * d
+    yield "model.embed_tokens.weight", (vocab, h)
+    for i in range(config["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        yield p + "input_layernorm.weight", (h,)
+        yield p + "self_attn.q_proj.weight", (q, h)
+        yield p + "self_attn.k_proj.weight", (kv, h)
+        yield p + "self_attn.v_proj.weight", (kv, h)
+        yield p + "self_attn.o_proj.weight", (h, q)
+        yield p + "post_attention_layernorm.weight", (h,)
+        yield p + "mlp.gate_proj.weight", (inter, h)
+        yield p + "mlp.up_proj.weight", (inter, h)
+        yield p + "mlp.down_proj.weight", (h, inter)
+    yield "model.norm.weight", (h,)
+    if not config.get("tie_word_embeddings"):
+        yield "lm_head.weight", (vocab, h)
+
+
+def random_tensor(shape: tuple[int, ...], gen: torch.Generator) -> torch.Tensor:
+    if len(shape) == 1:  # RMSNorm scales
+        return torch.ones(shape, dtype=torch.bfloat16)
+    return torch.empty(shape, dtype=torch.bfloat16).normal_(0.0, 0.02, generator=gen)
+
+
+def write_model(name: str, out: Path, seed: int = 0) -> Path:
+    out.mkdir(parents=True, exist_ok=True)
+    config = model_config(name)
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    source = resolve_model(None).path
+    for f in TOKENIZER_FILES:
+        if (source / f).is_file():
+            shutil.copy(source / f, out / f)
+    gen = torch.Generator().manual_seed(seed)
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    weight_map: dict[str, int] = {}
+    size = total = 0
+    for key, shape in tensor_shapes(config):
+        t = random_tensor(shape, gen)
+        if size and size + t.nbytes > SHARD_BYTES:
+            _flush(out, shards, len(shards) - 1)
+            shards.append({})
+            size = 0
+        shards[-1][key] = t
+        weight_map[key] = len(shards) - 1
+        size += t.nbytes
+        total += t.nbytes
+    count = len(shards)
+    _flush(out, shards, count - 1)
+    files = {i: f"model-{i + 1:05d}-of-{count:05d}.safetensors" for i in range(count)}
+    for i in range(count):
+        (out / f"part-{i}.safetensors").rename(out / files[i])
+    index = {"metadata": {"total_size": total}, "weight_map": {k: files[i] for k, i in weight_map.items()}}
+    (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+    return out
+
+
+def _flush(out: Path, shards: list[dict[str, torch.Tensor]], i: int) -> None:
+    save_file(shards[i], str(out / f"part-{i}.safetensors"), metadata={"format": "pt"})
+    shards[i] = {}  # the shard's tensors are freed once written
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("name", choices=sorted(SHAPES))
+    parser.add_argument("out_dir", type=Path)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    if any(args.out_dir.glob("*.safetensors")):
+        parser.error(f"{args.out_dir} already holds weights")
+    path = write_model(args.name, args.out_dir, args.seed)
+    size = sum(f.stat().st_size for f in path.glob("*.safetensors"))
+    print(f"wrote {args.name} to {path} ({size / 2**30:.2f} GiB)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,36 @@
+"""bench/make_random_model.py: the named shapes, and a written smollm2-135m directory that the engine loads and
+generates from."""
+
+from __future__ import annotations
+
+import json
+import math
+
+from transformers import AutoTokenizer
+
+from bench.make_random_model import model_config, tensor_shapes, write_model
+from common.messages import EngineRequest, SamplingParams
+from engine_core.core import EngineCore
+from tests.engine_helpers import fp32_config, run_engine, tokens_of
+
+
+def params_of(name: str) -> int:
+    return sum(math.prod(shape) for _, shape in tensor_shapes(model_config(name)))
+
+
+def test_named_shapes() -> None:
+    assert 6.8e9 < params_of("llama-7b") < 6.9e9  # Llama-2-7B (6.74e9) with 49152 tokens instead of 32000
+    assert 1.0e9 < params_of("llama-1b") < 1.1e9  # tied embeddings, as Llama-3.2-1B
+    assert 1.3e8 < params_of("smollm2-135m") < 1.4e8
+
+
+def test_written_model_loads_and_generates(tmp_path) -> None:
+    path = write_model("smollm2-135m", tmp_path / "random")
+    index = json.loads((path / "model.safetensors.index.json").read_text())
+    assert index["metadata"]["total_size"] == 2 * params_of("smollm2-135m")  # bf16
+    assert AutoTokenizer.from_pretrained(path)("Hello")["input_ids"]
+    core = EngineCore(fp32_config(model=str(path), max_model_len=256))
+    params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
+    results = run_engine(core, [EngineRequest("a", [1, 504, 3000, 42], params)])
+    (tokens,) = tokens_of(results, ["a"])
+    assert len(tokens) == 5 and all(0 <= t < 49152 for t in tokens)
