@@ -12,8 +12,14 @@ from pathlib import Path
 
 import httpx
 import pytest
+import torch
 
 REPO = Path(__file__).resolve().parent.parent
+if not torch.cuda.is_available():
+    # Without CUDA, Triton kernels run only in Triton's interpreter. Triton 3.9 reads this flag when a @triton.jit
+    # function is decorated (its own library's at its first import, which torch may trigger from any test module)
+    # and again at launch, so it is set before any test module is imported, for the whole session.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 # Small KV cache and context: quick to allocate; still room for 64 concurrent requests. A generous ping
 # timeout: on a busy 2-core machine one engine step can take many seconds, and that is not a hang.
 SERVER_ARGS = ["--dtype", "float32", "--num-kv-blocks", "512", "--max-model-len", "2048", "--log-level", "warning",
