@@ -141,8 +141,9 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, out_ptr, cu_ptr, ctx_ptr, table_ptr, sc
             hi = mid
     q_start = tl.load(cu_ptr + lo)
     q_len = tl.load(cu_ptr + lo + 1) - q_start
-    tile = pid - (q_start // BLOCK_M + lo)
-    if tile * BLOCK_M < q_len:
+    # Within a chunk the last tiles (most keys) go first, so they do not set the tail of the launch.
+    tile = tl.cdiv(q_len, BLOCK_M) - 1 - (pid - (q_start // BLOCK_M + lo))
+    if tile >= 0:
         context = tl.load(ctx_ptr + lo)
         rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
         d = tl.arange(0, D_PAD)
@@ -187,7 +188,6 @@ def decode_num_splits(batch: int, kv_heads: int, max_keys: int, device: torch.de
 def _check_cache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
     assert k_cache.stride() == v_cache.stride() and k_cache.stride(3) == 1 and q.stride(-1) == 1
     assert q.dtype == k_cache.dtype == v_cache.dtype and q.shape[-2] % k_cache.shape[2] == 0
-    assert DECODE_BLOCK_N % k_cache.shape[1] == 0 and PREFILL_BLOCK_N % k_cache.shape[1] == 0
 
 
 def _precision(dtype: torch.dtype) -> str:
