@@ -35,19 +35,24 @@ def add_workload_args(parser: argparse.ArgumentParser) -> None:
 
 def bench_roseinfer(prompts: list[list[int]], output_len: int, config: EngineConfig) -> dict:
     with EngineClient(config) as engine:
-        params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
         engine.generate([EngineRequest("warmup", prompts[0][:16], SamplingParams(max_tokens=4))])
-        start = time.perf_counter()
-        for i, p in enumerate(prompts):
-            engine.send(EngineRequest(str(i), p, params))
-        steps: list[EngineOutputs] = []
-        done = generated = 0
-        while done < len(prompts):
-            msg = engine.next_outputs(timeout=600)
-            steps.append(msg)
-            generated += sum(len(o.new_token_ids) for o in msg.outputs)
-            done += sum(o.finished for o in msg.outputs)
-        elapsed = time.perf_counter() - start
+        return run_all_at_once(engine, prompts, output_len)
+
+
+def run_all_at_once(engine: EngineClient, prompts: list[list[int]], output_len: int, tag: str = "") -> dict:
+    """Sends every prompt at once to a started engine and waits for all; `tag` keeps request ids unique."""
+    params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
+    start = time.perf_counter()
+    for i, p in enumerate(prompts):
+        engine.send(EngineRequest(f"{tag}{i}", p, params))
+    steps: list[EngineOutputs] = []
+    done = generated = 0
+    while done < len(prompts):
+        msg = engine.next_outputs(timeout=600)
+        steps.append(msg)
+        generated += sum(len(o.new_token_ids) for o in msg.outputs)
+        done += sum(o.finished for o in msg.outputs)
+    elapsed = time.perf_counter() - start
     # Steady decode at full batch: steps where every request is running and each produced one token.
     full = [m for m in steps if m.stats and m.stats.num_running == len(prompts) and len(m.outputs) == len(prompts)]
     gaps = [b.timestamp - a.timestamp for a, b in zip(full, full[1:], strict=False)]
@@ -64,7 +69,8 @@ def bench_roseinfer(prompts: list[list[int]], output_len: int, config: EngineCon
     }
 
 
-def bench_hf(prompts: list[list[int]], output_len: int, dtype: str, batch_size: int) -> dict:
+def bench_hf(prompts: list[list[int]], output_len: int, dtype: str, batch_size: int, model: str | None = None,
+             device: str = "cpu") -> dict:
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -72,15 +78,21 @@ def bench_hf(prompts: list[list[int]], output_len: int, dtype: str, batch_size: 
 
     torch.set_num_threads(len(os.sched_getaffinity(0)))
     torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
-    model = AutoModelForCausalLM.from_pretrained(resolve_model(None).path, dtype=torch_dtype).eval()
+    hf = AutoModelForCausalLM.from_pretrained(resolve_model(model).path, dtype=torch_dtype).eval().to(device)
     generated = 0
+    if device != "cpu":  # CUDA context, cuBLAS handles and kernels loaded outside the timing
+        with torch.inference_mode():
+            hf.generate(torch.tensor(prompts[:1], device=device), max_new_tokens=2, do_sample=False, pad_token_id=0)
+        torch.cuda.synchronize()
     start = time.perf_counter()
     with torch.inference_mode():
         for i in range(0, len(prompts), batch_size):
-            batch = torch.tensor(prompts[i : i + batch_size])  # equal lengths: no padding needed
-            out = model.generate(batch, max_new_tokens=output_len, min_new_tokens=output_len, do_sample=False,
-                                 pad_token_id=0)  # fmt: skip
+            batch = torch.tensor(prompts[i : i + batch_size], device=device)  # equal lengths: no padding needed
+            out = hf.generate(batch, max_new_tokens=output_len, min_new_tokens=output_len, do_sample=False,
+                              pad_token_id=0)  # fmt: skip
             generated += (out.shape[1] - batch.shape[1]) * batch.shape[0]
+    if device != "cpu":
+        torch.cuda.synchronize()
     elapsed = time.perf_counter() - start
     tok_s = generated / elapsed
     return {"batch_size": batch_size, "output_tokens": generated, "seconds": elapsed, "output_tok_s": tok_s}
