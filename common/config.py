@@ -21,11 +21,16 @@ def flag(default: Any, help: str, **kw: Any) -> Any:
 class EngineConfig:
     model: str | None = flag(None, "HF model dir, .gguf file, or empty for the default SmolLM2-135M-Instruct")
     dtype: str = flag("auto", "auto | float32 | bfloat16 | float16 (auto: bf16 on CUDA and AVX512-BF16 CPUs)")
+    quantization: str = flag(
+        "none", "none | int8: weight-only int8 linears and LM head (CPU bf16; faster at small batches)",
+        choices=["none", "int8"],
+    )
     device: str = flag("auto", "auto | cpu | cuda")
     max_model_len: int | None = flag(None, "context length (default: the model's, capped at 8192)")
     block_size: int = flag(16, "tokens per KV cache block")
-    kv_cache_memory: float = flag(2.0, "GiB of KV cache on CPU")
-    gpu_memory_utilization: float = flag(0.9, "fraction of GPU memory for weights + KV cache on CUDA")
+    kv_cache_memory: float = flag(2.0, "GiB of KV cache on CPU (the whole tensor-parallel group's)")
+    gpu_memory_utilization: float = flag(0.9, "CUDA: share of the GPU's total memory for this engine (weights, "
+                                         "activations, CUDA graphs, KV cache: sized by a profiling step)")
     num_kv_blocks: int | None = flag(None, "exact number of KV blocks (overrides the memory sizing)")
     max_num_seqs: int = flag(128, "most requests running in one step")
     max_num_batched_tokens: int = flag(2048, "token budget of one step (prefill is chunked to fit)")
@@ -33,6 +38,10 @@ class EngineConfig:
     scheduling_policy: str = flag("fcfs", "fcfs | priority | round-robin", choices=["fcfs", "priority", "round-robin"])
     num_threads: int | None = flag(None, "torch CPU threads (default: the cores this process may use)")
     enforce_eager: bool = flag(False, "never capture CUDA graphs")
+    attention_backend: str = flag(
+        "auto", "auto | torch | cpu | triton (auto: ROSEINFER_ATTENTION_BACKEND if set, else triton on CUDA, "
+        "the C kernels on CPU when they take the model, else torch)", choices=["auto", "torch", "cpu", "triton"],
+    )
     seed: int = flag(0, "seed for requests that give none")
     epoch: int = flag(0, "restart generation of this engine (set by launch.py)")
     engine_index: int = flag(0, "identity of this engine on the input socket")
