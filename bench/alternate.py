@@ -27,7 +27,7 @@ if not __package__:  # run as a file (python bench/x.py), not with -m: make the 
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench import serve  # noqa: E402
-from bench.compare import REPO, free_port, launched  # noqa: E402
+from bench.servers import REPO, free_port, launched  # noqa: E402
 
 KEYS = ("output_tok_s", "ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms")
 
@@ -35,7 +35,7 @@ KEYS = ("output_tok_s", "ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms")
 def summary(run: dict[str, Any]) -> dict[str, Any]:
     return {"output_tok_s": run["output_throughput"], "ttft_p50_ms": run["ttft_ms"]["median"],
             "ttft_p99_ms": run["ttft_ms"]["p99"], "tpot_p50_ms": run["tpot_ms"]["median"],
-            "completed": run["completed"], "failed": run["failed"]}  # fmt: skip
+            "tpot_p99_ms": run["tpot_ms"]["p99"], "completed": run["completed"], "failed": run["failed"]}  # fmt: skip
 
 
 def add_args(parser: argparse.ArgumentParser) -> None:

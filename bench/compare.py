@@ -3,73 +3,31 @@
 
 python -m bench.compare [--servers roseinfer,hf] [--num-prompts 32 --input-len 128 --output-len 64]
     [--max-concurrency 8 | --sweep-concurrency 1,8] [--dtype bfloat16] [--hf-batch-size N] [--result-json F]
+
+With `--peer vllm` the peer is vLLM's CPU build from its own venv instead, measured in alternating pairs with three
+clients (bench.serve, `vllm bench serve`, chat conversations); bench/vllm_peer.py runs it and lists its flags:
+
+python -m bench.compare --peer vllm [--pairs 3] [--vllm-venv ~/.cache/peers/vllm] [--peers-dir ../shared/peers]
+    [--clients serve,vllm,chat] [--result-json bench/results/compare_vllm.json]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import json
 import os
 import shlex
-import signal
-import socket
-import subprocess
 import sys
 import tempfile
-import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
-
-import httpx
 
 if not __package__:  # run as a file (python bench/x.py), not with -m: make the repository importable
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench import serve  # noqa: E402
-
-REPO = Path(__file__).resolve().parent.parent
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@contextlib.contextmanager
-def launched(cmd: list[str], port: int, log_path: Path, timeout: float = 600.0) -> Iterator[str]:
-    """Starts a server process, yields its base URL once /health answers 200, SIGTERMs it afterwards."""
-    url = f"http://127.0.0.1:{port}"
-    env = {**os.environ, "HF_HUB_OFFLINE": "1"}  # never reach for the network
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
-    try:
-        deadline = time.monotonic() + timeout
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"{cmd[1]} exited with {proc.returncode}; log: {log_path}\n{_tail(log_path)}")
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"{cmd[1]} not healthy after {timeout:.0f} s; log: {log_path}")
-            with contextlib.suppress(httpx.TransportError):
-                if httpx.get(url + "/health", timeout=5).status_code == 200:
-                    break
-            time.sleep(0.3)
-        yield url
-    finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)  # launch.py drains and stops its engine core on SIGTERM
-            try:
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-
-
-def _tail(path: Path, chars: int = 3000) -> str:
-    return path.read_text(errors="replace")[-chars:]
+from bench import serve, vllm_peer  # noqa: E402
+from bench.servers import free_port, launched  # noqa: E402
 
 
 def server_command(name: str, port: int, args: argparse.Namespace) -> list[str]:
@@ -112,8 +70,13 @@ def print_comparison(names: list[str], runs: dict[str, list[dict[str, Any]]], ta
 
 
 def main() -> None:
+    peer = argparse.ArgumentParser(add_help=False)
+    peer.add_argument("--peer", choices=["hf", "vllm"], default="hf")
+    if peer.parse_known_args()[0].peer == "vllm":  # its own flags and defaults (W, pairs): bench/vllm_peer.py
+        return vllm_peer.main()
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     serve.add_args(parser)
+    parser.add_argument("--peer", choices=["hf", "vllm"], default="hf", help="vllm: see bench/vllm_peer.py --help")
     parser.set_defaults(num_prompts=32, output_len=64, max_concurrency=8, disable_tqdm=False)
     parser.add_argument("--servers", default="roseinfer,hf", help="comma-separated, in run order")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="both servers")

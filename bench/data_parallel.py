@@ -17,7 +17,7 @@ if not __package__:  # run as a file (python bench/x.py), not with -m: make the 
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.alternate import add_args, alternate  # noqa: E402
-from bench.compare import REPO  # noqa: E402
+from bench.servers import REPO  # noqa: E402
 
 
 def main() -> None:

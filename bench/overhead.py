@@ -24,8 +24,8 @@ from pathlib import Path
 from typing import Any
 
 from bench import serve
-from bench.compare import free_port, launched
 from bench.offline import add_workload_args, bench_hf
+from bench.servers import free_port, launched
 from common.config import EngineConfig, to_cli_args
 from common.messages import EngineRequest, SamplingParams
 from frontend.offline.engine_link import EngineClient

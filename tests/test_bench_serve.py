@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 
 from bench import compare, serve
-from bench.compare import free_port, launched
 from bench.serve_metrics import RequestResult, parse_goodput, stats_ms, summarize
+from bench.servers import free_port, launched
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -13,7 +13,7 @@ from typing import Any
 
 import httpx
 
-from bench.compare import free_port
+from bench.servers import free_port
 
 REPO = Path(__file__).resolve().parent.parent.parent
 
