@@ -128,6 +128,11 @@ def compare(args: argparse.Namespace) -> dict[str, Any]:
         raise SystemExit(f"--clients: unknown {sorted(unknown)}, choose from {CLIENTS}")
     if not (args.vllm_venv / "bin" / "python").exists():
         raise SystemExit(f"no vLLM venv at {args.vllm_venv}: run {args.peers_dir / 'setup_vllm_cpu.sh'} first")
+    if not (args.peers_dir / "serve_vllm_cpu.sh").exists():
+        raise SystemExit(f"no serve_vllm_cpu.sh in {args.peers_dir} (--peers-dir)")
+    if "vllm" in clients and not (args.peers_dir / "vllm_bench_client.sh").exists():
+        print(f"no vllm_bench_client.sh in {args.peers_dir}: running without vLLM's own client", flush=True)
+        clients.remove("vllm")
     from common.model_source import resolve_model
 
     args.model_dir = Path(args.model_dir).resolve() if args.model_dir else resolve_model(None).path
