@@ -1,18 +1,24 @@
 """Decode-only steps replayed from CUDA graphs: one launch per step instead of hundreds of small kernels.
 
-A graph is captured per (batch size, block-table width) bucket the first time a decode step needs it, from
-static input buffers that every later step of that bucket copies into. The batch is padded with dummy rows
-(token 0 at position 0, writing its KV into the runner's scratch slot, attending to one key) and the table
-width with stale but valid block ids, which the attention mask hides. Mixed steps with prefill run eagerly.
+One graph per batch-size bucket, all captured at engine start (largest first, sharing one memory pool), from
+static input buffers that every later step copies into. Block tables have one fixed width, enough for
+max_model_len, so no step ever needs another graph; only a backend whose cost does not grow with that width
+(Triton: it reads ceil(seq_len / block_size) blocks) is graphed. Padding rows of a bucket have seq_len 0 and write
+their KV into the runner's scratch slot: the attention reads nothing for them. Mixed steps with prefill run eagerly.
 
 With `capture=False` the same buffers and buckets run eagerly, which is how the CPU tests check this logic.
 """
 
 from __future__ import annotations
 
+import logging
+import time
+
 import torch
 
 from engine_core.attention import AttentionMetadata
+
+log = logging.getLogger("roseinfer.cuda_graphs")
 
 
 def batch_buckets(max_batch: int) -> list[int]:
@@ -21,18 +27,14 @@ def batch_buckets(max_batch: int) -> list[int]:
     return [b for b in sizes if b < max_batch] + [max_batch]
 
 
-def width_bucket(width: int, max_width: int) -> int:
-    """Block-table widths in powers of two, so a graph's attention reads no more than twice what it needs."""
-    return min(1 << max(width - 1, 0).bit_length(), max_width)
-
-
 class DecodeGraphs:
     def __init__(self, model: torch.nn.Module, max_batch: int, max_blocks_per_seq: int, scratch_slot: int,
-                 block_size: int, device: torch.device, capture: bool = True) -> None:  # fmt: skip
+                 block_size: int, device: torch.device, index_dtype: torch.dtype = torch.long,
+                 capture: bool = True) -> None:  # fmt: skip
         self.model = model
         self.buckets = batch_buckets(max_batch)
         self.max_batch = self.buckets[-1]
-        self.max_width = max_blocks_per_seq
+        self.width = max_blocks_per_seq  # ceil(max_model_len / block_size): every graph's table width
         self.scratch_slot = scratch_slot
         self.block_size = block_size
         self.capture = capture
@@ -40,10 +42,14 @@ class DecodeGraphs:
         self.input_ids = torch.zeros(self.max_batch, **long)
         self.positions = torch.zeros(self.max_batch, **long)
         self.slots = torch.full((self.max_batch,), scratch_slot, **long)
-        self.tables = torch.zeros(self.max_batch, max_blocks_per_seq, **long)
-        self.seq_lens = torch.ones(self.max_batch, **long)
-        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph | None, torch.Tensor]] = {}
+        self.tables = torch.zeros(self.max_batch, self.width, dtype=index_dtype, device=device)
+        self.seq_lens = torch.zeros(self.max_batch, dtype=index_dtype, device=device)
+        # batch -> (graph, its output buffer); graph None with capture=False (run eagerly)
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph | None, torch.Tensor]] = {}
         self.pool = None  # one memory pool shared by all graphs: only one replays at a time
+
+    def bucket(self, num_decodes: int) -> int:
+        return next(b for b in self.buckets if b >= num_decodes)
 
     def fits(self, num_decodes: int, meta: AttentionMetadata) -> bool:
         return 0 < num_decodes == meta.num_decodes and not meta.prefills and num_decodes <= self.max_batch
@@ -52,39 +58,51 @@ class DecodeGraphs:
         """Hidden states [>= n, hidden] of the n decodes in meta (rows past n are padding)."""
         assert meta.decode_block_tables is not None and meta.decode_seq_lens is not None
         n, width = meta.decode_block_tables.shape
-        batch = next(b for b in self.buckets if b >= n)
-        width = width_bucket(width, self.max_width)
+        batch = self.bucket(n)
         self.input_ids[:n].copy_(input_ids[:n])
         self.positions[:n].copy_(positions[:n])
         self.slots[:n].copy_(meta.slot_mapping[:n])
-        self.tables[:n, : meta.decode_block_tables.shape[1]].copy_(meta.decode_block_tables)
+        # Columns past `width` keep stale block ids: valid indices that no sequence's length reaches.
+        self.tables[:n, :width].copy_(meta.decode_block_tables)
         self.seq_lens[:n].copy_(meta.decode_seq_lens)
-        # Rows n..batch may hold an earlier step's requests: make them dummies again.
+        # Rows n..batch may hold an earlier step's requests: make them padding again.
         self.input_ids[n:batch].zero_()
         self.positions[n:batch].zero_()
         self.slots[n:batch].fill_(self.scratch_slot)
-        self.seq_lens[n:batch].fill_(1)
-        graph, hidden = self.graphs.get((batch, width)) or self._capture(batch, width)
+        self.seq_lens[n:batch].zero_()
+        graph, hidden = self.graphs[batch]
         if graph is None:
-            return self._forward(batch, width)
+            return self._forward(batch)
         graph.replay()
         return hidden
 
-    def _forward(self, batch: int, width: int) -> torch.Tensor:
-        meta = AttentionMetadata.build(self.slots[:batch], self.tables[:batch, :width], self.seq_lens[:batch], [],
+    def capture_all(self) -> None:
+        """Every bucket, largest first: the smaller graphs then fit in the pool the largest one allocated."""
+        start = time.perf_counter()
+        free_before = torch.cuda.mem_get_info()[0] if self.capture else 0
+        self.seq_lens.zero_()  # capture with padding rows only: nothing is read
+        for i, batch in enumerate(sorted(self.buckets, reverse=True), 1):
+            self.graphs[batch] = self._capture(batch)
+            if self.capture and (i % 8 == 0 or i == len(self.buckets)):
+                log.info("capturing CUDA graphs: %d/%d batch sizes", i, len(self.buckets))
+        if self.capture:
+            used, took = free_before - torch.cuda.mem_get_info()[0], time.perf_counter() - start
+            log.info("captured %d CUDA graphs (batch sizes up to %d, table width %d) in %.1f s, %.0f MiB",
+                     len(self.graphs), self.max_batch, self.width, took, used / 2**20)  # fmt: skip
+
+    def _forward(self, batch: int) -> torch.Tensor:
+        meta = AttentionMetadata.build(self.slots[:batch], self.tables[:batch], self.seq_lens[:batch], [],
                                        self.block_size)  # fmt: skip
         return self.model(self.input_ids[:batch], self.positions[:batch], meta)
 
-    def _capture(self, batch: int, width: int) -> tuple[torch.cuda.CUDAGraph | None, torch.Tensor]:
+    @torch.inference_mode()
+    def _capture(self, batch: int) -> tuple[torch.cuda.CUDAGraph | None, torch.Tensor]:
         if not self.capture:
-            entry = (None, torch.empty(0))
-        else:
-            self._forward(batch, width)  # warm-up outside the graph: lazy library initialisation, autotuning
-            torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool):
-                hidden = self._forward(batch, width)
-            self.pool = graph.pool()
-            entry = (graph, hidden)
-        self.graphs[batch, width] = entry
-        return entry
+            return None, torch.empty(0)
+        self._forward(batch)  # warm-up outside the graph: lazy library initialisation, Triton compilation
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            hidden = self._forward(batch)
+        self.pool = graph.pool()
+        return graph, hidden

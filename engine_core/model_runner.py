@@ -15,7 +15,7 @@ import torch
 
 from common.config import EngineConfig
 from engine_core import distributed, memory_profile
-from engine_core.attention import AttentionMetadata, PrefillChunk
+from engine_core.attention import AttentionBackend, AttentionMetadata, PrefillChunk, select_backend
 from engine_core.cpu_kernels import cpu_kernels
 from engine_core.cuda_graphs import DecodeGraphs
 from engine_core.models.layers import pack_linears
@@ -93,6 +93,11 @@ class ModelRunner:
         if self.device.type == "cpu" and self.dtype == torch.bfloat16 and torch.backends.mkldnn.is_available():
             pack_linears(self.model)
         self.vocab_size = self.model.config.vocab_size
+        attn = self.model.attention_layers()[0]  # this rank's heads
+        self.attn_backend: AttentionBackend = select_backend(
+            config.attention_backend, self.device, self.dtype, attn.num_heads, attn.num_kv_heads, attn.head_dim,
+            self.block_size,
+        )
         # More blocks than max_num_seqs full-length requests need would only be idle prefix cache.
         most_useful = config.max_num_seqs * -(-max_model_len // self.block_size)
         self.num_blocks = config.num_kv_blocks or min(self._blocks_that_fit(start, max_model_len), most_useful)
@@ -100,9 +105,12 @@ class ModelRunner:
             self.num_blocks = distributed.all_min(self.num_blocks)
         self._allocate_kv_cache()
         self.decode_graphs: DecodeGraphs | None = None
-        if self.device.type == "cuda" and not config.enforce_eager and self.tp is None:
+        # Graphs only where the attention's cost does not grow with their fixed full-width block tables.
+        if self.device.type == "cuda" and not config.enforce_eager and self.tp is None and self.attn_backend.graphable:
             self.decode_graphs = DecodeGraphs(self.model, config.max_num_seqs, -(-max_model_len // self.block_size),
-                                              self.scratch_slot, self.block_size, self.device)  # fmt: skip
+                                              self.scratch_slot, self.block_size, self.device,
+                                              self.attn_backend.index_dtype)  # fmt: skip
+            self.decode_graphs.capture_all()
         self.sampler = Sampler(self.device, self.vocab_size, config.seed)
         self.last_forward_time = 0.0
 
@@ -117,7 +125,7 @@ class ModelRunner:
         """Raises KvCacheSizeError (engine_core/memory_profile.py) when one max_model_len request would not fit."""
         per_block, bs = self._bytes_per_block(), self.block_size
         if start is not None:
-            graphs = not self.config.enforce_eager and self.tp is None
+            graphs = not self.config.enforce_eager and self.tp is None and self.attn_backend.graphable
             reserve = memory_profile.CUDA_GRAPH_RESERVE if graphs else 0
             mem = memory_profile.profile_gpu(self, start, max_model_len, reserve)
             return memory_profile.gpu_kv_blocks(mem, self.config.gpu_memory_utilization, per_block, max_model_len, bs)
@@ -132,6 +140,7 @@ class ModelRunner:
         self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
         for i, layer in enumerate(layers):
             layer.k_cache, layer.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
+            layer.attn_backend = self.attn_backend
 
     # ---- one step ----
 
@@ -165,8 +174,9 @@ class ModelRunner:
         tables = lens = None
         if decode_tables:
             width = max(len(t) for t in decode_tables)
-            tables = torch.tensor([t + [0] * (width - len(t)) for t in decode_tables], device=dev)
-            lens = torch.tensor(decode_lens, device=dev)
+            index = self.attn_backend.index_dtype
+            tables = torch.tensor([t + [0] * (width - len(t)) for t in decode_tables], dtype=index, device=dev)
+            lens = torch.tensor(decode_lens, dtype=index, device=dev)
         slot_tensor = torch.tensor(slots, dtype=torch.long, device=dev)
         meta = AttentionMetadata.build(slot_tensor, tables, lens, prefills, bs)
         return torch.tensor(ids, device=dev), torch.tensor(positions, device=dev), meta, sample_idx

@@ -4,22 +4,29 @@ from __future__ import annotations
 
 import torch
 
-from engine_core.attention import AttentionMetadata, PrefillChunk
+from engine_core.attention import AttentionBackend, AttentionMetadata, PrefillChunk, select_backend
 
 BLOCK_SIZE = 4  # small blocks so that every test crosses block boundaries
 
 
 class PagedRun:
-    """Each sequence gets its own contiguous run of blocks; enough for max_len tokens."""
+    """Each sequence gets its own contiguous run of blocks; enough for max_len tokens. The attention backend is the
+    engine's automatic choice unless one is given."""
 
-    def __init__(self, model, num_seqs: int, max_len: int, dtype=torch.float32) -> None:
+    def __init__(self, model, num_seqs: int, max_len: int, dtype=torch.float32,
+                 backend: AttentionBackend | None = None) -> None:  # fmt: skip
         self.model = model
         self.blocks_per_seq = (max_len + BLOCK_SIZE - 1) // BLOCK_SIZE
-        num_blocks = num_seqs * self.blocks_per_seq
+        num_blocks = num_seqs * self.blocks_per_seq + 1  # the last one: padding rows' scratch block
+        self.scratch_slot = (num_blocks - 1) * BLOCK_SIZE
         shape = (num_blocks, BLOCK_SIZE, model.num_kv_heads, model.head_dim)
+        attn = model.attention_layers()[0]
+        self.backend = backend or select_backend("auto", torch.device("cpu"), dtype, attn.num_heads,
+                                                 attn.num_kv_heads, attn.head_dim, BLOCK_SIZE)  # fmt: skip
         for layer in model.attention_layers():
             layer.k_cache = torch.zeros(shape, dtype=dtype)
             layer.v_cache = torch.zeros(shape, dtype=dtype)
+            layer.attn_backend = self.backend
         # Interleave the blocks of different sequences so that block tables are not trivial.
         self.tables = [
             torch.arange(self.blocks_per_seq) * num_seqs + i for i in range(num_seqs)
@@ -60,3 +67,29 @@ class PagedRun:
         tables = torch.stack([t[:max_blocks] for t in self.tables[:n]])
         meta = AttentionMetadata.build(slots, tables, torch.tensor(self.lens[:n]), [], BLOCK_SIZE)
         return self.model.compute_logits(self.model(torch.tensor(tokens), pos, meta))
+
+    @torch.inference_mode()
+    def mixed(self, tokens: list[int], chunks: list[list[int]], seqs: list[int], pad: int = 0) -> torch.Tensor:
+        """One step as the engine flattens it: a decode for each of the first len(tokens) sequences, then a prefill
+        chunk for each of `seqs` (after whatever they hold already), then `pad` padding rows writing to the scratch
+        slot. Returns the logits of every row [rows, vocab]."""
+        n = len(tokens)
+        slots = [self._slots(i, self.lens[i], self.lens[i] + 1) for i in range(n)]
+        pos = self.lens[:n]
+        self.lens[:n] = [x + 1 for x in self.lens[:n]]
+        ids, prefills, start = list(tokens), [], n
+        for seq, chunk in zip(seqs, chunks, strict=True):
+            s, e = self.lens[seq], self.lens[seq] + len(chunk)
+            ids += chunk
+            pos += range(s, e)
+            slots.append(self._slots(seq, s, e))
+            prefills.append(PrefillChunk(start, len(chunk), e, self.tables[seq][: -(-e // BLOCK_SIZE)]))
+            start, self.lens[seq] = start + len(chunk), e
+        slots.append(torch.full((pad,), self.scratch_slot))
+        tables = lens = None
+        if n:
+            width = max(-(-x // BLOCK_SIZE) for x in self.lens[:n])
+            tables, lens = torch.stack([t[:width] for t in self.tables[:n]]), torch.tensor(self.lens[:n])
+        meta = AttentionMetadata.build(torch.cat(slots), tables, lens, prefills, BLOCK_SIZE)
+        hidden = self.model(torch.tensor(ids + [0] * pad), torch.tensor(pos + [0] * pad), meta)
+        return self.model.compute_logits(hidden)

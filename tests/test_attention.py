@@ -1,31 +1,37 @@
-"""The compiled CPU decode kernel against the torch reference path, on ragged paged batches."""
+"""The compiled CPU attention kernels (CpuKernelBackend) against the torch reference backend, on ragged paged
+batches."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from engine_core import attention
-from engine_core.attention import AttentionMetadata
+from engine_core.attention import AttentionMetadata, CpuKernelBackend, PrefillChunk, TorchBackend
 from engine_core.cpu_kernels import cpu_kernels
 
 
 # head_dim 24 takes the portable path; multiples of 16 the vector path where the CPU has AVX-512.
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 @pytest.mark.parametrize("q_heads,kv_heads,head_dim", [(9, 3, 64), (4, 4, 32), (8, 1, 16), (6, 2, 24)])
-def test_kernel_matches_torch_path(monkeypatch, dtype, tol, q_heads, kv_heads, head_dim) -> None:
+def test_kernel_matches_torch_path(dtype, tol, q_heads, kv_heads, head_dim) -> None:
     assert cpu_kernels() is not None, "the C compiler is part of the supported setup; the kernel must build"
     torch.manual_seed(0)
     num_blocks, block_size, seqs = 64, 16, 7
-    k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, dtype=dtype)
-    v_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, dtype=dtype)
+    # One block more than the tables use: the new k/v of every row go to its first slot, which nobody reads.
+    k_cache = torch.randn(num_blocks + 1, block_size, kv_heads, head_dim, dtype=dtype)
+    v_cache = torch.randn(num_blocks + 1, block_size, kv_heads, head_dim, dtype=dtype)
+    scratch = torch.full((seqs,), num_blocks * block_size)
     lens = torch.tensor([1, 5, 16, 17, 40, 63, 100])
     tables = torch.randperm(num_blocks)[: seqs * 7].view(seqs, 7)
     q = torch.randn(seqs, q_heads, head_dim, dtype=dtype)
-    meta = AttentionMetadata.build(torch.zeros(seqs, dtype=torch.long), tables, lens, [], block_size)
-    fast = attention.paged_attention(q, q[:, :kv_heads], q[:, :kv_heads], k_cache, v_cache, meta, 0.3)
-    monkeypatch.setattr(attention, "cpu_kernels", lambda: None)
-    reference = attention.paged_attention(q, q[:, :kv_heads], q[:, :kv_heads], k_cache, v_cache, meta, 0.3)
+    k, v = q[:, :kv_heads], q[:, :kv_heads]
+    cpu, ref = CpuKernelBackend(cpu_kernels(), kernel_prefill=True), TorchBackend()
+
+    def meta() -> AttentionMetadata:
+        return AttentionMetadata.build(scratch, tables, lens, [], block_size)
+
+    fast = cpu.forward(q, k, v, k_cache, v_cache, meta(), 0.3)
+    reference = ref.forward(q, k, v, k_cache, v_cache, meta(), 0.3)
     assert torch.allclose(fast.float(), reference.float(), atol=tol, rtol=tol)
     # A sequence of length 1 attends only to its first key: the output is exactly that value row.
     first = v_cache[tables[0, 0], 0].float().repeat_interleave(q_heads // kv_heads, dim=0)
@@ -34,13 +40,14 @@ def test_kernel_matches_torch_path(monkeypatch, dtype, tol, q_heads, kv_heads, h
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 @pytest.mark.parametrize("q_heads,kv_heads,head_dim", [(9, 3, 64), (4, 4, 32), (8, 1, 16), (6, 2, 128)])
-def test_prefill_kernel_matches_torch_path(monkeypatch, dtype, tol, q_heads, kv_heads, head_dim) -> None:
+def test_prefill_kernel_matches_torch_path(dtype, tol, q_heads, kv_heads, head_dim) -> None:
     """A mixed step: 3 decodes, then prefill chunks with no prefix, after a cached prefix, and a one-block
     chunk; q is a strided view into a qkv projection, as in the model. Padding rows must stay zero."""
     torch.manual_seed(0)
     num_blocks, block_size = 80, 16
-    k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, dtype=dtype)
-    v_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, dtype=dtype)
+    # One block more than the tables use: the new k/v of every row go to its first slot, which nobody reads.
+    k_cache = torch.randn(num_blocks + 1, block_size, kv_heads, head_dim, dtype=dtype)
+    v_cache = torch.randn(num_blocks + 1, block_size, kv_heads, head_dim, dtype=dtype)
     perm = torch.randperm(num_blocks)
     decode_tables = perm[:9].view(3, 3)
     decode_lens = torch.tensor([5, 33, 48])
@@ -49,7 +56,7 @@ def test_prefill_kernel_matches_torch_path(monkeypatch, dtype, tol, q_heads, kv_
     prefills, row, used = [], 3, 9
     for num_tokens, context in shapes:
         blocks = -(-context // block_size)
-        prefills.append(attention.PrefillChunk(row, num_tokens, context, perm[used : used + blocks]))
+        prefills.append(PrefillChunk(row, num_tokens, context, perm[used : used + blocks]))
         row, used = row + num_tokens, used + blocks
     total = row + 5  # 5 padding rows
     qkv = torch.randn(total, (q_heads + 2 * kv_heads) * head_dim, dtype=dtype)
@@ -64,16 +71,15 @@ def test_prefill_kernel_matches_torch_path(monkeypatch, dtype, tol, q_heads, kv_
             k_new[s:e] = k_cache[chunk.block_ids].flatten(0, 1)[: chunk.num_tokens]
             v_new[s:e] = v_cache[chunk.block_ids].flatten(0, 1)[: chunk.num_tokens]
 
-    def run() -> torch.Tensor:
-        meta = AttentionMetadata.build(torch.zeros(total, dtype=torch.long), decode_tables, decode_lens,
-                                       [attention.PrefillChunk(c.start, c.num_tokens, c.context_len, c.block_ids)
+    def run(backend) -> torch.Tensor:
+        meta = AttentionMetadata.build(torch.full((total,), num_blocks * block_size), decode_tables, decode_lens,
+                                       [PrefillChunk(c.start, c.num_tokens, c.context_len, c.block_ids)
                                         for c in prefills], block_size)  # fmt: skip
-        return attention.paged_attention(q, k_new, v_new, k_cache, v_cache, meta, 0.2)
+        return backend.forward(q, k_new, v_new, k_cache, v_cache, meta, 0.2)
 
     kernels = cpu_kernels()
     assert kernels is not None and kernels.has_prefill and kernels.supports_prefill(q, k_cache)
-    fast = run()
-    monkeypatch.setattr(attention, "cpu_kernels", lambda: None)
-    reference = run()
+    fast = run(CpuKernelBackend(kernels, kernel_prefill=True))
+    reference = run(TorchBackend())
     assert torch.allclose(fast.float(), reference.float(), atol=tol, rtol=tol)
     assert not fast[row:].any()

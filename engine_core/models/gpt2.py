@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine_core import distributed
-from engine_core.attention import AttentionMetadata, paged_attention, write_kv
+from engine_core.attention import AttentionBackend, AttentionMetadata, TorchBackend
 from engine_core.models.parallel import (
     HeadSplit,
     RowParallelLinear,
@@ -40,12 +40,12 @@ class GPT2Attention(nn.Module):
             self.scale /= layer_idx + 1
         self.c_attn = nn.Linear(config.hidden_size, 3 * self.local_size)  # q, k, v fused, equal sizes
         self.c_proj = RowParallelLinear(self.local_size, config.hidden_size)
-        self.k_cache = self.v_cache = torch.empty(0)  # bound by the model runner
+        self.k_cache = self.v_cache = torch.empty(0)  # bound by the model runner, with its chosen backend
+        self.attn_backend: AttentionBackend = TorchBackend()
 
     def forward(self, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         q, k, v = (t.view(-1, self.num_heads, self.head_dim) for t in self.c_attn(x).chunk(3, dim=-1))
-        write_kv(self.k_cache, self.v_cache, k, v, meta.slot_mapping)
-        out = paged_attention(q, k, v, self.k_cache, self.v_cache, meta, self.scale)
+        out = self.attn_backend.forward(q, k, v, self.k_cache, self.v_cache, meta, self.scale)
         return self.c_proj(out.view(-1, self.local_size))
 
 

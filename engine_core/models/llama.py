@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from engine_core import distributed
-from engine_core.attention import AttentionMetadata, paged_attention, write_kv
+from engine_core.attention import AttentionBackend, AttentionMetadata, TorchBackend
 from engine_core.models.layers import MergedLinear, RMSNorm, RotaryEmbedding, StepRotary, silu_and_mul
 from engine_core.models.parallel import (
     HeadSplit,
@@ -40,7 +40,8 @@ class LlamaAttention(nn.Module):
         self.scale = self.head_dim**-0.5
         self.qkv_proj = MergedLinear(config.hidden_size, [self.q_size, self.kv_size, self.kv_size], qkv_bias)
         self.o_proj = RowParallelLinear(self.q_size, config.hidden_size, bias=o_bias)
-        self.k_cache = self.v_cache = torch.empty(0)  # bound by the model runner
+        self.k_cache = self.v_cache = torch.empty(0)  # bound by the model runner, with its chosen backend
+        self.attn_backend: AttentionBackend = TorchBackend()
 
     def forward(self, x: torch.Tensor, rope: StepRotary, meta: AttentionMetadata):
         qkv = self.qkv_proj(x)
@@ -49,8 +50,7 @@ class LlamaAttention(nn.Module):
         qk = rope(qkv[:, :qk_size].view(-1, self.num_heads + self.num_kv_heads, self.head_dim))
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         v = qkv[:, qk_size:].view(-1, self.num_kv_heads, self.head_dim)
-        write_kv(self.k_cache, self.v_cache, k, v, meta.slot_mapping)
-        out = paged_attention(q, k, v, self.k_cache, self.v_cache, meta, self.scale)
+        out = self.attn_backend.forward(q, k, v, self.k_cache, self.v_cache, meta, self.scale)
         return self.o_proj(out.view(-1, self.q_size))
 
 

@@ -1,0 +1,93 @@
+"""The reference attention backend in plain torch: any device, any dtype, any shape.
+
+Decodes are attended in one batched call over their gathered blocks (its cost grows with the block-table width,
+so CUDA graphs, whose tables have the fixed full width, are not used with it); prefill chunks (few per step) one by
+one, a chunk without cached context straight from its own k/v.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from engine_core.attention.metadata import AttentionMetadata, PrefillChunk
+
+
+def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor):
+    """k_cache: [num_blocks, block_size, kv_heads, head_dim]; k: [T, kv_heads, head_dim]."""
+    k_cache.view(-1, *k.shape[1:]).index_copy_(0, slots, k)
+    v_cache.view(-1, *v.shape[1:]).index_copy_(0, slots, v)
+
+
+class TorchBackend:
+    name = "torch"
+    graphable = False  # the decode gather reads the whole table width: graphs were 2x slower than eager on H100
+    index_dtype = torch.long  # dtype of the block tables and lengths the model runner builds
+
+    def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        """q: [T, Hq, D], k/v: [T, Hk, D]: stores k/v at meta.slot_mapping, then attends. Returns [T, Hq, D]."""
+        write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+        n = meta.num_decodes
+        if n == q.shape[0] and not meta.prefills:  # the common decode-only step: no extra copy
+            return self.decode(q, k_cache, v_cache, meta, scale)
+        out = torch.zeros(q.shape, dtype=q.dtype, device=q.device)  # rows of padding tokens stay zero
+        if n:
+            out[:n] = self.decode(q[:n], k_cache, v_cache, meta, scale)
+        if meta.prefills:
+            self.prefill(q, k, v, k_cache, v_cache, meta, scale, out)
+        return out
+
+    def decode(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        assert meta.decode_block_tables is not None
+        num_seqs, num_q_heads, head_dim = q.shape
+        num_kv_heads = k_cache.shape[2]
+        # [D, blocks, block_size, Hk, hd] -> [D, Hk, L, hd]
+        keys = k_cache[meta.decode_block_tables].flatten(1, 2).transpose(1, 2)
+        values = v_cache[meta.decode_block_tables].flatten(1, 2).transpose(1, 2)
+        # Grouped-query attention without expanding K/V: the query heads of one KV head act as its rows.
+        group_q = q.view(num_seqs, num_kv_heads, num_q_heads // num_kv_heads, head_dim)
+        mask = meta.cached("torch_decode_mask", _decode_mask)
+        out = F.scaled_dot_product_attention(group_q, keys, values, attn_mask=mask, scale=scale)
+        return out.reshape(num_seqs, num_q_heads, head_dim)
+
+    def prefill(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float, out: torch.Tensor) -> None:
+        """Writes the rows of every prefill chunk into out."""
+        for chunk in meta.prefills:
+            s, e = chunk.start, chunk.start + chunk.num_tokens
+            mask = _prefill_mask(chunk, meta.slot_mapping.device)
+            if mask is None:
+                out[s:e] = _attend(q[s:e], k[s:e], v[s:e], None, scale, causal=True)
+            else:
+                ck = k_cache[chunk.block_ids].flatten(0, 1)[: chunk.context_len]
+                cv = v_cache[chunk.block_ids].flatten(0, 1)[: chunk.context_len]
+                out[s:e] = _attend(q[s:e], ck, cv, mask, scale, causal=False)
+
+
+def _decode_mask(meta: AttentionMetadata) -> torch.Tensor:
+    """[D, 1, 1, W * block_size] bool, key within context. A padding row (length 0) sees its first key instead of
+    nothing: a row with no key at all would come out NaN; its output is dropped anyway."""
+    assert meta.decode_block_tables is not None and meta.decode_seq_lens is not None
+    max_len = meta.decode_block_tables.shape[1] * meta.block_size
+    key_pos = torch.arange(max_len, device=meta.decode_seq_lens.device)
+    mask = key_pos[None, :] < meta.decode_seq_lens.clamp(min=1)[:, None]
+    return mask.view(meta.num_decodes, 1, 1, -1)
+
+
+def _prefill_mask(chunk: PrefillChunk, device: torch.device) -> torch.Tensor | None:
+    """None when the chunk is the whole context (plain causal), else [q, context] bool, built once per step."""
+    if chunk.mask is None and chunk.context_len != chunk.num_tokens:  # a cached prefix or earlier chunks
+        q_pos = torch.arange(chunk.num_tokens, device=device) + (chunk.context_len - chunk.num_tokens)
+        k_pos = torch.arange(chunk.context_len, device=device)
+        chunk.mask = k_pos[None, :] <= q_pos[:, None]
+    return chunk.mask
+
+
+def _attend(q, k, v, mask, scale: float, causal: bool) -> torch.Tensor:
+    """One sequence: q [Tq, Hq, D], k/v [Tk, Hk, D]."""
+    group = q.shape[1] // k.shape[1]
+    if group > 1:  # expanded by hand: SDPA's enable_gqa falls back to its slow math path on CPU
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    # 4-D inputs: with 3-D ones SDPA takes its slow math path on CPU instead of the flash kernel.
+    q, k, v = (x.transpose(0, 1).unsqueeze(0) for x in (q, k, v))
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale)
+    return out[0].transpose(0, 1)
