@@ -22,18 +22,17 @@ and the flags to change, instead of starting with one block.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Any
 
 import torch
 
 from common.messages import MAX_LOGPROBS, EngineRequest, SamplingParams
 from engine_core import distributed
 from engine_core.request import Request
+from engine_core.sampler import Sampler
 from engine_core.scheduler import SchedulerOutput
-
-if TYPE_CHECKING:
-    from engine_core.model_runner import ModelRunner
 
 GiB = 2**30
 # CUDA graphs are captured lazily, after the KV cache exists; their pool comes from this reserve.
@@ -149,9 +148,11 @@ def snapshot_at_start(device: torch.device, utilization: float) -> StartSnapshot
     return StartSnapshot(total, free, torch.cuda.memory_reserved(device), torch.cuda.memory_allocated(device))
 
 
-def profile_gpu(runner: ModelRunner, start: StartSnapshot, max_model_len: int, graph_reserve: int) -> GpuMemory:
-    """After the weights loaded: one step at the largest shapes, over a one-block cache that the runner replaces
-    with the real one afterwards. Leaves the step's temporaries cached in torch's allocator (see the docstring)."""
+def profile_gpu(runner: Any, start: StartSnapshot, max_model_len: int, graph_reserve: int,
+                pad_rows: Callable[[int], int]) -> GpuMemory:  # fmt: skip
+    """After the weights loaded: one step at the largest shapes, over a one-block cache that the runner (a
+    ModelRunner, not imported: it imports us) replaces with the real one afterwards. pad_rows: how the runner pads
+    the LM head's rows. Leaves the step's temporaries cached in torch's allocator (see the module docstring)."""
     dev = runner.device
     torch.cuda.synchronize(dev)
     weights = torch.cuda.memory_allocated(dev) - start.allocated
@@ -160,7 +161,7 @@ def profile_gpu(runner: ModelRunner, start: StartSnapshot, max_model_len: int, g
     torch.cuda.synchronize(dev)
     torch.cuda.reset_peak_memory_stats(dev)
     base_allocated, base_reserved = torch.cuda.memory_allocated(dev), torch.cuda.memory_reserved(dev)
-    _profile_step(runner, max_model_len)
+    _profile_step(runner, max_model_len, pad_rows)
     torch.cuda.synchronize(dev)
     activations = max(torch.cuda.max_memory_allocated(dev) - base_allocated,
                       torch.cuda.max_memory_reserved(dev) - base_reserved)  # fmt: skip
@@ -170,12 +171,9 @@ def profile_gpu(runner: ModelRunner, start: StartSnapshot, max_model_len: int, g
 
 
 @torch.inference_mode()
-def _profile_step(runner: ModelRunner, max_model_len: int) -> None:
+def _profile_step(runner: Any, max_model_len: int, pad_rows: Callable[[int], int]) -> None:
     """The forward as the runner runs it (its own _prepare: padding and attention metadata), then the LM head and
     the sampler's fp32 softmax / top-k / top-p / logprobs temporaries at max_num_seqs rows."""
-    from engine_core.model_runner import padded_size
-    from engine_core.sampler import Sampler
-
     cfg = runner.config
     seq_len = max(1, min(max_model_len - 1, cfg.max_num_batched_tokens))
     lengths = [seq_len] * (cfg.max_num_batched_tokens // seq_len)
@@ -189,7 +187,7 @@ def _profile_step(runner: ModelRunner, max_model_len: int) -> None:
     input_ids, positions, meta, _ = runner._prepare(batch)
     hidden = runner.model(input_ids, positions, meta)
     num_rows = cfg.max_num_seqs
-    rows = torch.arange(padded_size(num_rows), device=runner.device) % hidden.shape[0]
+    rows = torch.arange(pad_rows(num_rows), device=runner.device) % hidden.shape[0]
     if distributed.tp_size() > 1:  # the LM head's own slice only: the gather would start the worker protocol
         runner.model.lm_head(hidden[rows])
         if distributed.tp_rank() != 0:

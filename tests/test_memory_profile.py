@@ -19,6 +19,7 @@ from engine_core.memory_profile import (
     gpu_kv_blocks,
     kv_budget,
 )
+from engine_core.model_runner import padded_size
 from tests.conftest import Server
 
 MiB = 2**20
@@ -103,7 +104,7 @@ def test_profiling_step_runs_at_the_largest_shapes(tiny_dir: str) -> None:
     forward, logits = model.forward, model.compute_logits
     model.forward = lambda ids, *a: seen.append(ids.numel()) or forward(ids, *a)
     model.compute_logits = lambda h: seen.append(h.shape[0]) or logits(h)
-    memory_profile._profile_step(core.runner, 100)
+    memory_profile._profile_step(core.runner, 100, padded_size)
     assert seen == [256, 40]  # 3 x 99 tokens capped at 250 = 99 + 99 + 52, padded; 40 sampler rows
 
 
