@@ -127,7 +127,7 @@ class ModelRunner:
         if start is not None:
             graphs = not self.config.enforce_eager and self.tp is None and self.attn_backend.graphable
             reserve = memory_profile.CUDA_GRAPH_RESERVE if graphs else 0
-            mem = memory_profile.profile_gpu(self, start, max_model_len, reserve)
+            mem = memory_profile.profile_gpu(self, start, max_model_len, reserve, padded_size)
             return memory_profile.gpu_kv_blocks(mem, self.config.gpu_memory_utilization, per_block, max_model_len, bs)
         gib = self.config.kv_cache_memory  # CPU: the whole group's
         return memory_profile.cpu_kv_blocks(gib, distributed.tp_size(), per_block, max_model_len, bs)
