@@ -129,8 +129,7 @@ def test_paged_decode_matches_reference(dtype, q_heads, kv_heads, block_size, nu
     assert not out[2].any()  # seq_len 0: zeros
 
 
-def test_paged_decode_writes_into_out_and_heuristic_splits() -> None:
-    """A given out is filled in place; the heuristic splits only when programs cannot fill the GPU."""
+def test_paged_decode_writes_into_out() -> None:
     torch.manual_seed(2)
     lens = [3, 33]
     k_cache, v_cache, table = make_cache(lens, 4, 16, torch.float32)
@@ -142,14 +141,18 @@ def test_paged_decode_writes_into_out_and_heuristic_splits() -> None:
         k, v = gather(k_cache, table[b], n), gather(v_cache, table[b], n)
         expected = attend(q[b : b + 1], k, v, torch.tensor([n - 1], device=DEVICE), 0.1)[0]
         torch.testing.assert_close(out[b], expected, atol=2e-4, rtol=2e-4)
+
+
+def test_split_heuristic(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Split-K only when (sequence, KV head) programs cannot fill the GPU, and never into tiny splits."""
     cuda = torch.device("cuda")
-    tk._sm_count.cache_clear()
-    if ON_CUDA:
-        sms = tk._sm_count(cuda)
-        assert tk.decode_num_splits(sms, 1, 1 << 15, cuda) == 1  # the grid is full already
-        assert tk.decode_num_splits(1, 8, 1 << 15, cuda) > 1  # one long sequence: split
-        assert tk.decode_num_splits(1, 8, 256, cuda) == 1  # too few keys to split
-    assert tk.decode_num_splits(4, 8, 1 << 15, torch.device("cpu")) == 1
+    monkeypatch.setattr(tk, "_sm_count", lambda device: 132 if device.type == "cuda" else 1)
+    assert tk.decode_num_splits(tk.PROGRAMS_PER_SM * 132 // 8, 8, 1 << 15, cuda) == 1  # the grid is full already
+    assert tk.decode_num_splits(1, 8, 1 << 15, cuda) == tk.MAX_SPLITS  # one long sequence: split
+    assert tk.decode_num_splits(16, 8, 1 << 15, cuda) == 8  # 128 programs x 8 >= 4 per SM
+    assert tk.decode_num_splits(1, 8, 3 * tk.MIN_KEYS_PER_SPLIT, cuda) == 3  # capped by the widest context
+    assert tk.decode_num_splits(1, 8, 256, cuda) == 1  # too few keys to split
+    assert tk.decode_num_splits(1, 8, 1 << 15, torch.device("cpu")) == 1
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

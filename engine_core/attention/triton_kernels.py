@@ -20,6 +20,7 @@ DECODE_BLOCK_N = 64  # keys per decode tile (4 blocks of 16)
 PREFILL_BLOCK_M = 64  # queries per prefill tile
 PREFILL_BLOCK_N = 64  # keys per prefill tile
 MAX_SPLITS = 32
+PROGRAMS_PER_SM = 4  # decode is bandwidth-bound: a few small programs per SM keep enough loads in flight
 MIN_KEYS_PER_SPLIT = 256  # at the widest context the table describes
 
 
@@ -175,13 +176,12 @@ def _sm_count(device: torch.device) -> int:
 
 
 def decode_num_splits(batch: int, kv_heads: int, max_keys: int, device: torch.device) -> int:
-    """Split-K only when (sequence, KV head) programs cannot fill the GPU: aim at two programs per SM, at least
-    MIN_KEYS_PER_SPLIT keys per split at the widest context the block table can describe. Shapes only."""
-    programs = batch * kv_heads
-    sms = _sm_count(device)
-    if programs >= sms:
+    """Split-K only when (sequence, KV head) programs cannot fill the GPU: aim at PROGRAMS_PER_SM per SM, at
+    least MIN_KEYS_PER_SPLIT keys per split at the widest context the block table can describe. Shapes only."""
+    programs, target = batch * kv_heads, PROGRAMS_PER_SM * _sm_count(device)
+    if programs >= target:
         return 1
-    wanted = triton.next_power_of_2(triton.cdiv(2 * sms, programs))
+    wanted = triton.next_power_of_2(triton.cdiv(target, programs))
     return max(1, min(wanted, MAX_SPLITS, max_keys // MIN_KEYS_PER_SPLIT))
 
 
