@@ -173,7 +173,8 @@ def profile_gpu(runner: Any, start: StartSnapshot, max_model_len: int, graph_res
 @torch.inference_mode()
 def _profile_step(runner: Any, max_model_len: int, pad_rows: Callable[[int], int]) -> None:
     """The forward as the runner runs it (its own _prepare: padding and attention metadata), then the LM head and
-    the sampler's fp32 softmax / top-k / top-p / logprobs temporaries at max_num_seqs rows."""
+    the sampler's fp32 softmax / top-k / top-p / logprobs temporaries at max_num_seqs rows. (Prompt logprobs work
+    a slice of positions at a time and are not profiled.)"""
     cfg = runner.config
     seq_len = max(1, min(max_model_len - 1, cfg.max_num_batched_tokens))
     lengths = [seq_len] * (cfg.max_num_batched_tokens // seq_len)
@@ -181,8 +182,12 @@ def _profile_step(runner: Any, max_model_len: int, pad_rows: Callable[[int], int
         lengths.append(cfg.max_num_batched_tokens % seq_len)
     batch = SchedulerOutput()
     for i, n in enumerate(lengths[: cfg.max_num_seqs]):
-        req = Request(EngineRequest(f"profile-{i}", [0] * n, SamplingParams(max_tokens=1)), i)
-        req.block_ids = [0] * blocks_needed(n, runner.block_size)
+        # Each a chunked prefill's last chunk, attending to a whole max_model_len context: the widest attention a
+        # step can have (what the torch reference path materialises grows with it).
+        context = max(max_model_len - 1, n)
+        req = Request(EngineRequest(f"profile-{i}", [0] * context, SamplingParams(max_tokens=1)), i)
+        req.num_computed_tokens = context - n
+        req.block_ids = [0] * blocks_needed(context, runner.block_size)
         batch.add(req, n)
     input_ids, positions, meta, _ = runner._prepare(batch)
     hidden = runner.model(input_ids, positions, meta)

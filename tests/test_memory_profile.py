@@ -102,10 +102,11 @@ def test_profiling_step_runs_at_the_largest_shapes(tiny_dir: str) -> None:
     seen: list[int] = []
     model = core.runner.model
     forward, logits = model.forward, model.compute_logits
-    model.forward = lambda ids, *a: seen.append(ids.numel()) or forward(ids, *a)
+    model.forward = lambda ids, pos, meta: seen.extend([ids.numel(), int(pos.max())]) or forward(ids, pos, meta)
     model.compute_logits = lambda h: seen.append(h.shape[0]) or logits(h)
     memory_profile._profile_step(core.runner, 100, padded_size)
-    assert seen == [256, 40]  # 3 x 99 tokens capped at 250 = 99 + 99 + 52, padded; 40 sampler rows
+    # 99 + 99 + 52 tokens (250), padded to 256, each the last chunk of a 99-token context; 40 sampler rows
+    assert seen == [256, 98, 40]
 
 
 def test_launch_prints_the_error_and_exits_without_restarting(tmp_path) -> None:
