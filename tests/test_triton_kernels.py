@@ -8,30 +8,14 @@ the whole session before any test module is imported.
 
 from __future__ import annotations
 
-import importlib.util
-import os
-import sys
-from pathlib import Path
-
 import pytest
 import torch
+from triton.runtime.interpreter import InterpretedFunction
+
+from engine_core.attention import triton_kernels as tk
 
 ON_CUDA = torch.cuda.is_available()
-if not ON_CUDA:  # tests/conftest.py sets it for the session (before triton is imported); this file alone too
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
-
-try:
-    from engine_core.attention import triton_kernels as tk  # noqa: E402
-except ImportError:  # TEMP until engine_core/attention/ is a committed package
-    _spec = importlib.util.spec_from_file_location(
-        "triton_kernels", Path(__file__).parent.parent / "engine_core/attention/triton_kernels.py"
-    )
-    assert _spec is not None and _spec.loader is not None
-    tk = importlib.util.module_from_spec(_spec)
-    sys.modules["triton_kernels"] = tk
-    _spec.loader.exec_module(tk)
+# Without CUDA, tests/conftest.py has set TRITON_INTERPRET=1 for the session before anything imported triton.
 assert ON_CUDA or isinstance(tk._decode_kernel, InterpretedFunction), "TRITON_INTERPRET=1 was set too late"
 
 DEVICE = torch.device("cuda" if ON_CUDA else "cpu")

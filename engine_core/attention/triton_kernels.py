@@ -4,7 +4,8 @@ Cache layout [num_blocks, block_size, Hk, D] (k_cache and v_cache with the same 
 stride along D. Keys are gathered per key through the block table, BLOCK_N keys (several cache blocks) per tile,
 so a table may be wider than needed: entries past a sequence's length are never read. Launchers branch only on
 shapes and never read device values, so decode can be captured in a CUDA graph. On CPU the kernels run only
-in Triton's interpreter (TRITON_INTERPRET=1 set before this module is imported), for tests.
+in Triton's interpreter, for tests: TRITON_INTERPRET=1 must be set before triton is first imported in the process
+(triton 3.9 reads it when decorating its own and these @jit functions, and again at launch): tests/conftest.py.
 """
 
 from __future__ import annotations
