@@ -8,6 +8,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from common.config import EngineConfig
+from common.messages import EngineRequest, SamplingParams
 from engine_core import memory_profile
 from engine_core.core import EngineCore
 from engine_core.memory_profile import (
@@ -21,6 +22,7 @@ from engine_core.memory_profile import (
 )
 from engine_core.model_runner import padded_size
 from tests.conftest import Server
+from tests.engine_helpers import run_engine, tokens_of
 
 MiB = 2**20
 H100 = GpuMemory(total=80 * GiB, free_at_start=79 * GiB, weights=14 * GiB, activations=2 * GiB, non_torch=GiB // 2,
@@ -116,3 +118,18 @@ def test_launch_prints_the_error_and_exits_without_restarting(tmp_path) -> None:
     assert code != 0, log
     assert "error:" in log and "--num-kv-blocks 4 cannot hold one request of --max-model-len 2048" in log, log
     assert "restart" not in log.lower(), log
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the CUDA memory profile needs a GPU")
+def test_cuda_start_profiles_and_sizes_within_the_share(tiny_dir: str) -> None:
+    # 0.1% of the card cannot hold the 512 MiB reserve for the (Triton backend's) CUDA graphs: the profile runs,
+    # then the start fails.
+    with pytest.raises(KvCacheSizeError, match=r"peak activations .* KV budget -"):
+        EngineCore(EngineConfig(model=tiny_dir, dtype="bfloat16", gpu_memory_utilization=0.001, max_model_len=256,
+                                attention_backend="triton"))  # fmt: skip
+    core = EngineCore(EngineConfig(model=tiny_dir, dtype="bfloat16", gpu_memory_utilization=0.2, max_model_len=256,
+                                   max_num_seqs=8))  # fmt: skip
+    assert core.runner.num_blocks == 8 * 16  # the tiny model's cache is capped at max_num_seqs full requests
+    params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+    results = run_engine(core, [EngineRequest("a", [5, 6, 7], params)])
+    assert len(tokens_of(results, ["a"])[0]) == 3
