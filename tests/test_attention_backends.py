@@ -115,11 +115,14 @@ def test_select_backend(monkeypatch) -> None:
     with pytest.raises(ValueError, match="CPU attention kernels"):
         pick("cpu", torch.float16)
     assert type(pick("torch")) is TorchBackend
-    assert isinstance(pick("triton"), TritonBackend)
+    assert isinstance(pick("triton", device=torch.device("cuda")), TritonBackend)
     assert isinstance(pick("auto", device=torch.device("cuda")), TritonBackend)  # no GPU touched to choose
     with pytest.raises(ValueError, match="expected one of"):
         pick("flash")
     monkeypatch.setenv("ROSEINFER_ATTENTION_BACKEND", "torch")
     assert type(pick("auto")) is TorchBackend
     assert isinstance(pick("cpu"), CpuKernelBackend)  # the flag wins over the environment
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(ValueError, match="interpreter"):
+        pick("triton")
     assert TritonBackend.graphable and not TorchBackend.graphable and not CpuKernelBackend.graphable

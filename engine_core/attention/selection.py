@@ -42,6 +42,8 @@ def select_backend(choice: str, device: torch.device, dtype: torch.dtype, num_q_
     if choice not in CHOICES:
         raise ValueError(f"attention backend {choice!r}: expected one of {', '.join(CHOICES)}")
     backend: AttentionBackend
+    if choice == "triton" and device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError("the Triton attention backend runs on CPU only in Triton's interpreter (TRITON_INTERPRET=1)")
     if choice == "triton" or (choice == "auto" and device.type == "cuda"):
         backend = _triton(forced=choice == "triton")
     elif choice == "cpu" or (choice == "auto" and device.type == "cpu"):
