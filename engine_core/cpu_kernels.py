@@ -82,6 +82,9 @@ class CpuKernels:
                 func = getattr(lib, f"{name}_{suffix}")
                 func.argtypes = argtypes
                 self._funcs[name, dtype] = func
+        self.has_int8_linear, self.int8_max_k = bool(lib.int8_linear_available()), lib.int8_linear_max_k()
+        self._int8_linear = lib.int8_linear_bf16
+        self._int8_linear.argtypes = [_P, _I64, _I64, _P, _P, _P, _P, _I64, _I64]
 
     @staticmethod
     def handles(x: torch.Tensor) -> bool:
@@ -165,6 +168,19 @@ class CpuKernels:
         positions int64 [T]; cos/sin fp32 [max_positions, head_dim]."""
         self._funcs["rotary", x.dtype](x.data_ptr(), positions.data_ptr(), cos.data_ptr(), sin.data_ptr(),
                                        x.shape[0], x.stride(0), num_heads, head_dim)  # fmt: skip
+
+    # ---- weight-only int8 linear (csrc/int8_linear.c) ----
+
+    def supports_int8_linear(self, in_features: int) -> bool:
+        return self.has_int8_linear and in_features % 32 == 0 and in_features <= self.int8_max_k
+
+    def int8_linear(self, x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None):
+        """x: bf16 [M, K] with unit column stride; weight: int8 [N, K]; scale: fp32 [N, K / 32] (one per 32
+        weights of a row); bias: bf16 [N] or None."""
+        out = torch.empty((x.shape[0], weight.shape[0]), dtype=torch.bfloat16)
+        self._int8_linear(x.data_ptr(), x.stride(0), x.shape[0], weight.data_ptr(), scale.data_ptr(),
+                          None if bias is None else bias.data_ptr(), out.data_ptr(), *weight.shape)  # fmt: skip
+        return out
 
     # ---- sampling ----
 

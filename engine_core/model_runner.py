@@ -18,8 +18,8 @@ from engine_core import distributed, memory_profile
 from engine_core.attention import AttentionBackend, AttentionMetadata, PrefillChunk, select_backend
 from engine_core.cpu_kernels import cpu_kernels
 from engine_core.cuda_graphs import DecodeGraphs
-from engine_core.models.layers import pack_linears
 from engine_core.models.loader import load_model
+from engine_core.models.quant import prepare_linears
 from engine_core.prompt_logprobs import score_prompts, wants_prompt_logprobs
 from engine_core.sampler import Sampler
 from engine_core.scheduler import SampledTokens, SchedulerOutput
@@ -28,6 +28,8 @@ from engine_core.scheduler import SampledTokens, SchedulerOutput
 def padded_size(num_tokens: int) -> int:
     """A step's token count rounded up, so that few distinct matmul shapes occur: oneDNN builds a kernel per
     shape (about 1 ms per linear the first time), and with continuous batching the count changes every step."""
+    if 0 < num_tokens < 8:  # 1, 2, 4: a single stream's decode is one row, not eight (its matmuls read the weights)
+        return 1 << (num_tokens - 1).bit_length()
     multiple = 8 if num_tokens <= 256 else 64
     return -(-num_tokens // multiple) * multiple
 
@@ -90,8 +92,7 @@ class ModelRunner:
         profiling = self.device.type == "cuda" and not config.num_kv_blocks
         start = memory_profile.snapshot_at_start(self.device, config.gpu_memory_utilization) if profiling else None
         self.model = load_model(model_path, self.dtype, self.device, max_positions=max_model_len)
-        if self.device.type == "cpu" and self.dtype == torch.bfloat16 and torch.backends.mkldnn.is_available():
-            pack_linears(self.model)
+        prepare_linears(self.model, config.quantization, self.device, self.dtype)  # int8, or oneDNN-packed bf16
         self.vocab_size = self.model.config.vocab_size
         attn = self.model.attention_layers()[0]  # this rank's heads
         self.attn_backend: AttentionBackend = select_backend(

@@ -1,0 +1,85 @@
+"""Weight-only int8 (`--quantization int8`): every linear layer, the LM head included, keeps int8 weights with one
+fp32 scale per 32 weights of a row (symmetric, quantized at load, as GGUF's Q8_0); activations stay in the model's
+dtype. One scale per whole row (per output channel) flipped greedy tokens of SmolLM2 against bf16 within the first
+8 tokens on 7 of 16 parity prompts: a few large weights in a row coarsen the step for all the others.
+
+A single stream's decode step is bound by reading the weights, and int8 halves them. On CPU with bf16 the matmul
+is our kernel (csrc/int8_linear.c); elsewhere the weight is dequantized inside each call (correct, slow). A tied
+embedding keeps its exact float table for the lookup: only the head's copy is quantized.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine_core import distributed
+from engine_core.cpu_kernels import cpu_kernels
+from engine_core.models.layers import pack_linears
+from engine_core.models.parallel import RowParallelLinear
+
+GROUP = 32  # weights per scale; the kernel's unit
+_ROWS_PER_PASS = 4096  # quantize a big weight (the LM head) in slices: no full fp32 copy of it at once
+
+
+def quantize_groups(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[N, K] float -> (int8 [N, K], fp32 scales [N, K / g]) with weight ~= q * scale of its group, |q| <= 127;
+    g = GROUP, or K when K is not a multiple of it."""
+    n, k = weight.shape
+    group = GROUP if k % GROUP == 0 else k
+    q = torch.empty(weight.shape, dtype=torch.int8, device=weight.device)
+    scale = torch.empty((n, k // group), dtype=torch.float32, device=weight.device)
+    for start in range(0, n, _ROWS_PER_PASS):
+        rows = weight[start : start + _ROWS_PER_PASS].float().view(-1, k // group, group)
+        s = rows.abs().amax(dim=2).clamp(min=1e-12) / 127  # an all-zero group keeps q = 0
+        q[start : start + len(rows)] = torch.round(rows / s[..., None]).clamp(-127, 127).to(torch.int8).view(-1, k)
+        scale[start : start + len(rows)] = s
+    return q, scale
+
+
+def dequantize(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """The fp32 weight that (q, scale) stand for."""
+    return (q.float().view(q.shape[0], scale.shape[1], -1) * scale[..., None]).view(q.shape)
+
+
+class Int8Linear(nn.Module):
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        q, scale = quantize_groups(linear.weight.detach())
+        self.register_buffer("weight_q", q)
+        self.register_buffer("scale", scale)
+        self.bias = linear.bias
+        # Row-parallel: the partial products are summed over the ranks, and the bias added once, after.
+        self.all_reduce = isinstance(linear, RowParallelLinear) and distributed.tp_size() > 1
+        kernels = cpu_kernels() if q.device.type == "cpu" else None
+        self.kernels = kernels if kernels is not None and kernels.supports_int8_linear(self.in_features) else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        bias = None if self.all_reduce else self.bias
+        if self.kernels is not None and x.dtype == torch.bfloat16 and x.dim() == 2 and x.stride(1) == 1:
+            out = self.kernels.int8_linear(x, self.weight_q, self.scale, bias)
+        else:
+            out = F.linear(x, dequantize(self.weight_q, self.scale).to(x.dtype), bias)
+        if self.all_reduce:
+            out = distributed.all_reduce(out)
+            return out if self.bias is None else out + self.bias
+        return out
+
+
+def quantize_linears(model: nn.Module) -> int:
+    """Replaces every linear layer by an Int8Linear; returns how many."""
+    linears = [(name, m) for name, m in model.named_modules() if isinstance(m, nn.Linear)]
+    for name, module in linears:
+        parent_name, _, attr = name.rpartition(".")
+        setattr(model.get_submodule(parent_name), attr, Int8Linear(module))
+    return len(linears)
+
+
+def prepare_linears(model: nn.Module, quantization: str, device: torch.device, dtype: torch.dtype) -> None:
+    """At load: int8 linears when asked for; else, on CPU in bf16, oneDNN-packed ones (see PackedLinear)."""
+    if quantization == "int8":
+        quantize_linears(model)
+    elif device.type == "cpu" and dtype == torch.bfloat16 and torch.backends.mkldnn.is_available():
+        pack_linears(model)
