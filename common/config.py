@@ -10,6 +10,12 @@ from typing import Any, TypeVar, Union, get_args, get_origin, get_type_hints
 
 T = TypeVar("T")
 
+# OpenMP threads that wait for each other passively. libgomp's default spins up to 300,000 times at every barrier:
+# when a neighbour (this API process, a benchmark client) takes one of the cores, the compute thread left waiting
+# burns the rest of its time slice instead of yielding the core, and the engine crawls (one request under a busy
+# machine: 0.4-4 tok/s spinning, 36-42 passive). The caller's environment still wins.
+OPENMP_ENV: dict[str, str] = {"OMP_WAIT_POLICY": "PASSIVE"}
+
 
 def flag(default: Any, help: str, **kw: Any) -> Any:
     if default is list:
@@ -74,6 +80,9 @@ class ServerConfig:
         None, "read tool calls in the model's own format for tool_choice auto (hermes: <tool_call>{...}</tool_call>)",
         choices=["hermes"],
     )
+    stream_merge_above: int = flag(16, "streams in flight up to which every token is its own SSE event; above, an "
+                                   "event carries up to ceil(streams / N) tokens (fewer events: less CPU per token)")
+    stream_max_hold: float = flag(0.5, "seconds a streamed token may wait to go out with later ones (above)")
     engine_ready_timeout: float = flag(600.0, "seconds to wait for the engine core to start")
     engine_ping_timeout: float = flag(30.0, "seconds without an answer before the engine counts as hung (> a step)")
     drain_timeout: float = flag(30.0, "seconds in-flight requests may run on after SIGINT/SIGTERM")
