@@ -8,6 +8,7 @@ import math
 
 from transformers import AutoTokenizer
 
+from bench import make_random_model
 from bench.make_random_model import model_config, tensor_shapes, write_model
 from common.messages import EngineRequest, SamplingParams
 from engine_core.core import EngineCore
@@ -24,10 +25,13 @@ def test_named_shapes() -> None:
     assert 1.3e8 < params_of("smollm2-135m") < 1.4e8
 
 
-def test_written_model_loads_and_generates(tmp_path) -> None:
+def test_written_model_loads_and_generates(tmp_path, monkeypatch) -> None:
+    monkeypatch.setattr(make_random_model, "SHARD_BYTES", 64 * 2**20)  # several shards, as a 7B model has
     path = write_model("smollm2-135m", tmp_path / "random")
     index = json.loads((path / "model.safetensors.index.json").read_text())
     assert index["metadata"]["total_size"] == 2 * params_of("smollm2-135m")  # bf16
+    shards = sorted(p.name for p in path.glob("*.safetensors"))
+    assert len(shards) == 5 and shards == sorted(set(index["weight_map"].values())), shards
     assert AutoTokenizer.from_pretrained(path)("Hello")["input_ids"]
     core = EngineCore(fp32_config(model=str(path), max_model_len=256))
     params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
