@@ -77,6 +77,8 @@ class Launch:
         # supervisor to act on); otherwise unfinished requests wait for the replacement and resume.
         self.client.resumable = config.max_engine_restarts > 0
         self.client.restart_timeout = config.engine_restart_timeout
+        self.client.pacing.per_token_streams = max(1, config.stream_merge_above)
+        self.client.pacing.max_hold_s = config.stream_max_hold
         self.stopping = asyncio.Event()
         self.server: _Server | None = None
         self.exit_code: int | None = None  # set when the server stops itself

@@ -64,6 +64,9 @@ def summarize(results: list[RequestResult], duration: float, slos: dict[str, flo
         "ttft_ms": stats_ms([r.ttft for r in ok]),
         "tpot_ms": stats_ms([t for r in ok if (t := r.tpot) is not None]),
         "itl_ms": stats_ms([gap for r in ok for gap in r.itl]),
+        # Content chunks (SSE events with text): fewer than tokens when the server merges tokens into one event.
+        "content_chunks": (chunks := sum(len(r.itl) + 1 for r in ok)),
+        "tokens_per_chunk": out_tokens / chunks if chunks else None,
         "e2el_ms": stats_ms([r.e2e for r in ok]),
         "first_errors": errors[:5],
     }  # fmt: skip

@@ -12,7 +12,8 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from common.model_source import resolve_model
-from frontend.api.serving import clamp, dumps
+from frontend.api.serving import clamp
+from frontend.api.sse import dumps
 from frontend.text.detokenizer import IncrementalDetokenizer
 from frontend.text.tokenizer import Tokenizer
 

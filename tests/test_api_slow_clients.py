@@ -1,8 +1,11 @@
-"""Slow and many clients: --header-timeout cuts slowloris connections, --max-connections answers 503 past the cap."""
+"""Slow and many clients: --header-timeout cuts slowloris connections, --max-connections answers 503 past the cap,
+many streams share SSE events (--stream-merge-above)."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import json
 import select
 import socket
 import time
@@ -14,13 +17,14 @@ from tests.conftest import Server
 
 HEADER_TIMEOUT = 1.0
 MAX_CONNECTIONS = 60
+MODEL = "SmolLM2-135M-Instruct"
 MARGIN = 4.0  # a busy 2-core machine may be late to close; today's code never closes them at all
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory):
     server = Server(tmp_path_factory.mktemp("slow_clients"), "--header-timeout", str(HEADER_TIMEOUT),
-                    "--max-connections", str(MAX_CONNECTIONS))  # fmt: skip
+                    "--max-connections", str(MAX_CONNECTIONS), "--stream-max-hold", "60")  # fmt: skip
     yield server.wait_healthy()
     server.assert_clean_exit()
 
@@ -127,3 +131,38 @@ def test_connection_cap_answers_503_then_recovers(server):
     while (r := httpx.get(server.url + "/health", timeout=5)).status_code == 503 and time.monotonic() < deadline:
         time.sleep(0.05)
     assert r.status_code == 200
+
+
+def test_many_streams_merge_tokens_a_single_stream_does_not(server):
+    """Above 16 streams in flight each SSE event carries several tokens (StreamPacing; --stream-max-hold 60 makes that
+    independent of the machine's speed); the chunks still concatenate exactly, their logprobs align with their tokens,
+    finish and usage come last. Alone, a stream gets one event per token."""
+
+    async def one(client: httpx.AsyncClient, i: int, max_tokens: int) -> tuple[list[dict], dict]:
+        body = {"model": MODEL, "prompt": f"Story number {i}:", "max_tokens": max_tokens, "temperature": 0,
+                "logprobs": 0, "ignore_eos": True, "skip_special_tokens": False, "stream": True,
+                "stream_options": {"include_usage": True}}  # fmt: skip
+        async with client.stream("POST", "/v1/completions", json=body) as r:
+            events = [line[6:] async for line in r.aiter_lines() if line.startswith("data: ")]
+        assert events[-1] == "[DONE]"
+        chunks = [json.loads(e) for e in events[:-1]]
+        assert chunks[-1]["choices"] == [] and chunks[-2]["choices"][0]["finish_reason"] == "length"
+        return [c["choices"][0] for c in chunks[:-2]], chunks[-1]["usage"]
+
+    async def run_all(n: int, max_tokens: int) -> list[tuple[list[dict], dict]]:
+        async with httpx.AsyncClient(base_url=server.url, timeout=300) as c:
+            return await asyncio.gather(*(one(c, i, max_tokens) for i in range(n)))
+
+    for n, max_tokens in ((48, 24), (1, 16)):
+        results = asyncio.run(run_all(n, max_tokens))
+        for choices, usage in results:
+            assert usage["completion_tokens"] == max_tokens
+            tokens = [t for c in choices for t in c["logprobs"]["tokens"]]
+            assert all(len(c["logprobs"]["tokens"]) == len(c["logprobs"]["token_logprobs"]) for c in choices)
+            assert len(tokens) == max_tokens and "".join(c["text"] for c in choices) == "".join(tokens)
+            assert all(c["finish_reason"] is None for c in choices)
+        num_chunks = sum(len(choices) for choices, _ in results)
+        if n == 1:
+            assert num_chunks == max_tokens  # one chunk per token
+        else:
+            assert num_chunks < 0.75 * n * max_tokens, f"{num_chunks} SSE events for {n * max_tokens} tokens"

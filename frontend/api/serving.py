@@ -3,22 +3,21 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from typing import Any, Protocol, TypeVar
+from typing import Any, TypeVar
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from common.messages import SamplingParams
 from frontend.api.protocol import SamplingFields
+from frontend.api.sse import ResponseFormat, sse_stream
 from frontend.engine.engine_client import AsyncEngineClient, EngineUnavailable, QueueFull
-from frontend.engine.fanout import Choice, FanOut
+from frontend.engine.fanout import FanOut
 from frontend.engine.recovery import ENGINE_GONE, POISON
-from frontend.engine.request_stream import Delta
-from frontend.errors import ApiError, bad_request, sse_error
+from frontend.errors import ApiError, bad_request
 from frontend.text.detokenizer import IncrementalDetokenizer
 from frontend.text.tokenizer import Tokenizer
 
@@ -118,25 +117,10 @@ def clamp(logprob: float) -> float:
     return logprob if logprob == logprob and logprob > -9999.0 else -9999.0
 
 
-def dumps(obj: Any) -> str:
-    return json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
-
-
-class ResponseFormat(Protocol):
-    """How one endpoint spells its chunks and its final response."""
-
-    chunk_object: str
-
-    def opening(self, index: int) -> dict[str, Any] | None: ...
-    def content(self, index: int, delta: Delta) -> list[dict[str, Any]]: ...  # several where text and tool calls
-    def finish(self, index: int, delta: Delta) -> dict[str, Any]: ...
-    def response(self, choices: list[Choice], usage: dict[str, int]) -> dict[str, Any]: ...
-
-
 class _ClosingStreamingResponse(StreamingResponse):
     """Runs `on_close` however the response ends (done, client gone, server stopping): aborts leftover requests."""
 
-    def __init__(self, content: AsyncIterator[str], on_close: Callable[[], None], media_type: str) -> None:
+    def __init__(self, content: AsyncIterator[str | bytes], on_close: Callable[[], None], media_type: str) -> None:
         super().__init__(content, media_type=media_type)
         self._on_close = on_close
 
@@ -145,37 +129,6 @@ class _ClosingStreamingResponse(StreamingResponse):
             await super().__call__(scope, receive, send)
         finally:
             self._on_close()
-
-
-async def _sse(fan: FanOut, fmt: ResponseFormat, head: dict[str, Any], include_usage: bool,
-               failure: Callable[[str | None, str | None], ApiError]) -> AsyncIterator[str]:  # fmt: skip
-    """content chunks (finish_reason null) -> each choice's finish chunk -> usage chunk -> [DONE]."""
-
-    def chunk(choice: dict[str, Any]) -> str:
-        body = {**head, "object": fmt.chunk_object, "choices": [choice]}
-        if include_usage:
-            body["usage"] = None
-        return f"data: {dumps(body)}\n\n"
-
-    try:
-        for index in range(len(fan.choices)):
-            if (opening := fmt.opening(index)) is not None:
-                yield chunk(opening)
-        async for index, delta in fan.deltas():
-            if delta.finish_reason == "error":
-                err = failure(delta.error, delta.error_code)
-                yield sse_error(err.status, err.message, err.code)
-                break
-            for piece in fmt.content(index, delta):
-                yield chunk(piece)
-            if delta.finish_reason is not None:
-                yield chunk(fmt.finish(index, delta))
-        else:
-            if include_usage:
-                yield f"data: {dumps({**head, 'object': fmt.chunk_object, 'choices': [], 'usage': fan.usage()})}\n\n"
-        yield "data: [DONE]\n\n"
-    finally:
-        fan.abort()
 
 
 async def _disconnected(request: Request) -> None:
@@ -188,7 +141,7 @@ async def respond(ctx: ServingContext, raw: Request, fan: FanOut, fmt: ResponseF
                   stream: bool, include_usage: bool) -> Response:  # fmt: skip
     head = {"id": request_id, "created": int(time.time()), "model": ctx.model_name}
     if stream:
-        return _ClosingStreamingResponse(_sse(fan, fmt, head, include_usage, ctx.failure), fan.abort,
+        return _ClosingStreamingResponse(sse_stream(fan, fmt, head, include_usage, ctx.failure), fan.abort,
                                          "text/event-stream")  # fmt: skip
     work = asyncio.ensure_future(fan.collect())
     gone = asyncio.ensure_future(_disconnected(raw))

@@ -74,6 +74,12 @@ class ChatFormat:
         return [{"index": index, "delta": {"content": delta.text}, "logprobs": self._logprobs(delta),
                  "finish_reason": None}]  # fmt: skip
 
+    def text_affixes(self, index: int) -> tuple[str, str] | None:
+        """content()'s JSON around the text, when that is all it holds (no logprobs, no tool-call parsing)."""
+        if self.want_logprobs or self.tool_streams is not None:
+            return None
+        return f'{{"index":{index},"delta":{{"content":', '},"logprobs":null,"finish_reason":null}'
+
     def finish(self, index: int, delta: Delta) -> dict[str, Any]:
         reason = delta.finish_reason
         if self.tool_streams is not None:

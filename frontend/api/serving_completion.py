@@ -79,6 +79,12 @@ class CompletionFormat:
         return [{"index": index, "text": self.prompt_texts[self._prompt_index(index)] + delta.text,
                  "logprobs": {k: echo[k] + own[k] for k in own}, "finish_reason": None}]  # fmt: skip
 
+    def text_affixes(self, index: int) -> tuple[str, str] | None:
+        """content()'s JSON around the text, when that is all it holds (no logprobs, hence no echo after the start)."""
+        if self.want_logprobs:
+            return None
+        return f'{{"index":{index},"text":', ',"logprobs":null,"finish_reason":null}'
+
     def finish(self, index: int, delta: Delta) -> dict[str, Any]:
         return {"index": index, "text": "", "logprobs": None, "finish_reason": delta.finish_reason,
                 "stop_reason": delta.stop_reason}  # fmt: skip

@@ -20,6 +20,7 @@ from frontend.engine.recovery import ENGINE_GONE
 from frontend.engine.request_stream import Delta, RequestStream
 from frontend.engine.router import PrefixRouter
 from frontend.engine.spawn import EngineStartError
+from frontend.engine.stream_pacing import StreamPacing
 from frontend.engine.supervisor import EngineSupervisor
 from frontend.errors import EngineUnavailable
 from frontend.metrics import Metrics
@@ -67,6 +68,7 @@ class AsyncEngineClient:
             self.handles.append(EngineHandle(i, label, out, self._send, process, self._changed.set, ping_timeout))
         self.router: PrefixRouter | None = None  # several engines: set once the block size is known
         self.metrics = metrics
+        self.pacing = StreamPacing(lambda: self.num_in_flight)  # many streams: several tokens per consumer wakeup
         self._tasks: list[asyncio.Task] = []
 
     @classmethod
@@ -181,7 +183,7 @@ class AsyncEngineClient:
         self.check_capacity(1)
         if self._owner(request.request_id) is not None:
             raise ValueError(f"request id {request.request_id!r} is already in flight")
-        stream = RequestStream(request, detokenizer, include_stop_token)
+        stream = RequestStream(request, detokenizer, include_stop_token, self.pacing)
         live = [h for h in self.handles if h.healthy]  # a dead engine takes nothing new while it restarts
         handle = live[0] if self.router is None else self.router.choose(request.prompt_token_ids, live)
         handle.add(stream)

@@ -91,6 +91,8 @@ class FanOut:
 
     async def collect(self) -> list[Choice]:
         """Runs every choice to its end, merging its deltas (non-streaming responses)."""
+        for choice in self.choices:  # nothing is shown before the end: no consumer wakeup per token
+            choice.stream.hold_to_end = True
         async for index, delta in self.deltas():
             self.choices[index].result.merge(delta)
         return self.choices

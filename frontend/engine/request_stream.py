@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 import msgspec
 
 from common.messages import EngineOutput, EngineRequest, FinishReason, Logprobs
+from frontend.engine.stream_pacing import StreamPacing
 from frontend.text.detokenizer import IncrementalDetokenizer
 
 
@@ -45,7 +46,7 @@ class RequestStream:
     """Owned by the client's output task (the writer) and one consumer (async iteration)."""
 
     def __init__(self, request: EngineRequest, detokenizer: IncrementalDetokenizer | None,
-                 include_stop_token: bool = False) -> None:  # fmt: skip
+                 include_stop_token: bool = False, pacing: StreamPacing | None = None) -> None:  # fmt: skip
         self.request = request
         self.detokenizer = detokenizer
         self.include_stop_token = include_stop_token
@@ -59,8 +60,13 @@ class RequestStream:
         self.sent_at: int | None = None  # len(output_token_ids) when last sent to an engine; None: in none
         self.suspect = False  # implicated in the last engine crash
         self.prompt_logprobs_seen = False  # a resumed request's engine sends none; at most once either way
+        self.pacing = pacing  # None: the consumer is woken for every output
+        self.hold_to_end = False  # a consumer that only wants the whole result (non-streaming) is woken once
         self._slot: Delta | None = None
-        self._ready = asyncio.Event()
+        self._ready = asyncio.Event()  # set: the slot goes to the consumer now
+        self._held_since = 0.0  # when the slot's oldest part arrived
+        self._timer: asyncio.TimerHandle | None = None  # wakes the consumer when a held slot is max_hold_s old
+        self._started = False  # the consumer took a delta already
 
     @property
     def request_id(self) -> str:
@@ -137,21 +143,44 @@ class RequestStream:
             self.finished = True
             self.finish_reason = delta.finish_reason
         if self._slot is None:
-            self._slot = delta
+            self._slot, self._held_since = delta, time.monotonic()
         else:
             self._slot.merge(delta)
-        self._ready.set()
+        if self._due(self._slot):
+            self._wake()
+        elif self._timer is None and self.pacing is not None and not self.hold_to_end:
+            wait = self._held_since + self.pacing.max_hold_s - time.monotonic()
+            self._timer = asyncio.get_running_loop().call_later(wait, self._wake)
+
+    def _due(self, slot: Delta) -> bool:
+        """Whether the consumer takes the slot now or lets it gather more (StreamPacing)."""
+        if slot.finish_reason is not None:
+            return True
+        if self.hold_to_end:
+            return False
+        if self.pacing is None or not self._started:  # the first output goes at once: time to first token
+            return True
+        per_wakeup = self.pacing.tokens_per_wakeup()
+        return (per_wakeup <= 1 or len(slot.token_ids) >= per_wakeup
+                or time.monotonic() - self._held_since >= self.pacing.max_hold_s)  # fmt: skip
+
+    def _wake(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        if self._slot is not None:
+            self._ready.set()
 
     # ---- consumer side ----
 
     async def get(self) -> Delta:
         """The next merged delta; the last one has finish_reason set. Raises StopAsyncIteration after it."""
-        while self._slot is None:
-            if self.finished:
+        while self._slot is None or not self._ready.is_set():
+            if self._slot is None and self.finished:
                 raise StopAsyncIteration
-            self._ready.clear()
             await self._ready.wait()
-        delta, self._slot = self._slot, None
+        delta, self._slot, self._started = self._slot, None, True
+        self._ready.clear()
         return delta
 
     def __aiter__(self) -> RequestStream:
