@@ -65,6 +65,7 @@ class RequestStream:
         self._slot: Delta | None = None
         self._ready = asyncio.Event()  # set: the slot goes to the consumer now
         self._held_since = 0.0  # when the slot's oldest part arrived
+        self._gap = 0.0  # between the last two tokens: when the next one is expected
         self._timer: asyncio.TimerHandle | None = None  # wakes the consumer when a held slot is max_hold_s old
         self._started = False  # the consumer took a delta already
 
@@ -135,24 +136,27 @@ class RequestStream:
         return poison
 
     def _put(self, delta: Delta) -> None:
+        now = time.monotonic()
         if delta.token_ids:
-            now = time.monotonic()
             self.first_token_time = self.first_token_time or now
+            if self.last_token_time is not None:
+                self._gap = now - self.last_token_time
             self.last_token_time = now
         if delta.finish_reason is not None:
             self.finished = True
             self.finish_reason = delta.finish_reason
         if self._slot is None:
-            self._slot, self._held_since = delta, time.monotonic()
+            self._slot, self._held_since = delta, now
         else:
             self._slot.merge(delta)
-        if self._due(self._slot):
+        if self._due(self._slot, now):
             self._wake()
         elif self._timer is None and self.pacing is not None and not self.hold_to_end:
-            wait = self._held_since + self.pacing.max_hold_s - time.monotonic()
+            # Only a stream whose next token is late (preempted, a long step) gets here: wake it at the deadline.
+            wait = self._held_since + self.pacing.max_hold_s - now
             self._timer = asyncio.get_running_loop().call_later(wait, self._wake)
 
-    def _due(self, slot: Delta) -> bool:
+    def _due(self, slot: Delta, now: float) -> bool:
         """Whether the consumer takes the slot now or lets it gather more (StreamPacing)."""
         if slot.finish_reason is not None:
             return True
@@ -161,8 +165,10 @@ class RequestStream:
         if self.pacing is None or not self._started:  # the first output goes at once: time to first token
             return True
         per_wakeup = self.pacing.tokens_per_wakeup()
+        # Held only while the next token, at the last gap between tokens, still comes before max_hold_s: slow steps
+        # (a busy machine) send each token at once rather than late.
         return (per_wakeup <= 1 or len(slot.token_ids) >= per_wakeup
-                or time.monotonic() - self._held_since >= self.pacing.max_hold_s)  # fmt: skip
+                or now - self._held_since + self._gap > self.pacing.max_hold_s)  # fmt: skip
 
     def _wake(self) -> None:
         if self._timer is not None:

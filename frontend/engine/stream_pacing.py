@@ -5,8 +5,10 @@ the client. With many streams those per-event costs take CPU from the engine (on
 process run beside the engine's threads; on a GPU host this process becomes the bottleneck). Up to
 `per_token_streams` streams every token goes out at once. Above, a stream wakes its consumer once
 ceil(streams / per_token_streams) tokens wait, so the events per engine step stay about what `per_token_streams`
-streams send; and at the latest `max_hold_s` after its oldest waiting token, so no token waits long (a stream the
-scheduler preempted, a long prefill step). A stream's first output and its end always go at once.
+streams send; and no token waits more than `max_hold_s`: tokens are held only while the next one, at the stream's last
+gap between tokens, is due before that (slow steps on a busy machine send every token at once), and a timer wakes the
+consumer of a stream whose next token is late (preempted, a long prefill step). A stream's first output and its end
+always go at once.
 """
 
 from __future__ import annotations
