@@ -10,6 +10,8 @@ embedding keeps its exact float table for the lookup: only the head's copy is qu
 
 from __future__ import annotations
 
+import logging
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -19,6 +21,7 @@ from engine_core.cpu_kernels import cpu_kernels
 from engine_core.models.layers import pack_linears
 from engine_core.models.parallel import RowParallelLinear
 
+log = logging.getLogger("roseinfer.quant")
 GROUP = 32  # weights per scale; the kernel's unit
 _ROWS_PER_PASS = 4096  # quantize a big weight (the LM head) in slices: no full fp32 copy of it at once
 
@@ -81,5 +84,7 @@ def prepare_linears(model: nn.Module, quantization: str, device: torch.device, d
     """At load: int8 linears when asked for; else, on CPU in bf16, oneDNN-packed ones (see PackedLinear)."""
     if quantization == "int8":
         quantize_linears(model)
+        if device.type != "cpu" or dtype != torch.bfloat16 or cpu_kernels() is None:
+            log.warning("int8 weights on %s %s have no kernel: dequantized in every call (slow)", device, dtype)
     elif device.type == "cpu" and dtype == torch.bfloat16 and torch.backends.mkldnn.is_available():
         pack_linears(model)
