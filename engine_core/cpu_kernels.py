@@ -31,6 +31,7 @@ _SIGNATURES = {
     "silu_and_mul": [_P, _P, _I64, _I],
     "rotary": [_P] * 4 + [_I64, _I64, _I, _I],
     "argmax_rows": [_P, _I64, _I64, _P],
+    "sample_rows": [_P, _I64, _I64, _P, _P, _P, _P],
 }
 
 
@@ -183,6 +184,16 @@ class CpuKernels:
         return out
 
     # ---- sampling ----
+
+    def sample_rows(self, x: torch.Tensor, temperatures: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+        """One token per row of contiguous logits [rows, vocab] drawn from softmax(x / T) at the fp32 uniform
+        number in [0, 1) given for the row (inverse CDF); T <= 0: the row's first maximum."""
+        out = torch.empty(x.shape[0], dtype=torch.long)
+        scratch = torch.empty(x.shape, dtype=torch.float32)
+        temperatures, uniforms = temperatures.float().contiguous(), uniforms.float().contiguous()
+        self._funcs["sample_rows", x.dtype](x.data_ptr(), x.shape[0], x.shape[1], temperatures.data_ptr(),
+                                            uniforms.data_ptr(), scratch.data_ptr(), out.data_ptr())  # fmt: skip
+        return out
 
     def argmax_rows(self, x: torch.Tensor) -> torch.Tensor:
         """Greedy tokens of contiguous logits [rows, vocab], in their own dtype; first index on a tie."""

@@ -32,6 +32,12 @@ class Sampler:
         logits = logits[:, : self.vocab_size]
         if all(p.greedy and p.logprobs is None and not _needs_processing(p) for p in params):
             return _argmax(logits).tolist(), [None] * len(requests)  # the common plain-greedy batch
+        kernels = cpu_kernels() if logits.device.type == "cpu" else None
+        if kernels is not None and kernels.handles(logits) and all(_temperature_only(p) for p in params):
+            # The common plain-sampling batch (an OpenAI client's default temperature 1): one uniform per row.
+            temps = torch.tensor([0.0 if p.greedy else p.temperature for p in params])
+            tokens = kernels.sample_rows(logits.contiguous(), temps, self._uniforms(requests))
+            return tokens.tolist(), [None] * len(requests)
         # Logprobs are reported from `raw`, the model's own distribution before any processor: a choice we keep.
         logits = raw = logits.float()
         if any(_needs_processing(p) for p in params):
@@ -51,6 +57,15 @@ class Sampler:
             logprobs = _logprobs(raw, tokens, params)
         return token_list, logprobs
 
+    def _uniforms(self, requests: list[Request]) -> torch.Tensor:
+        """One number in [0, 1) per row; a seeded request's comes from (seed, output position) alone."""
+        uniforms = torch.rand(len(requests), generator=self.generator)
+        for i, req in enumerate(requests):
+            if req.params.seed is not None:
+                self._seeded.manual_seed(_seed_for(req))
+                uniforms[i] = torch.rand(1, generator=self._seeded)[0]
+        return uniforms
+
     def _sample(self, logits: torch.Tensor, requests: list[Request], params: list[SamplingParams]) -> torch.Tensor:
         temps = torch.tensor([1.0 if p.greedy else p.temperature for p in params], device=logits.device)
         probs = torch.softmax(logits / temps[:, None], dim=-1)
@@ -63,11 +78,22 @@ class Sampler:
         noise = torch.empty_like(probs).exponential_(generator=self.generator)
         for i, (req, p) in enumerate(zip(requests, params, strict=True)):
             if p.seed is not None:
-                self._seeded.manual_seed((p.seed * _SEED_MIX + req.num_output_tokens) & (2**63 - 1))
+                self._seeded.manual_seed(_seed_for(req))
                 noise[i].exponential_(generator=self._seeded)
         sampled = (probs / noise).argmax(dim=-1)
         greedy_rows = torch.tensor([p.greedy for p in params], device=logits.device)
         return torch.where(greedy_rows, logits.argmax(dim=-1), sampled)
+
+
+def _seed_for(req: Request) -> int:
+    assert req.params.seed is not None
+    return (req.params.seed * _SEED_MIX + req.num_output_tokens) & (2**63 - 1)
+
+
+def _temperature_only(p: SamplingParams) -> bool:
+    """Sampling that needs nothing but a temperature: the compiled CPU sampler takes it."""
+    plain = p.greedy or (p.top_k == 0 and p.top_p >= 1.0 and p.min_p == 0)
+    return plain and p.logprobs is None and not _needs_processing(p)
 
 
 def _argmax(logits: torch.Tensor) -> torch.Tensor:

@@ -114,3 +114,30 @@ def test_top_k_beyond_the_vocabulary_is_clamped() -> None:
     for top_k in (10**6, 2**63):  # 2**63 does not fit an int64 tensor: the clamp keeps it out of one
         (tok,), _ = sample(logits, [req(SamplingParams(temperature=1.0, top_k=top_k, top_p=0.5))])
         assert tok in (0, 1)
+
+
+def test_temperature_only_rows_draw_from_the_softmax() -> None:
+    """The plain-sampling batch (no top-k/p, processors or logprobs) takes the compiled inverse-CDF sampler on
+    CPU when it is built, else the torch race: either way the draws follow softmax(x / T), greedy rows inside
+    the batch stay argmax, and bf16 logits are read in their own dtype."""
+    row = [2.0, 1.0, 0.0, -1.0, 0.5, -30.0, 1.5, 0.0]
+    n = 3000
+    for dtype, temp in ((torch.float32, 1.0), (torch.bfloat16, 0.7)):
+        logits = torch.tensor([row] * n, dtype=dtype)
+        reqs = [req(SamplingParams(temperature=temp)) for _ in range(n - 1)] + [req(SamplingParams(temperature=0))]
+        tokens, _ = Sampler(torch.device("cpu"), V, seed=3)(logits, reqs)
+        assert tokens[-1] == 0  # the greedy row
+        counts = torch.bincount(torch.tensor(tokens[:-1]), minlength=V).float() / (n - 1)
+        expected = torch.softmax(logits[0].float() / temp, dim=-1)
+        assert (counts - expected).abs().max() < 0.03, (counts, expected)
+        assert counts[5] == 0  # e^-32 relative weight: never drawn
+
+
+def test_temperature_only_seeded_rows_are_reproducible_on_a_large_vocabulary() -> None:
+    vocab = 49152
+    logits = torch.randn(4, vocab, generator=torch.Generator().manual_seed(0)) * 3
+    seeded = SamplingParams(temperature=1.0, seed=7)
+    sampler = Sampler(torch.device("cpu"), vocab, seed=0)
+    a, _ = sampler(logits, [req(seeded), req(SamplingParams()), req(SamplingParams()), req(SamplingParams())])
+    b, _ = Sampler(torch.device("cpu"), vocab, seed=9)(logits[:1], [req(seeded)])
+    assert a[0] == b[0] and all(0 <= t < vocab for t in a)
