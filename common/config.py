@@ -10,13 +10,6 @@ from typing import Any, TypeVar, Union, get_args, get_origin, get_type_hints
 
 T = TypeVar("T")
 
-# OpenMP threads that spin only briefly at a barrier before sleeping. libgomp's default spins up to 300,000 times:
-# on a machine busier than its cores (tests, other services) the thread left waiting for a descheduled partner
-# burns its whole time slice, and one request crawled at 0.4-4 tok/s (14-42 with 1,000 spins or none). Beside a
-# benchmark client on this 2-core machine W measured 489-494 tok/s with the default spin, 473-482 with 1,000
-# spins, 440-450 never spinning (OMP_WAIT_POLICY=PASSIVE). The caller's environment still wins.
-OPENMP_ENV: dict[str, str] = {"GOMP_SPINCOUNT": "1000"}
-
 
 def flag(default: Any, help: str, **kw: Any) -> Any:
     if default is list:

@@ -20,7 +20,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from common.config import OPENMP_ENV, EngineConfig, to_cli_args
+from common.config import EngineConfig, to_cli_args
 
 log = logging.getLogger("roseinfer.tp")
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -74,7 +74,7 @@ def spawn_worker(config: EngineConfig, rank: int, port: int, cpus: list[int] | N
     cmd += ["--cpus", ",".join(map(str, cpus))] if cpus else []
     config = dataclasses.replace(config, master_port=port)
     path = os.pathsep.join(filter(None, [REPO_ROOT, os.environ.get("PYTHONPATH")]))
-    env = {**OPENMP_ENV, **os.environ, "PYTHONPATH": path}
+    env = {**os.environ, "PYTHONPATH": path}
     return subprocess.Popen(cmd + to_cli_args(config), env=env)
 
 

@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 from common import ipc
-from common.config import OPENMP_ENV, EngineConfig, to_cli_args
+from common.config import EngineConfig, to_cli_args
 
 REPO_ROOT = str(Path(__file__).resolve().parents[2])
 
@@ -23,5 +23,5 @@ def spawn_engine(config: EngineConfig, addresses: ipc.Addresses, env: dict[str, 
     # that outlives us removes it.
     cmd += ["--parent-pid", str(os.getpid())] + (["--run-dir", addresses.run_dir] if addresses.run_dir else [])
     path = os.pathsep.join(filter(None, [REPO_ROOT, os.environ.get("PYTHONPATH")]))
-    env = {**OPENMP_ENV, **os.environ, **(env or {}), "PYTHONPATH": path}
+    env = {**os.environ, **(env or {}), "PYTHONPATH": path}
     return subprocess.Popen(cmd + to_cli_args(config), env=env)
