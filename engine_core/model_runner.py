@@ -25,11 +25,13 @@ from engine_core.sampler import Sampler
 from engine_core.scheduler import SampledTokens, SchedulerOutput
 
 
-def padded_size(num_tokens: int) -> int:
+def padded_size(num_tokens: int, min_rows: int = 8) -> int:
     """A step's token count rounded up, so that few distinct matmul shapes occur: oneDNN builds a kernel per
-    shape (about 1 ms per linear the first time), and with continuous batching the count changes every step."""
-    if 0 < num_tokens < 8:  # 1, 2, 4: a single stream's decode is one row, not eight (its matmuls read the weights)
-        return 1 << (num_tokens - 1).bit_length()
+    shape (about 1 ms per linear the first time), and with continuous batching the count changes every step.
+    Below 8, a power of two no smaller than min_rows (see prepare_linears): a single stream's decode reads the
+    weights for one or two rows, not eight."""
+    if 0 < num_tokens < 8:
+        return max(min_rows, 1 << (num_tokens - 1).bit_length())
     multiple = 8 if num_tokens <= 256 else 64
     return -(-num_tokens // multiple) * multiple
 
@@ -92,7 +94,8 @@ class ModelRunner:
         profiling = self.device.type == "cuda" and not config.num_kv_blocks
         start = memory_profile.snapshot_at_start(self.device, config.gpu_memory_utilization) if profiling else None
         self.model = load_model(model_path, self.dtype, self.device, max_positions=max_model_len)
-        prepare_linears(self.model, config.quantization, self.device, self.dtype)  # int8, or oneDNN-packed bf16
+        # int8, or oneDNN-packed bf16; min_rows keeps a row's result independent of the rows beside it.
+        self.min_rows = prepare_linears(self.model, config.quantization, self.device, self.dtype)
         self.vocab_size = self.model.config.vocab_size
         attn = self.model.attention_layers()[0]  # this rank's heads
         self.attn_backend: AttentionBackend = select_backend(
@@ -128,7 +131,7 @@ class ModelRunner:
         if start is not None:
             graphs = not self.config.enforce_eager and self.tp is None and self.attn_backend.graphable
             reserve = memory_profile.CUDA_GRAPH_RESERVE if graphs else 0
-            mem = memory_profile.profile_gpu(self, start, max_model_len, reserve, padded_size)
+            mem = memory_profile.profile_gpu(self, start, max_model_len, reserve, self.padded_size)
             return memory_profile.gpu_kv_blocks(mem, self.config.gpu_memory_utilization, per_block, max_model_len, bs)
         gib = self.config.kv_cache_memory  # CPU: the whole group's
         return memory_profile.cpu_kv_blocks(gib, distributed.tp_size(), per_block, max_model_len, bs)
@@ -144,6 +147,9 @@ class ModelRunner:
             layer.attn_backend = self.attn_backend
 
     # ---- one step ----
+
+    def padded_size(self, num_tokens: int) -> int:
+        return padded_size(num_tokens, self.min_rows)
 
     def _prepare(self, out: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
         bs = self.block_size
@@ -167,7 +173,7 @@ class ModelRunner:
             slots += [req.block_ids[p // bs] * bs + p % bs for p in range(start, end)]
             if sample:
                 sample_idx.append(len(ids) - 1)
-        pad = padded_size(len(ids)) - len(ids)
+        pad = self.padded_size(len(ids)) - len(ids)
         ids += [0] * pad
         positions += [0] * pad
         slots += [self.scratch_slot] * pad
@@ -194,12 +200,12 @@ class ModelRunner:
                     distributed.send_step(input_ids, positions, meta)
                 hidden = self.model(input_ids, positions, meta)
         if wants_prompt_logprobs(out):
-            score_prompts(self.model, hidden, out, self.vocab_size, padded_size)
+            score_prompts(self.model, hidden, out, self.vocab_size, self.padded_size)
         sampled_reqs = [r for r, s in zip(out.requests, out.sample, strict=True) if s]
         if not sampled_reqs:
             self.last_forward_time = time.perf_counter() - start
             return SampledTokens([], [])
-        rows = sample_idx + sample_idx[-1:] * (padded_size(len(sample_idx)) - len(sample_idx))
+        rows = sample_idx + sample_idx[-1:] * (self.padded_size(len(sample_idx)) - len(sample_idx))
         logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])[: len(sample_idx)]
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)

@@ -9,7 +9,8 @@ from torch import nn
 
 from engine_core.core import EngineCore
 from engine_core.cpu_kernels import cpu_kernels
-from engine_core.models.quant import Int8Linear, dequantize, quantize_groups
+from engine_core.model_runner import padded_size
+from engine_core.models.quant import Int8Linear, dequantize, prepare_linears, quantize_groups
 from tests.engine_helpers import fp32_config, greedy_request, mixed_prompts, run_engine
 
 MAX_NEW = 32
@@ -48,6 +49,27 @@ def test_int8_linear_matches_float_matmul(rows, out_features, in_features, bias)
     wide = torch.randn(rows, in_features + 64, dtype=torch.bfloat16)
     wide[:, :in_features] = x
     assert torch.equal(layer(wide[:, :in_features]), out)
+
+
+@pytest.mark.parametrize(
+    "quantization,dtype", [("none", torch.bfloat16), ("int8", torch.bfloat16), ("none", torch.float32)]
+)
+def test_rows_padded_to_min_rows_do_not_depend_on_their_neighbours(quantization, dtype) -> None:
+    """The promise prepare_linears makes to the model runner: padded as the runner pads a step (padded_size with
+    the returned min_rows), every row comes out bit for bit as inside a batch of 8. Without it a seeded request
+    drew other tokens alone than in a batch (oneDNN's one-row bf16 path: K = 1536, SmolLM2's down projection)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(1536, 576, bias=False), nn.Linear(576, 1536)).to(dtype)
+    with torch.inference_mode():
+        min_rows = prepare_linears(model, quantization, torch.device("cpu"), dtype)
+        assert min_rows == {("none", torch.bfloat16): 2, ("int8", torch.bfloat16): 1}.get((quantization, dtype), 8)
+        for layer, width in ((model[0], 1536), (model[1], 576)):
+            for _ in range(40):
+                x = torch.randn(8, width, dtype=dtype) * torch.rand(8, 1, dtype=dtype) * 3
+                batch = layer(x)
+                for rows in range(1, 8):
+                    alone = layer(x[: padded_size(rows, min_rows)])[:rows]
+                    assert torch.equal(alone, batch[:rows])
 
 
 def _greedy(quantization: str) -> list[tuple[list[int], list[float], list[int]]]:

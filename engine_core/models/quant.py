@@ -80,11 +80,20 @@ def quantize_linears(model: nn.Module) -> int:
     return len(linears)
 
 
-def prepare_linears(model: nn.Module, quantization: str, device: torch.device, dtype: torch.dtype) -> None:
-    """At load: int8 linears when asked for; else, on CPU in bf16, oneDNN-packed ones (see PackedLinear)."""
+def prepare_linears(model: nn.Module, quantization: str, device: torch.device, dtype: torch.dtype) -> int:
+    """At load: int8 linears when asked for; else, on CPU in bf16, oneDNN-packed ones (see PackedLinear).
+
+    Returns the fewest rows these matmuls must be given for a row's result not to depend on how many rows run
+    beside it: a seeded request then draws the same tokens alone as inside a batch. oneDNN's one-row bf16 path
+    and MKL's fp32 paths below 4 rows sum in another order than wider calls; our int8 kernel does each row alone.
+    """
     if quantization == "int8":
         quantize_linears(model)
-        if device.type != "cpu" or dtype != torch.bfloat16 or cpu_kernels() is None:
-            log.warning("int8 weights on %s %s have no kernel: dequantized in every call (slow)", device, dtype)
+        kernels = [m.kernels is not None for m in model.modules() if isinstance(m, Int8Linear)]
+        if device.type == "cpu" and dtype == torch.bfloat16 and all(kernels):
+            return 1
+        log.warning("int8 weights on %s %s have no kernel: dequantized in every call (slow)", device, dtype)
     elif device.type == "cpu" and dtype == torch.bfloat16 and torch.backends.mkldnn.is_available():
         pack_linears(model)
+        return 2
+    return 8
