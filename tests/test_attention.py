@@ -38,22 +38,26 @@ def test_kernel_matches_torch_path(dtype, tol, q_heads, kv_heads, head_dim) -> N
     assert torch.allclose(fast[0].float(), first, atol=tol)
 
 
+# bf16 with head_dim % 32 == 0 takes the 16-keys-at-a-time tile (csrc/attend_bf16.c); block size 32 makes it
+# split blocks into slices, 8 leaves it to the key-at-a-time path.
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 @pytest.mark.parametrize("q_heads,kv_heads,head_dim", [(9, 3, 64), (4, 4, 32), (8, 1, 16), (6, 2, 128)])
-def test_prefill_kernel_matches_torch_path(dtype, tol, q_heads, kv_heads, head_dim) -> None:
+@pytest.mark.parametrize("block_size", [16, 32, 8])
+def test_prefill_kernel_matches_torch_path(dtype, tol, q_heads, kv_heads, head_dim, block_size) -> None:
     """A mixed step: 3 decodes, then prefill chunks with no prefix, after a cached prefix, and a one-block
     chunk; q is a strided view into a qkv projection, as in the model. Padding rows must stay zero."""
     torch.manual_seed(0)
-    num_blocks, block_size = 80, 16
+    num_blocks = 80 * 16 // block_size
     # One block more than the tables use: the new k/v of every row go to its first slot, which nobody reads.
     k_cache = torch.randn(num_blocks + 1, block_size, kv_heads, head_dim, dtype=dtype)
     v_cache = torch.randn(num_blocks + 1, block_size, kv_heads, head_dim, dtype=dtype)
     perm = torch.randperm(num_blocks)
-    decode_tables = perm[:9].view(3, 3)
+    per_decode = -(-48 // block_size)
+    decode_tables = perm[: 3 * per_decode].view(3, per_decode)
     decode_lens = torch.tensor([5, 33, 48])
     # (query rows, context after the chunk): the cache already holds every chunk's keys, as after write_kv.
     shapes = [(37, 37), (20, 70), (9, 16), (130, 130), (2, 3)]
-    prefills, row, used = [], 3, 9
+    prefills, row, used = [], 3, 3 * per_decode
     for num_tokens, context in shapes:
         blocks = -(-context // block_size)
         prefills.append(PrefillChunk(row, num_tokens, context, perm[used : used + blocks]))

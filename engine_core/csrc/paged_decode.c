@@ -11,15 +11,6 @@
 #define MAX_BLOCK 64
 #define MAX_HEADS 64  // per-sequence state lives on the stack: at most MAX_HEADS * MAX_DIM * 8 bytes
 
-// Called once per token row of the current block, for the same row of the next block: spread out like this,
-// the prefetches overlap the arithmetic (one burst per block did not: 0.72 -> 0.49 ms per layer at batch 64).
-static inline void prefetch_rows(const void* k, const void* v, int64_t bytes) {
-    for (int64_t off = 0; off < bytes; off += 64) {
-        __builtin_prefetch((const char*)k + off);
-        __builtin_prefetch((const char*)v + off);
-    }
-}
-
 // Portable path: any head_dim. acc: [num_q_heads][head_dim].
 #define DEFINE_SCALAR_SEQUENCE(NAME, T, LOAD, STORE)                                                     \
 static void NAME(const T* q, const T* k_cache, const T* v_cache, const int64_t* table, int64_t len,      \

@@ -86,8 +86,22 @@ static void NAME(const T* q, int64_t q_row_stride, const T* k_cache, const T* v_
         }                                                                                                \
 }
 
-DEFINE_PREFILL_TILE(prefill_tile_bf16, uint16_t, vload_bf16, bf16_store)
+DEFINE_PREFILL_TILE(prefill_rows_bf16, uint16_t, vload_bf16, bf16_store)
 DEFINE_PREFILL_TILE(prefill_tile_f32, float, vload_f32, F32_STORE)
+
+// bf16: 16 keys at a time where the shapes allow (csrc/attend_bf16.c), else a key at a time.
+static void prefill_tile_bf16(const uint16_t* q, int64_t q_row_stride, const uint16_t* k_cache,
+                              const uint16_t* v_cache, const int64_t* table, int64_t first_pos, int rows,
+                              uint16_t* out, int num_q_heads, int num_kv_heads, int head_dim, int block_size,
+                              float scale) {
+    void (*tile)(const uint16_t*, int64_t, const uint16_t*, const uint16_t*, const int64_t*, int64_t, int, uint16_t*,
+                 int, int, int, int, float) = prefill_rows_bf16;
+#if defined(__AVX512BF16__)
+    if (attend_bf16_takes(head_dim, block_size)) tile = attend_bf16_tile;
+#endif
+    tile(q, q_row_stride, k_cache, v_cache, table, first_pos, rows, out, num_q_heads, num_kv_heads, head_dim,
+         block_size, scale);
+}
 
 // chunks: [num_chunks, 3] int64 rows of (first row in the flat batch, query rows, context length after
 // the chunk); block_tables: [num_chunks, max_blocks]. q rows are q_row_stride elements apart (a view into
