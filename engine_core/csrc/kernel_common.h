@@ -46,6 +46,14 @@ static inline void prefetch_rows(const void* k, const void* v, int64_t bytes) {
     }
 }
 
+// The same into L2 only, for rows needed much later (a decode thread's next sequence).
+static inline void prefetch_rows_l2(const void* k, const void* v, int64_t bytes) {
+    for (int64_t off = 0; off < bytes; off += 64) {
+        __builtin_prefetch((const char*)k + off, 0, 2);
+        __builtin_prefetch((const char*)v + off, 0, 2);
+    }
+}
+
 #if defined(__AVX512F__)
 #include <immintrin.h>
 static inline __m512 vload_bf16(const uint16_t* p) {  // 16 bf16 values widened to fp32
