@@ -32,18 +32,23 @@ def summarize_client(ours: list[dict[str, Any]], peer: list[dict[str, Any]]) -> 
     if len(ours) != len(peer) or not ours:
         raise ValueError(f"need the same, non-zero number of runs on each side, got {len(ours)} and {len(peer)}")
     ratios = [o["output_tok_s"] / p["output_tok_s"] for o, p in zip(ours, peer, strict=True)]
+    # Peer's time / ours for the same requests. Where outputs end at EOS (chats) the two servers' greedy answers
+    # differ in length, so tok/s also counts how much each wrote; the time to finish the same work does not.
+    times = [p["duration_s"] / o["duration_s"] for o, p in zip(ours, peer, strict=True)]
 
     def medians(runs: list[dict[str, Any]]) -> dict[str, float]:
         return {k: statistics.median(r[k] for r in runs) for k in FIELDS}
 
     return {"medians": {"ours": medians(ours), "peer": medians(peer)}, "output_tok_s_ratios": ratios,
-            "median_ratio": statistics.median(ratios),
+            "median_ratio": statistics.median(ratios), "time_ratios": times,
+            "median_time_ratio": statistics.median(times),
             "failed": {"ours": sum(r["failed"] for r in ours), "peer": sum(r["failed"] for r in peer)}}  # fmt: skip
 
 
 def markdown_table(runs: dict[str, dict[str, list[dict[str, Any]]]], summaries: dict[str, dict[str, Any]],
                    names: tuple[str, str], labels: dict[str, str]) -> str:  # fmt: skip
-    """Rows per client: each server's medians over pairs (tok/s also pair by pair), then ours / peer."""
+    """Rows per client: each server's medians over pairs (tok/s also pair by pair), then ours / peer in tok/s and
+    the peer's time over ours for the same requests."""
     ours, peer = names
     head = ["client", "server", *(LABELS[k] for k in FIELDS)]
     lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
@@ -53,7 +58,8 @@ def markdown_table(runs: dict[str, dict[str, list[dict[str, Any]]]], summaries: 
             cells = [f"{s['medians'][side]['output_tok_s']:.0f} ({each})"]
             cells += [f"{s['medians'][side][k]:.0f}" for k in FIELDS[1:]]
             lines.append(f"| {labels[client]} | {name} | " + " | ".join(cells) + " |")
-        each = ", ".join(f"{r:.2f}" for r in s["output_tok_s_ratios"])
-        lines.append(f"| {labels[client]} | {ours} / {peer} | **{s['median_ratio']:.2f}x** ({each}) |"
-                     + " |" * (len(FIELDS) - 1))  # fmt: skip
+        for key, what in (("output_tok_s_ratios", f"{ours} / {peer}"), ("time_ratios", f"{peer} time / {ours} time")):
+            each = ", ".join(f"{r:.2f}" for r in s[key])
+            lines.append(f"| {labels[client]} | {what} | **{statistics.median(s[key]):.2f}x** ({each}) |"
+                         + " |" * (len(FIELDS) - 1))  # fmt: skip
     return "\n".join(lines)

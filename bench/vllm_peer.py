@@ -164,7 +164,8 @@ def compare(args: argparse.Namespace) -> dict[str, Any]:
           f"{args.pairs} pair(s), medians over pairs; {args.result_json}\n")  # fmt: skip
     print(out["markdown"])
     for client, s in out["summary"].items():
-        print(f"{LABELS[client]}: roseinfer / vLLM output tok/s, median over pairs {s['median_ratio']:.3f}")
+        print(f"{LABELS[client]}: roseinfer / vLLM output tok/s, median over pairs {s['median_ratio']:.3f}; "
+              f"vLLM's time / roseinfer's for the same requests {s['median_time_ratio']:.3f}")
     return out
 
 

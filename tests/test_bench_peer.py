@@ -14,9 +14,9 @@ from bench.peer_report import from_vllm_bench, markdown_table, pair_orders, summ
 SAMPLE = Path(__file__).parent / "data" / "vllm_bench_serve_result.json"
 
 
-def fig(tok_s: float, ttft: float = 100.0, failed: int = 0) -> dict:
+def fig(tok_s: float, ttft: float = 100.0, failed: int = 0, duration: float = 1.0) -> dict:
     return {"output_tok_s": tok_s, "ttft_p50_ms": ttft, "ttft_p99_ms": 2 * ttft, "tpot_p50_ms": 10.0,
-            "tpot_p99_ms": 20.0, "failed": failed}  # fmt: skip
+            "tpot_p99_ms": 20.0, "failed": failed, "duration_s": duration}  # fmt: skip
 
 
 def test_vllm_result_parsed() -> None:
@@ -37,9 +37,12 @@ def test_pair_orders_alternate() -> None:
 
 def test_median_of_per_pair_ratios() -> None:
     # Pair 2 ran on a slow machine for both servers: per-pair ratios cancel that, a ratio of medians would not.
-    ours, peer = [fig(110.0), fig(55.0, ttft=300.0), fig(120.0, failed=1)], [fig(100.0), fig(50.0), fig(80.0)]
+    ours = [fig(110.0, duration=2.0), fig(55.0, ttft=300.0, duration=4.0), fig(120.0, failed=1, duration=2.0)]
+    peer = [fig(100.0, duration=2.5), fig(50.0, duration=4.0), fig(80.0, duration=2.0)]
     s = summarize_client(ours, peer)
     assert s["output_tok_s_ratios"] == pytest.approx([1.1, 1.1, 1.5]) and s["median_ratio"] == pytest.approx(1.1)
+    # The time to finish the same requests, peer over ours: pair 3 wrote more tokens in the same time.
+    assert s["time_ratios"] == pytest.approx([1.25, 1.0, 1.0]) and s["median_time_ratio"] == pytest.approx(1.0)
     assert s["medians"]["ours"]["output_tok_s"] == 110.0 and s["medians"]["peer"]["output_tok_s"] == 80.0
     assert s["medians"]["ours"]["ttft_p50_ms"] == 100.0 and s["medians"]["ours"]["ttft_p99_ms"] == 200.0
     assert s["failed"] == {"ours": 1, "peer": 0}
@@ -49,6 +52,7 @@ def test_median_of_per_pair_ratios() -> None:
 
     runs = {"w": {"rose": ours, "peer": peer}}
     table = markdown_table(runs, {"w": s}, ("rose", "peer"), {"w": "client W"}).splitlines()
-    assert len(table) == 2 + 3 and all(line.count("|") == 8 for line in table)
+    assert len(table) == 2 + 4 and all(line.count("|") == 8 for line in table)
     assert table[2].startswith("| client W | rose | 110 (110, 55, 120) | 100 | 200 |")
     assert table[4].startswith("| client W | rose / peer | **1.10x** (1.10, 1.10, 1.50) |")
+    assert table[5].startswith("| client W | peer time / rose time | **1.00x** (1.25, 1.00, 1.00) |")
