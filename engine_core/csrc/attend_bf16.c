@@ -1,4 +1,5 @@
-// Paged attention of a tile of prefill query rows (up to 8) over bf16 K/V, scoring 16 keys at a time. For each 16-key slice of a block and each KV head:
+// Paged attention of a tile of prefill query rows (up to 8) over bf16 K/V, scoring 16 keys at a time.
+// For each 16-key slice of a block and each KV head:
 //   - the keys are transposed once (keys_as_lanes) so that lane t of vector p holds key t's dims 2p and 2p + 1,
 //     the pair layout of vdpbf16ps: one instruction per dim pair and query head then scores all 16 keys in
 //     fp32, with no horizontal sum per key (those were most of the row-at-a-time kernels' time);
@@ -77,7 +78,7 @@ static inline __m512 softmax16(__m512 s, int visible, float* m, __m512* l, float
 }
 
 // Rows r of the tile sit at positions first_pos + r and see keys [0, first_pos + r]; q rows are q_row_stride
-// elements apart; out rows are num_q_heads * head_dim apart. acc: rows * num_q_heads * head_dim floats.
+// elements apart; out rows are num_q_heads * head_dim apart. rows <= ATTEND_MAX_ROWS, group <= ATTEND_MAX_GROUP.
 void attend_bf16_tile(const uint16_t* q, int64_t q_row_stride, const uint16_t* k_cache, const uint16_t* v_cache,
                       const int64_t* table, int64_t first_pos, int rows, uint16_t* out, int num_q_heads,
                       int num_kv_heads, int head_dim, int block_size, float scale) {
@@ -113,7 +114,8 @@ void attend_bf16_tile(const uint16_t* q, int64_t q_row_stride, const uint16_t* k
         for (int h = 0; h < num_kv_heads; h++) {
             keys_as_lanes(kb + h * head_dim, stride, n, pairs, keys);
             for (int t = 0; t < n; t++) {
-                if (h == 0 && next >= 0) prefetch_rows(k_cache + next + t * stride, v_cache + next + t * stride, stride * 2);
+                if (h == 0 && next >= 0)
+                    prefetch_rows(k_cache + next + t * stride, v_cache + next + t * stride, stride * 2);
                 for (int j = 0; j < nv; j++) values[t * nv + j] = vload_bf16(vb + t * stride + h * head_dim + 16 * j);
             }
             for (int r = 0; r < rows; r++) {  // scores and softmax
@@ -124,9 +126,12 @@ void attend_bf16_tile(const uint16_t* q, int64_t q_row_stride, const uint16_t* k
                     const uint32_t* qh = qr + i * pairs;
                     __m512 s[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
                     for (int p = 0; p < pairs; p += 4)  // four chains: a dot product takes several cycles
-                        for (int c = 0; c < 4; c++)
-                            s[c] = _mm512_dpbf16_ps(s[c], (__m512bh)keys[p + c], (__m512bh)_mm512_set1_epi32(qh[p + c]));
-                    const __m512 scores = _mm512_mul_ps(_mm512_add_ps(_mm512_add_ps(s[0], s[1]), _mm512_add_ps(s[2], s[3])), vscale);
+                        for (int c = 0; c < 4; c++) {
+                            const __m512bh qp = (__m512bh)_mm512_set1_epi32(qh[p + c]);
+                            s[c] = _mm512_dpbf16_ps(s[c], (__m512bh)keys[p + c], qp);
+                        }
+                    const __m512 sum = _mm512_add_ps(_mm512_add_ps(s[0], s[1]), _mm512_add_ps(s[2], s[3]));
+                    const __m512 scores = _mm512_mul_ps(sum, vscale);
                     correction[r][g] = softmax16(scores, visible[r], &m[r][i], &l[r][i], w[r][g]);
                 }
             }

@@ -156,7 +156,8 @@ void NAME(const T* q, const T* k_cache, const T* v_cache, const int64_t* block_t
         const int far = s + omp_get_num_threads();                                                      \
         PICK(VECTOR, SCALAR)(q + offset, k_cache, v_cache, block_tables + (int64_t)s * max_blocks,       \
                              seq_lens[s], out + offset, num_q_heads, num_kv_heads, head_dim, block_size, scale, \
-                             block_tables + (int64_t)(far < num_seqs ? far : s) * max_blocks, far < num_seqs ? seq_lens[far] : 0); \
+                             block_tables + (int64_t)(far < num_seqs ? far : s) * max_blocks,                   \
+                             far < num_seqs ? seq_lens[far] : 0);                                               \
     }                                                                                                    \
 }
 
