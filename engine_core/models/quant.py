@@ -89,10 +89,11 @@ def prepare_linears(model: nn.Module, quantization: str, device: torch.device, d
     """
     if quantization == "int8":
         quantize_linears(model)
-        kernels = [m.kernels is not None for m in model.modules() if isinstance(m, Int8Linear)]
-        if device.type == "cpu" and dtype == torch.bfloat16 and all(kernels):
-            return 1
-        log.warning("int8 weights on %s %s have no kernel: dequantized in every call (slow)", device, dtype)
+        if device.type != "cpu" or dtype != torch.bfloat16 or cpu_kernels() is None:
+            log.warning("int8 weights on %s %s have no kernel: dequantized in every call (slow)", device, dtype)
+            return 8
+        # A layer the kernel cannot take (in_features not a multiple of 32) goes through torch's matmul.
+        return 1 if all(m.kernels is not None for m in model.modules() if isinstance(m, Int8Linear)) else 8
     elif device.type == "cpu" and dtype == torch.bfloat16 and torch.backends.mkldnn.is_available():
         pack_linears(model)
         return 2
