@@ -58,8 +58,9 @@ def markdown_table(runs: dict[str, dict[str, list[dict[str, Any]]]], summaries: 
             cells = [f"{s['medians'][side]['output_tok_s']:.0f} ({each})"]
             cells += [f"{s['medians'][side][k]:.0f}" for k in FIELDS[1:]]
             lines.append(f"| {labels[client]} | {name} | " + " | ".join(cells) + " |")
-        for key, what in (("output_tok_s_ratios", f"{ours} / {peer}"), ("time_ratios", f"{peer} time / {ours} time")):
-            each = ", ".join(f"{r:.2f}" for r in s[key])
-            lines.append(f"| {labels[client]} | {what} | **{statistics.median(s[key]):.2f}x** ({each}) |"
+        for what, per_pair, median in ((f"{ours} / {peer}", "output_tok_s_ratios", "median_ratio"),
+                                       (f"{peer} time / {ours} time", "time_ratios", "median_time_ratio")):
+            each = ", ".join(f"{r:.2f}" for r in s[per_pair])
+            lines.append(f"| {labels[client]} | {what} | **{s[median]:.2f}x** ({each}) |"
                          + " |" * (len(FIELDS) - 1))  # fmt: skip
     return "\n".join(lines)

@@ -97,6 +97,8 @@ static void prefill_tile_bf16(const uint16_t* q, int64_t q_row_stride, const uin
     void (*tile)(const uint16_t*, int64_t, const uint16_t*, const uint16_t*, const int64_t*, int64_t, int, uint16_t*,
                  int, int, int, int, float) = prefill_rows_bf16;
 #if defined(__AVX512BF16__)
+    _Static_assert(PREFILL_TILE <= ATTEND_MAX_ROWS && PREFILL_MAX_GROUP <= ATTEND_MAX_GROUP,
+                   "a prefill tile the bf16 tile kernel cannot hold");
     if (attend_bf16_takes(head_dim, block_size)) tile = attend_bf16_tile;
 #endif
     tile(q, q_row_stride, k_cache, v_cache, table, first_pos, rows, out, num_q_heads, num_kv_heads, head_dim,
