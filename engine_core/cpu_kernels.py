@@ -86,6 +86,9 @@ class CpuKernels:
         self.has_int8_linear, self.int8_max_k = bool(lib.int8_linear_available()), lib.int8_linear_max_k()
         self._int8_linear = lib.int8_linear_bf16
         self._int8_linear.argtypes = [_P, _I64, _I64, _P, _P, _P, _P, _I64, _I64]
+        self.has_bf16_linear, self.panel_cols = bool(lib.bf16_linear_available()), lib.bf16_linear_panel_cols()
+        self._bf16_linear = lib.bf16_linear
+        self._bf16_linear.argtypes = [_P, _I64, _I64, _P, _P, _P, _I64, _I64, _I64]
 
     @staticmethod
     def handles(x: torch.Tensor) -> bool:
@@ -169,6 +172,29 @@ class CpuKernels:
         positions int64 [T]; cos/sin fp32 [max_positions, head_dim]."""
         self._funcs["rotary", x.dtype](x.data_ptr(), positions.data_ptr(), cos.data_ptr(), sin.data_ptr(),
                                        x.shape[0], x.stride(0), num_heads, head_dim)  # fmt: skip
+
+    # ---- bf16 linear (csrc/bf16_linear.c) ----
+
+    def supports_bf16_linear(self, in_features: int) -> bool:
+        return self.has_bf16_linear and in_features % 2 == 0
+
+    def pack_bf16_linear(self, weight: torch.Tensor) -> torch.Tensor:
+        """[N, K] bf16 -> the kernel's panels: per panel of up to panel_cols output rows, for each pair of k, the
+        panel's rows x 2 values; the last panel's rows rounded up to 16 with zeros."""
+        n, k = weight.shape
+        padded = torch.zeros((-(-n // 16) * 16, k), dtype=torch.bfloat16)
+        padded[:n] = weight
+        step = self.panel_cols
+        return torch.cat([padded[n0 : n0 + step].view(-1, k // 2, 2).transpose(0, 1).flatten()
+                          for n0 in range(0, len(padded), step)])  # fmt: skip
+
+    def bf16_linear(self, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int):
+        """x: bf16 [M, K] with unit column stride; packed: from pack_bf16_linear; bias: bf16 [N] or None."""
+        out = torch.empty((x.shape[0], out_features), dtype=torch.bfloat16)
+        self._bf16_linear(x.data_ptr(), x.stride(0), x.shape[0], packed.data_ptr(),
+                          None if bias is None else bias.data_ptr(), out.data_ptr(), out_features, out_features,
+                          x.shape[1])  # fmt: skip
+        return out
 
     # ---- weight-only int8 linear (csrc/int8_linear.c) ----
 

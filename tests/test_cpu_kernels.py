@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from transformers import LlamaConfig
@@ -71,18 +73,50 @@ def test_rotary_rotates_q_and_k_heads_in_place_inside_qkv(torch_path, dtype, tol
     assert torch.equal(out[0], original[0, : 12 * 64].view(12, 64))  # position 0 is the identity rotation
 
 
-def test_packed_linears_compute_what_the_plain_ones_do() -> None:
-    """bf16 on CPU: every linear of a model swapped for its oneDNN-packed form, outputs bit for bit the same."""
+def test_packed_linears_match_the_float_matmul_and_onednn_packing_is_exact(torch_path) -> None:
+    """bf16 on CPU: every linear of a model swapped for its packed form. Our kernel's bf16 outputs round fp32 sums
+    of the same products; where it is not built, the oneDNN-packed form gives the plain layer's bits."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(64, 96), torch.nn.GELU(), torch.nn.Linear(96, 32, bias=False))
     model = model.to(torch.bfloat16)
     inputs = [torch.randn(rows, 64, dtype=torch.bfloat16) for rows in (1, 7, 64, 300)]
     with torch.inference_mode():
         expected = [model(x) for x in inputs]
+        in_fp32 = [model.float()(x.float()) for x in inputs]
+        model = model.to(torch.bfloat16)
+        onednn = copy.deepcopy(model)
+        assert torch_path(lambda: layers.pack_linears(onednn)) == 2
         assert layers.pack_linears(model) == 2
         assert not any(isinstance(m, torch.nn.Linear) for m in model.modules())
-        for x, ref in zip(inputs, expected, strict=True):
-            assert torch.equal(model(x), ref)
+        assert all(m.kernels is not None for m in model.modules() if isinstance(m, layers.PackedLinear))
+        for x, ref, ref32 in zip(inputs, expected, in_fp32, strict=True):
+            assert torch.equal(onednn(x), ref)
+            assert close(model(x), ref32.to(torch.bfloat16), 2e-2)
+
+
+@pytest.mark.parametrize("out_features,in_features", [(96, 64), (33, 2), (1000, 576), (48, 1536), (100, 34)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_bf16_linear_matches_fp32_and_each_row_is_computed_alone(out_features, in_features, bias) -> None:
+    """csrc/bf16_linear.c against the fp32 matmul, for output widths off its 48-column panels and 16-column
+    vectors, row counts across its 8-row tiles, and strided input rows; and every row bit for bit the same
+    alone as inside any batch: what makes seeded sampling independent of the batch (see prepare_linears)."""
+    kernels = cpu_kernels()
+    assert kernels is not None and kernels.supports_bf16_linear(in_features)
+    torch.manual_seed(0)
+    weight = torch.randn(out_features, in_features, dtype=torch.bfloat16)
+    b = torch.randn(out_features, dtype=torch.bfloat16) if bias else None
+    packed = kernels.pack_bf16_linear(weight)
+    wide = torch.randn(23, in_features + 6, dtype=torch.bfloat16)
+    x = wide[:, :in_features]  # rows strided by the wider width
+    out = kernels.bf16_linear(x, packed, b, out_features)
+    ref = x.float() @ weight.float().T + (0 if b is None else b.float())
+    assert out.shape == (23, out_features)
+    assert torch.allclose(out.float(), ref, atol=0.02 * float(ref.abs().max()), rtol=1e-2)
+    assert float((out.float() - ref).abs().max()) <= 2 * float(ref.abs().max()) * 2**-8 + 1e-3
+    for rows in (1, 2, 7, 8, 9, 16, 17):
+        for start in (0, 23 - rows):
+            alone = kernels.bf16_linear(x[start : start + rows], packed, b, out_features)
+            assert torch.equal(alone, out[start : start + rows])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

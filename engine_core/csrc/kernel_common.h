@@ -61,6 +61,10 @@ static inline __m512 vload_bf16(const uint16_t* p) {  // 16 bf16 values widened 
     return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
 }
 static inline __m512 vload_f32(const float* p) { return _mm512_loadu_ps(p); }
+static inline __m512 vload_bf16_masked(const uint16_t* p, __mmask16 mask) {  // the first lanes of mask; 0 elsewhere
+    __m512i wide = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, p));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+}
 
 #endif
 

@@ -18,7 +18,7 @@ from torch import nn
 
 from engine_core import distributed
 from engine_core.cpu_kernels import cpu_kernels
-from engine_core.models.layers import pack_linears
+from engine_core.models.layers import PackedLinear, pack_linears
 from engine_core.models.parallel import RowParallelLinear
 
 log = logging.getLogger("roseinfer.quant")
@@ -81,11 +81,12 @@ def quantize_linears(model: nn.Module) -> int:
 
 
 def prepare_linears(model: nn.Module, quantization: str, device: torch.device, dtype: torch.dtype) -> int:
-    """At load: int8 linears when asked for; else, on CPU in bf16, oneDNN-packed ones (see PackedLinear).
+    """At load: int8 linears when asked for; else, on CPU in bf16, packed ones (see PackedLinear).
 
     Returns the fewest rows these matmuls must be given for a row's result not to depend on how many rows run
     beside it: a seeded request then draws the same tokens alone as inside a batch. oneDNN's one-row bf16 path
-    and MKL's fp32 paths below 4 rows sum in another order than wider calls; our int8 kernel does each row alone.
+    and MKL's fp32 paths below 4 rows sum in another order than wider calls; our int8 and bf16 kernels do each
+    row alone.
     """
     if quantization == "int8":
         quantize_linears(model)
@@ -96,5 +97,6 @@ def prepare_linears(model: nn.Module, quantization: str, device: torch.device, d
         return 1 if all(m.kernels is not None for m in model.modules() if isinstance(m, Int8Linear)) else 8
     elif device.type == "cpu" and dtype == torch.bfloat16 and torch.backends.mkldnn.is_available():
         pack_linears(model)
-        return 2
+        # Our bf16 kernel does each row alone; oneDNN (where it could not be built) needs 2 rows.
+        return 1 if all(m.kernels is not None for m in model.modules() if isinstance(m, PackedLinear)) else 2
     return 8
