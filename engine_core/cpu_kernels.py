@@ -83,12 +83,10 @@ class CpuKernels:
                 func = getattr(lib, f"{name}_{suffix}")
                 func.argtypes = argtypes
                 self._funcs[name, dtype] = func
-        self.has_int8_linear, self.int8_max_k = bool(lib.int8_linear_available()), lib.int8_linear_max_k()
-        self._int8_linear = lib.int8_linear_bf16
-        self._int8_linear.argtypes = [_P, _I64, _I64, _P, _P, _P, _P, _I64, _I64]
-        self.has_bf16_linear, self.panel_cols = bool(lib.bf16_linear_available()), lib.bf16_linear_panel_cols()
-        self._bf16_linear = lib.bf16_linear
-        self._bf16_linear.argtypes = [_P, _I64, _I64, _P, _P, _P, _I64, _I64, _I64]
+        self.has_linear, self.panel_cols = bool(lib.linear_kernels_available()), lib.linear_panel_cols()
+        self._linear = {"bf16": lib.bf16_linear, "int8": lib.int8_linear}
+        for func in self._linear.values():
+            func.argtypes = [_P, _I64, _I64, _P, _P, _P, _I64, _I64, _I64]
 
     @staticmethod
     def handles(x: torch.Tensor) -> bool:
@@ -173,40 +171,53 @@ class CpuKernels:
         self._funcs["rotary", x.dtype](x.data_ptr(), positions.data_ptr(), cos.data_ptr(), sin.data_ptr(),
                                        x.shape[0], x.stride(0), num_heads, head_dim)  # fmt: skip
 
-    # ---- bf16 linear (csrc/bf16_linear.c) ----
+    # ---- linears (csrc/linear.c): bf16, and weight-only int8 ----
 
     def supports_bf16_linear(self, in_features: int) -> bool:
-        return self.has_bf16_linear and in_features % 2 == 0
+        return self.has_linear and in_features % 2 == 0
+
+    def supports_int8_linear(self, in_features: int) -> bool:
+        return self.has_linear and in_features % 32 == 0
+
+    def _panels(self, rows: int):
+        """(first row, row count) of each panel of a weight with `rows` rows rounded up to 16."""
+        padded = -(-rows // 16) * 16
+        return [(n0, min(self.panel_cols, padded - n0)) for n0 in range(0, padded, self.panel_cols)]
 
     def pack_bf16_linear(self, weight: torch.Tensor) -> torch.Tensor:
-        """[N, K] bf16 -> the kernel's panels: per panel of up to panel_cols output rows, for each pair of k, the
-        panel's rows x 2 values; the last panel's rows rounded up to 16 with zeros."""
+        """[N, K] bf16 -> the kernel's panels: per panel of up to panel_cols rows of the weight, for each pair of
+        k, the panel's rows x 2 values; the last panel's rows rounded up to 16 with zeros."""
         n, k = weight.shape
         padded = torch.zeros((-(-n // 16) * 16, k), dtype=torch.bfloat16)
         padded[:n] = weight
-        step = self.panel_cols
-        return torch.cat([padded[n0 : n0 + step].view(-1, k // 2, 2).transpose(0, 1).flatten()
-                          for n0 in range(0, len(padded), step)])  # fmt: skip
+        return torch.cat([padded[n0 : n0 + c].view(c, k // 2, 2).transpose(0, 1).flatten()
+                          for n0, c in self._panels(n)])  # fmt: skip
 
-    def bf16_linear(self, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int):
-        """x: bf16 [M, K] with unit column stride; packed: from pack_bf16_linear; bias: bf16 [N] or None."""
+    def pack_int8_linear(self, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        """int8 [N, K] and fp32 scales [N, K / 32] (quant.quantize_groups) -> the kernel's bytes: per panel and
+        group of 32 k, the int8 weights as pack_bf16_linear lays them out, then each vector lane's scale (a
+        column's scale twice, for the two k of its pair)."""
+        n, k = q.shape
+        groups = k // 32
+        q_pad = torch.zeros((-(-n // 16) * 16, k), dtype=torch.int8)
+        q_pad[:n] = q
+        s_pad = torch.zeros((len(q_pad), groups), dtype=torch.float32)
+        s_pad[:n] = scale
+        parts = []
+        for n0, c in self._panels(n):
+            weights = q_pad[n0 : n0 + c].view(c, groups, 16, 2).permute(1, 2, 0, 3).reshape(groups, -1)
+            scales = s_pad[n0 : n0 + c].T.repeat_interleave(2, dim=1).contiguous().view(torch.int8)
+            parts.append(torch.cat([weights, scales], dim=1).flatten())
+        return torch.cat(parts)
+
+    def linear(self, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int):
+        """x: bf16 [M, K] with unit column stride; packed: from pack_bf16_linear (bf16) or pack_int8_linear
+        (int8); bias: bf16 [N] or None."""
         out = torch.empty((x.shape[0], out_features), dtype=torch.bfloat16)
-        self._bf16_linear(x.data_ptr(), x.stride(0), x.shape[0], packed.data_ptr(),
-                          None if bias is None else bias.data_ptr(), out.data_ptr(), out_features, out_features,
-                          x.shape[1])  # fmt: skip
-        return out
-
-    # ---- weight-only int8 linear (csrc/int8_linear.c) ----
-
-    def supports_int8_linear(self, in_features: int) -> bool:
-        return self.has_int8_linear and in_features % 32 == 0 and in_features <= self.int8_max_k
-
-    def int8_linear(self, x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None):
-        """x: bf16 [M, K] with unit column stride; weight: int8 [N, K]; scale: fp32 [N, K / 32] (one per 32
-        weights of a row); bias: bf16 [N] or None."""
-        out = torch.empty((x.shape[0], weight.shape[0]), dtype=torch.bfloat16)
-        self._int8_linear(x.data_ptr(), x.stride(0), x.shape[0], weight.data_ptr(), scale.data_ptr(),
-                          None if bias is None else bias.data_ptr(), out.data_ptr(), *weight.shape)  # fmt: skip
+        self._linear["int8" if packed.dtype == torch.int8 else "bf16"](
+            x.data_ptr(), x.stride(0), x.shape[0], packed.data_ptr(), None if bias is None else bias.data_ptr(),
+            out.data_ptr(), out_features, out_features, x.shape[1],
+        )  # fmt: skip
         return out
 
     # ---- sampling ----

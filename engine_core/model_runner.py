@@ -149,7 +149,9 @@ class ModelRunner:
     # ---- one step ----
 
     def padded_size(self, num_tokens: int) -> int:
-        return padded_size(num_tokens, self.min_rows)
+        # min_rows 1: our CPU matmul kernels, which build nothing per shape and cost the same per row at any
+        # count; padding would only add rows (up to 63 of a prefill step).
+        return num_tokens if self.min_rows == 1 else padded_size(num_tokens, self.min_rows)
 
     def _prepare(self, out: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
         bs = self.block_size

@@ -97,7 +97,7 @@ def test_packed_linears_match_the_float_matmul_and_onednn_packing_is_exact(torch
 @pytest.mark.parametrize("out_features,in_features", [(96, 64), (33, 2), (1000, 576), (48, 1536), (100, 34)])
 @pytest.mark.parametrize("bias", [False, True])
 def test_bf16_linear_matches_fp32_and_each_row_is_computed_alone(out_features, in_features, bias) -> None:
-    """csrc/bf16_linear.c against the fp32 matmul, for output widths off its 48-column panels and 16-column
+    """csrc/linear.c in bf16 against the fp32 matmul, for output widths off its 48-column panels and 16-column
     vectors, row counts across its 8-row tiles, and strided input rows; and every row bit for bit the same
     alone as inside any batch: what makes seeded sampling independent of the batch (see prepare_linears)."""
     kernels = cpu_kernels()
@@ -108,14 +108,14 @@ def test_bf16_linear_matches_fp32_and_each_row_is_computed_alone(out_features, i
     packed = kernels.pack_bf16_linear(weight)
     wide = torch.randn(23, in_features + 6, dtype=torch.bfloat16)
     x = wide[:, :in_features]  # rows strided by the wider width
-    out = kernels.bf16_linear(x, packed, b, out_features)
+    out = kernels.linear(x, packed, b, out_features)
     ref = x.float() @ weight.float().T + (0 if b is None else b.float())
     assert out.shape == (23, out_features)
     assert torch.allclose(out.float(), ref, atol=0.02 * float(ref.abs().max()), rtol=1e-2)
     assert float((out.float() - ref).abs().max()) <= 2 * float(ref.abs().max()) * 2**-8 + 1e-3
     for rows in (1, 2, 7, 8, 9, 16, 17):
         for start in (0, 23 - rows):
-            alone = kernels.bf16_linear(x[start : start + rows], packed, b, out_features)
+            alone = kernels.linear(x[start : start + rows], packed, b, out_features)
             assert torch.equal(alone, out[start : start + rows])
 
 

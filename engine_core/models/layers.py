@@ -114,7 +114,7 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 
 class PackedLinear(nn.Module):
     """A CPU bf16 linear layer whose weight is packed once at load for the matmul that runs it: our kernel
-    (csrc/bf16_linear.c) where it was built, else oneDNN's blocked layout (a plain bf16 linear on CPU reorders its
+    (csrc/linear.c) where it was built, else oneDNN's blocked layout (a plain bf16 linear on CPU reorders its
     weight inside every call: at 64 decode rows that reorder took about 40% of the matmul). Ours reads the
     weights at memory speed for a few decode rows (SmolLM2 at 16 rows: 7 ms a step, oneDNN 10.4), keeps up
     with oneDNN up to prefill sizes, and gives every row the same bits whatever runs beside it."""
@@ -138,7 +138,7 @@ class PackedLinear(nn.Module):
             return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, bias, "none", [], "")
         rows = x.reshape(-1, self.in_features)
         rows = rows if rows.stride(1) == 1 else rows.contiguous()
-        out = self.kernels.bf16_linear(rows, self.packed_weight, bias, self.out_features)
+        out = self.kernels.linear(rows, self.packed_weight, bias, self.out_features)
         return out.view(*x.shape[:-1], self.out_features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

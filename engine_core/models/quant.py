@@ -4,7 +4,7 @@ dtype. One scale per whole row (per output channel) flipped greedy tokens of Smo
 8 tokens on 7 of 16 parity prompts: a few large weights in a row coarsen the step for all the others.
 
 A single stream's decode step is bound by reading the weights, and int8 halves them. On CPU with bf16 the matmul
-is our kernel (csrc/int8_linear.c); elsewhere the weight is dequantized inside each call (correct, slow). A tied
+is our kernel (csrc/linear.c); elsewhere the weight is dequantized inside each call (correct, slow). A tied
 embedding keeps its exact float table for the lookup: only the head's copy is quantized.
 """
 
@@ -47,22 +47,32 @@ def dequantize(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 
 
 class Int8Linear(nn.Module):
+    """Keeps only what its matmul reads: the kernel's packed panels (csrc/linear.c) on CPU in bf16, else the int8
+    weight and its scales, dequantized in every call."""
+
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        q, scale = quantize_groups(linear.weight.detach())
-        self.register_buffer("weight_q", q)
-        self.register_buffer("scale", scale)
+        weight = linear.weight.detach()
+        q, scale = quantize_groups(weight)
         self.bias = linear.bias
         # Row-parallel: the partial products are summed over the ranks, and the bias added once, after.
         self.all_reduce = isinstance(linear, RowParallelLinear) and distributed.tp_size() > 1
-        kernels = cpu_kernels() if q.device.type == "cpu" else None
+        kernels = cpu_kernels() if weight.device.type == "cpu" and weight.dtype == torch.bfloat16 else None
         self.kernels = kernels if kernels is not None and kernels.supports_int8_linear(self.in_features) else None
+        if self.kernels is not None:
+            self.register_buffer("packed_weight", self.kernels.pack_int8_linear(q, scale))
+        else:
+            self.register_buffer("weight_q", q)
+            self.register_buffer("scale", scale)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bias = None if self.all_reduce else self.bias
-        if self.kernels is not None and x.dtype == torch.bfloat16 and x.dim() == 2 and x.stride(1) == 1:
-            out = self.kernels.int8_linear(x, self.weight_q, self.scale, bias)
+        if self.kernels is not None:
+            rows = x.reshape(-1, self.in_features)
+            rows = rows if rows.stride(1) == 1 else rows.contiguous()
+            out = self.kernels.linear(rows, self.packed_weight, bias, self.out_features)
+            out = out.view(*x.shape[:-1], self.out_features)
         else:
             out = F.linear(x, dequantize(self.weight_q, self.scale).to(x.dtype), bias)
         if self.all_reduce:

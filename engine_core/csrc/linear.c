@@ -1,0 +1,172 @@
+// Linear layers on CPU: out[m, n] = sum_k x[m, k] * w[n, k] (+ bias[n]), bf16 in and out, fp32 sums; the weight
+// in bf16, or weight-only int8 with one fp32 scale per 32 weights of a row (--quantization int8).
+//
+// A decode step's few rows are bound by reading the weights. The weight is packed once at load into panels of up
+// to 48 output columns, in vdpbf16ps's pair layout: for each pair of k, the panel's columns x 2 values (three
+// vectors of 16 columns). A tile of up to 8 input rows x one panel keeps 24 fp32 accumulators in registers; each
+// k pair broadcasts two bf16 of a row against the three weight vectors. Every output sums its k pairs in the same
+// order whatever the number of rows, so a row's result never depends on its neighbours. The next panel is
+// prefetched while this one is worked on. An int8 panel holds, per group of 32 k, the int8 weights in the same
+// pair layout and then each lane's scale; a tile widens them to bf16(q * scale) as it goes, or, for more rows
+// than one tile, the panel is widened once into a bf16 panel first.
+#include <stdlib.h>
+
+#include "kernel_common.h"
+
+#define PANEL_VECS 3  // 16-column vectors per panel
+#define PANEL_COLS (16 * PANEL_VECS)
+#define TILE_ROWS 8
+#define GROUP 32                           // int8: weights per scale
+#define GROUP_PAIRS (GROUP / 2)            // k pairs per group
+#define GROUP_VEC_BYTES (GROUP_PAIRS * 32 + 2 * 16 * 4)  // per group and vector: int8 pairs, then 2 x 16 lane scales
+
+#if defined(__AVX512BF16__)
+// 16 columns x a pair of k, int8 -> bf16(q * scale). The widened halves hold columns 0-7 and 8-15, each twice
+// (its pair): scales holds the 32 lanes' scales in that order.
+static inline __m512bh widen_pairs(const int8_t* w, const float* scales) {
+    const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)w)));
+    const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(w + 16))));
+    return _mm512_cvtne2ps_pbh(_mm512_mul_ps(hi, _mm512_loadu_ps(scales + 16)),
+                               _mm512_mul_ps(lo, _mm512_loadu_ps(scales)));
+}
+
+// Vector j of k pair p of a panel with nv vectors: bf16 as stored, or widened from int8 (q8, a constant).
+static inline __attribute__((always_inline)) __m512bh weights(const void* panel, int q8, int nv, int64_t p, int j) {
+    if (!q8) return (__m512bh)_mm512_loadu_si512((const uint16_t*)panel + (p * nv + j) * 32);
+    const int8_t* group = (const int8_t*)panel + (p / GROUP_PAIRS) * nv * GROUP_VEC_BYTES;
+    const float* scales = (const float*)(group + nv * GROUP_PAIRS * 32) + j * 32;
+    return widen_pairs(group + ((p % GROUP_PAIRS) * nv + j) * 32, scales);
+}
+
+// One tile: mr rows x nv vectors of the panel over all k pairs (mr, nv, q8: constants after inlining); pf_len
+// bytes at pf (part of the next panel) are prefetched on the way.
+static inline __attribute__((always_inline)) void tile(const uint16_t* x, int64_t ldx, int mr, const void* panel,
+                                                       int q8, int nv, int64_t pairs, const uint16_t* bias,
+                                                       uint16_t* out, int64_t ldo, int64_t cols, const char* pf,
+                                                       int64_t pf_len) {
+    __m512 acc[TILE_ROWS][PANEL_VECS];
+    for (int i = 0; i < mr; i++)
+        for (int j = 0; j < nv; j++) acc[i][j] = _mm512_setzero_ps();
+    const int32_t* xp[TILE_ROWS];
+    for (int i = 0; i < mr; i++) xp[i] = (const int32_t*)(x + i * ldx);
+    int64_t pf_off = 0;
+    const int64_t pf_step = (pf_len + pairs - 1) / pairs;  // bytes of the next panel to prefetch per k pair
+    for (int64_t p = 0; p < pairs; p++) {
+        __m512bh w[PANEL_VECS];
+        for (int j = 0; j < nv; j++) w[j] = weights(panel, q8, nv, p, j);
+        for (; pf_off < (p + 1) * pf_step && pf_off < pf_len; pf_off += 64) _mm_prefetch(pf + pf_off, _MM_HINT_T0);
+        for (int i = 0; i < mr; i++) {
+            const __m512bh xb = (__m512bh)_mm512_set1_epi32(xp[i][p]);
+            for (int j = 0; j < nv; j++) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], xb, w[j]);
+        }
+    }
+    for (int j = 0; j < nv; j++) {
+        const int64_t c0 = 16 * j;
+        if (c0 >= cols) break;
+        const __mmask16 mask = cols - c0 >= 16 ? 0xFFFF : (__mmask16)((1u << (cols - c0)) - 1);
+        const __m512 b = bias ? vload_bf16_masked(bias + c0, mask) : _mm512_setzero_ps();
+        for (int i = 0; i < mr; i++)
+            _mm256_mask_storeu_epi16(out + i * ldo + c0, mask,
+                                     (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(acc[i][j], b)));
+    }
+}
+
+#define TILE_CASE(MR, Q8) tile(x, ldx, MR, panel, Q8, PANEL_VECS, pairs, bias, out, ldo, cols, pf, pf_len)
+#define TILE_CASES(Q8)                   \
+    switch (mr) {                        \
+        case 8: TILE_CASE(8, Q8); break; \
+        case 7: TILE_CASE(7, Q8); break; \
+        case 6: TILE_CASE(6, Q8); break; \
+        case 5: TILE_CASE(5, Q8); break; \
+        case 4: TILE_CASE(4, Q8); break; \
+        case 3: TILE_CASE(3, Q8); break; \
+        case 2: TILE_CASE(2, Q8); break; \
+        default: TILE_CASE(1, Q8); break; \
+    }
+static void any_tile(const uint16_t* x, int64_t ldx, int mr, const void* panel, int q8, int nv, int64_t pairs,
+                     const uint16_t* bias, uint16_t* out, int64_t ldo, int64_t cols, const char* pf, int64_t pf_len) {
+    if (nv == PANEL_VECS) {
+        if (q8) TILE_CASES(1) else TILE_CASES(0)
+    } else {  // the last panel of a weight whose rows are not a multiple of 48: rare, one row at a time
+        for (int i = 0; i < mr; i++) {
+            const uint16_t* xi = x + i * ldx;
+            uint16_t* oi = out + i * ldo;
+            if (nv == 2 && q8) tile(xi, ldx, 1, panel, 1, 2, pairs, bias, oi, ldo, cols, pf, pf_len);
+            else if (nv == 2) tile(xi, ldx, 1, panel, 0, 2, pairs, bias, oi, ldo, cols, pf, pf_len);
+            else if (q8) tile(xi, ldx, 1, panel, 1, 1, pairs, bias, oi, ldo, cols, pf, pf_len);
+            else tile(xi, ldx, 1, panel, 0, 1, pairs, bias, oi, ldo, cols, pf, pf_len);
+        }
+    }
+}
+
+static void widen_panel(const int8_t* panel, int nv, int64_t pairs, uint16_t* to) {
+    for (int64_t p = 0; p < pairs; p++)
+        for (int j = 0; j < nv; j++) _mm512_storeu_si512(to + (p * nv + j) * 32, (__m512i)weights(panel, 1, nv, p, j));
+}
+
+// Both linears: bytes_per_col, the packed bytes of one column (2 k_len in bf16; k_len / 32 groups of 20 bytes in
+// int8); with q8 and more rows than a tile, each thread widens a panel at a time into a bf16 buffer.
+static void panel_linear(const uint16_t* x, int64_t ldx, int64_t m_len, const void* packed, int q8,
+                         const uint16_t* bias, uint16_t* out, int64_t ldo, int64_t n_len, int64_t k_len) {
+    if (m_len <= 0) return;
+    const int64_t panels = (n_len + PANEL_COLS - 1) / PANEL_COLS, pairs = k_len / 2;
+    const int64_t padded_n = (n_len + 15) / 16 * 16, tiles = (m_len + TILE_ROWS - 1) / TILE_ROWS;
+    const int64_t bytes_per_col = q8 ? k_len / GROUP * GROUP_VEC_BYTES / 16 : 2 * k_len;
+    const int widen = q8 && tiles > 1;
+    _Pragma("omp parallel if (n_len * k_len >= 1 << 16)") {
+        uint16_t* wide = widen ? malloc(PANEL_COLS * k_len * sizeof(uint16_t)) : NULL;
+        _Pragma("omp for schedule(static)") for (int64_t b = 0; b < panels; b++) {
+            const int64_t n0 = b * PANEL_COLS;
+            const int64_t cols = n_len - n0 < PANEL_COLS ? n_len - n0 : PANEL_COLS;
+            const int nv = (int)((cols + 15) / 16);
+            const void* panel = (const char*)packed + n0 * bytes_per_col;
+            // The next panel goes to L1 in shares spread over this panel's row tiles. SmolLM2's 30 layers and
+            // head in bf16 at 1-8 rows: 6.7 ms with this, 7.5 with the hardware prefetcher alone, 8 into L2.
+            const int64_t next_n0 = n0 + PANEL_COLS;
+            const int64_t next_cols = padded_n - next_n0 < PANEL_COLS ? padded_n - next_n0 : PANEL_COLS;
+            const char* next = (const char*)packed + next_n0 * bytes_per_col;
+            const int64_t next_bytes = next_cols > 0 ? next_cols * bytes_per_col : 0;
+            const int64_t share = (next_bytes / tiles + 63) / 64 * 64;
+            if (wide) widen_panel(panel, nv, pairs, wide);
+            for (int64_t t = 0; t < tiles; t++) {
+                const int64_t m0 = t * TILE_ROWS;
+                const int mr = m_len - m0 < TILE_ROWS ? (int)(m_len - m0) : TILE_ROWS;
+                const int64_t pf_start = t * share < next_bytes ? t * share : next_bytes;
+                const int64_t pf_len = next_bytes - pf_start < share ? next_bytes - pf_start : share;
+                any_tile(x + m0 * ldx, ldx, mr, wide ? (const void*)wide : panel, q8 && !wide, nv, pairs,
+                         bias ? bias + n0 : 0, out + m0 * ldo + n0, ldo, cols, next + pf_start, pf_len);
+            }
+        }
+        free(wide);
+    }
+}
+
+int linear_kernels_available(void) { return 1; }
+#else
+int linear_kernels_available(void) { return 0; }
+#endif
+
+int linear_panel_cols(void) { return PANEL_COLS; }
+
+// x: bf16 [m_len, k_len] with row stride ldx; packed: the weight [n_len, k_len] as panels (see the top; the last
+// panel holds the remaining columns rounded up to 16, zero-filled); bias: bf16 [n_len] or NULL; out: bf16
+// [m_len, n_len] with row stride ldo. k_len must be even.
+void bf16_linear(const uint16_t* x, int64_t ldx, int64_t m_len, const uint16_t* packed, const uint16_t* bias,
+                 uint16_t* out, int64_t ldo, int64_t n_len, int64_t k_len) {
+#if defined(__AVX512BF16__)
+    panel_linear(x, ldx, m_len, packed, 0, bias, out, ldo, n_len, k_len);
+#else
+    (void)x, (void)ldx, (void)m_len, (void)packed, (void)bias, (void)out, (void)ldo, (void)n_len, (void)k_len;
+#endif
+}
+
+// The same with int8 panels: per panel and group of 32 k, the int8 weights in pair layout, then per vector of 16
+// columns the 32 lanes' fp32 scales (see widen_pairs). k_len must be a multiple of 32.
+void int8_linear(const uint16_t* x, int64_t ldx, int64_t m_len, const int8_t* packed, const uint16_t* bias,
+                 uint16_t* out, int64_t ldo, int64_t n_len, int64_t k_len) {
+#if defined(__AVX512BF16__)
+    panel_linear(x, ldx, m_len, packed, 1, bias, out, ldo, n_len, k_len);
+#else
+    (void)x, (void)ldx, (void)m_len, (void)packed, (void)bias, (void)out, (void)ldo, (void)n_len, (void)k_len;
+#endif
+}
