@@ -84,9 +84,8 @@ class CpuKernels:
                 func.argtypes = argtypes
                 self._funcs[name, dtype] = func
         self.has_linear, self.panel_cols = bool(lib.linear_kernels_available()), lib.linear_panel_cols()
-        self._linear = {"bf16": lib.bf16_linear, "int8": lib.int8_linear}
-        for func in self._linear.values():
-            func.argtypes = [_P, _I64, _I64, _P, _P, _P, _I64, _I64, _I64]
+        self._linear = lib.linear
+        self._linear.argtypes = [_P, _I64, _I64, _P, _I, _P, _P, _I64, _I64, _I64]
 
     @staticmethod
     def handles(x: torch.Tensor) -> bool:
@@ -211,14 +210,15 @@ class CpuKernels:
         return torch.cat(parts)
 
     def linear(self, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int):
-        """x: bf16 [M, K] with unit column stride; packed: from pack_bf16_linear (bf16) or pack_int8_linear
-        (int8); bias: bf16 [N] or None."""
-        out = torch.empty((x.shape[0], out_features), dtype=torch.bfloat16)
-        self._linear["int8" if packed.dtype == torch.int8 else "bf16"](
-            x.data_ptr(), x.stride(0), x.shape[0], packed.data_ptr(), None if bias is None else bias.data_ptr(),
-            out.data_ptr(), out_features, out_features, x.shape[1],
-        )  # fmt: skip
-        return out
+        """x: bf16 [..., K]; packed: from pack_bf16_linear (bf16) or pack_int8_linear (int8); bias: bf16 [N] or
+        None. Rows of a 2-D x may be strided (a slice of a wider activation)."""
+        rows = x.reshape(-1, x.shape[-1])
+        rows = rows if rows.stride(1) == 1 else rows.contiguous()
+        out = torch.empty((rows.shape[0], out_features), dtype=torch.bfloat16)
+        self._linear(rows.data_ptr(), rows.stride(0), rows.shape[0], packed.data_ptr(), packed.dtype == torch.int8,
+                     None if bias is None else bias.data_ptr(), out.data_ptr(), out_features, out_features,
+                     rows.shape[1])  # fmt: skip
+        return out.view(*x.shape[:-1], out_features)
 
     # ---- sampling ----
 

@@ -104,11 +104,10 @@ static void widen_panel(const int8_t* panel, int nv, int64_t pairs, uint16_t* to
         for (int j = 0; j < nv; j++) _mm512_storeu_si512(to + (p * nv + j) * 32, (__m512i)weights(panel, 1, nv, p, j));
 }
 
-// Both linears: bytes_per_col, the packed bytes of one column (2 k_len in bf16; k_len / 32 groups of 20 bytes in
-// int8); with q8 and more rows than a tile, each thread widens a panel at a time into a bf16 buffer.
 static void panel_linear(const uint16_t* x, int64_t ldx, int64_t m_len, const void* packed, int q8,
                          const uint16_t* bias, uint16_t* out, int64_t ldo, int64_t n_len, int64_t k_len) {
     if (m_len <= 0) return;
+    // bytes_per_col: the packed bytes of one weight row (2 k_len in bf16; in int8 40 per group of 32 k: the weights and two scales).
     const int64_t panels = (n_len + PANEL_COLS - 1) / PANEL_COLS, pairs = k_len / 2;
     const int64_t padded_n = (n_len + 15) / 16 * 16, tiles = (m_len + TILE_ROWS - 1) / TILE_ROWS;
     const int64_t bytes_per_col = q8 ? k_len / GROUP * GROUP_VEC_BYTES / 16 : 2 * k_len;
@@ -149,24 +148,16 @@ int linear_kernels_available(void) { return 0; }
 int linear_panel_cols(void) { return PANEL_COLS; }
 
 // x: bf16 [m_len, k_len] with row stride ldx; packed: the weight [n_len, k_len] as panels (see the top; the last
-// panel holds the remaining columns rounded up to 16, zero-filled); bias: bf16 [n_len] or NULL; out: bf16
-// [m_len, n_len] with row stride ldo. k_len must be even.
-void bf16_linear(const uint16_t* x, int64_t ldx, int64_t m_len, const uint16_t* packed, const uint16_t* bias,
-                 uint16_t* out, int64_t ldo, int64_t n_len, int64_t k_len) {
+// panel holds the remaining columns rounded up to 16, zero-filled): bf16 (q8 0, k_len even), or int8 (q8 1, k_len
+// a multiple of 32: per panel and group of 32 k, the int8 weights in pair layout, then per vector of 16 columns
+// the 32 lanes' fp32 scales, see widen_pairs); bias: bf16 [n_len] or NULL; out: bf16 [m_len, n_len] with row
+// stride ldo.
+void linear(const uint16_t* x, int64_t ldx, int64_t m_len, const void* packed, int q8, const uint16_t* bias,
+            uint16_t* out, int64_t ldo, int64_t n_len, int64_t k_len) {
 #if defined(__AVX512BF16__)
-    panel_linear(x, ldx, m_len, packed, 0, bias, out, ldo, n_len, k_len);
+    panel_linear(x, ldx, m_len, packed, q8, bias, out, ldo, n_len, k_len);
 #else
-    (void)x, (void)ldx, (void)m_len, (void)packed, (void)bias, (void)out, (void)ldo, (void)n_len, (void)k_len;
-#endif
-}
-
-// The same with int8 panels: per panel and group of 32 k, the int8 weights in pair layout, then per vector of 16
-// columns the 32 lanes' fp32 scales (see widen_pairs). k_len must be a multiple of 32.
-void int8_linear(const uint16_t* x, int64_t ldx, int64_t m_len, const int8_t* packed, const uint16_t* bias,
-                 uint16_t* out, int64_t ldo, int64_t n_len, int64_t k_len) {
-#if defined(__AVX512BF16__)
-    panel_linear(x, ldx, m_len, packed, 1, bias, out, ldo, n_len, k_len);
-#else
-    (void)x, (void)ldx, (void)m_len, (void)packed, (void)bias, (void)out, (void)ldo, (void)n_len, (void)k_len;
+    (void)x, (void)ldx, (void)m_len, (void)packed, (void)q8, (void)bias, (void)out, (void)ldo, (void)n_len,
+        (void)k_len;
 #endif
 }

@@ -136,10 +136,7 @@ class PackedLinear(nn.Module):
     def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.kernels is None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, bias, "none", [], "")
-        rows = x.reshape(-1, self.in_features)
-        rows = rows if rows.stride(1) == 1 else rows.contiguous()
-        out = self.kernels.linear(rows, self.packed_weight, bias, self.out_features)
-        return out.view(*x.shape[:-1], self.out_features)
+        return self.kernels.linear(x, self.packed_weight, bias, self.out_features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.all_reduce:

@@ -69,10 +69,7 @@ class Int8Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bias = None if self.all_reduce else self.bias
         if self.kernels is not None:
-            rows = x.reshape(-1, self.in_features)
-            rows = rows if rows.stride(1) == 1 else rows.contiguous()
-            out = self.kernels.linear(rows, self.packed_weight, bias, self.out_features)
-            out = out.view(*x.shape[:-1], self.out_features)
+            out = self.kernels.linear(x, self.packed_weight, bias, self.out_features)
         else:
             out = F.linear(x, dequantize(self.weight_q, self.scale).to(x.dtype), bias)
         if self.all_reduce:
