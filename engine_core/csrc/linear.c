@@ -107,7 +107,8 @@ static void widen_panel(const int8_t* panel, int nv, int64_t pairs, uint16_t* to
 static void panel_linear(const uint16_t* x, int64_t ldx, int64_t m_len, const void* packed, int q8,
                          const uint16_t* bias, uint16_t* out, int64_t ldo, int64_t n_len, int64_t k_len) {
     if (m_len <= 0) return;
-    // bytes_per_col: the packed bytes of one weight row (2 k_len in bf16; in int8 40 per group of 32 k: the weights and two scales).
+    // bytes_per_col: the packed bytes of one weight row: 2 k_len in bf16; in int8 40 per group of 32 k (the
+    // weights and their scale twice).
     const int64_t panels = (n_len + PANEL_COLS - 1) / PANEL_COLS, pairs = k_len / 2;
     const int64_t padded_n = (n_len + 15) / 16 * 16, tiles = (m_len + TILE_ROWS - 1) / TILE_ROWS;
     const int64_t bytes_per_col = q8 ? k_len / GROUP * GROUP_VEC_BYTES / 16 : 2 * k_len;
