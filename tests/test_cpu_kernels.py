@@ -94,7 +94,7 @@ def test_packed_linears_match_the_float_matmul_and_onednn_packing_is_exact(torch
             assert close(model(x), ref32.to(torch.bfloat16), 2e-2)
 
 
-@pytest.mark.parametrize("out_features,in_features", [(96, 64), (33, 2), (1000, 576), (48, 1536), (100, 34)])
+@pytest.mark.parametrize("out_features,in_features", [(96, 64), (33, 2), (1000, 576), (48, 1536), (100, 34), (20, 64)])
 @pytest.mark.parametrize("bias", [False, True])
 def test_bf16_linear_matches_fp32_and_each_row_is_computed_alone(out_features, in_features, bias) -> None:
     """csrc/linear.c in bf16 against the fp32 matmul, for output widths off its 48-column panels and 16-column
@@ -107,7 +107,7 @@ def test_bf16_linear_matches_fp32_and_each_row_is_computed_alone(out_features, i
     b = torch.randn(out_features, dtype=torch.bfloat16) if bias else None
     packed = kernels.pack_bf16_linear(weight)
     wide = torch.randn(23, in_features + 6, dtype=torch.bfloat16)
-    x = wide[:, :in_features]  # rows strided by the wider width
+    x = wide[:, 1 : in_features + 1]  # rows strided by the wider width, and 2-byte aligned only
     out = kernels.linear(x, packed, b, out_features)
     ref = x.float() @ weight.float().T + (0 if b is None else b.float())
     assert out.shape == (23, out_features)

@@ -29,11 +29,15 @@ def test_quantize_groups_round_trip() -> None:
 
 
 @pytest.mark.parametrize("rows", [1, 3, 4, 8, 13, 64])  # a single stream, block tails, a batch
-@pytest.mark.parametrize("out_features,in_features,bias", [(960, 576, False), (130, 1536, True), (50, 40, True)])
+@pytest.mark.parametrize(
+    "out_features,in_features,bias",
+    [(960, 576, False), (130, 1536, True), (20, 64, True), (100, 576, False), (50, 40, True)],
+)
 def test_int8_linear_matches_float_matmul(rows, out_features, in_features, bias) -> None:
-    """130 rows: the kernel's last panel of weight rows is partial; in_features 40 (not a multiple of 32): the
-    torch path. The kernel rounds each dequantized weight to bf16, then sums in fp32: within bf16 of fp32. 13 and
-    64 rows: more than one 8-row tile, so each panel is widened to bf16 once; fewer rows widen as they go."""
+    """130, 20 and 100 rows: the kernel's last panel of weight rows is partial (3, 2 and 1 vectors); in_features
+    40 (not a multiple of 32): the torch path. The kernel rounds each dequantized weight to bf16, then sums in
+    fp32: within bf16 of fp32. 13 and 64 rows: more than one 8-row tile, so each panel is widened to bf16 once;
+    fewer rows widen as they go."""
     assert cpu_kernels() is not None
     torch.manual_seed(rows)
     linear = nn.Linear(in_features, out_features, bias=bias).to(torch.bfloat16)

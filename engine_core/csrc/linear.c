@@ -47,8 +47,8 @@ static inline __attribute__((always_inline)) void tile(const uint16_t* x, int64_
     __m512 acc[TILE_ROWS][PANEL_VECS];
     for (int i = 0; i < mr; i++)
         for (int j = 0; j < nv; j++) acc[i][j] = _mm512_setzero_ps();
-    const int32_t* xp[TILE_ROWS];
-    for (int i = 0; i < mr; i++) xp[i] = (const int32_t*)(x + i * ldx);
+    const uint16_t* xp[TILE_ROWS];
+    for (int i = 0; i < mr; i++) xp[i] = x + i * ldx;
     int64_t pf_off = 0;
     const int64_t pf_step = (pf_len + pairs - 1) / pairs;  // bytes of the next panel to prefetch per k pair
     for (int64_t p = 0; p < pairs; p++) {
@@ -56,7 +56,9 @@ static inline __attribute__((always_inline)) void tile(const uint16_t* x, int64_
         for (int j = 0; j < nv; j++) w[j] = weights(panel, q8, nv, p, j);
         for (; pf_off < (p + 1) * pf_step && pf_off < pf_len; pf_off += 64) _mm_prefetch(pf + pf_off, _MM_HINT_T0);
         for (int i = 0; i < mr; i++) {
-            const __m512bh xb = (__m512bh)_mm512_set1_epi32(xp[i][p]);
+            int32_t pair;  // x[i, 2p] and x[i, 2p + 1]; memcpy: rows need not be 4-byte aligned
+            memcpy(&pair, xp[i] + 2 * p, 4);
+            const __m512bh xb = (__m512bh)_mm512_set1_epi32(pair);
             for (int j = 0; j < nv; j++) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], xb, w[j]);
         }
     }
