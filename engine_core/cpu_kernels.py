@@ -183,12 +183,16 @@ class CpuKernels:
         padded = -(-rows // 16) * 16
         return [(n0, min(self.panel_cols, padded - n0)) for n0 in range(0, padded, self.panel_cols)]
 
+    @staticmethod
+    def _rows_to_16(t: torch.Tensor) -> torch.Tensor:
+        """t with zero rows appended up to a multiple of 16 (the kernel's vector of output columns)."""
+        return torch.cat([t, t.new_zeros((-len(t) % 16, *t.shape[1:]))])
+
     def pack_bf16_linear(self, weight: torch.Tensor) -> torch.Tensor:
         """[N, K] bf16 -> the kernel's panels: per panel of up to panel_cols rows of the weight, for each pair of
         k, the panel's rows x 2 values; the last panel's rows rounded up to 16 with zeros."""
         n, k = weight.shape
-        padded = torch.zeros((-(-n // 16) * 16, k), dtype=torch.bfloat16)
-        padded[:n] = weight
+        padded = self._rows_to_16(weight.to(torch.bfloat16))
         return torch.cat([padded[n0 : n0 + c].view(c, k // 2, 2).transpose(0, 1).flatten()
                           for n0, c in self._panels(n)])  # fmt: skip
 
@@ -198,10 +202,7 @@ class CpuKernels:
         column's scale twice, for the two k of its pair)."""
         n, k = q.shape
         groups = k // 32
-        q_pad = torch.zeros((-(-n // 16) * 16, k), dtype=torch.int8)
-        q_pad[:n] = q
-        s_pad = torch.zeros((len(q_pad), groups), dtype=torch.float32)
-        s_pad[:n] = scale
+        q_pad, s_pad = self._rows_to_16(q), self._rows_to_16(scale.float())
         parts = []
         for n0, c in self._panels(n):
             weights = q_pad[n0 : n0 + c].view(c, groups, 16, 2).permute(1, 2, 0, 3).reshape(groups, -1)

@@ -29,7 +29,10 @@ def padded_size(num_tokens: int, min_rows: int = 8) -> int:
     """A step's token count rounded up, so that few distinct matmul shapes occur: oneDNN builds a kernel per
     shape (about 1 ms per linear the first time), and with continuous batching the count changes every step.
     Below 8, a power of two no smaller than min_rows (see prepare_linears): a single stream's decode reads the
-    weights for one or two rows, not eight."""
+    weights for one or two rows, not eight. min_rows 1 means our CPU matmul kernels, which build nothing per
+    shape and cost the same per row at any count: no padding (it would only add rows, up to 63 of a prefill)."""
+    if min_rows == 1:
+        return num_tokens
     if 0 < num_tokens < 8:
         return max(min_rows, 1 << (num_tokens - 1).bit_length())
     multiple = 8 if num_tokens <= 256 else 64
@@ -149,9 +152,7 @@ class ModelRunner:
     # ---- one step ----
 
     def padded_size(self, num_tokens: int) -> int:
-        # min_rows 1: our CPU matmul kernels, which build nothing per shape and cost the same per row at any
-        # count; padding would only add rows (up to 63 of a prefill step).
-        return num_tokens if self.min_rows == 1 else padded_size(num_tokens, self.min_rows)
+        return padded_size(num_tokens, self.min_rows)
 
     def _prepare(self, out: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
         bs = self.block_size
