@@ -42,14 +42,15 @@ def gather(cache: torch.Tensor, table: torch.Tensor, length: int) -> torch.Tenso
     return cache[table[: -(-length // block_size)].long()].flatten(0, 1)[:length]
 
 
-def make_cache(lens: list[int], kv_heads: int, block_size: int, dtype: torch.dtype, extra: int = 4):
+def make_cache(lens: list[int], kv_heads: int, block_size: int, dtype: torch.dtype, extra: int = 4,
+               head_dim: int = HEAD_DIM):  # fmt: skip
     """Caches and a block table [len(lens), W], W wider than any sequence needs. Blocks are shuffled; table
     entries past a sequence's blocks point at poison blocks full of NaN, and the slots past each sequence's
     last key hold NaN too: a kernel that reads anything beyond the context returns NaN."""
     needed = [-(-n // block_size) for n in lens]
     width = max(needed) + extra
     num_blocks = sum(needed) + 2
-    shape = (num_blocks, block_size, kv_heads, HEAD_DIM)
+    shape = (num_blocks, block_size, kv_heads, head_dim)
     k_cache = torch.randn(shape, device=DEVICE).to(dtype)
     v_cache = torch.randn(shape, device=DEVICE).to(dtype)
     poison = [num_blocks - 2, num_blocks - 1]
@@ -67,12 +68,12 @@ def make_cache(lens: list[int], kv_heads: int, block_size: int, dtype: torch.dty
     return k_cache, v_cache, table.to(DEVICE)
 
 
-def qkv_views(tokens: int, q_heads: int, kv_heads: int, dtype: torch.dtype):
+def qkv_views(tokens: int, q_heads: int, kv_heads: int, dtype: torch.dtype, head_dim: int = HEAD_DIM):
     """q, k, v as strided views into one projection output, as the models produce them."""
-    qkv = torch.randn(tokens, (q_heads + 2 * kv_heads) * HEAD_DIM, device=DEVICE).to(dtype)
-    q_end, k_end = q_heads * HEAD_DIM, (q_heads + kv_heads) * HEAD_DIM
-    return (qkv[:, :q_end].view(tokens, q_heads, HEAD_DIM), qkv[:, q_end:k_end].view(tokens, kv_heads, HEAD_DIM),
-            qkv[:, k_end:].view(tokens, kv_heads, HEAD_DIM))  # fmt: skip
+    qkv = torch.randn(tokens, (q_heads + 2 * kv_heads) * head_dim, device=DEVICE).to(dtype)
+    q_end, k_end = q_heads * head_dim, (q_heads + kv_heads) * head_dim
+    return (qkv[:, :q_end].view(tokens, q_heads, head_dim), qkv[:, q_end:k_end].view(tokens, kv_heads, head_dim),
+            qkv[:, k_end:].view(tokens, kv_heads, head_dim))  # fmt: skip
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -140,18 +141,19 @@ def test_split_heuristic(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("q_heads,kv_heads,block_size", [(9, 3, 16), (8, 2, 32)])
-def test_paged_prefill_matches_reference(dtype, q_heads, kv_heads, block_size) -> None:
+@pytest.mark.parametrize("q_heads,kv_heads,block_size,head_dim", [(9, 3, 16, 64), (8, 2, 32, 64), (4, 4, 16, 128)])
+def test_paged_prefill_matches_reference(dtype, q_heads, kv_heads, block_size, head_dim) -> None:
     """Chunks in one call: a whole prompt over several query tiles, a chunk after a cached prefix, a
-    one-token chunk, a short chunk after a long prefix. Rows outside the chunks are left alone."""
+    one-token chunk, a short chunk after a long prefix. Rows outside the chunks are left alone. Heads of 128 take
+    other tiles (_prefill_tiles), as fp32 does."""
     torch.manual_seed(3)
     shapes = [(70, 70), (20, 83), (1, 1), (5, 21)]  # (query rows, context after the chunk)
-    k_cache, v_cache, table = make_cache([ctx for _, ctx in shapes], kv_heads, block_size, dtype)
+    k_cache, v_cache, table = make_cache([ctx for _, ctx in shapes], kv_heads, block_size, dtype, head_dim=head_dim)
     total = sum(n for n, _ in shapes) + 3  # 3 trailing rows belong to no chunk
-    q, _, _ = qkv_views(total, q_heads, kv_heads, dtype)
+    q, _, _ = qkv_views(total, q_heads, kv_heads, dtype, head_dim)
     cu = torch.tensor([0] + [sum(n for n, _ in shapes[: i + 1]) for i in range(len(shapes))], dtype=torch.int32)
     context = torch.tensor([ctx for _, ctx in shapes], dtype=torch.int32, device=DEVICE)
-    out = torch.full((total, q_heads, HEAD_DIM), 7.0, dtype=dtype, device=DEVICE)
+    out = torch.full((total, q_heads, head_dim), 7.0, dtype=dtype, device=DEVICE)
     tk.paged_prefill(q, k_cache, v_cache, cu.to(DEVICE), context, table, 0.125, out)
     for c, (n, ctx) in enumerate(shapes):
         s, e = int(cu[c]), int(cu[c + 1])

@@ -18,7 +18,7 @@ import triton.language as tl
 
 LOG2E = 1.4426950408889634
 DECODE_BLOCK_N = 64  # keys per decode tile (4 blocks of 16)
-PREFILL_BLOCK_M = 64  # queries per prefill tile
+PREFILL_BLOCK_M = 64  # queries per prefill tile (16-bit heads of up to 64; others: _prefill_tiles)
 PREFILL_BLOCK_N = 64  # keys per prefill tile
 MAX_SPLITS = 32
 PROGRAMS_PER_SM = 4  # decode is bandwidth-bound: a few small programs per SM keep enough loads in flight
@@ -191,8 +191,22 @@ def _check_cache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) 
     assert q.dtype == k_cache.dtype == v_cache.dtype and q.shape[-2] % k_cache.shape[2] == 0
 
 
+def _fp32(dtype: torch.dtype) -> bool:
+    """fp32 caches take "ieee" dots (no TF32 rounding), which run on the FMA units with every product in registers."""
+    return dtype == torch.float32
+
+
+def _prefill_tiles(dtype: torch.dtype, head_dim: int) -> tuple[int, int, int]:
+    """(queries, keys, warps) per prefill program: the largest tiles that compile without register spills for
+    sm_80 and sm_90 (tests/test_triton_compile.py): fp32's FMA dots and 128-wide heads need smaller key tiles
+    and more warps than 16-bit heads of 64."""
+    if _fp32(dtype):
+        return (32, 32, 8) if head_dim <= 64 else (32, 16, 8)
+    return (PREFILL_BLOCK_M, PREFILL_BLOCK_N, 4) if head_dim <= 64 else (PREFILL_BLOCK_M, 32, 8)
+
+
 def _precision(dtype: torch.dtype) -> str:
-    return "ieee" if dtype == torch.float32 else "tf32"  # no TF32 rounding for fp32 caches
+    return "ieee" if _fp32(dtype) else "tf32"  # only fp32 operands read this
 
 
 def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -234,7 +248,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         out.stride(0), out.stride(1), GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
         HEAD_DIM=head_dim, D_PAD=d_pad, BLOCK_SIZE=block_size, BLOCK_N=DECODE_BLOCK_N, NUM_SPLITS=num_splits,
-        PREC=_precision(q.dtype), num_warps=4, num_stages=2,
+        PREC=_precision(q.dtype), num_warps=8 if _fp32(q.dtype) else 4, num_stages=2,
     )  # fmt: skip
     if num_splits > 1:
         _reduce_kernel[(batch, q_heads)](
@@ -254,11 +268,12 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     num_chunks = context_lens.shape[0]
     if num_tokens == 0 or num_chunks == 0:
         return
-    grid = (num_tokens // PREFILL_BLOCK_M + num_chunks, q_heads)
+    block_m, block_n, warps = _prefill_tiles(q.dtype, head_dim)
+    grid = (num_tokens // block_m + num_chunks, q_heads)
     _prefill_kernel[grid](
         q, k_cache, v_cache, out, cu_seqlens_q, context_lens, block_tables, scale * LOG2E, num_chunks,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         out.stride(0), out.stride(1), GROUP=q_heads // k_cache.shape[2], HEAD_DIM=head_dim,
-        D_PAD=triton.next_power_of_2(head_dim), BLOCK_SIZE=k_cache.shape[1], BLOCK_M=PREFILL_BLOCK_M,
-        BLOCK_N=PREFILL_BLOCK_N, PREC=_precision(q.dtype), num_warps=4, num_stages=2,
+        D_PAD=triton.next_power_of_2(head_dim), BLOCK_SIZE=k_cache.shape[1], BLOCK_M=block_m, BLOCK_N=block_n,
+        PREC=_precision(q.dtype), num_warps=warps, num_stages=2,
     )  # fmt: skip
