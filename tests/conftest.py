@@ -16,7 +16,7 @@ import torch
 
 REPO = Path(__file__).resolve().parent.parent
 if not torch.cuda.is_available():
-    # Without CUDA, Triton kernels run only in Triton's interpreter. Triton 3.9 reads this flag when a @triton.jit
+    # Without CUDA, Triton kernels run only in Triton's interpreter. Triton 3.7 reads this flag when a @triton.jit
     # function is decorated (its own library's at its first import, which torch may trigger from any test module)
     # and again at launch, so it is set before any test module is imported, for the whole session.
     os.environ.setdefault("TRITON_INTERPRET", "1")

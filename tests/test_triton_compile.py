@@ -11,15 +11,16 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from tests.conftest import REPO
 from tests.triton_compile_probe import DTYPES, SHAPES
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU-only: on a GPU test_triton_kernels.py runs them")
 @pytest.mark.parametrize("arch", [80, 90])
 def test_kernels_compile_without_spills(arch: int) -> None:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # the interpreter cannot compile
-    env["TRITON_DEFAULT_FP_FUSION"] = "1"  # triton 3.9's default, stated (it warns otherwise)
     run = subprocess.run([sys.executable, "-m", "tests.triton_compile_probe", str(arch)], cwd=REPO, env=env,
                          capture_output=True, text=True, timeout=600)  # fmt: skip
     assert run.returncode == 0, run.stderr[-4000:]

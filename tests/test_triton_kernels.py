@@ -1,7 +1,7 @@
 """The Triton paged-attention kernels against a plain torch reference written here from first principles.
 
 On CUDA they run natively (also in bf16); without CUDA they run in Triton's interpreter on CPU tensors. The
-interpreter is chosen when @triton.jit decorates a function (triton 3.9 reads TRITON_INTERPRET then, for its own
+interpreter is chosen when @triton.jit decorates a function (triton 3.7 reads TRITON_INTERPRET then, for its own
 library at its first import, which torch may trigger, and again at launch), so tests/conftest.py sets the flag for
 the whole session before any test module is imported.
 """

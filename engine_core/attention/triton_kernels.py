@@ -5,7 +5,7 @@ stride along D. Keys are gathered per key through the block table, BLOCK_N keys 
 so a table may be wider than needed: entries past a sequence's length are never read. Launchers branch only on
 shapes and never read device values, so decode can be captured in a CUDA graph. On CPU the kernels run only
 in Triton's interpreter, for tests: TRITON_INTERPRET=1 must be set before triton is first imported in the process
-(triton 3.9 reads it when decorating its own and these @jit functions, and again at launch): tests/conftest.py.
+(triton 3.7 reads it when decorating its own and these @jit functions, and again at launch): tests/conftest.py.
 """
 
 from __future__ import annotations
