@@ -1,7 +1,10 @@
 """Random-weight Llama models for GPU benchmarks: an HF directory (config.json, sharded bf16 safetensors, the
 default model's tokenizer and chat template) of a named shape. Speed depends on the shape, not on the values.
 
-python -m bench.make_random_model NAME OUT_DIR [--seed 0]     NAME: smollm2-135m | llama-1b | llama-7b
+python -m bench.make_random_model NAME OUT_DIR [--seed 0] [--base DIR]     NAME: smollm2-135m | llama-1b | llama-7b
+
+--base: a directory holding the default model's config.json and tokenizer files (TOKENIZER_FILES), to use instead
+of the default model itself: 4 MB to bring to a GPU machine rather than its 93 MB GGUF package.
 
 Weights are drawn tensor by tensor in bf16 (std 0.02, norms 1) and written a shard at a time, so a 7B model
 never exists in memory as a whole, let alone in fp32.
@@ -35,8 +38,8 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jin
 SHARD_BYTES = 2 * 2**30
 
 
-def model_config(name: str) -> dict:
-    base = json.loads((resolve_model(None).path / "config.json").read_text())
+def model_config(name: str, base_dir: Path | None = None) -> dict:
+    base = json.loads(((base_dir or resolve_model(None).path) / "config.json").read_text())
     config = {**base, **SHAPES[name], "dtype": "bfloat16", "_model_name_or_path": f"random-{name}"}
     config.pop("torch_dtype", None)
     return config
@@ -70,11 +73,11 @@ def random_tensor(shape: tuple[int, ...], gen: torch.Generator) -> torch.Tensor:
     return torch.empty(shape, dtype=torch.bfloat16).normal_(0.0, 0.02, generator=gen)
 
 
-def write_model(name: str, out: Path, seed: int = 0) -> Path:
+def write_model(name: str, out: Path, seed: int = 0, base_dir: Path | None = None) -> Path:
     out.mkdir(parents=True, exist_ok=True)
-    config = model_config(name)
+    config = model_config(name, base_dir)
     (out / "config.json").write_text(json.dumps(config, indent=2))
-    source = resolve_model(None).path
+    source = base_dir or resolve_model(None).path
     for f in TOKENIZER_FILES:
         if (source / f).is_file():
             shutil.copy(source / f, out / f)
@@ -112,10 +115,11 @@ def main() -> None:
     parser.add_argument("name", choices=sorted(SHAPES))
     parser.add_argument("out_dir", type=Path)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--base", type=Path, default=None, help="config.json + tokenizer files of the default model")
     args = parser.parse_args()
     if any(args.out_dir.glob("*.safetensors")):
         parser.error(f"{args.out_dir} already holds weights")
-    path = write_model(args.name, args.out_dir, args.seed)
+    path = write_model(args.name, args.out_dir, args.seed, args.base)
     size = sum(f.stat().st_size for f in path.glob("*.safetensors"))
     print(f"wrote {args.name} to {path} ({size / 2**30:.2f} GiB)")
 

@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 
 from transformers import AutoTokenizer
 
 from bench import make_random_model
 from bench.make_random_model import model_config, tensor_shapes, write_model
 from common.messages import EngineRequest, SamplingParams
+from common.model_source import resolve_model
 from engine_core.core import EngineCore
 from tests.engine_helpers import fp32_config, run_engine, tokens_of
 
@@ -38,3 +40,20 @@ def test_written_model_loads_and_generates(tmp_path, monkeypatch) -> None:
     results = run_engine(core, [EngineRequest("a", [1, 504, 3000, 42], params)])
     (tokens,) = tokens_of(results, ["a"])
     assert len(tokens) == 5 and all(0 <= t < 49152 for t in tokens)
+
+
+def test_base_dir_stands_in_for_the_default_model(tmp_path) -> None:
+    """--base: config.json and tokenizer files copied out of the default model are all a GPU machine needs."""
+    default = resolve_model(None).path
+    base = tmp_path / "base"
+    base.mkdir()
+    for f in ("config.json", *make_random_model.TOKENIZER_FILES):
+        if (default / f).is_file():
+            shutil.copy(default / f, base / f)
+    (base / "config.json").write_text(json.dumps({**json.loads((default / "config.json").read_text()),
+                                                   "rms_norm_eps": 1e-3}))  # fmt: skip
+    assert model_config("llama-1b", base)["rms_norm_eps"] == 1e-3  # read from the base, not the default model
+    path = write_model("smollm2-135m", tmp_path / "random", base_dir=base)
+    assert json.loads((path / "config.json").read_text())["rms_norm_eps"] == 1e-3
+    assert (path / "tokenizer.json").read_bytes() == (default / "tokenizer.json").read_bytes()
+    assert AutoTokenizer.from_pretrained(path)("Hello")["input_ids"]
