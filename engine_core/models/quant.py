@@ -93,7 +93,7 @@ def prepare_linears(model: nn.Module, quantization: str, device: torch.device, d
     Returns the fewest rows these matmuls must be given for a row's result not to depend on how many rows run
     beside it: a seeded request then draws the same tokens alone as inside a batch. oneDNN's one-row bf16 path
     and MKL's fp32 paths below 4 rows sum in another order than wider calls; our int8 and bf16 kernels do each
-    row alone.
+    row alone. On CUDA no row count promises that (cuBLAS picks kernels by shape): 8 there only limits the shapes.
     """
     if quantization == "int8":
         quantize_linears(model)
