@@ -197,9 +197,8 @@ def _fp32(dtype: torch.dtype) -> bool:
 
 
 def _prefill_tiles(dtype: torch.dtype, head_dim: int) -> tuple[int, int, int]:
-    """(queries, keys, warps) per prefill program: the largest tiles that compile without register spills for
-    sm_80 and sm_90 (tests/test_triton_compile.py): fp32's FMA dots and 128-wide heads need smaller key tiles
-    and more warps than 16-bit heads of 64."""
+    """(queries, keys, warps) per prefill program: tiles that compile without register spills for sm_80 and sm_90
+    (tests/test_triton_compile.py; 64x64 over 4 or 8 warps spill for fp32's FMA dots and for 128-wide heads)."""
     if _fp32(dtype):
         return (32, 32, 8) if head_dim <= 64 else (32, 16, 8)
     return (PREFILL_BLOCK_M, PREFILL_BLOCK_N, 4) if head_dim <= 64 else (PREFILL_BLOCK_M, 32, 8)
