@@ -14,12 +14,13 @@ import pytest
 import torch
 
 from tests.conftest import REPO
-from tests.triton_compile_probe import DTYPES, SHAPES
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CPU-only: on a GPU test_triton_kernels.py runs them")
 @pytest.mark.parametrize("arch", [80, 90])
 def test_kernels_compile_without_spills(arch: int) -> None:
+    from tests.triton_compile_probe import DTYPES, SHAPES  # Triton internals: imported only where the test runs
+
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # the interpreter cannot compile
     run = subprocess.run([sys.executable, "-m", "tests.triton_compile_probe", str(arch)], cwd=REPO, env=env,
                          capture_output=True, text=True, timeout=600)  # fmt: skip
