@@ -75,9 +75,9 @@ def random_tensor(shape: tuple[int, ...], gen: torch.Generator) -> torch.Tensor:
 
 def write_model(name: str, out: Path, seed: int = 0, base_dir: Path | None = None) -> Path:
     out.mkdir(parents=True, exist_ok=True)
-    config = model_config(name, base_dir)
+    source = base_dir or resolve_model(None).path  # resolved once: config and tokenizer come from the same place
+    config = model_config(name, source)
     (out / "config.json").write_text(json.dumps(config, indent=2))
-    source = base_dir or resolve_model(None).path
     for f in TOKENIZER_FILES:
         if (source / f).is_file():
             shutil.copy(source / f, out / f)
