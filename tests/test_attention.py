@@ -10,19 +10,23 @@ from engine_core.attention import AttentionMetadata, CpuKernelBackend, PrefillCh
 from engine_core.cpu_kernels import cpu_kernels
 
 
-# head_dim 24 takes the portable path; multiples of 16 the vector path where the CPU has AVX-512.
+# head_dim 24 takes the portable path; multiples of 16 the vector path where the CPU has AVX-512; bf16 with
+# multiples of 32 the 16-keys-at-a-time path where it has AVX512-BF16 (csrc/decode_bf16.c), which block size 8
+# makes take partial slices, and 32 two slices per block.
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
-@pytest.mark.parametrize("q_heads,kv_heads,head_dim", [(9, 3, 64), (4, 4, 32), (8, 1, 16), (6, 2, 24)])
-def test_kernel_matches_torch_path(dtype, tol, q_heads, kv_heads, head_dim) -> None:
+@pytest.mark.parametrize("q_heads,kv_heads,head_dim", [(9, 3, 64), (4, 4, 32), (8, 1, 16), (6, 2, 24), (6, 2, 128)])
+@pytest.mark.parametrize("block_size", [16, 8, 32])
+def test_kernel_matches_torch_path(dtype, tol, q_heads, kv_heads, head_dim, block_size) -> None:
     assert cpu_kernels() is not None, "the C compiler is part of the supported setup; the kernel must build"
     torch.manual_seed(0)
-    num_blocks, block_size, seqs = 64, 16, 7
+    num_blocks, seqs = 64 * 16 // block_size, 7
     # One block more than the tables use: the new k/v of every row go to its first slot, which nobody reads.
     k_cache = torch.randn(num_blocks + 1, block_size, kv_heads, head_dim, dtype=dtype)
     v_cache = torch.randn(num_blocks + 1, block_size, kv_heads, head_dim, dtype=dtype)
     scratch = torch.full((seqs,), num_blocks * block_size)
     lens = torch.tensor([1, 5, 16, 17, 40, 63, 100])
-    tables = torch.randperm(num_blocks)[: seqs * 7].view(seqs, 7)
+    width = -(-100 // block_size)
+    tables = torch.randperm(num_blocks)[: seqs * width].view(seqs, width)
     q = torch.randn(seqs, q_heads, head_dim, dtype=dtype)
     k, v = q[:, :kv_heads], q[:, :kv_heads]
     cpu, ref = CpuKernelBackend(cpu_kernels(), kernel_prefill=True), TorchBackend()

@@ -10,24 +10,6 @@
 #include "kernel_common.h"
 
 #if defined(__AVX512BF16__)
-// e^x in 16 lanes, to fp32 rounding: e^x = 2^k e^r with k = round(x / ln 2), |r| <= ln 2 / 2, e^r by the
-// Cephes polynomial. Inputs below -104 give exactly 0 (flushed), as e^x does in fp32.
-static inline __m512 exp16(__m512 x) {
-    x = _mm512_max_ps(x, _mm512_set1_ps(-104.f));
-    const __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
-                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(k, _mm512_set1_ps(0.693359375f), x);
-    r = _mm512_fnmadd_ps(k, _mm512_set1_ps(-2.12194440e-4f), r);
-    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-    const __m512 y = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
-    return _mm512_scalef_ps(y, k);
-}
-
 // Up to 16 bf16 key rows of one head (rows `stride` elements apart; rows past n read as zero), transposed
 // to out[pairs]: lane t of out[p] holds row t's elements 2p and 2p + 1. pairs = head_dim / 2, a multiple of 16.
 // Each 16 x 16 tile of 32-bit pairs is transposed by four butterfly rounds; round b swaps b x b sub-blocks.
@@ -60,21 +42,6 @@ static inline void keys_as_lanes(const uint16_t* rows, int64_t stride, int n, in
 }
 int attend_bf16_takes(int head_dim, int block_size) {
     return head_dim % 32 == 0 && head_dim <= ATTEND_MAX_DIM && block_size % 16 == 0;
-}
-
-// Folds one 16-key slice into a query head's state: s = the slice's scaled scores, the first `visible` of them
-// real; m = the running max, l = the running sums per lane (added up at the end). Writes the weights
-// e^(s - max) to w and returns the factor the head's accumulator must be scaled by.
-static inline __m512 softmax16(__m512 s, int visible, float* m, __m512* l, float* w) {
-    const __mmask16 valid = (__mmask16)((1u << visible) - 1);
-    const float slice_max = _mm512_mask_reduce_max_ps(valid, s);
-    const float new_max = slice_max > *m ? slice_max : *m;
-    const __m512 p = _mm512_maskz_mov_ps(valid, exp16(_mm512_sub_ps(s, _mm512_set1_ps(new_max))));
-    const __m512 correction = exp16(_mm512_set1_ps(*m - new_max));
-    *l = _mm512_fmadd_ps(*l, correction, p);
-    *m = new_max;
-    _mm512_storeu_ps(w, p);
-    return correction;
 }
 
 // Rows r of the tile sit at positions first_pos + r and see keys [0, first_pos + r]; q rows are q_row_stride

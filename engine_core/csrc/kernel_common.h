@@ -37,9 +37,11 @@ static inline float softmax_update(float* scores, int n, float* m, float* l) {
     return correction;
 }
 
+// The prefetch helpers are always inlined: GCC deems a function that only prefetches free of side effects and
+// deletes the calls it does not inline (csrc/decode_bf16.c lost every prefetch that way, and read at half speed).
 // Called once per token row of the current block, for the same row of the next block: spread out like this,
 // the prefetches overlap the arithmetic (one burst per block did not: 0.72 -> 0.49 ms per decode layer at batch 64).
-static inline void prefetch_rows(const void* k, const void* v, int64_t bytes) {
+static inline __attribute__((always_inline)) void prefetch_rows(const void* k, const void* v, int64_t bytes) {
     for (int64_t off = 0; off < bytes; off += 64) {
         __builtin_prefetch((const char*)k + off);
         __builtin_prefetch((const char*)v + off);
@@ -47,7 +49,7 @@ static inline void prefetch_rows(const void* k, const void* v, int64_t bytes) {
 }
 
 // The same into L2 only, for rows needed much later (a decode thread's next sequence).
-static inline void prefetch_rows_l2(const void* k, const void* v, int64_t bytes) {
+static inline __attribute__((always_inline)) void prefetch_rows_l2(const void* k, const void* v, int64_t bytes) {
     for (int64_t off = 0; off < bytes; off += 64) {
         __builtin_prefetch((const char*)k + off, 0, 2);
         __builtin_prefetch((const char*)v + off, 0, 2);
@@ -66,6 +68,38 @@ static inline __m512 vload_bf16_masked(const uint16_t* p, __mmask16 mask) {  // 
     return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
 }
 
+// e^x in 16 lanes, to fp32 rounding: e^x = 2^k e^r with k = round(x / ln 2), |r| <= ln 2 / 2, e^r by the
+// Cephes polynomial. Inputs below -104 give exactly 0 (flushed), as e^x does in fp32.
+static inline __m512 exp16(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-104.f));
+    const __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(k, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(k, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    const __m512 y = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
+    return _mm512_scalef_ps(y, k);
+}
+
+// Folds one 16-key slice into a query head's state: s = the slice's scaled scores, the first `visible` of them
+// real; m = the running max, l = the running sums per lane (added up at the end). Writes the weights
+// e^(s - max) to w and returns the factor the head's accumulator must be scaled by.
+static inline __m512 softmax16(__m512 s, int visible, float* m, __m512* l, float* w) {
+    const __mmask16 valid = (__mmask16)((1u << visible) - 1);
+    const float slice_max = _mm512_mask_reduce_max_ps(valid, s);
+    const float new_max = slice_max > *m ? slice_max : *m;
+    const __m512 p = _mm512_maskz_mov_ps(valid, exp16(_mm512_sub_ps(s, _mm512_set1_ps(new_max))));
+    const __m512 correction = exp16(_mm512_set1_ps(*m - new_max));
+    *l = _mm512_fmadd_ps(*l, correction, p);
+    *m = new_max;
+    _mm512_storeu_ps(w, p);
+    return correction;
+}
 #endif
 
 #if defined(__AVX512BF16__)
@@ -77,4 +111,10 @@ int attend_bf16_takes(int head_dim, int block_size);
 void attend_bf16_tile(const uint16_t* q, int64_t q_row_stride, const uint16_t* k_cache, const uint16_t* v_cache,
                       const int64_t* table, int64_t first_pos, int rows, uint16_t* out, int num_q_heads,
                       int num_kv_heads, int head_dim, int block_size, float scale);
+// csrc/decode_bf16.c: one sequence's decode over paged bf16 K/V, 16 keys at a time (see there); head_dim % 32 == 0.
+#define DECODE_MAX_GROUP 16
+#define DECODE_MAX_DIM 256
+void decode_bf16_sequence(const uint16_t* q, const uint16_t* k_cache, const uint16_t* v_cache, const int64_t* table,
+                          int64_t len, uint16_t* out, int num_q_heads, int num_kv_heads, int head_dim,
+                          int block_size, float scale, const int64_t* far_table, int64_t far_len);
 #endif
