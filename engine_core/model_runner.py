@@ -18,6 +18,7 @@ from engine_core import distributed, memory_profile
 from engine_core.attention import AttentionBackend, AttentionMetadata, PrefillChunk, select_backend
 from engine_core.cpu_kernels import cpu_kernels
 from engine_core.cuda_graphs import DecodeGraphs
+from engine_core.models.cpu_decode import DecodeStack
 from engine_core.models.loader import load_model
 from engine_core.models.quant import prepare_linears
 from engine_core.prompt_logprobs import score_prompts, wants_prompt_logprobs
@@ -111,6 +112,8 @@ class ModelRunner:
         if self.tp is not None:  # every rank holds a slice of every block: one count for all
             self.num_blocks = distributed.all_min(self.num_blocks)
         self._allocate_kv_cache()
+        if self.device.type == "cpu" and self.tp is None and hasattr(self.model, "decode_stack"):
+            self.model.decode_stack = DecodeStack.build(self.model)  # decode-only steps in one C call
         self.decode_graphs: DecodeGraphs | None = None
         # Graphs only where the attention's cost does not grow with their fixed full-width block tables.
         if self.device.type == "cuda" and not config.enforce_eager and self.tp is None and self.attn_backend.graphable:

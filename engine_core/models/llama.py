@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import nn
 
@@ -20,6 +22,9 @@ from engine_core.models.parallel import (
     take_vocab_rows,
     vocab_logits,
 )
+
+if TYPE_CHECKING:
+    from engine_core.models.cpu_decode import DecodeStack
 
 
 def _heads(config) -> tuple[int, int, int]:
@@ -112,6 +117,7 @@ class LlamaForCausalLM(nn.Module):
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.num_kv_heads, self.head_dim = attn.num_kv_heads, attn.head_dim
+        self.decode_stack: DecodeStack | None = None  # set by the model runner where it can run (CPU, bf16)
 
     @staticmethod
     def attention_biases(config) -> tuple[bool, bool]:
@@ -125,6 +131,8 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
+        if self.decode_stack is not None and self.decode_stack.takes(meta, x.shape[0]):
+            return self.decode_stack(x, positions, meta)  # the same layers' kernels, called from C
         rope = self.rotary.for_step(positions, x.dtype)
         residual = None
         for layer in self.layers:

@@ -1,0 +1,121 @@
+"""Decode-only CPU steps through the layer stack in one C call (engine_core/models/cpu_decode.py): bit for bit the
+logits of the Python layers, in bf16 and int8, with and without biases; taken only by decode-only steps; attached
+by the model runner where it can run, and nowhere else."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+
+from common.config import EngineConfig
+from engine_core.attention import TorchBackend
+from engine_core.core import EngineCore
+from engine_core.models.cpu_decode import DecodeStack
+from engine_core.models.loader import build_model
+from engine_core.models.quant import prepare_linears
+from tests.engine_helpers import greedy_request, run_engine, tokens_of
+from tests.model_harness import PagedRun
+
+CPU = torch.device("cpu")
+
+pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU-only: the stack runs our CPU kernels")
+
+
+def tiny_llama(bias: bool, quantization: str | None) -> torch.nn.Module:
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=3, vocab_size=96,
+                                      num_attention_heads=4, num_key_value_heads=2, attention_bias=bias,
+                                      architectures=["LlamaForCausalLM"])  # fmt: skip
+    model = build_model(config, torch.bfloat16, CPU, 256)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            param.copy_(1 + 0.1 * torch.randn_like(param) if "norm" in name else 0.1 * torch.randn_like(param))
+    prepare_linears(model, quantization, CPU, torch.bfloat16)
+    return model
+
+
+def steps(model, stack: bool) -> tuple[list[torch.Tensor], int]:
+    """Prefills, a mixed step, decodes of all five sequences, then of the first three: logits, and how many
+    steps the stack ran."""
+    run = PagedRun(model, 5, 120, dtype=torch.bfloat16)
+    model.decode_stack = DecodeStack.build(model) if stack else None
+    assert (model.decode_stack is not None) == stack
+    calls = 0
+    if stack:
+        real = model.decode_stack
+
+        def counted(*args):
+            nonlocal calls
+            calls += 1
+            return real(*args)
+
+        model.decode_stack = _Spy(real, counted)
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, 96, (n,), generator=g).tolist() for n in (3, 17, 40, 9, 33)]
+    logits = run.prefill(prompts[:4], seqs=[0, 1, 2, 3])
+    logits.append(run.mixed([5, 6, 7, 8], [prompts[4]], seqs=[4]))
+    logits += [run.decode(torch.randint(0, 96, (5,), generator=g).tolist()) for _ in range(12)]
+    logits += [run.decode([1, 2, 3]) for _ in range(3)]
+    return logits, calls
+
+
+class _Spy:
+    """The stack with its calls counted."""
+
+    def __init__(self, stack: DecodeStack, call) -> None:
+        self.stack, self.call = stack, call
+
+    def takes(self, meta, rows: int) -> bool:
+        return self.stack.takes(meta, rows)
+
+    def __call__(self, *args):
+        return self.call(*args)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("quantization", [None, "int8"])
+def test_stack_gives_the_layers_logits_bit_for_bit(bias: bool, quantization: str | None) -> None:
+    model = tiny_llama(bias, quantization)
+    reference, none = steps(model, stack=False)
+    ours, calls = steps(model, stack=True)
+    assert none == 0 and calls == 15  # the 15 decode-only steps; never the prefills or the mixed step
+    for i, (a, b) in enumerate(zip(ours, reference, strict=True)):
+        assert torch.equal(a, b), (i, (a.float() - b.float()).abs().max().item())
+
+
+def test_build_declines_what_it_cannot_run() -> None:
+    model = tiny_llama(False, None)
+    assert DecodeStack.build(model) is None  # no KV cache bound yet: the layers attend with the torch reference
+    PagedRun(model, 1, 16, dtype=torch.bfloat16)
+    assert DecodeStack.build(model) is not None
+    PagedRun(model, 1, 16, dtype=torch.bfloat16, backend=TorchBackend())
+    assert DecodeStack.build(model) is None  # torch attention backend
+    fp32 = build_model(model.config, torch.float32, CPU, 256)
+    PagedRun(fp32, 1, 16)
+    assert DecodeStack.build(fp32) is None  # fp32: no packed bf16 linears
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory) -> str:
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                                      eos_token_id=3, initializer_range=0.3)  # fmt: skip
+    path = tmp_path_factory.mktemp("tiny-stack")
+    transformers.LlamaForCausalLM(config).save_pretrained(path)
+    return str(path)
+
+
+def test_engine_attaches_the_stack_on_cpu_bf16_with_the_same_tokens(tiny_dir: str) -> None:
+    config = EngineConfig(model=tiny_dir, dtype="bfloat16", kv_cache_memory=0.05, max_num_seqs=8)
+    with_stack, without = EngineCore(config), EngineCore(config)
+    assert with_stack.runner.model.decode_stack is not None
+    without.runner.model.decode_stack = None
+    prompts = [[5 + i, 17, 42 + 3 * i, 99, 7][: 2 + i] for i in range(5)]
+    requests = [greedy_request(f"r{i}", p, 24) for i, p in enumerate(prompts)]
+    ours = tokens_of(run_engine(with_stack, requests, stagger=2), [r.request_id for r in requests])
+    reference = tokens_of(run_engine(without, requests, stagger=2), [r.request_id for r in requests])
+    assert ours == reference
+    fp32 = EngineCore(EngineConfig(model=tiny_dir, dtype="float32", kv_cache_memory=0.05, max_num_seqs=8))
+    assert fp32.runner.model.decode_stack is None
