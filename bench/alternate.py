@@ -58,7 +58,9 @@ def alternate(servers: dict[str, tuple[Path, list[str]]], args: argparse.Namespa
             port = free_port()
             cmd = [sys.executable, str(checkout / "launch.py"), "--port", str(port), *flags]
             print(f"--- round {rnd + 1}, {name}: {' '.join(cmd[1:])}", flush=True)
-            with launched(cmd, port, logs / f"{name}-{rnd}.log") as url:
+            # In its own checkout: before common/python_command.py, launch.py started engines that imported
+            # the working directory's engine_core.
+            with launched(cmd, port, logs / f"{name}-{rnd}.log", cwd=checkout) as url:
                 args.base_url, args.model = url, None
                 args.seed = rnd  # every server of a round sees the same prompts
                 result = asyncio.run(serve.benchmark(args, tokenizer))

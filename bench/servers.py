@@ -23,7 +23,7 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def launched(cmd: list[str], port: int, log_path: Path, timeout: float = 600.0) -> Iterator[str]:
+def launched(cmd: list[str], port: int, log_path: Path, timeout: float = 600.0, cwd: Path = REPO) -> Iterator[str]:
     """Starts a server in a process group of its own, yields its base URL once /health answers 200; afterwards
     SIGTERMs it (launch.py and vLLM both drain and stop their engine processes on SIGTERM), then SIGKILLs whatever
     of its group is left, so no engine process outlives the benchmark."""
@@ -32,7 +32,7 @@ def launched(cmd: list[str], port: int, log_path: Path, timeout: float = 600.0) 
     name = Path(words[1] if Path(cmd[0]).name.startswith("python") else cmd[0]).name
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}  # never reach for the network
     with open(log_path, "wb") as log:
-        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         deadline = time.monotonic() + timeout
         while True:

@@ -14,16 +14,15 @@ import logging
 import os
 import signal
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from common.config import EngineConfig, to_cli_args
+from common.python_command import python_module
 
 log = logging.getLogger("roseinfer.tp")
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @dataclass(frozen=True)
@@ -70,11 +69,10 @@ def cpu_shares(count: int) -> list[list[int]] | None:
 
 def spawn_worker(config: EngineConfig, rank: int, port: int, cpus: list[int] | None) -> subprocess.Popen:
     """One worker rank; it dies with us (PR_SET_PDEATHSIG, and it checks our pid)."""
-    cmd = [sys.executable, "-m", "engine_core.worker", "--rank", str(rank), "--parent-pid", str(os.getpid())]
+    cmd, env = python_module("engine_core.worker")
+    cmd += ["--rank", str(rank), "--parent-pid", str(os.getpid())]
     cmd += ["--cpus", ",".join(map(str, cpus))] if cpus else []
     config = dataclasses.replace(config, master_port=port)
-    path = os.pathsep.join(filter(None, [REPO_ROOT, os.environ.get("PYTHONPATH")]))
-    env = {**os.environ, "PYTHONPATH": path}
     return subprocess.Popen(cmd + to_cli_args(config), env=env)
 
 
