@@ -1,5 +1,6 @@
-// Decode attention of one sequence (one query row, all heads) over paged bf16 K/V, 16 keys at a time, with the
-// dot instruction of AVX512-BF16 on both sides; csrc/paged_decode.c calls it per sequence when head_dim % 32 == 0.
+// Decode attention (one query row per sequence, all heads) over paged bf16 K/V, 16 keys at a time, with the dot
+// instruction of AVX512-BF16 on both sides; paged_decode_bf16 (csrc/paged_decode.c) hands it the whole call when
+// head_dim % 32 == 0.
 //   - scores: vdpbf16ps multiplies a key row in place with the unscaled bf16 query (each product exact in fp32),
 //     leaving one vector of partial sums per key; sum_lanes16 adds 16 keys' vectors into one vector of their
 //     scores with about three shuffles per key, where a horizontal sum per key took about nine;
@@ -9,9 +10,18 @@
 //     transformers' eager bf16 attention rounds them before its matmul with V); sums stay fp32.
 // Against the key-at-a-time vector path, SmolLM2's 30 layers (9/3 heads of 64) at batch 64 and 192 keys went
 // from 11.0 to 8.1 ms (26 to 35 GB/s from memory, of the 40 that streaming the same blocks reaches).
+// Work items are sequences, and parts of SPLIT_KEYS keys of longer ones, combined at the end: a lone sequence of
+// 4096 keys (30 layers) took 4.9 ms in one thread, 3.4 ms in parts.
+#include <omp.h>
+#include <stdlib.h>
+
 #include "kernel_common.h"
 
 #if defined(__AVX512BF16__)
+
+// A sequence longer than this many keys is attended in parts of this size (rounded to whole blocks), each by
+// any thread, then combined: one long sequence alone would leave every thread but one idle.
+#define SPLIT_KEYS 512
 
 // Lane t of the result = the sum of the 16 lanes of s[t]. Each round adds pairs of vectors after a shuffle that
 // lines up their halves, so a vector holds partial sums of twice as many keys, in key order.
@@ -53,11 +63,14 @@ static inline __attribute__((always_inline)) void prefetch_share(const Ahead* a,
     }
 }
 
-// One sequence with head_dim = 32 * chunks; inlined for each common chunk count, so that the compiler unrolls
-// the loops over a row and keeps a slice's 16 score vectors and a head's accumulators in registers.
+// The first `len` keys of `table` for one query row, head_dim = 32 * chunks: the normalized output to out, or with
+// `part` its state to part instead (per query head: the running max, the sum of weights, the unnormalized output).
+// Inlined for each common chunk count, so that the compiler unrolls the loops over a row and keeps a slice's 16
+// score vectors and a head's accumulators in registers. far_table/far_len: the work this thread likely takes
+// next, pulled into L2 a share per block of this.
 static inline __attribute__((always_inline)) void sequence(
     const uint16_t* q, const uint16_t* k_cache, const uint16_t* v_cache, const int64_t* table, int64_t len,
-    uint16_t* out, int num_q_heads, int num_kv_heads, const int chunks, int block_size, float scale,
+    uint16_t* out, float* part, int num_q_heads, int num_kv_heads, const int chunks, int block_size, float scale,
     const int64_t* far_table, int64_t far_len) {
     const int group = num_q_heads / num_kv_heads, head_dim = 32 * chunks;
     const int64_t stride = (int64_t)num_kv_heads * head_dim, block_elems = block_size * stride;
@@ -136,6 +149,15 @@ static inline __attribute__((always_inline)) void sequence(
     const __m512i second = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
     for (int i = 0; i < num_q_heads; i++) {
         const float sum = _mm512_reduce_add_ps(l[i]);
+        if (part) {
+            float* state = part + i * (head_dim + 2);
+            state[0] = m[i], state[1] = sum;
+            for (int c = 0; c < chunks; c++) {
+                _mm512_storeu_ps(state + 2 + 32 * c, _mm512_permutex2var_ps(lo[i][c], first, hi[i][c]));
+                _mm512_storeu_ps(state + 2 + 32 * c + 16, _mm512_permutex2var_ps(lo[i][c], second, hi[i][c]));
+            }
+            continue;
+        }
         const __m512 inv = _mm512_set1_ps(sum > 0.f ? 1.f / sum : 0.f);
         for (int c = 0; c < chunks; c++) {
             const __m512 a = _mm512_mul_ps(lo[i][c], inv), b = _mm512_mul_ps(hi[i][c], inv);
@@ -146,12 +168,10 @@ static inline __attribute__((always_inline)) void sequence(
     }
 }
 
-// Same arguments as the sequence functions of paged_decode.c; far_table/far_len: the sequence this thread
-// likely takes next, pulled into L2 a share per block of this one.
-void decode_bf16_sequence(const uint16_t* q, const uint16_t* k_cache, const uint16_t* v_cache, const int64_t* table,
-                          int64_t len, uint16_t* out, int num_q_heads, int num_kv_heads, int head_dim,
-                          int block_size, float scale, const int64_t* far_table, int64_t far_len) {
-#define SEQUENCE(CHUNKS) sequence(q, k_cache, v_cache, table, len, out, num_q_heads, num_kv_heads, CHUNKS, \
+static void run_sequence(const uint16_t* q, const uint16_t* k_cache, const uint16_t* v_cache, const int64_t* table,
+                         int64_t len, uint16_t* out, float* part, int num_q_heads, int num_kv_heads, int head_dim,
+                         int block_size, float scale, const int64_t* far_table, int64_t far_len) {
+#define SEQUENCE(CHUNKS) sequence(q, k_cache, v_cache, table, len, out, part, num_q_heads, num_kv_heads, CHUNKS, \
                                   block_size, scale, far_table, far_len)
     switch (head_dim / 32) {
         case 2: SEQUENCE(2); break;  // heads of 64 (SmolLM2, Llama 3.2 1B)
@@ -159,5 +179,74 @@ void decode_bf16_sequence(const uint16_t* q, const uint16_t* k_cache, const uint
         default: SEQUENCE(head_dim / 32);
     }
 #undef SEQUENCE
+}
+
+// The output of a sequence attended in parts: their states rescaled to the largest max and summed.
+static void combine(const float* parts, int64_t count, int num_q_heads, int head_dim, uint16_t* out) {
+    const int64_t state = (int64_t)num_q_heads * (head_dim + 2);
+    float acc[DECODE_MAX_DIM];
+    for (int i = 0; i < num_q_heads; i++) {
+        float m = NO_SCORE, sum = 0.f;
+        for (int64_t p = 0; p < count; p++) m = fmaxf(m, parts[p * state + i * (head_dim + 2)]);
+        for (int d = 0; d < head_dim; d++) acc[d] = 0.f;
+        for (int64_t p = 0; p < count; p++) {
+            const float* st = parts + p * state + i * (head_dim + 2);
+            const float w = expf(st[0] - m);
+            sum += st[1] * w;
+            for (int d = 0; d < head_dim; d++) acc[d] += st[2 + d] * w;
+        }
+        const float inv = sum > 0.f ? 1.f / sum : 0.f;
+        for (int d = 0; d < head_dim; d++) out[i * head_dim + d] = bf16_store(acc[d] * inv);
+    }
+}
+
+int decode_bf16(const uint16_t* q, const uint16_t* k_cache, const uint16_t* v_cache, const int64_t* block_tables,
+                const int64_t* seq_lens, uint16_t* out, int num_seqs, int num_q_heads, int num_kv_heads, int head_dim,
+                int block_size, int max_blocks, float scale) {
+    if (head_dim % 32 != 0) return 0;
+    // Work items (sequence, first key, keys): a sequence longer than one part is cut into parts of a fixed size,
+    // whatever else runs, so that its result never depends on the batch beside it.
+    const int64_t part_keys = (SPLIT_KEYS / block_size > 0 ? SPLIT_KEYS / block_size : 1) * block_size;
+    int64_t items = 0;
+    for (int s = 0; s < num_seqs; s++) items += seq_lens[s] > part_keys ? (seq_lens[s] + part_keys - 1) / part_keys : 1;
+    int64_t(*item)[3] = malloc(items * sizeof *item);
+    int64_t* first_item = malloc((num_seqs + 1) * sizeof(int64_t));
+    int64_t w = 0, split = 0;
+    for (int s = 0; s < num_seqs; s++) {
+        first_item[s] = w;
+        const int64_t len = seq_lens[s];
+        for (int64_t k0 = 0; k0 == 0 || k0 < len; k0 += part_keys, w++) {
+            item[w][0] = s, item[w][1] = k0, item[w][2] = len - k0 < part_keys ? len - k0 : part_keys;
+            split += len > part_keys;
+        }
+    }
+    first_item[num_seqs] = items;
+    const int64_t state = (int64_t)num_q_heads * (head_dim + 2), row = (int64_t)num_q_heads * head_dim;
+    float* parts = split ? malloc(items * state * sizeof(float)) : NULL;  // at the split items' indices
+    _Pragma("omp parallel") {
+        const int threads = omp_get_num_threads();
+        _Pragma("omp for schedule(dynamic, 1)") for (int64_t i = 0; i < items; i++) {
+            const int64_t s = item[i][0], whole = item[i][2] == seq_lens[s];
+            const int64_t f = i + threads < items ? i + threads : i;  // dynamic scheduling hands items out in turn
+            run_sequence(q + s * row, k_cache, v_cache, block_tables + s * max_blocks + item[i][1] / block_size,
+                         item[i][2], out + s * row, whole ? NULL : parts + i * state, num_q_heads, num_kv_heads,
+                         head_dim, block_size, scale, block_tables + item[f][0] * max_blocks + item[f][1] / block_size,
+                         f == i ? 0 : item[f][2]);
+        }
+        _Pragma("omp for schedule(dynamic, 1)") for (int s = 0; s < num_seqs; s++) {
+            const int64_t count = first_item[s + 1] - first_item[s];
+            if (count > 1) combine(parts + first_item[s] * state, count, num_q_heads, head_dim, out + s * row);
+        }
+    }
+    free(parts), free(first_item), free(item);
+    return 1;
+}
+#else
+int decode_bf16(const uint16_t* q, const uint16_t* k_cache, const uint16_t* v_cache, const int64_t* block_tables,
+                const int64_t* seq_lens, uint16_t* out, int num_seqs, int num_q_heads, int num_kv_heads, int head_dim,
+                int block_size, int max_blocks, float scale) {
+    (void)q, (void)k_cache, (void)v_cache, (void)block_tables, (void)seq_lens, (void)out, (void)num_seqs,
+        (void)num_q_heads, (void)num_kv_heads, (void)head_dim, (void)block_size, (void)max_blocks, (void)scale;
+    return 0;
 }
 #endif

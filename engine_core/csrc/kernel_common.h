@@ -111,10 +111,12 @@ int attend_bf16_takes(int head_dim, int block_size);
 void attend_bf16_tile(const uint16_t* q, int64_t q_row_stride, const uint16_t* k_cache, const uint16_t* v_cache,
                       const int64_t* table, int64_t first_pos, int rows, uint16_t* out, int num_q_heads,
                       int num_kv_heads, int head_dim, int block_size, float scale);
-// csrc/decode_bf16.c: one sequence's decode over paged bf16 K/V, 16 keys at a time (see there); head_dim % 32 == 0.
+#endif
+
+// csrc/decode_bf16.c: paged_decode_bf16's work 16 keys at a time where the CPU has AVX512-BF16 and head_dim % 32
+// == 0 (see there); returns 0, having done nothing, elsewhere.
 #define DECODE_MAX_GROUP 16
 #define DECODE_MAX_DIM 256
-void decode_bf16_sequence(const uint16_t* q, const uint16_t* k_cache, const uint16_t* v_cache, const int64_t* table,
-                          int64_t len, uint16_t* out, int num_q_heads, int num_kv_heads, int head_dim,
-                          int block_size, float scale, const int64_t* far_table, int64_t far_len);
-#endif
+int decode_bf16(const uint16_t* q, const uint16_t* k_cache, const uint16_t* v_cache, const int64_t* block_tables,
+                const int64_t* seq_lens, uint16_t* out, int num_seqs, int num_q_heads, int num_kv_heads, int head_dim,
+                int block_size, int max_blocks, float scale);

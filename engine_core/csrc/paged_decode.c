@@ -144,33 +144,31 @@ DEFINE_VECTOR_SEQUENCE(vector_sequence_f32, float, vload_f32, F32_STORE)
 #define PICK(vector, scalar) (scalar)
 #endif
 
-// bf16: 16 keys at a time where the CPU and head_dim allow (csrc/decode_bf16.c), else a key at a time.
-#if defined(__AVX512BF16__)
 _Static_assert(MAX_GROUP <= DECODE_MAX_GROUP && MAX_DIM <= DECODE_MAX_DIM, "shapes decode_bf16.c cannot hold");
-#define PICK_BF16(vector, scalar) (head_dim % 32 == 0 ? decode_bf16_sequence : PICK(vector, scalar))
-#else
-#define PICK_BF16(vector, scalar) PICK(vector, scalar)
-#endif
+#define NOT_TAKEN(...) 0
 
 // q: [num_seqs, num_q_heads, head_dim]; caches: [blocks, block_size, num_kv_heads, head_dim];
 // block_tables: [num_seqs, max_blocks]; seq_lens: [num_seqs] (context including the new token).
-#define DEFINE_KERNEL(NAME, T, SCALAR, VECTOR, PICKER)                                                           \
+// FAST: a kernel that does the whole call where it can (bf16: csrc/decode_bf16.c), answering 1 if it did.
+#define DEFINE_KERNEL(NAME, T, SCALAR, VECTOR, FAST)                                                     \
 void NAME(const T* q, const T* k_cache, const T* v_cache, const int64_t* block_tables,                 \
           const int64_t* seq_lens, T* out, int num_seqs, int num_q_heads, int num_kv_heads,             \
           int head_dim, int block_size, int max_blocks, float scale) {                                  \
+    if (FAST(q, k_cache, v_cache, block_tables, seq_lens, out, num_seqs, num_q_heads, num_kv_heads,      \
+             head_dim, block_size, max_blocks, scale)) return;                                           \
     _Pragma("omp parallel for schedule(dynamic, 1)")                                                    \
     for (int s = 0; s < num_seqs; s++) {                                                                 \
         const int64_t offset = (int64_t)s * num_q_heads * head_dim;                                      \
         const int far = s + omp_get_num_threads();                                                      \
-        PICKER(VECTOR, SCALAR)(q + offset, k_cache, v_cache, block_tables + (int64_t)s * max_blocks,       \
+        PICK(VECTOR, SCALAR)(q + offset, k_cache, v_cache, block_tables + (int64_t)s * max_blocks,       \
                              seq_lens[s], out + offset, num_q_heads, num_kv_heads, head_dim, block_size, scale, \
                              block_tables + (int64_t)(far < num_seqs ? far : s) * max_blocks,                   \
                              far < num_seqs ? seq_lens[far] : 0);                                               \
     }                                                                                                    \
 }
 
-DEFINE_KERNEL(paged_decode_bf16, uint16_t, scalar_sequence_bf16, vector_sequence_bf16, PICK_BF16)
-DEFINE_KERNEL(paged_decode_f32, float, scalar_sequence_f32, vector_sequence_f32, PICK)
+DEFINE_KERNEL(paged_decode_bf16, uint16_t, scalar_sequence_bf16, vector_sequence_bf16, decode_bf16)
+DEFINE_KERNEL(paged_decode_f32, float, scalar_sequence_f32, vector_sequence_f32, NOT_TAKEN)
 
 int paged_decode_limits(int* max_group, int* max_dim, int* max_block, int* max_heads) {
     *max_group = MAX_GROUP; *max_dim = MAX_DIM; *max_block = MAX_BLOCK; *max_heads = MAX_HEADS;
