@@ -106,11 +106,14 @@ def _first_difference(a: list[int], b: list[int]) -> int:
 
 def test_int8_greedy_tracks_bf16() -> None:
     """Measured here on the 16 parity prompts (corpus slices cut mid-sentence: many near ties), 32 tokens: int8
-    kept to bf16's greedy tokens for 20.4 on average (all 32 on 7 prompts, at least 4 on 14, at least 2 on all;
-    for scale, bf16 itself keeps to transformers' fp32 for 26 of 64 on average, see test_engine_parity); on 8 of
-    the 9 prompts where it left, its token was bf16's runner-up; the chosen tokens' logprobs, while the contexts
-    were equal, differed by at most 0.28. The bounds leave a little room for another CPU's rounding (or the
-    torch path without AVX512-BF16). A wrong kernel diverges at once, everywhere, with logprobs off by units."""
+    kept to bf16's greedy tokens for 16.7 on average (all 32 on 6 prompts, at least 4 on 11; for scale, bf16
+    itself keeps to transformers' fp32 for 36 of 64 on average, see test_engine_parity); on 7 of the 10 prompts
+    where it left, its token was bf16's runner-up; the chosen tokens' logprobs, while the contexts were equal,
+    differed by at most 0.33. Where the paths split is chaotic: with the attention's weights rounded to bf16 before
+    the values (2026-11-25) these moved from 20.4, 7, 14, 9 left, 1 far and 0.28, while the teacher-forced KL of
+    each path against transformers' fp32 logits stayed put (bf16 1.0e-3, int8 2.35e-3 -> 2.25e-3, 16 prompts x 32
+    tokens). The bounds leave a little room for another CPU's rounding (or the torch path without AVX512-BF16). A
+    wrong kernel diverges at once, everywhere, with logprobs off by units."""
     bf16, int8 = _greedy("none"), _greedy("int8")
     agreed = [_first_difference(a[0], b[0]) for a, b in zip(bf16, int8, strict=True)]
     # Logprobs of the tokens both chose, while their contexts are still equal.
@@ -120,4 +123,4 @@ def test_int8_greedy_tracks_bf16() -> None:
     far = [i for i, (a, b, n) in enumerate(zip(bf16, int8, agreed, strict=True)) if n < MAX_NEW and b[0][n] != a[2][n]]
     assert sum(agreed) / len(agreed) >= 8 and sum(n >= 4 for n in agreed) >= 9, agreed
     assert lp_diff < 0.4, lp_diff
-    assert len(far) <= 3, far
+    assert len(far) <= 4, far

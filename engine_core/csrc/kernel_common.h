@@ -94,7 +94,8 @@ static inline __m512 softmax16(__m512 s, int visible, float* m, __m512* l, float
     const float slice_max = _mm512_mask_reduce_max_ps(valid, s);
     const float new_max = slice_max > *m ? slice_max : *m;
     const __m512 p = _mm512_maskz_mov_ps(valid, exp16(_mm512_sub_ps(s, _mm512_set1_ps(new_max))));
-    const __m512 correction = exp16(_mm512_set1_ps(*m - new_max));
+    // e^0 is exactly 1: most slices leave the max where it was, and skip the exponential.
+    const __m512 correction = new_max == *m ? _mm512_set1_ps(1.f) : exp16(_mm512_set1_ps(*m - new_max));
     *l = _mm512_fmadd_ps(*l, correction, p);
     *m = new_max;
     _mm512_storeu_ps(w, p);
