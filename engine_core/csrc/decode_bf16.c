@@ -200,6 +200,7 @@ static void combine(const float* parts, int64_t count, int num_q_heads, int head
     }
 }
 
+// paged_decode_bf16's whole call, with its arguments; returns 0, having done nothing, unless head_dim % 32 == 0.
 int decode_bf16(const uint16_t* q, const uint16_t* k_cache, const uint16_t* v_cache, const int64_t* block_tables,
                 const int64_t* seq_lens, uint16_t* out, int num_seqs, int num_q_heads, int num_kv_heads, int head_dim,
                 int block_size, int max_blocks, float scale) {
