@@ -55,7 +55,7 @@ static inline __attribute__((always_inline)) void tile(
     const int head_dim = 32 * chunks, group = num_q_heads / num_kv_heads, pairs = head_dim / 2;
     const int64_t stride = (int64_t)num_kv_heads * head_dim, block_elems = block_size * stride;
     const int64_t context = first_pos + rows;  // keys the last row sees
-    // Accumulators per 32 dims: lo holds dims 8j + 0..3 of each 128-bit lane j, hi 8j + 4..7 (the unpack order).
+    // Accumulators in the order of add_paired_values (kernel_common.h).
     __m512 lo[rows][num_q_heads][chunks], hi[rows][num_q_heads][chunks], l[rows][num_q_heads];
     __m512i v_lo[8][chunks], v_hi[8][chunks];  // the slice's values of one head, paired by keys
     __m512i keys[ATTEND_MAX_DIM / 2];
@@ -89,13 +89,7 @@ static inline __attribute__((always_inline)) void tile(
                     for (int t = 2 * k; t < 2 * k + 2 && t < n; t++)
                         prefetch_rows(k_cache + next + t * stride, v_cache + next + t * stride, stride * 2);
                 const uint16_t* row = vb + 2 * k * stride + h * head_dim;
-                for (int c = 0; c < chunks; c++) {
-                    const __m512i a = _mm512_loadu_si512((const void*)(row + 32 * c));
-                    const __m512i b2 = 2 * k + 1 < n ? _mm512_loadu_si512((const void*)(row + stride + 32 * c))
-                                                     : _mm512_setzero_si512();
-                    v_lo[k][c] = _mm512_unpacklo_epi16(a, b2);
-                    v_hi[k][c] = _mm512_unpackhi_epi16(a, b2);
-                }
+                pair_values(row, 2 * k + 1 < n ? row + stride : NULL, chunks, v_lo[k], v_hi[k]);
             }
             for (int r = 0; r < rows; r++) {  // scores and softmax
                 if (!visible[r]) continue;
@@ -114,39 +108,18 @@ static inline __attribute__((always_inline)) void tile(
                     correction[r][g] = softmax16(scores, visible[r], &m[r][i], &l[r][i], w[r][g]);
                 }
             }
-            for (int r = 0; r < rows; r++) {  // weighted values into the accumulators, two keys per instruction
-                for (int g = 0; g < (visible[r] ? group : 0); g++) {
-                    const int i = h * group + g;
-                    uint32_t weights[8];  // bf16 weights of keys 2k and 2k + 1 (0 past the visible ones)
-                    _mm256_storeu_si256((__m256i*)weights, (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(w[r][g])));
-                    for (int c = 0; c < chunks; c++) {  // the two accumulators in registers over the slice
-                        __m512 a = _mm512_mul_ps(lo[r][i][c], correction[r][g]);
-                        __m512 d = _mm512_mul_ps(hi[r][i][c], correction[r][g]);
-                        for (int k = 0; k < (visible[r] + 1) / 2; k++) {
-                            const __m512bh wk = (__m512bh)_mm512_set1_epi32((int)weights[k]);
-                            a = _mm512_dpbf16_ps(a, (__m512bh)v_lo[k][c], wk);
-                            d = _mm512_dpbf16_ps(d, (__m512bh)v_hi[k][c], wk);
-                        }
-                        lo[r][i][c] = a, hi[r][i][c] = d;
-                    }
-                }
-            }
+            for (int r = 0; r < rows; r++)  // weighted values into the accumulators, two keys per instruction
+                for (int g = 0; g < (visible[r] ? group : 0); g++)
+                    add_paired_values(lo[r][h * group + g], hi[r][h * group + g], correction[r][g], w[r][g], v_lo[0],
+                                      v_hi[0], (visible[r] + 1) / 2, chunks);
         }
     }
-    // The dims back in order, then 32 values at a time to bf16 (round to nearest even, as bf16_store).
-    const __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
-    const __m512i second = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
     for (int r = 0; r < rows; r++)
         for (int i = 0; i < num_q_heads; i++) {
             uint16_t* o = out + ((int64_t)r * num_q_heads + i) * head_dim;
             const float sum = _mm512_reduce_add_ps(l[r][i]);
             const __m512 inv = _mm512_set1_ps(sum > 0.f ? 1.f / sum : 0.f);
-            for (int c = 0; c < chunks; c++) {
-                const __m512 a = _mm512_mul_ps(lo[r][i][c], inv), d = _mm512_mul_ps(hi[r][i][c], inv);
-                const __m512bh words = _mm512_cvtne2ps_pbh(_mm512_permutex2var_ps(a, second, d),
-                                                           _mm512_permutex2var_ps(a, first, d));
-                _mm512_storeu_si512((void*)(o + 32 * c), (__m512i)words);
-            }
+            for (int c = 0; c < chunks; c++) store_unpaired_bf16(lo[r][i][c], hi[r][i][c], inv, o + 32 * c);
         }
 }
 

@@ -74,7 +74,7 @@ static inline __attribute__((always_inline)) void sequence(
     const int64_t* far_table, int64_t far_len) {
     const int group = num_q_heads / num_kv_heads, head_dim = 32 * chunks;
     const int64_t stride = (int64_t)num_kv_heads * head_dim, block_elems = block_size * stride;
-    // Accumulators: lo holds dims 8j + 0..3 of each 128-bit lane j, hi 8j + 4..7 (the unpack order below).
+    // Accumulators in the order of add_paired_values (kernel_common.h).
     __m512 lo[num_q_heads][chunks], hi[num_q_heads][chunks], l[num_q_heads];  // l: softmax sums per lane
     __m512i v_lo[8][chunks], v_hi[8][chunks];  // one slice's values of one head, paired by keys
     float m[num_q_heads], w[DECODE_MAX_GROUP][16];
@@ -112,59 +112,33 @@ static inline __attribute__((always_inline)) void sequence(
                     const __m512 scores = _mm512_mul_ps(sum_lanes16(s), _mm512_set1_ps(scale));
                     correction[g] = softmax16(scores, keys, &m[i], &l[i], w[g]);
                 }
-                // Value rows two keys at a time, interleaved into the pair layout of vdpbf16ps.
                 const int pairs = (keys + 1) / 2;
                 for (int k = 0; k < pairs; k++)
-                    for (int c = 0; c < chunks; c++) {
-                        const __m512i a = _mm512_loadu_si512((const void*)(v_rows + 2 * k * stride + 32 * c));
-                        const __m512i b = 2 * k + 1 < keys
-                            ? _mm512_loadu_si512((const void*)(v_rows + (2 * k + 1) * stride + 32 * c)) : _mm512_setzero_si512();
-                        v_lo[k][c] = _mm512_unpacklo_epi16(a, b);
-                        v_hi[k][c] = _mm512_unpackhi_epi16(a, b);
-                    }
+                    pair_values(v_rows + 2 * k * stride, 2 * k + 1 < keys ? v_rows + (2 * k + 1) * stride : NULL,
+                                chunks, v_lo[k], v_hi[k]);
                 for (int g = 0; g < group; g++) {
                     const int i = h * group + g;
                     prefetch_share(&ahead, s0, 2 * i + 1, 2 * num_q_heads);
-                    uint32_t weights[8];  // bf16 weights of keys 2k and 2k + 1
-                    _mm256_storeu_si256((__m256i*)weights, (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(w[g])));
-                    __m512 a_lo[chunks], a_hi[chunks];  // in registers over the slice's keys
-                    for (int c = 0; c < chunks; c++) {
-                        a_lo[c] = _mm512_mul_ps(lo[i][c], correction[g]);
-                        a_hi[c] = _mm512_mul_ps(hi[i][c], correction[g]);
-                    }
-                    for (int k = 0; k < pairs; k++) {
-                        const __m512bh wk = (__m512bh)_mm512_set1_epi32((int)weights[k]);
-                        for (int c = 0; c < chunks; c++) {
-                            a_lo[c] = _mm512_dpbf16_ps(a_lo[c], (__m512bh)v_lo[k][c], wk);
-                            a_hi[c] = _mm512_dpbf16_ps(a_hi[c], (__m512bh)v_hi[k][c], wk);
-                        }
-                    }
-                    for (int c = 0; c < chunks; c++) lo[i][c] = a_lo[c], hi[i][c] = a_hi[c];
+                    add_paired_values(lo[i], hi[i], correction[g], w[g], v_lo[0], v_hi[0], pairs, chunks);
                 }
             }
         }
     }
-    // The dims back in order, then 32 values at a time to bf16 (round to nearest even, as bf16_store).
-    const __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
-    const __m512i second = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
     for (int i = 0; i < num_q_heads; i++) {
         const float sum = _mm512_reduce_add_ps(l[i]);
         if (part) {
             float* state = part + i * (head_dim + 2);
             state[0] = m[i], state[1] = sum;
             for (int c = 0; c < chunks; c++) {
-                _mm512_storeu_ps(state + 2 + 32 * c, _mm512_permutex2var_ps(lo[i][c], first, hi[i][c]));
-                _mm512_storeu_ps(state + 2 + 32 * c + 16, _mm512_permutex2var_ps(lo[i][c], second, hi[i][c]));
+                __m512 first, second;
+                unpair(lo[i][c], hi[i][c], _mm512_set1_ps(1.f), &first, &second);
+                _mm512_storeu_ps(state + 2 + 32 * c, first);
+                _mm512_storeu_ps(state + 2 + 32 * c + 16, second);
             }
             continue;
         }
         const __m512 inv = _mm512_set1_ps(sum > 0.f ? 1.f / sum : 0.f);
-        for (int c = 0; c < chunks; c++) {
-            const __m512 a = _mm512_mul_ps(lo[i][c], inv), b = _mm512_mul_ps(hi[i][c], inv);
-            const __m512bh words = _mm512_cvtne2ps_pbh(_mm512_permutex2var_ps(a, second, b),
-                                                       _mm512_permutex2var_ps(a, first, b));
-            _mm512_storeu_si512((void*)(out + i * head_dim + 32 * c), (__m512i)words);
-        }
+        for (int c = 0; c < chunks; c++) store_unpaired_bf16(lo[i][c], hi[i][c], inv, out + i * head_dim + 32 * c);
     }
 }
 

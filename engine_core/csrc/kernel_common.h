@@ -104,6 +104,55 @@ static inline __m512 softmax16(__m512 s, int visible, float* m, __m512* l, float
 #endif
 
 #if defined(__AVX512BF16__)
+// The values side of the bf16 attention kernels (csrc/decode_bf16.c, csrc/attend_bf16.c): the value rows of keys
+// 2k and 2k + 1 interleaved into the pairs of vdpbf16ps, so that one instruction adds both keys' weighted values.
+// Their accumulators, per 32 dims: lo holds dims 8j + 0..3 of each 128-bit lane j, hi dims 8j + 4..7.
+
+// Value rows a and b (NULL past the last key: zeros) of 32 * chunks dims, paired into lo[c], hi[c].
+static inline __attribute__((always_inline)) void pair_values(const uint16_t* a, const uint16_t* b, int chunks,
+                                                              __m512i* lo, __m512i* hi) {
+    for (int c = 0; c < chunks; c++) {
+        const __m512i va = _mm512_loadu_si512((const void*)(a + 32 * c));
+        const __m512i vb = b ? _mm512_loadu_si512((const void*)(b + 32 * c)) : _mm512_setzero_si512();
+        lo[c] = _mm512_unpacklo_epi16(va, vb);
+        hi[c] = _mm512_unpackhi_epi16(va, vb);
+    }
+}
+
+// acc_lo, acc_hi (chunks each) times correction, plus the weighted values of key pairs [0, pairs): v_lo, v_hi
+// [pairs][chunks] from pair_values; w: the 16 fp32 weights (0 past the last key), rounded to bf16 here.
+static inline __attribute__((always_inline)) void add_paired_values(__m512* acc_lo, __m512* acc_hi,
+                                                                    __m512 correction, const float* w,
+                                                                    const __m512i* v_lo, const __m512i* v_hi,
+                                                                    int pairs, int chunks) {
+    uint32_t weights[8];  // the bf16 weights of keys 2k and 2k + 1
+    _mm256_storeu_si256((__m256i*)weights, (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(w)));
+    __m512 a[chunks], d[chunks];  // in registers over the keys
+    for (int c = 0; c < chunks; c++) a[c] = _mm512_mul_ps(acc_lo[c], correction), d[c] = _mm512_mul_ps(acc_hi[c], correction);
+    for (int k = 0; k < pairs; k++) {
+        const __m512bh wk = (__m512bh)_mm512_set1_epi32((int)weights[k]);
+        for (int c = 0; c < chunks; c++) {
+            a[c] = _mm512_dpbf16_ps(a[c], (__m512bh)v_lo[k * chunks + c], wk);
+            d[c] = _mm512_dpbf16_ps(d[c], (__m512bh)v_hi[k * chunks + c], wk);
+        }
+    }
+    for (int c = 0; c < chunks; c++) acc_lo[c] = a[c], acc_hi[c] = d[c];
+}
+
+// 32 dims accumulated by add_paired_values, times scale, back in order: dims 0..15 to *first, 16..31 to *second.
+static inline void unpair(__m512 lo, __m512 hi, __m512 scale, __m512* first, __m512* second) {
+    const __m512 a = _mm512_mul_ps(lo, scale), b = _mm512_mul_ps(hi, scale);
+    *first = _mm512_permutex2var_ps(a, _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23), b);
+    *second = _mm512_permutex2var_ps(a, _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31), b);
+}
+
+// The same, as 32 bf16 values at out (rounded to nearest even, as bf16_store).
+static inline void store_unpaired_bf16(__m512 lo, __m512 hi, __m512 scale, uint16_t* out) {
+    __m512 first, second;
+    unpair(lo, hi, scale, &first, &second);
+    _mm512_storeu_si512((void*)out, (__m512i)_mm512_cvtne2ps_pbh(second, first));
+}
+
 // csrc/attend_bf16.c: a tile of query rows attending over paged bf16 K/V, 16 keys at a time (see there).
 #define ATTEND_MAX_ROWS 8
 #define ATTEND_MAX_GROUP 16
