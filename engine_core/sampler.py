@@ -36,7 +36,7 @@ class Sampler:
         if kernels is not None and kernels.handles(logits) and all(_temperature_only(p) for p in params):
             # The common plain-sampling batch (an OpenAI client's default temperature 1): one uniform per row.
             temps = torch.tensor([0.0 if p.greedy else p.temperature for p in params])
-            tokens = kernels.sample_rows(logits.contiguous(), temps, self._uniforms(requests))
+            tokens = kernels.sample_rows(logits.contiguous(), temps, torch.rand(len(params), generator=self.generator))
             return tokens.tolist(), [None] * len(requests)
         # Logprobs are reported from `raw`, the model's own distribution before any processor: a choice we keep.
         logits = raw = logits.float()
@@ -56,15 +56,6 @@ class Sampler:
         if any(p.logprobs is not None for p in params):
             logprobs = _logprobs(raw, tokens, params)
         return token_list, logprobs
-
-    def _uniforms(self, requests: list[Request]) -> torch.Tensor:
-        """One number in [0, 1) per row; a seeded request's comes from (seed, output position) alone."""
-        uniforms = torch.rand(len(requests), generator=self.generator)
-        for i, req in enumerate(requests):
-            if req.params.seed is not None:
-                self._seeded.manual_seed(_seed_for(req))
-                uniforms[i] = torch.rand(1, generator=self._seeded)[0]
-        return uniforms
 
     def _sample(self, logits: torch.Tensor, requests: list[Request], params: list[SamplingParams]) -> torch.Tensor:
         temps = torch.tensor([1.0 if p.greedy else p.temperature for p in params], device=logits.device)
@@ -91,8 +82,9 @@ def _seed_for(req: Request) -> int:
 
 
 def _temperature_only(p: SamplingParams) -> bool:
-    """Sampling that needs nothing but a temperature: the compiled CPU sampler takes it."""
-    plain = p.greedy or (p.top_k == 0 and p.top_p >= 1.0 and p.min_p == 0)
+    """Sampling that needs nothing but a temperature: the compiled CPU sampler takes it. Seeded rows never do: they
+    always draw in _sample, so that their tokens do not depend on which path the rest of the batch takes."""
+    plain = p.greedy or (p.top_k == 0 and p.top_p >= 1.0 and p.min_p == 0 and p.seed is None)
     return plain and p.logprobs is None and not _needs_processing(p)
 
 
@@ -157,9 +149,10 @@ def _top_k_top_p(probs: torch.Tensor, params: list[SamplingParams]) -> torch.Ten
     top_k = torch.tensor([min(p.top_k, vocab) if p.top_k > 0 else vocab for p in params], device=probs.device)
     top_p = torch.tensor([p.top_p for p in params], device=probs.device)
     rank = torch.arange(vocab, device=probs.device)[None, :]
-    # Keep a token if it is within top-k and the mass before it is below top-p (the first always stays).
+    # Keep a token if it is within top-k and the mass before it is below top-p (the first always stays). top_p 1
+    # keeps all: the cumulative sum can round past 1.0, and must not drop the tail of a row that asked for none.
     mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
-    keep = (rank < top_k[:, None]) & (mass_before < top_p[:, None])
+    keep = (rank < top_k[:, None]) & ((mass_before < top_p[:, None]) | (top_p[:, None] >= 1.0))
     sorted_probs = sorted_probs * keep
     return torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
 

@@ -141,3 +141,26 @@ def test_temperature_only_seeded_rows_are_reproducible_on_a_large_vocabulary() -
     a, _ = sampler(logits, [req(seeded), req(SamplingParams()), req(SamplingParams()), req(SamplingParams())])
     b, _ = Sampler(torch.device("cpu"), vocab, seed=9)(logits[:1], [req(seeded)])
     assert a[0] == b[0] and all(0 <= t < vocab for t in a)
+
+
+def test_a_seeded_row_draws_the_same_whatever_else_the_batch_asks_for() -> None:
+    """Its own logprobs, a no-op top_k, or neighbours that need the filtered path once sent a seeded row down a
+    different draw (the compiled sampler's inverse CDF against the exponential race)."""
+    vocab = 49152
+    sampler = Sampler(torch.device("cpu"), vocab, seed=0)
+    logits = (torch.randn(2, vocab, generator=torch.Generator().manual_seed(1)) * 2).to(torch.bfloat16)
+    plain = SamplingParams(temperature=0.9, seed=1234)
+    variants = [
+        (plain, SamplingParams(temperature=1.0)),
+        (SamplingParams(temperature=0.9, seed=1234, logprobs=1), SamplingParams(temperature=1.0)),
+        (SamplingParams(temperature=0.9, seed=1234, top_k=vocab), SamplingParams(temperature=1.0)),
+        (SamplingParams(temperature=0.9, seed=1234, top_p=1.0), SamplingParams(temperature=1.0, top_p=0.5)),
+        (plain, SamplingParams(temperature=1.0, repetition_penalty=1.3)),
+        (plain, SamplingParams(temperature=0.0, logprobs=2)),
+    ]
+    for position in range(12):
+        outputs = [5] * position
+        alone, _ = sampler(logits[:1], [req(plain, outputs=outputs)])
+        for params, neighbour in variants:
+            tokens, _ = sampler(logits, [req(params, outputs=outputs), req(neighbour)])
+            assert tokens[0] == alone[0], (position, params, neighbour)
