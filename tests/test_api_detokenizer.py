@@ -150,12 +150,22 @@ def test_stop_that_ends_first_wins_when_two_complete_in_one_delta():
 
 
 def test_min_tokens_ignores_stop_strings_wholly_before_it():
-    # "ab" lies in the first two tokens, before min_tokens: it never counts, even next to a longer stop string.
-    deltas, detok = run_pieces(["a", "b", "c", "d"], stop=["ab", "xxxxxxxx"], min_tokens=3)
-    assert "".join(deltas) == "abcd" and detok.stop_reason is None
-    # A match that ends in the min_tokens-th token counts, though it started before.
+    # "bc" ends in the first three tokens, the min_tokens: it never counts, even next to a longer stop string.
     deltas, detok = run_pieces(["a", "b", "c", "d"], stop=["bc", "xxxxxxxx"], min_tokens=3)
-    assert "".join(deltas) == "a" and detok.stop_reason == "bc"
+    assert "".join(deltas) == "abcd" and detok.stop_reason is None
+    # A match that ends in the token after them counts, though it started before.
+    deltas, detok = run_pieces(["a", "b", "c", "d"], stop=["cd", "xxxxxxxx"], min_tokens=3)
+    assert "".join(deltas) == "ab" and detok.stop_reason == "cd"
+
+
+def test_min_tokens_lets_no_stop_string_end_the_first_tokens():
+    """As vLLM (stop strings checked once len(output_token_ids) > min_tokens): with min_tokens 1 a stop string
+    inside the first token does not end the output empty; it used to, the check starting at the min_tokens-th."""
+    deltas, detok = run_pieces([" 4", ",", " 5", ","], stop=[" "], min_tokens=1)
+    assert "".join(deltas) == " 4," and detok.stop_reason == " "
+    # An earlier match of the same stop string is not found again later: "a a" is wholly in the first two tokens.
+    deltas, detok = run_pieces(["a a", " ", "b", " a a"], stop=["a a"], min_tokens=2)
+    assert "".join(deltas) == "a a b " and detok.stop_reason == "a a"
 
 
 def test_long_stop_strings_cost_time_linear_in_the_text(tok):
@@ -188,7 +198,7 @@ def test_stop_strings_match_a_reference_over_the_whole_text(pieces, stop, includ
         start = data.draw(st.integers(0, len(text) - 1))
         stop = [*stop, text[start : start + data.draw(st.integers(1, 6))]]
     deltas, detok = run_pieces(pieces, stop=stop, include_stop_str_in_output=include, min_tokens=min_tokens)
-    after = len("".join(pieces[: max(min_tokens - 1, 0)]))  # text before the min_tokens-th token
+    after = len("".join(pieces[:min_tokens]))  # the first min_tokens tokens' text: no stop string ends in it
     assert ("".join(deltas), detok.stop_reason) == expected_output(text, stop, include, after)
     # Until it stops, each delta shows all the text but the part that could still grow into a stop string.
     fed = shown = ""

@@ -80,9 +80,9 @@ class IncrementalDetokenizer:
         # Only the text not streamed yet is kept: appending to the whole output would copy all of it every token.
         text = self.pending + delta
         if self.matcher is not None and delta:
-            # Every character goes through the matcher, so its state is right once min_tokens is reached; a stop
-            # string counts only if it ends in text that came at or after that token.
-            match = self.matcher.feed(delta, check=self.num_tokens >= self.min_tokens)
+            # Every character goes through the matcher, so its state is right once past min_tokens; as vLLM, a stop
+            # string counts only if it ends in text that came with a token after the first min_tokens.
+            match = self.matcher.feed(delta, check=self.num_tokens > self.min_tokens)
             if match is not None:
                 # It starts in `text`, not in streamed text: what of it came before `delta` was held back as a prefix.
                 end, s = match
