@@ -195,8 +195,10 @@ def test_echo_logprobs_as_lm_eval_reads_them(server: Server, smol) -> None:
         own = ref[:-1].gather(1, torch.tensor(prompt[1:])[:, None])[:, 0]
         assert len(own) == 0 or (torch.tensor(lp["token_logprobs"][1:-1]) - own).abs().max() < TOL
         for i, top in enumerate(lp["top_logprobs"][1:-1]):
-            assert len(top) == 1  # lm-eval's is_greedy: the token's logprob equals max(top.values()) exactly
+            # The prompt token first, then the top 1 (OpenAI: up to logprobs + 1 entries). lm-eval's is_greedy: the
+            # token's logprob equals max(top.values()) exactly.
             greedy = int(ref[i].argmax()) == prompt[i + 1]
+            assert len(top) == (1 if greedy else 2) and next(iter(top)) == lp["tokens"][i + 1]
             assert (lp["token_logprobs"][i + 1] == max(top.values())) == greedy
 
 
@@ -208,7 +210,7 @@ def test_max_tokens_zero_scores_the_prompt(server: Server) -> None:
     (first,) = r["choices"]
     assert first["text"] == prompt and first["finish_reason"] == "length"
     assert len(first["logprobs"]["tokens"]) == r["usage"]["prompt_tokens"]
-    assert all(len(t) == 2 for t in first["logprobs"]["top_logprobs"][1:])
+    assert all(len(t) in (2, 3) for t in first["logprobs"]["top_logprobs"][1:])  # the prompt token's, the top 2
     r = post(server, "/v1/completions", {"prompt": [[1, 2, 3], [4]], **score}).raise_for_status().json()
     assert [len(c["logprobs"]["token_logprobs"]) for c in r["choices"]] == [3, 1]
     assert all(c["logprobs"]["token_logprobs"][0] is None and c["finish_reason"] == "length" for c in r["choices"])
@@ -238,8 +240,9 @@ def test_vllm_prompt_logprobs_on_completions_and_chat(server: Server) -> None:
     cmpl = post(server, "/v1/completions", {"prompt": ids, "max_tokens": 1, "prompt_logprobs": 3, "echo": True,
                                             "logprobs": 1})  # fmt: skip
     echo = cmpl.raise_for_status().json()["choices"][0]["logprobs"]["token_logprobs"]
-    for body in (chat.raise_for_status().json(), cmpl.json()):
-        plp = body["choices"][0]["prompt_logprobs"]
+    # vLLM's shapes: once at the top level of a chat response, per choice on completions.
+    assert "prompt_logprobs" not in chat.raise_for_status().json()["choices"][0]
+    for plp in (chat.json()["prompt_logprobs"], cmpl.json()["choices"][0]["prompt_logprobs"]):
         assert len(plp) == len(ids) and plp[0] is None
         for i, entry in enumerate(plp[1:], start=1):
             own = entry[str(ids[i])]

@@ -88,7 +88,8 @@ def create_app(ctx: ServingContext, config: ServerConfig, metrics: Metrics) -> F
         if (req.prompt is None) == (req.messages is None):
             raise bad_request("give exactly one of prompt and messages", "prompt")
         if req.messages is not None:
-            ids = await off_loop(chat_prompt, ctx, req.messages, req.add_generation_prompt)
+            ids = await off_loop(chat_prompt, ctx, req.messages, req.add_generation_prompt, None,
+                                 req.continue_final_message)  # fmt: skip
         else:
             ids = await off_loop(ctx.tokenizer.encode, req.prompt or "", req.add_special_tokens)
         return {"tokens": ids, "count": len(ids), "max_model_len": ctx.max_model_len}

@@ -1,9 +1,9 @@
 """Prompt logprobs in the API: the request side (which k the engine computes) and the two response shapes.
 
 OpenAI's legacy completions report them with `echo` + `logprobs: n` as the leading part of `choices[i].logprobs`
-(the first token null); vLLM's extension `prompt_logprobs: k` (completions and chat) adds `prompt_logprobs` per
-choice: None for the first token, then {token id: {logprob, rank, decoded_token}} holding the prompt token and
-the top-k. The engine sends them once, with each request's first output.
+(the first token null); vLLM's extension `prompt_logprobs: k` adds `prompt_logprobs` per choice on completions and
+once, at the top level, on chat (as vLLM's responses): None for the first token, then {token id: {logprob, rank,
+decoded_token}} holding the prompt token and the top-k. The engine sends them once, with each request's first output.
 """
 
 from __future__ import annotations
@@ -41,9 +41,19 @@ def echo_part(tok: Tokenizer, prompt: list[int], lp: Logprobs | None, n: int) ->
     top: list[dict[str, float] | None] = [None] * rest
     if lp is not None and len(lp.token_logprobs) == rest:
         own = [clamp(x) for x in lp.token_logprobs]
-        top = [{tok.token_text(t): clamp(v) for t, v in zip(ids[:n], vals[:n], strict=False)}
-               for ids, vals in zip(lp.top_ids, lp.top_logprobs, strict=False)]  # fmt: skip
+        top = [legacy_top(tok, token, x, ids[:n], vals[:n])
+               for token, x, ids, vals in zip(prompt[1:], lp.token_logprobs, lp.top_ids, lp.top_logprobs,
+                                               strict=False)]  # fmt: skip
     return {"tokens": [tok.token_text(t) for t in prompt], "token_logprobs": [None, *own], "top_logprobs": [None, *top]}
+
+
+def legacy_top(tok: Tokenizer, token: int, logprob: float, ids: list[int], vals: list[float]) -> dict[str, float]:
+    """One position's legacy `top_logprobs`: the chosen token first, then the top n, as vLLM; OpenAI: "the API will
+    always return the logprob of the sampled token, so there may be up to logprobs+1 elements" (logprobs 0: one)."""
+    top = {tok.token_text(token): clamp(logprob)}
+    for t, v in zip(ids, vals, strict=False):
+        top.setdefault(tok.token_text(t), clamp(v))
+    return top
 
 
 def vllm_shape(tok: Tokenizer, prompt: list[int], lp: Logprobs | None, k: int) -> list[dict[str, Any] | None]:
@@ -63,9 +73,13 @@ def vllm_shape(tok: Tokenizer, prompt: list[int], lp: Logprobs | None, k: int) -
     return entries
 
 
+def choice_prompt_logprobs(tok: Tokenizer, choice: Choice, k: int) -> list[dict[str, Any] | None]:
+    return vllm_shape(tok, choice.stream.request.prompt_token_ids, choice.result.prompt_logprobs, k)
+
+
 def attach_vllm_shape(tok: Tokenizer, out: list[dict[str, Any]], choices: list[Choice], k: int | None) -> None:
-    """Adds each choice's `prompt_logprobs` (vLLM's shape) to the response choices, when they were asked for."""
+    """Adds each completion choice's `prompt_logprobs` (vLLM's shape), when they were asked for."""
     if k is None:
         return
     for body, c in zip(out, choices, strict=True):
-        body["prompt_logprobs"] = vllm_shape(tok, c.stream.request.prompt_token_ids, c.result.prompt_logprobs, k)
+        body["prompt_logprobs"] = choice_prompt_logprobs(tok, c, k)

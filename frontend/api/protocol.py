@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import json
+from functools import cache
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
 from common.messages import MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_TOP_K, SamplingParams
 from frontend.tools.tool_parsers import no_constant
@@ -39,9 +40,27 @@ class _Model(BaseModel):
     # Unknown fields are ignored, as OpenAI-compatible servers do; Infinity and NaN are refused everywhere.
     model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
 
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_default(cls, data: Any) -> Any:
+        """OpenAI types its optional fields "X or null" and its clients send null for an option left unset: an
+        explicit null means the field's default, as leaving it out does. A required field's null stays an error."""
+        if isinstance(data, dict) and any(v is None for v in data.values()):
+            keys = _defaulted_keys(cls)
+            data = {k: v for k, v in data.items() if v is not None or k not in keys}
+        return data
+
+
+@cache
+def _defaulted_keys(cls: type[_Model]) -> frozenset[str]:
+    """The names (as the JSON spells them) of the fields of `cls` that have a default other than None."""
+    return frozenset(f.alias or name for name, f in cls.model_fields.items()
+                     if not f.is_required() and f.get_default(call_default_factory=True) is not None)  # fmt: skip
+
 
 class StreamOptions(_Model):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: usage so far in every chunk (with include_usage)
 
 
 class SamplingFields(_Model):
@@ -77,6 +96,11 @@ class SamplingFields(_Model):
     @property
     def include_usage(self) -> bool:
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        """vLLM's continuous_usage_stats: every chunk carries its choice's usage so far (only with include_usage)."""
+        return self.include_usage and bool(self.stream_options and self.stream_options.continuous_usage_stats)
 
     def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
         return SamplingParams(
@@ -138,6 +162,7 @@ class CompletionRequest(SamplingFields, StructuredFields):
     echo: bool = False
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # vLLM's extension
+    suffix: Text | None = None  # not supported: a 400 when given, as vLLM
 
 
 class TextPart(_Model):
@@ -217,6 +242,7 @@ class ChatCompletionRequest(SamplingFields, StructuredFields):
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # vLLM's extension
     add_generation_prompt: bool = True
+    continue_final_message: bool = False  # vLLM's: the final message is left open for the model to continue
     tools: list[ToolDefinition] | None = Field(None, max_length=MAX_TOOLS)
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
@@ -235,6 +261,7 @@ class TokenizeRequest(_Model):
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
 
 
 class DetokenizeRequest(_Model):

@@ -70,7 +70,11 @@ class ServingContext:
 
     async def admit(self, num_requests: int) -> None:
         """Capacity first, before any text work: a full server refuses a burst in microseconds, not after
-        rendering and tokenizing every prompt. A restarting engine is waited for (--engine-restart-timeout)."""
+        rendering and tokenizing every prompt. A restarting engine is waited for (--engine-restart-timeout).
+        A request larger than the whole queue would never fit: a 400, not a 429 to retry in vain."""
+        if num_requests > self.client.max_queued:
+            raise bad_request(f"this request makes {num_requests} engine requests (prompts x n), more than the "
+                              f"server ever queues (--max-queued-requests {self.client.max_queued})", "n")  # fmt: skip
         try:
             await self.client.wait_available()
             self.client.check_capacity(num_requests)
@@ -138,11 +142,11 @@ async def _disconnected(request: Request) -> None:
 
 
 async def respond(ctx: ServingContext, raw: Request, fan: FanOut, fmt: ResponseFormat, request_id: str,
-                  stream: bool, include_usage: bool) -> Response:  # fmt: skip
+                  req: SamplingFields) -> Response:  # fmt: skip
     head = {"id": request_id, "created": int(time.time()), "model": ctx.model_name}
-    if stream:
-        return _ClosingStreamingResponse(sse_stream(fan, fmt, head, include_usage, ctx.failure), fan.abort,
-                                         "text/event-stream")  # fmt: skip
+    if req.stream:
+        chunks = sse_stream(fan, fmt, head, req.include_usage, req.continuous_usage, ctx.failure)
+        return _ClosingStreamingResponse(chunks, fan.abort, "text/event-stream")
     work = asyncio.ensure_future(fan.collect())
     gone = asyncio.ensure_future(_disconnected(raw))
     try:

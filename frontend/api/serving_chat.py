@@ -8,7 +8,7 @@ import msgspec
 from fastapi import Request
 from fastapi.responses import Response
 
-from frontend.api.prompt_logprobs import attach_vllm_shape, check_stream, with_prompt_logprobs
+from frontend.api.prompt_logprobs import check_stream, choice_prompt_logprobs, with_prompt_logprobs
 from frontend.api.protocol import ChatCompletionRequest, ChatMessage
 from frontend.api.serving import ServingContext, clamp, off_loop, respond
 from frontend.api.structured_request import check, with_structured_output
@@ -21,10 +21,15 @@ from frontend.tools.tool_stream import ToolStreams, finish_reason, message
 
 
 def chat_prompt(ctx: ServingContext, messages: list[ChatMessage], add_generation_prompt: bool = True,
-                tools: list[dict[str, Any]] | None = None) -> list[int]:  # fmt: skip
+                tools: list[dict[str, Any]] | None = None,
+                continue_final_message: bool = False) -> list[int]:  # fmt: skip
+    if continue_final_message and add_generation_prompt:  # vLLM's words
+        raise bad_request("Cannot set both `continue_final_message` and `add_generation_prompt` to True.",
+                          "continue_final_message")  # fmt: skip
     try:
         # Special-token text inside the messages stays text unless the server was told to parse it.
-        ids = ctx.tokenizer.encode_chat([m.template_dict() for m in messages], add_generation_prompt, tools)
+        dicts = [m.template_dict() for m in messages]
+        ids = ctx.tokenizer.encode_chat(dicts, add_generation_prompt, tools, continue_final_message)
     except TokenizerError as exc:
         raise bad_request(str(exc), "messages") from exc
     ctx.check_prompt(ids, "messages")
@@ -96,8 +101,10 @@ class ChatFormat:
                 msg, reason = message(parser, c.result.text), finish_reason(parser, reason)
             out.append({"index": c.index, "message": msg, "logprobs": self._logprobs(c.result),
                         "finish_reason": reason, "stop_reason": c.result.stop_reason})  # fmt: skip
-        attach_vllm_shape(self.tok, out, choices, self.prompt_logprobs_k)
-        return {"object": "chat.completion", "choices": out, "usage": usage}
+        body = {"object": "chat.completion", "choices": out, "usage": usage}
+        if self.prompt_logprobs_k is not None:  # once, as vLLM's chat responses: every choice has the one prompt
+            body["prompt_logprobs"] = choice_prompt_logprobs(self.tok, choices[0], self.prompt_logprobs_k)
+        return body
 
 
 async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest, raw: Request,
@@ -109,7 +116,8 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
     # Tool schemas are checked off the event loop: a large one takes a while.
     tools = await off_loop(plan_tools, req, ctx.tool_call_parser) if req.tools else plan_tools(req, None)
     await ctx.admit(req.n)
-    prompt = await off_loop(chat_prompt, ctx, req.messages, req.add_generation_prompt, tools.template_tools)
+    prompt = await off_loop(chat_prompt, ctx, req.messages, req.add_generation_prompt, tools.template_tools,
+                            req.continue_final_message)  # fmt: skip
     requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     max_tokens = ctx.max_tokens(len(prompt), requested, param)
@@ -121,4 +129,4 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
         params = msgspec.structs.replace(params, structured=tools.structured)
     rid = f"chatcmpl-{request_id}"
     fan = await ctx.fan_out(rid, [prompt], req, params)
-    return await respond(ctx, raw, fan, ChatFormat(ctx, req, tools), rid, bool(req.stream), req.include_usage)
+    return await respond(ctx, raw, fan, ChatFormat(ctx, req, tools), rid, req)

@@ -8,7 +8,13 @@ from fastapi import Request
 from fastapi.responses import Response
 
 from common.messages import Logprobs
-from frontend.api.prompt_logprobs import attach_vllm_shape, check_stream, echo_part, with_prompt_logprobs
+from frontend.api.prompt_logprobs import (
+    attach_vllm_shape,
+    check_stream,
+    echo_part,
+    legacy_top,
+    with_prompt_logprobs,
+)
 from frontend.api.protocol import DEFAULT_COMPLETION_TOKENS, CompletionRequest
 from frontend.api.serving import ServingContext, clamp, off_loop, respond
 from frontend.api.structured_request import with_structured_output
@@ -53,8 +59,9 @@ class CompletionFormat:
         if not self.want_logprobs:
             return None
         tokens = [self.tok.token_text(t) for t in delta.token_ids[: len(delta.logprobs)]]
-        top = [{self.tok.token_text(t): clamp(lp) for t, lp in zip(ids, lps, strict=False)}
-               for ids, lps in zip(delta.top_ids, delta.top_logprobs, strict=False)]  # fmt: skip
+        top = [legacy_top(self.tok, t, lp, ids, lps)
+               for t, lp, ids, lps in zip(delta.token_ids, delta.logprobs, delta.top_ids, delta.top_logprobs,
+                                          strict=False)]  # fmt: skip
         return {"tokens": tokens, "token_logprobs": [clamp(lp) for lp in delta.logprobs], "top_logprobs": top,
                 "text_offset": self._advance(index, tokens)}  # fmt: skip
 
@@ -131,6 +138,8 @@ def num_prompts(prompt: str | list[str] | list[int] | list[list[int]]) -> int:
 
 async def create_completion(ctx: ServingContext, req: CompletionRequest, raw: Request, request_id: str) -> Response:
     ctx.check_model(req.model)
+    if req.suffix is not None:  # as vLLM; OpenAI's legacy insert mode needs a model trained for it
+        raise bad_request("suffix is not currently supported", "suffix")
     check_stream(req.prompt_logprobs, req.stream)
     await ctx.admit(num_prompts(req.prompt) * req.n)
     prompts, texts = await off_loop(completion_prompts, ctx, req.prompt)
@@ -142,4 +151,4 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest, raw: Re
     rid = f"cmpl-{request_id}"
     fan = await ctx.fan_out(rid, prompts, req, params)
     fmt = CompletionFormat(ctx, req, prompts, texts)
-    return await respond(ctx, raw, fan, fmt, rid, bool(req.stream), req.include_usage)
+    return await respond(ctx, raw, fan, fmt, rid, req)

@@ -37,28 +37,38 @@ class ResponseFormat(Protocol):
 
 
 class ChunkWriter:
-    """One stream's chunk bytes: `data: {head, "object", "choices": [choice], "usage": null?}\\n\\n`."""
+    """One stream's chunk bytes: `data: {head, "object", "choices": [choice], "usage": null?}\\n\\n`.
 
-    def __init__(self, fmt: ResponseFormat, head: dict[str, Any], include_usage: bool, num_choices: int) -> None:
+    `prompt_tokens` (each choice's prompt length) asks for vLLM's continuous_usage_stats: every chunk's usage is
+    its choice's so far instead of null."""
+
+    def __init__(self, fmt: ResponseFormat, head: dict[str, Any], include_usage: bool, num_choices: int,
+                 prompt_tokens: list[int] | None = None) -> None:  # fmt: skip
         self.fmt = fmt
         self.head = head
         self.include_usage = include_usage
+        self.prompt_tokens = prompt_tokens
+        self.completion_tokens = [0] * num_choices  # what each choice's chunks carried so far
         start = f"data: {dumps({**head, 'object': fmt.chunk_object})[:-1]},\"choices\":["
         end = "]" + (',"usage":null' if include_usage else "") + "}\n\n"
         self.affixes: list[tuple[bytes, bytes] | None] = []
         for index in range(num_choices):
-            plain = fmt.text_affixes(index)
+            plain = fmt.text_affixes(index) if prompt_tokens is None else None
             self.affixes.append(None if plain is None else ((start + plain[0]).encode(), (plain[1] + end).encode()))
 
     def chunk(self, choice: dict[str, Any]) -> bytes:
         body = {**self.head, "object": self.fmt.chunk_object, "choices": [choice]}
-        if self.include_usage:
+        if self.prompt_tokens is not None:
+            prompt, done = self.prompt_tokens[choice["index"]], self.completion_tokens[choice["index"]]
+            body["usage"] = {"prompt_tokens": prompt, "completion_tokens": done, "total_tokens": prompt + done}
+        elif self.include_usage:
             body["usage"] = None
         return f"data: {dumps(body)}\n\n".encode()
 
     def delta(self, index: int, delta: Delta) -> bytes:
         """The delta's content chunks (none for a delta without text) and, at the end, its finish chunk."""
         affixes = self.affixes[index]
+        self.completion_tokens[index] += len(delta.token_ids)
         if affixes is not None:
             out = affixes[0] + _encode(delta.text) + affixes[1] if delta.text else b""
         else:
@@ -73,9 +83,11 @@ class ChunkWriter:
 
 
 async def sse_stream(fan: FanOut, fmt: ResponseFormat, head: dict[str, Any], include_usage: bool,
+                     continuous_usage: bool,
                      failure: Callable[[str | None, str | None], ApiError]) -> AsyncIterator[bytes]:  # fmt: skip
     """content chunks (finish_reason null) -> each choice's finish chunk -> usage chunk -> [DONE]."""
-    writer = ChunkWriter(fmt, head, include_usage, len(fan.choices))
+    prompt_tokens = [len(c.stream.request.prompt_token_ids) for c in fan.choices] if continuous_usage else None
+    writer = ChunkWriter(fmt, head, include_usage, len(fan.choices), prompt_tokens)
     try:
         openings = [writer.chunk(o) for i in range(len(fan.choices)) if (o := fmt.opening(i)) is not None]
         if openings:

@@ -101,7 +101,9 @@ class RequestStream:
             if self.detokenizer is not None:
                 delta.text += self.detokenizer.finish()
             delta.finish_reason = "error" if out.finish_reason == FinishReason.ERROR else out.finish_reason.openai()
-            delta.stop_reason = out.stop_token_id
+            # The id only when it was one of the request's stop_token_ids: EOS ends it with stop_reason null (vLLM).
+            stop_ids = self.request.params.stop_token_ids
+            delta.stop_reason = out.stop_token_id if out.stop_token_id in stop_ids else None
             delta.error = out.error
         self._put(delta)
         return delta.finish_reason is not None and out.finish_reason is None

@@ -44,6 +44,18 @@ def _map_strings(value: Any, fn: Callable[[str], str]) -> Any:
     return value
 
 
+def _open_final_message(text: str, messages: list[dict[str, Any]]) -> str:
+    """transformers' continue_final_message: `text` cut right after the final message's content (its trailing
+    whitespace too where the template kept it), so the model goes on with that message."""
+    final = messages[-1].get("content") if messages else None
+    if not isinstance(final, str) or final.strip() not in text:
+        raise TokenizerError("continue_final_message: the final message does not appear in the chat after applying "
+                             "the chat template")  # fmt: skip
+    at = text.rindex(final.strip())
+    kept = final.lstrip() if text[at : at + len(final.lstrip())] == final else final.strip()
+    return text[: at + len(kept)]
+
+
 class Tokenizer:
     """`parse_special_in_content`: read special-token text inside chat messages as control tokens, as the rendered
     prompt string would be; unsafe (a user message can close its turn and open a system one), so off by default."""
@@ -102,24 +114,28 @@ class Tokenizer:
         return self._tok.decode([token_id], skip_special_tokens=False)
 
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-                            tools: list[dict[str, Any]] | None = None) -> str:  # fmt: skip
-        """`tools`: function definitions in HF's shape ({"type": "function", "function": {...}}), or None."""
+                            tools: list[dict[str, Any]] | None = None,
+                            continue_final_message: bool = False) -> str:  # fmt: skip
+        """`tools`: function definitions in HF's shape ({"type": "function", "function": {...}}), or None.
+        `continue_final_message`: the text ends with the final message's content, left open (as transformers)."""
         if self._template is None:
             raise TokenizerError("this model has no chat template; use /v1/completions")
         try:
-            return self._template.render(
+            text = self._template.render(
                 messages=messages, tools=tools, add_generation_prompt=add_generation_prompt, **self.special_tokens
             )
+            return _open_final_message(text, messages) if continue_final_message else text
         except jinja2.TemplateError as exc:  # the template rejected the conversation (e.g. role order)
             raise TokenizerError(f"chat template: {exc}") from exc
         except (TypeError, ValueError, KeyError) as exc:  # e.g. a message shape it does not expect (tool calls)
             raise TokenizerError(f"chat template failed on this conversation: {exc}") from exc
 
     def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-                    tools: list[dict[str, Any]] | None = None) -> list[int]:  # fmt: skip
+                    tools: list[dict[str, Any]] | None = None,
+                    continue_final_message: bool = False) -> list[int]:  # fmt: skip
         """The chat prompt's ids. Special tokens the template writes are control tokens; special-token text inside
         the messages and tools (content, name, any string) is plain text, as the OpenAI API treats message content."""
-        text = self.apply_chat_template(messages, add_generation_prompt, tools)
+        text = self.apply_chat_template(messages, add_generation_prompt, tools, continue_final_message)
         # Each string that holds special-token text is swapped for a unique marker, to learn where the template
         # writes it; the nonce keeps a user from writing a marker themselves.
         nonce = secrets.token_hex(8)
@@ -140,7 +156,7 @@ class Tokenizer:
         # definitions and call arguments, written with tojson) JSON-escaped. If putting the strings back does not
         # give the same text, the template changed or inspected them: refuse rather than guess which characters
         # came from the user.
-        marked_text = self.apply_chat_template(marked, add_generation_prompt, marked_tools)
+        marked_text = self.apply_chat_template(marked, add_generation_prompt, marked_tools, continue_final_message)
         parts = re.split(f"\ue000{nonce}:(\\d+)\ue001", marked_text)
         spans: list[str] = []
         at = 0
