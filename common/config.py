@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import types
 from dataclasses import dataclass, field
 from typing import Any, TypeVar, Union, get_args, get_origin, get_type_hints
@@ -41,6 +42,11 @@ class EngineConfig:
     attention_backend: str = flag(
         "auto", "auto | torch | cpu | triton (auto: ROSEINFER_ATTENTION_BACKEND if set, else triton on CUDA, "
         "the C kernels on CPU when they take the model, else torch)", choices=["auto", "torch", "cpu", "triton"],
+    )
+    speculative_config: str | None = flag(
+        None, 'JSON, as vLLM\'s: {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, '
+        '"prompt_lookup_min": 2, "disable_by_batch_size": 8}: draft tokens copied from the request\'s own prompt and '
+        "output, verified in one step (see README)",
     )
     seed: int = flag(0, "seed for requests that give none")
     epoch: int = flag(0, "restart generation of this engine (set by launch.py)")
@@ -128,3 +134,47 @@ def to_cli_args(cfg: Any) -> list[str]:
         else:
             args += [name, str(value)]
     return args
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """N-gram speculation (prompt lookup): after the last n tokens (n from max down to min) recur earlier in the
+    request, the tokens that followed them there are proposed as the next ones."""
+
+    num_speculative_tokens: int
+    prompt_lookup_min: int
+    prompt_lookup_max: int
+    disable_by_batch_size: int | None  # no drafts while more requests than this run
+
+    @staticmethod
+    def parse(text: str | None) -> SpeculativeConfig | None:
+        """None when off; ValueError naming the problem for anything we cannot run."""
+        if text is None:
+            return None
+        try:
+            spec = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"--speculative-config is not JSON: {exc}") from None
+        if not isinstance(spec, dict):
+            raise ValueError("--speculative-config must be a JSON object")
+        known = {"method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "disable_by_batch_size"}
+        if unknown := sorted(set(spec) - known):
+            raise ValueError(f"--speculative-config: unknown keys {unknown}; known: {sorted(known)}")
+        if spec.get("method", "ngram") != "ngram":
+            raise ValueError(f"--speculative-config: method {spec['method']!r} is not supported (only \"ngram\")")
+        k = spec.get("num_speculative_tokens")
+        high = spec.get("prompt_lookup_max", spec.get("prompt_lookup_min", 4))
+        low = spec.get("prompt_lookup_min", min(2, high) if isinstance(high, int) else 2)
+        limit = spec.get("disable_by_batch_size")
+        ints = {"num_speculative_tokens": k, "prompt_lookup_min": low, "prompt_lookup_max": high}
+        for name, value in ints.items():
+            if type(value) is not int or not 1 <= value <= MAX_SPECULATIVE_TOKENS:
+                raise ValueError(f"--speculative-config: {name} must be an integer in [1, {MAX_SPECULATIVE_TOKENS}]")
+        if low > high:
+            raise ValueError("--speculative-config: prompt_lookup_min must not exceed prompt_lookup_max")
+        if limit is not None and (type(limit) is not int or limit < 1):
+            raise ValueError("--speculative-config: disable_by_batch_size must be a positive integer")
+        return SpeculativeConfig(k, low, high, limit)
+
+
+MAX_SPECULATIVE_TOKENS = 16

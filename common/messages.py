@@ -127,6 +127,8 @@ class SchedulerStats(_Msg):
     step_time_s: float = 0.0  # last step: schedule + forward + sampling + update
     forward_time_s: float = 0.0  # of which the model forward and logits
     num_blocks_in_use: int = 0
+    num_draft_tokens: int = 0  # speculative decoding, since the engine started: tokens proposed
+    num_accepted_tokens: int = 0  # of which the model agreed with
 
 
 class EngineOutputs(_Msg, tag="out"):

@@ -162,3 +162,14 @@ def _convert_gguf(gguf_path: Path, out_dir: Path) -> None:
         )
     model.save_pretrained(out_dir)  # config.json, generation_config.json, model.safetensors (fp32)
     tokenizer.save_pretrained(out_dir)  # tokenizer.json, tokenizer_config.json, chat_template.jinja
+
+
+def model_eos_ids(path: Path, hf_config) -> list[int]:
+    """EOS ids from generation_config.json, else config.json: the default for requests that give none."""
+    eos = None
+    gen = path / "generation_config.json"
+    if gen.exists():
+        eos = json.loads(gen.read_text()).get("eos_token_id")
+    if eos is None:
+        eos = getattr(hf_config, "eos_token_id", None)
+    return [] if eos is None else [eos] if isinstance(eos, int) else list(eos)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import os
@@ -11,7 +10,6 @@ import threading
 import time
 import traceback
 from collections.abc import Iterable
-from pathlib import Path
 
 import zmq
 from transformers import AutoConfig
@@ -33,11 +31,13 @@ from common.messages import (
     UtilityCall,
     UtilityResult,
 )
-from common.model_source import resolve_model
+from common.model_source import model_eos_ids, resolve_model
+from engine_core.batch import SampledTokens, SchedulerOutput
 from engine_core.kv_cache import KVCacheManager
 from engine_core.model_runner import ModelRunner
 from engine_core.request import Request
-from engine_core.scheduler import SampledTokens, Scheduler, SchedulerOutput
+from engine_core.scheduler import Scheduler
+from engine_core.speculative import Speculator
 from engine_core.structured import GrammarService
 
 log = logging.getLogger("roseinfer.engine")
@@ -47,17 +47,6 @@ MAX_STOP_TOKEN_IDS = 64
 MIN_REPETITION_PENALTY = 1e-6
 
 RanParts = list[tuple[SchedulerOutput, SampledTokens]]  # sub-batches of a step that executed, with their tokens
-
-
-def model_eos_ids(path: Path, hf_config) -> list[int]:
-    """EOS ids from generation_config.json, else config.json: the default for requests that give none."""
-    eos = None
-    gen = path / "generation_config.json"
-    if gen.exists():
-        eos = json.loads(gen.read_text()).get("eos_token_id")
-    if eos is None:
-        eos = getattr(hf_config, "eos_token_id", None)
-    return [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
 
 
 class EngineCore:
@@ -75,8 +64,9 @@ class EngineCore:
         self.eos_token_ids = model_eos_ids(source.path, hf_config)
         self.grammars = GrammarService(source.path, self.vocab_size, self.eos_token_ids)  # constrained decoding
         self.kv = KVCacheManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
+        speculator = Speculator.build(config.speculative_config, self.max_model_len)  # n-gram drafts, if asked
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
-                                   self.max_model_len, config.scheduling_policy)  # fmt: skip
+                                   self.max_model_len, config.scheduling_policy, speculator)  # fmt: skip
         self._rejected: list[EngineOutput] = []
         self._seq_no = 0
         self.last_step_time = 0.0

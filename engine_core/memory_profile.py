@@ -30,9 +30,9 @@ import torch
 
 from common.messages import MAX_LOGPROBS, EngineRequest, SamplingParams
 from engine_core import distributed
+from engine_core.batch import SchedulerOutput
 from engine_core.request import Request
 from engine_core.sampler import Sampler
-from engine_core.scheduler import SchedulerOutput
 
 GiB = 2**30
 # CUDA graphs are captured lazily, after the KV cache exists; their pool comes from this reserve.

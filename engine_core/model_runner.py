@@ -16,6 +16,7 @@ import torch
 from common.config import EngineConfig
 from engine_core import distributed, memory_profile
 from engine_core.attention import AttentionBackend, AttentionMetadata, PrefillChunk, select_backend
+from engine_core.batch import SampledTokens, SchedulerOutput
 from engine_core.cpu_kernels import cpu_kernels
 from engine_core.cuda_graphs import DecodeGraphs
 from engine_core.models.cpu_decode import DecodeStack
@@ -23,7 +24,6 @@ from engine_core.models.loader import load_model
 from engine_core.models.quant import prepare_linears
 from engine_core.prompt_logprobs import score_prompts, wants_prompt_logprobs
 from engine_core.sampler import Sampler
-from engine_core.scheduler import SampledTokens, SchedulerOutput
 
 
 def padded_size(num_tokens: int, min_rows: int = 8) -> int:
@@ -168,17 +168,19 @@ class ModelRunner:
         decode_lens: list[int] = []
         for req, n, sample in zip(out.requests, out.num_new_tokens, out.sample, strict=True):
             start, end = req.num_computed_tokens, req.num_computed_tokens + n
-            if n == 1:
-                decode_tables.append(req.block_ids[: (end + bs - 1) // bs])
-                decode_lens.append(end)
+            drafts = req.draft_token_ids
+            if n == 1 or drafts:  # decode rows: each attends to the keys up to its own position
+                for p in range(start, end):
+                    decode_tables.append(req.block_ids[: p // bs + 1])
+                    decode_lens.append(p + 1)
             else:
                 block_ids = torch.tensor(req.block_ids[: (end + bs - 1) // bs], device=self.device)
                 prefills.append(PrefillChunk(len(ids), n, end, block_ids))
-            ids += req.token_ids[start:end]
+            ids += [req.token_ids[start], *drafts] if drafts else req.token_ids[start:end]
             positions += range(start, end)
             slots += [req.block_ids[p // bs] * bs + p % bs for p in range(start, end)]
-            if sample:
-                sample_idx.append(len(ids) - 1)
+            if sample:  # the last position; with drafts, every row
+                sample_idx += range(len(ids) - 1 - len(drafts), len(ids))
         pad = self.padded_size(len(ids)) - len(ids)
         ids += [0] * pad
         positions += [0] * pad
@@ -198,7 +200,7 @@ class ModelRunner:
     def execute(self, out: SchedulerOutput) -> SampledTokens:
         input_ids, positions, meta, sample_idx = self._prepare(out)
         start = time.perf_counter()
-        if self.decode_graphs is not None and self.decode_graphs.fits(len(out.requests), meta):
+        if self.decode_graphs is not None and self.decode_graphs.fits(meta.num_decodes, meta):
             hidden = self.decode_graphs.run(input_ids, positions, meta)
         else:
             with distributed.lockstep():  # tensor parallel: the workers run the same forward
@@ -207,7 +209,10 @@ class ModelRunner:
                 hidden = self.model(input_ids, positions, meta)
         if wants_prompt_logprobs(out):
             score_prompts(self.model, hidden, out, self.vocab_size, self.padded_size)
-        sampled_reqs = [r for r, s in zip(out.requests, out.sample, strict=True) if s]
+        # One sampled row per entry, or 1 + its drafts; each row's output position, for seeded draws.
+        rows_of = [(r, i) for r, s in zip(out.requests, out.sample, strict=True) if s
+                   for i in range(1 + len(r.draft_token_ids))]  # fmt: skip
+        sampled_reqs, offsets = [r for r, _ in rows_of], [i for _, i in rows_of]
         if not sampled_reqs:
             self.last_forward_time = time.perf_counter() - start
             return SampledTokens([], [])
@@ -216,5 +221,5 @@ class ModelRunner:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self.last_forward_time = time.perf_counter() - start
-        tokens, logprobs = self.sampler(logits, sampled_reqs)
+        tokens, logprobs = self.sampler(logits, sampled_reqs, offsets)
         return SampledTokens(tokens, logprobs)

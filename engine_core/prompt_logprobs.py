@@ -20,9 +20,9 @@ import torch
 from common.messages import Logprobs
 
 if TYPE_CHECKING:
+    from engine_core.batch import SchedulerOutput
     from engine_core.kv_cache import Block
     from engine_core.request import Request
-    from engine_core.scheduler import SchedulerOutput
 
 SLICE_ROWS = 256  # positions per log_softmax: 256 x 49k vocab x 4 bytes = 50 MB of fp32 logits at a time
 

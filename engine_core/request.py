@@ -9,6 +9,7 @@ from common.messages import EngineRequest, FinishReason, SamplingParams
 from engine_core.prompt_logprobs import PromptLogprobs, new_accumulator
 
 if TYPE_CHECKING:
+    from engine_core.speculative import NgramIndex
     from engine_core.structured import RequestGrammar
 
 
@@ -23,7 +24,7 @@ class Request:
         "request_id", "params", "token_ids", "num_prompt_tokens", "eos_token_ids", "arrival_time",
         "priority", "num_computed_tokens", "num_cached_tokens", "block_ids", "block_hashes", "status",
         "finish_reason", "stop_token_id", "error", "num_preemptions", "seq_no", "num_registered_blocks",
-        "prompt_logprobs", "grammar",
+        "prompt_logprobs", "grammar", "draft_token_ids", "ngram_index",
     )  # fmt: skip
 
     def __init__(self, msg: EngineRequest, seq_no: int) -> None:
@@ -47,6 +48,8 @@ class Request:
         self.error: str | None = None
         self.num_preemptions = 0
         self.grammar: RequestGrammar | None = None  # constrained decoding (engine_core/structured.py)
+        self.draft_token_ids: list[int] = []  # this step's speculative tokens (engine_core/speculative.py)
+        self.ngram_index: NgramIndex | None = None  # built on its first draft
         # Filled during prefill when params.prompt_logprobs is set; None once sent with the first output.
         self.prompt_logprobs: PromptLogprobs | None = new_accumulator(msg.params.prompt_logprobs,
                                                                       bool(msg.output_token_ids))

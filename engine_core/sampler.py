@@ -26,8 +26,10 @@ class Sampler:
         self._seeded = torch.Generator(device=device)
 
     @torch.inference_mode()
-    def __call__(self, logits: torch.Tensor, requests: list[Request]) -> tuple[list[int], list[Logprobs | None]]:
-        """logits: [N, vocab] in the model's dtype, one row per request, in order."""
+    def __call__(self, logits: torch.Tensor, requests: list[Request],
+                 offsets: list[int] | None = None) -> tuple[list[int], list[Logprobs | None]]:  # fmt: skip
+        """logits: [N, vocab] in the model's dtype, one row per request, in order. offsets: how far past the
+        request's outputs each row's position is (a draft's rows, engine_core/speculative.py); 0 by default."""
         params = [r.params for r in requests]
         logits = logits[:, : self.vocab_size]
         if all(p.greedy and p.logprobs is None and not _needs_processing(p) for p in params):
@@ -50,14 +52,15 @@ class Sampler:
         if all(p.greedy for p in params):
             tokens = _argmax(logits)
         else:
-            tokens = self._sample(logits, requests, params)
+            tokens = self._sample(logits, requests, params, offsets or [0] * len(requests))
         token_list = tokens.tolist()
         logprobs: list[Logprobs | None] = [None] * len(requests)
         if any(p.logprobs is not None for p in params):
             logprobs = _logprobs(raw, tokens, params)
         return token_list, logprobs
 
-    def _sample(self, logits: torch.Tensor, requests: list[Request], params: list[SamplingParams]) -> torch.Tensor:
+    def _sample(self, logits: torch.Tensor, requests: list[Request], params: list[SamplingParams],
+                offsets: list[int]) -> torch.Tensor:  # fmt: skip
         temps = torch.tensor([1.0 if p.greedy else p.temperature for p in params], device=logits.device)
         probs = torch.softmax(logits / temps[:, None], dim=-1)
         if any(p.top_k > 0 or p.top_p < 1.0 for p in params):
@@ -69,16 +72,16 @@ class Sampler:
         noise = torch.empty_like(probs).exponential_(generator=self.generator)
         for i, (req, p) in enumerate(zip(requests, params, strict=True)):
             if p.seed is not None:
-                self._seeded.manual_seed(_seed_for(req))
+                self._seeded.manual_seed(_seed_for(req, offsets[i]))
                 noise[i].exponential_(generator=self._seeded)
         sampled = (probs / noise).argmax(dim=-1)
         greedy_rows = torch.tensor([p.greedy for p in params], device=logits.device)
         return torch.where(greedy_rows, logits.argmax(dim=-1), sampled)
 
 
-def _seed_for(req: Request) -> int:
+def _seed_for(req: Request, offset: int = 0) -> int:
     assert req.params.seed is not None
-    return (req.params.seed * _SEED_MIX + req.num_output_tokens) & (2**63 - 1)
+    return (req.params.seed * _SEED_MIX + req.num_output_tokens + offset) & (2**63 - 1)
 
 
 def _temperature_only(p: SamplingParams) -> bool:

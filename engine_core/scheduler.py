@@ -10,50 +10,21 @@ from __future__ import annotations
 
 import heapq
 from collections import deque
-from dataclasses import dataclass, field
 
-from common.messages import EngineOutput, FinishReason, Logprobs, SchedulerStats
+from common.messages import EngineOutput, FinishReason, SchedulerStats
+from engine_core.batch import SampledTokens, SchedulerOutput
 from engine_core.kv_cache import KVCacheManager
 from engine_core.prompt_logprobs import take_prompt_logprobs, usable_prefix_hits
 from engine_core.request import Request, RequestStatus
+from engine_core.speculative import Speculator, merge_logprobs
 from engine_core.structured import release
-
-
-@dataclass
-class SchedulerOutput:
-    """The batch of one step, single-token entries first (the runner's decode path relies on it)."""
-
-    requests: list[Request] = field(default_factory=list)
-    num_new_tokens: list[int] = field(default_factory=list)
-    # Whether an entry reaches the end of its tokens this step, so that its last position is sampled.
-    sample: list[bool] = field(default_factory=list)
-
-    @property
-    def total_tokens(self) -> int:
-        return sum(self.num_new_tokens)
-
-    def add(self, req: Request, n: int) -> None:
-        self.requests.append(req)
-        self.num_new_tokens.append(n)
-        self.sample.append(req.num_computed_tokens + n == req.num_tokens)
-
-    def put_decodes_first(self) -> None:
-        order = sorted(range(len(self.requests)), key=lambda i: self.num_new_tokens[i] != 1)
-        self.requests = [self.requests[i] for i in order]
-        self.num_new_tokens = [self.num_new_tokens[i] for i in order]
-        self.sample = [self.sample[i] for i in order]
-
-
-@dataclass
-class SampledTokens:
-    token_ids: list[int]  # one per sampled entry of the SchedulerOutput, in order
-    logprobs: list[Logprobs | None]
 
 
 class Scheduler:
     def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 max_model_len: int, policy: str = "fcfs") -> None:  # fmt: skip
+                 max_model_len: int, policy: str = "fcfs", speculator: Speculator | None = None) -> None:  # fmt: skip
         self.kv = kv
+        self.speculator = speculator
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
@@ -141,8 +112,8 @@ class Scheduler:
                 break
             if req.status != RequestStatus.RUNNING:  # preempted earlier in this loop
                 continue
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
-            if self._allocate_or_preempt(req, n, scheduled):
+            n = self._allocate_running(req, budget, scheduled)
+            if n:
                 out.add(req, n)
                 scheduled.add(id(req))
                 budget -= n
@@ -176,8 +147,8 @@ class Scheduler:
             if budget == 0:
                 break
             if req.block_ids or req.num_computed_tokens:
-                n = min(req.num_tokens - req.num_computed_tokens, budget)
-                ok = self._allocate_or_preempt(req, n, scheduled)
+                n = self._allocate_running(req, budget, scheduled)
+                ok = n > 0
             else:
                 n = self._admit(req, budget)
                 while n == 0 and self._preempt_one(protected=scheduled | {id(req)}):
@@ -201,6 +172,18 @@ class Scheduler:
         self.prefix_hits += len(hits) * self.kv.block_size
         req.status = RequestStatus.RUNNING
         return n
+
+    def _allocate_running(self, req: Request, budget: int, protected: set[int]) -> int:
+        """Slots for a running request's tokens this step: the rest of its prompt, chunked to the budget, or its
+        decode and any drafts (dropped when they do not fit as they are). 0 if `req` itself was preempted."""
+        rest = req.num_tokens - req.num_computed_tokens
+        speculate = rest == 1 and self.speculator is not None and req.prompt_logprobs is None
+        req.draft_token_ids = self.speculator.draft(req, budget, len(self.running)) if speculate else []  # type: ignore[union-attr]
+        if req.draft_token_ids and self.kv.allocate_slots(req, 1 + len(req.draft_token_ids)):
+            return 1 + len(req.draft_token_ids)
+        req.draft_token_ids = []
+        n = min(rest, budget)
+        return n if self._allocate_or_preempt(req, n, protected) else 0
 
     def _allocate_or_preempt(self, req: Request, n: int, protected: set[int]) -> bool:
         """Allocates n more slots for a running request, preempting the newest unprotected others as needed.
@@ -244,12 +227,14 @@ class Scheduler:
         outputs: list[EngineOutput] = []
         j = 0
         for req, n, is_sampled in zip(out.requests, out.num_new_tokens, out.sample, strict=True):
+            drafts, req.draft_token_ids = req.draft_token_ids, []
             if is_sampled:
-                token, logprobs = sampled.token_ids[j], sampled.logprobs[j]
-                j += 1
+                rows = 1 + len(drafts)
+                tokens, logprobs = sampled.token_ids[j : j + rows], sampled.logprobs[j : j + rows]
+                j += rows
             if req.finished:  # aborted while the step ran
                 continue
-            req.num_computed_tokens += n
+            req.num_computed_tokens += n - len(drafts)  # a draft's K/V counts once its token is kept
             if not is_sampled:
                 self.kv.cache_full_blocks(req)
                 continue
@@ -259,16 +244,27 @@ class Scheduler:
                 outputs.append(EngineOutput(req.request_id, [], FinishReason.LENGTH, None, req.num_cached_tokens,
                                             prompt_logprobs=take_prompt_logprobs(req)))  # fmt: skip
                 continue
-            req.token_ids.append(token)
-            reason = req.check_stop(self.max_model_len)
-            if req.grammar is not None:
-                reason = req.grammar.advance(token, reason)
+            kept: list[int] = []
+            for i, token in enumerate(tokens):  # row i counts only while every draft before it was right
+                if i and tokens[i - 1] != drafts[i - 1]:
+                    break
+                req.token_ids.append(token)
+                kept.append(token)
+                reason = req.check_stop(self.max_model_len)
+                if req.grammar is not None:
+                    reason = req.grammar.advance(token, reason)
+                if reason is not None:
+                    break
+            req.num_computed_tokens += len(kept) - 1
+            if self.speculator is not None:
+                self.speculator.count(drafts, kept)
             self.kv.cache_full_blocks(req)
             error = "sampled token rejected by the grammar" if reason == FinishReason.ERROR else None
             if reason is not None:
                 self.finish(req, reason, error)
-            outputs.append(EngineOutput(req.request_id, [token], reason, req.stop_token_id,
-                                        req.num_cached_tokens, logprobs, error, take_prompt_logprobs(req)))
+            lp = logprobs[0] if len(kept) == 1 else merge_logprobs(logprobs[: len(kept)])
+            outputs.append(EngineOutput(req.request_id, kept, reason, req.stop_token_id,
+                                        req.num_cached_tokens, lp, error, take_prompt_logprobs(req)))
         return outputs
 
     def stats(self, step_time_s: float = 0.0, forward_time_s: float = 0.0) -> SchedulerStats:
@@ -283,4 +279,6 @@ class Scheduler:
             step_time_s=step_time_s,
             forward_time_s=forward_time_s,
             num_blocks_in_use=self.kv.num_used_blocks,
+            num_draft_tokens=self.speculator.num_draft_tokens if self.speculator else 0,
+            num_accepted_tokens=self.speculator.num_accepted_tokens if self.speculator else 0,
         )

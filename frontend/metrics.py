@@ -40,6 +40,10 @@ class Metrics:
                                                "Prompt tokens looked up in the prefix cache")  # fmt: skip
         self.prefix_cache_hits = per_engine(Counter, "prefix_cache_hits", "Prompt tokens found in the prefix cache")
         self.num_preemptions = per_engine(Counter, "num_preemptions", "Requests preempted by the scheduler")
+        self.spec_decode_draft_tokens = per_engine(Counter, "spec_decode_num_draft_tokens",
+                                                   "Speculative tokens proposed (--speculative-config)")  # fmt: skip
+        self.spec_decode_accepted_tokens = per_engine(Counter, "spec_decode_num_accepted_tokens",
+                                                      "Speculative tokens the model agreed with")  # fmt: skip
         self.generation_tokens_by_engine = per_engine(Counter, "engine_generation_tokens", "Tokens generated")
         self.engine_restarts = per_engine(Counter, "engine_restarts", "Engine core restarts after a crash or a hang")
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens sent to the engine")
@@ -63,6 +67,8 @@ class Metrics:
             (self.prefix_cache_queries[engine], stats.prefix_queries, last.prefix_queries),
             (self.prefix_cache_hits[engine], stats.prefix_hits, last.prefix_hits),
             (self.num_preemptions[engine], stats.num_preempted, last.num_preempted),
+            (self.spec_decode_draft_tokens[engine], stats.num_draft_tokens, last.num_draft_tokens),
+            (self.spec_decode_accepted_tokens[engine], stats.num_accepted_tokens, last.num_accepted_tokens),
         ):
             counter.inc(now - before if now >= before else now)
         self._last[engine] = stats

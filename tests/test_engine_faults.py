@@ -30,11 +30,12 @@ class HostileSampler:
         self.fail_after = fail_after
         self.raised_with_others = 0
 
-    def __call__(self, logits: torch.Tensor, requests: list[Request]) -> tuple[list[int], list[Logprobs | None]]:
+    def __call__(self, logits: torch.Tensor, requests: list[Request],
+                 offsets: list[int] | None = None) -> tuple[list[int], list[Logprobs | None]]:  # fmt: skip
         if any(r.request_id == "hostile" and r.num_output_tokens >= self.fail_after for r in requests):
             self.raised_with_others += len(requests) > 1
             raise ValueError("Overflow when unpacking long long")
-        return self.inner(logits, requests)
+        return self.inner(logits, requests, offsets)
 
 
 def undisturbed(core: EngineCore, requests: list[EngineRequest], stagger: int = 0) -> list[list[int]]:
