@@ -21,7 +21,7 @@ import sys
 import uvicorn
 
 from common import ipc
-from common.config import EngineConfig, ServerConfig, add_cli_args, from_cli_args
+from common.config import EngineConfig, ServerConfig, SpeculativeConfig, add_cli_args, from_cli_args
 from common.model_source import ModelSourceError, resolve_model
 from engine_core.tp_procs import layout as tp_layout
 from engine_core.tp_procs import run_node_agent
@@ -198,6 +198,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
         tp_layout(engine_config)
+        SpeculativeConfig.parse(engine_config.speculative_config)  # a bad one fails here, before the engine loads
         if engine_config.nnodes > 1 and config.data_parallel_size > 1:  # the engine cores would share one port
             raise ValueError("--data-parallel-size > 1 with --nnodes > 1 is not supported")
     except ValueError as exc:

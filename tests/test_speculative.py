@@ -132,3 +132,10 @@ def test_memory_pressure_limits_and_ineligible_requests(tiny_dir: str) -> None:
     limited = SPEC.replace("}", ', "disable_by_batch_size": 1}')
     _, none = run(tiny_dir, "bfloat16", limited, requests[:3], stagger=0)  # three at once: never one running
     assert none.num_draft_tokens == 0
+
+
+def test_launch_refuses_a_bad_config_before_starting_anything(capsys) -> None:
+    import launch
+
+    assert launch.main(["--speculative-config", '{"method": "eagle", "num_speculative_tokens": 2}']) == 2
+    assert "method 'eagle' is not supported" in capsys.readouterr().err
