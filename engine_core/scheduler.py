@@ -2,7 +2,8 @@
 
 Each step has a token budget. Running decodes come first (one token each), then unfinished prefills,
 then waiting requests, their prompts chunked to fit, so a long prompt never stalls running streams.
-When KV blocks run out, the newest running request is preempted: its blocks are freed and it is
+When KV blocks run out, the newest running request (under priority, the least important; in round-robin only
+one younger than the requester, else the requester waits) is preempted: its blocks are freed and it is
 recomputed later (the prefix cache usually gives most of them back).
 """
 
@@ -107,6 +108,8 @@ class Scheduler:
         scheduled: set[int] = set()  # ids of this step's requests: never preemption victims
         ongoing = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
         ongoing += [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
+        if self.policy == "priority":  # the most important first, so that they are never the ones left short
+            ongoing.sort(key=self._queue_key)
         for req in ongoing:
             if budget == 0:
                 break
@@ -142,16 +145,19 @@ class Scheduler:
             req = self.active.popleft()
             if not req.finished:
                 batch.append(req)
+        batch.sort(key=lambda r: r.num_tokens - r.num_computed_tokens > 1)  # decodes first, else rotation order
         scheduled: set[int] = set()
+        reached: set[int] = set()
         for req in batch:
             if budget == 0:
                 break
+            reached.add(id(req))
             if req.block_ids or req.num_computed_tokens:
                 n = self._allocate_running(req, budget, scheduled)
                 ok = n > 0
             else:
                 n = self._admit(req, budget)
-                while n == 0 and self._preempt_one(protected=scheduled | {id(req)}):
+                while n == 0 and self._preempt_one(protected=scheduled | {id(req)}, requester=req):
                     n = self._admit(req, budget)
                 ok = n > 0
                 if ok:
@@ -160,7 +166,9 @@ class Scheduler:
                 out.add(req, n)
                 scheduled.add(id(req))
                 budget -= n
-        self.active.extend(r for r in batch if not r.finished)
+        # Those the budget did not reach go first next step, the others to the back of the rotation.
+        self.active.extendleft(reversed([r for r in batch if not r.finished and id(r) not in reached]))
+        self.active.extend(r for r in batch if not r.finished and id(r) in reached)
 
     def _admit(self, req: Request, budget: int) -> int:
         """Takes prefix-cache hits and allocates a first chunk; returns its size, 0 if it does not fit."""
@@ -175,7 +183,7 @@ class Scheduler:
 
     def _allocate_running(self, req: Request, budget: int, protected: set[int]) -> int:
         """Slots for a running request's tokens this step: the rest of its prompt, chunked to the budget, or its
-        decode and any drafts (dropped when they do not fit as they are). 0 if `req` itself was preempted."""
+        decode and any drafts (dropped when they do not fit as they are). 0 if it cannot run this step."""
         rest = req.num_tokens - req.num_computed_tokens
         speculate = rest == 1 and self.speculator is not None and req.prompt_logprobs is None
         req.draft_token_ids = self.speculator.draft(req, budget, len(self.running)) if speculate else []  # type: ignore[union-attr]
@@ -186,28 +194,35 @@ class Scheduler:
         return n if self._allocate_or_preempt(req, n, protected) else 0
 
     def _allocate_or_preempt(self, req: Request, n: int, protected: set[int]) -> bool:
-        """Allocates n more slots for a running request, preempting the newest unprotected others as needed.
-        False if `req` itself had to be preempted."""
+        """Allocates n more slots for a running request, preempting others as needed (_pick_victim). False if it
+        could not: `req` itself was preempted, or, in round-robin, it keeps its blocks and waits for a turn."""
         while not self.kv.allocate_slots(req, n):
-            victim = self._pick_victim(protected | {id(req)}) or req
+            victim = self._pick_victim(protected | {id(req)}, requester=req)
+            if victim is None and self.policy == "round-robin":
+                return False
+            victim = victim or req
             self._preempt(victim)
             if victim is req:
                 return False
         return True
 
-    def _preempt_one(self, protected: set[int]) -> bool:
+    def _preempt_one(self, protected: set[int], requester: Request) -> bool:
         """Round-robin admission under memory pressure: preempt one unscheduled holder, if any."""
-        victim = self._pick_victim(protected)
+        victim = self._pick_victim(protected, requester)
         if victim is not None:
             self._preempt(victim)
         return victim is not None
 
-    def _pick_victim(self, protected: set[int]) -> Request | None:
+    def _pick_victim(self, protected: set[int], requester: Request) -> Request | None:
+        """Whom `requester` may preempt; None: nobody (then it yields itself, or in round-robin waits)."""
         candidates = [r for r in self.running if id(r) not in protected and r.status == RequestStatus.RUNNING]
+        if self.policy == "round-robin":  # only younger ones: the oldest always progresses, so no ping-pong
+            candidates = [r for r in candidates if r.seq_no > requester.seq_no]
         if not candidates:
             return None
-        if self.policy == "priority":  # the least important, newest first among equals
-            return max(candidates, key=lambda r: (r.priority, r.seq_no))
+        if self.policy == "priority":  # the least important, newest first among equals; the requester included
+            victim = max([*candidates, requester], key=lambda r: (r.priority, r.seq_no))
+            return None if victim is requester else victim
         return candidates[-1]
 
     def _preempt(self, req: Request) -> None:
