@@ -115,3 +115,16 @@ def run_engine(core: EngineCore, requests: list[EngineRequest], stagger: int = 0
 
 def tokens_of(results: dict[str, list[EngineOutput]], ids: list[str]) -> list[list[int]]:
     return [[t for out in results[rid] for t in out.new_token_ids] for rid in ids]
+
+
+def save_tiny_llama(path, max_positions: int, init: float) -> str:
+    """A 2-layer random Llama (vocab 300, GQA 4:2 heads of 16) saved as an HF directory; seeded, so the same
+    arguments give the same weights."""
+    from transformers import LlamaConfig
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_positions,
+                         eos_token_id=3, initializer_range=init)  # fmt: skip
+    AutoModelForCausalLM.from_config(config).save_pretrained(path)
+    return str(path)

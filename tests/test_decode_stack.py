@@ -14,7 +14,7 @@ from engine_core.core import EngineCore
 from engine_core.models.cpu_decode import DecodeStack
 from engine_core.models.loader import build_model
 from engine_core.models.quant import prepare_linears
-from tests.engine_helpers import greedy_request, run_engine, tokens_of
+from tests.engine_helpers import greedy_request, run_engine, save_tiny_llama, tokens_of
 from tests.model_harness import PagedRun
 
 CPU = torch.device("cpu")
@@ -98,13 +98,7 @@ def test_build_declines_what_it_cannot_run() -> None:
 
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory) -> str:
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                                      eos_token_id=3, initializer_range=0.3)  # fmt: skip
-    path = tmp_path_factory.mktemp("tiny-stack")
-    transformers.LlamaForCausalLM(config).save_pretrained(path)
-    return str(path)
+    return save_tiny_llama(tmp_path_factory.mktemp("tiny-stack"), max_positions=512, init=0.3)
 
 
 def test_engine_attaches_the_stack_on_cpu_bf16_with_the_same_tokens(tiny_dir: str) -> None:

@@ -4,14 +4,12 @@ from __future__ import annotations
 
 import msgspec
 import pytest
-import torch
-import transformers
 
 from common.config import EngineConfig, SpeculativeConfig
 from common.messages import EngineRequest, FinishReason, SamplingParams
 from engine_core.core import EngineCore
 from engine_core.speculative import NgramIndex
-from tests.engine_helpers import run_engine, tokens_of
+from tests.engine_helpers import run_engine, save_tiny_llama, tokens_of
 
 SPEC = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1}'
 
@@ -56,13 +54,8 @@ def test_config_parses_vllm_keys_and_names_what_is_wrong() -> None:
 
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory) -> str:
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                                      eos_token_id=3, initializer_range=0.05)  # fmt: skip
-    path = tmp_path_factory.mktemp("tiny-spec")  # small weights: its greedy text falls into loops, as text repeats
-    transformers.LlamaForCausalLM(config).save_pretrained(path)
-    return str(path)
+    # Small weights: its greedy text falls into loops, as real text repeats itself, so drafts get kept.
+    return save_tiny_llama(tmp_path_factory.mktemp("tiny-spec"), max_positions=256, init=0.05)
 
 
 def prompts() -> list[list[int]]:
