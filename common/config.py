@@ -45,8 +45,8 @@ class EngineConfig:
     )
     speculative_config: str | None = flag(
         None, 'JSON, as vLLM\'s: {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, '
-        '"prompt_lookup_min": 2, "disable_by_batch_size": 8}: draft tokens copied from the request\'s own prompt and '
-        "output, verified in one step (see README)",
+        '"prompt_lookup_min": 2, "disable_by_batch_size": null, "max_rows_per_step": 16}: draft tokens copied from the '
+        "request's own prompt and output, verified in one step (see README)",
     )
     seed: int = flag(0, "seed for requests that give none")
     epoch: int = flag(0, "restart generation of this engine (set by launch.py)")
@@ -145,6 +145,9 @@ class SpeculativeConfig:
     prompt_lookup_min: int
     prompt_lookup_max: int
     disable_by_batch_size: int | None  # no drafts while more requests than this run
+    # Ours: a step's running requests plus its draft rows stay within this. A small batch's step costs about the
+    # same up to some number of rows (reading the weights bounds it); past that, rows cost arithmetic.
+    max_rows_per_step: int = 16
 
     @staticmethod
     def parse(text: str | None) -> SpeculativeConfig | None:
@@ -157,7 +160,8 @@ class SpeculativeConfig:
             raise ValueError(f"--speculative-config is not JSON: {exc}") from None
         if not isinstance(spec, dict):
             raise ValueError("--speculative-config must be a JSON object")
-        known = {"method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "disable_by_batch_size"}
+        known = {"method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "disable_by_batch_size",
+                 "max_rows_per_step"}
         if unknown := sorted(set(spec) - known):
             raise ValueError(f"--speculative-config: unknown keys {unknown}; known: {sorted(known)}")
         if spec.get("method", "ngram") != "ngram":
@@ -172,9 +176,11 @@ class SpeculativeConfig:
                 raise ValueError(f"--speculative-config: {name} must be an integer in [1, {MAX_SPECULATIVE_TOKENS}]")
         if low > high:
             raise ValueError("--speculative-config: prompt_lookup_min must not exceed prompt_lookup_max")
-        if limit is not None and (type(limit) is not int or limit < 1):
-            raise ValueError("--speculative-config: disable_by_batch_size must be a positive integer")
-        return SpeculativeConfig(k, low, high, limit)
+        rows = spec.get("max_rows_per_step", 16)
+        for name, value in (("disable_by_batch_size", limit), ("max_rows_per_step", rows)):
+            if value is not None and (type(value) is not int or value < 1):
+                raise ValueError(f"--speculative-config: {name} must be a positive integer")
+        return SpeculativeConfig(k, low, high, limit, rows)
 
 
 MAX_SPECULATIVE_TOKENS = 16

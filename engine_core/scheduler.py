@@ -1,10 +1,10 @@
 """Continuous batching: which requests run this step and with how many tokens; what their new tokens mean.
 
-Each step has a token budget. Running decodes come first (one token each), then unfinished prefills,
-then waiting requests, their prompts chunked to fit, so a long prompt never stalls running streams.
-When KV blocks run out, the newest running request (under priority, the least important; in round-robin only
-one younger than the requester, else the requester waits) is preempted: its blocks are freed and it is
-recomputed later (the prefix cache usually gives most of them back).
+Each step has a token budget. Running decodes come first (one token each, plus any drafts), then unfinished
+prefills, then waiting requests, their prompts chunked to fit, so a long prompt never stalls running streams. When
+KV blocks run out, the newest running request (under priority, the least important; in round-robin only one younger
+than the requester, else the requester waits) is preempted: its blocks are freed and it is recomputed later (the
+prefix cache usually gives most of them back).
 """
 
 from __future__ import annotations
@@ -79,6 +79,8 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         self.running = [r for r in self.running if not r.finished]
+        if self.speculator is not None:
+            self.speculator.start_step(len(self.running))
         if self.gated:
             self._release_gated()
         out = SchedulerOutput()
@@ -185,8 +187,7 @@ class Scheduler:
         """Slots for a running request's tokens this step: the rest of its prompt, chunked to the budget, or its
         decode and any drafts (dropped when they do not fit as they are). 0 if it cannot run this step."""
         rest = req.num_tokens - req.num_computed_tokens
-        speculate = rest == 1 and self.speculator is not None and req.prompt_logprobs is None
-        req.draft_token_ids = self.speculator.draft(req, budget, len(self.running)) if speculate else []  # type: ignore[union-attr]
+        req.draft_token_ids = self.speculator.draft(req, budget) if self.speculator and rest == 1 else []
         if req.draft_token_ids and self.kv.allocate_slots(req, 1 + len(req.draft_token_ids)):
             return 1 + len(req.draft_token_ids)
         req.draft_token_ids = []

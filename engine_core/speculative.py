@@ -11,7 +11,9 @@ has the same distribution), and a step yields 1 to k + 1 tokens for about the co
 the arithmetic, bound it.
 
 Requests whose next token depends on the tokens before it in ways the sampler computes per request (penalties,
-`logit_bias`, `min_tokens`, grammars) decode one token at a time.
+`logit_bias`, `min_tokens`, grammars), or whose prompt logprobs are still to come, decode one token at a time. A
+step's running requests plus its draft rows stay within `max_rows_per_step`, the rows a step takes for about the
+price of one.
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ class Speculator:
         self.config = config
         self.max_model_len = max_model_len
         self.num_drafts = self.num_draft_tokens = self.num_accepted_tokens = 0  # for stats
+        self.rows_left = 0  # draft rows this step may still take
 
     @staticmethod
     def build(spec: str | None, max_model_len: int) -> Speculator | None:
@@ -59,24 +62,34 @@ class Speculator:
 
     @staticmethod
     def takes(req: Request) -> bool:
-        """Whether a request's rows can be sampled as if alone: nothing the sampler computes from earlier tokens."""
+        """Whether a request's rows can be sampled as if alone: nothing the sampler computes from earlier tokens, and
+        no prompt logprobs still to score."""
         p = req.params
         penalties = p.presence_penalty != 0.0 or p.frequency_penalty != 0.0 or p.repetition_penalty != 1.0
-        return not (penalties or p.logit_bias or p.min_tokens > 0 or p.structured is not None or req.grammar)
+        held = p.logit_bias or p.min_tokens > 0 or p.structured is not None or req.grammar
+        held = held or req.prompt_logprobs is not None
+        return not (penalties or held)
 
-    def draft(self, req: Request, budget: int, num_running: int) -> list[int]:
-        """Draft tokens for a decode of `req` this step (none when they could not all be kept)."""
+    def start_step(self, num_running: int) -> None:
+        """Drafts are rows beyond the batch's own: only as many as keep the step within max_rows_per_step (none
+        above disable_by_batch_size running requests)."""
         limit = self.config.disable_by_batch_size
-        if (limit is not None and num_running > limit) or not self.takes(req):
+        self.rows_left = 0 if limit is not None and num_running > limit else self.config.max_rows_per_step - num_running
+
+    def draft(self, req: Request, budget: int) -> list[int]:
+        """Draft tokens for a decode of `req` this step."""
+        if not self.takes(req):
             return []
-        # Every kept token must fit the request's limits and the step's token budget.
+        # Every kept token must fit the request's limits, the step's token budget and its rows.
         k = min(self.config.num_speculative_tokens, budget - 1, self.max_model_len - req.num_tokens,
-                req.params.max_tokens - req.num_output_tokens - 1)  # fmt: skip
+                req.params.max_tokens - req.num_output_tokens - 1, self.rows_left)  # fmt: skip
         if k <= 0:
             return []
         if req.ngram_index is None:
             req.ngram_index = NgramIndex(self.config.prompt_lookup_min, self.config.prompt_lookup_max)
-        return req.ngram_index.propose(req.token_ids, k)
+        drafts = req.ngram_index.propose(req.token_ids, k)
+        self.rows_left -= len(drafts)
+        return drafts
 
     def count(self, drafts: list[int], kept: list[int]) -> None:
         if drafts:

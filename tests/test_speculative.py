@@ -127,6 +127,29 @@ def test_memory_pressure_limits_and_ineligible_requests(tiny_dir: str) -> None:
     assert none.num_draft_tokens == 0
 
 
+def test_drafts_stay_within_the_rows_of_a_step(tiny_dir: str) -> None:
+    """Running requests plus draft rows never pass max_rows_per_step: beyond the rows a step takes for about the
+    price of one, drafts would cost arithmetic."""
+    config = EngineConfig(model=tiny_dir, dtype="bfloat16", kv_cache_memory=0.05, max_num_seqs=8,
+                          speculative_config=SPEC.replace("}", ', "max_rows_per_step": 6}'))  # fmt: skip
+    core = EngineCore(config)
+    schedule, seen = core.scheduler.schedule, []
+
+    def recording():
+        out = schedule()
+        seen.append((len(core.scheduler.running), sum(len(r.draft_token_ids) for r in out.requests)))
+        return out
+
+    core.scheduler.schedule = recording  # type: ignore[method-assign]
+    motif = [11, 12, 13, 14, 15, 16, 17]
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    run_engine(core, [EngineRequest(f"r{i}", motif * (2 + i), params) for i in range(3)])
+    assert all(running + rows <= 6 for running, rows in seen), seen
+    assert max(rows for _, rows in seen) >= 3  # the rows left were used (three running: three; fewer: more)
+    with pytest.raises(ValueError, match="max_rows_per_step"):
+        SpeculativeConfig.parse('{"num_speculative_tokens": 2, "max_rows_per_step": 0}')
+
+
 def test_launch_refuses_a_bad_config_before_starting_anything(capsys) -> None:
     import launch
 
