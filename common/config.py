@@ -136,6 +136,10 @@ def to_cli_args(cfg: Any) -> list[str]:
     return args
 
 
+MAX_SPECULATIVE_TOKENS = 16
+DEFAULT_MAX_ROWS_PER_STEP = 16
+
+
 @dataclass(frozen=True)
 class SpeculativeConfig:
     """N-gram speculation (prompt lookup): after the last n tokens (n from max down to min) recur earlier in the
@@ -147,7 +151,7 @@ class SpeculativeConfig:
     disable_by_batch_size: int | None  # no drafts while more requests than this run
     # Ours: a step's running requests plus its draft rows stay within this. A small batch's step costs about the
     # same up to some number of rows (reading the weights bounds it); past that, rows cost arithmetic.
-    max_rows_per_step: int = 16
+    max_rows_per_step: int = DEFAULT_MAX_ROWS_PER_STEP
 
     @staticmethod
     def parse(text: str | None) -> SpeculativeConfig | None:
@@ -176,11 +180,8 @@ class SpeculativeConfig:
                 raise ValueError(f"--speculative-config: {name} must be an integer in [1, {MAX_SPECULATIVE_TOKENS}]")
         if low > high:
             raise ValueError("--speculative-config: prompt_lookup_min must not exceed prompt_lookup_max")
-        rows = spec.get("max_rows_per_step", 16)
+        rows = spec.get("max_rows_per_step", DEFAULT_MAX_ROWS_PER_STEP)
         for name, value in (("disable_by_batch_size", limit), ("max_rows_per_step", rows)):
             if value is not None and (type(value) is not int or value < 1):
                 raise ValueError(f"--speculative-config: {name} must be a positive integer")
         return SpeculativeConfig(k, low, high, limit, rows)
-
-
-MAX_SPECULATIVE_TOKENS = 16

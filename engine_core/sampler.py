@@ -32,7 +32,7 @@ class Sampler:
         request's outputs each row's position is (a draft's rows, engine_core/speculative.py); 0 by default."""
         params = [r.params for r in requests]
         logits = logits[:, : self.vocab_size]
-        if all(p.greedy and p.logprobs is None and not _needs_processing(p) for p in params):
+        if all(p.greedy and p.logprobs is None and not needs_processing(p) for p in params):
             return _argmax(logits).tolist(), [None] * len(requests)  # the common plain-greedy batch
         kernels = cpu_kernels() if logits.device.type == "cpu" else None
         if kernels is not None and kernels.handles(logits) and all(_temperature_only(p) for p in params):
@@ -42,10 +42,10 @@ class Sampler:
             return tokens.tolist(), [None] * len(requests)
         # Logprobs are reported from `raw`, the model's own distribution before any processor: a choice we keep.
         logits = raw = logits.float()
-        if any(_needs_processing(p) for p in params):
+        if any(needs_processing(p) for p in params):
             logits = logits.clone()
             for i, req in enumerate(requests):
-                if _needs_processing(req.params):
+                if needs_processing(req.params):
                     for process in LOGITS_PROCESSORS:
                         process(logits[i], req)
             apply_masks(logits, raw, requests)  # grammars last, batched over the constrained rows
@@ -88,7 +88,7 @@ def _temperature_only(p: SamplingParams) -> bool:
     """Sampling that needs nothing but a temperature: the compiled CPU sampler takes it. Seeded rows never do: they
     always draw in _sample, so that their tokens do not depend on which path the rest of the batch takes."""
     plain = p.greedy or (p.top_k == 0 and p.top_p >= 1.0 and p.min_p == 0 and p.seed is None)
-    return plain and p.logprobs is None and not _needs_processing(p)
+    return plain and p.logprobs is None and not needs_processing(p)
 
 
 def _argmax(logits: torch.Tensor) -> torch.Tensor:
@@ -105,7 +105,7 @@ def _needs_penalty(p: SamplingParams) -> bool:
     return p.presence_penalty != 0.0 or p.frequency_penalty != 0.0 or p.repetition_penalty != 1.0
 
 
-def _needs_processing(p: SamplingParams) -> bool:
+def needs_processing(p: SamplingParams) -> bool:
     """Whether any processor changes this request's row (a new processor adds its condition here)."""
     return _needs_penalty(p) or bool(p.logit_bias) or p.min_tokens > 0 or p.structured is not None
 

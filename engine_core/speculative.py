@@ -21,6 +21,7 @@ from __future__ import annotations
 from common.config import SpeculativeConfig
 from common.messages import Logprobs
 from engine_core.request import Request
+from engine_core.sampler import needs_processing
 
 
 class NgramIndex:
@@ -51,7 +52,7 @@ class Speculator:
     def __init__(self, config: SpeculativeConfig, max_model_len: int) -> None:
         self.config = config
         self.max_model_len = max_model_len
-        self.num_drafts = self.num_draft_tokens = self.num_accepted_tokens = 0  # for stats
+        self.num_draft_tokens = self.num_accepted_tokens = 0  # for stats
         self.rows_left = 0  # draft rows this step may still take
 
     @staticmethod
@@ -62,13 +63,9 @@ class Speculator:
 
     @staticmethod
     def takes(req: Request) -> bool:
-        """Whether a request's rows can be sampled as if alone: nothing the sampler computes from earlier tokens, and
-        no prompt logprobs still to score."""
-        p = req.params
-        penalties = p.presence_penalty != 0.0 or p.frequency_penalty != 0.0 or p.repetition_penalty != 1.0
-        held = p.logit_bias or p.min_tokens > 0 or p.structured is not None or req.grammar
-        held = held or req.prompt_logprobs is not None
-        return not (penalties or held)
+        """Whether a request's rows can be sampled as if alone: no logits processor of the sampler's (they read the
+        tokens before a row), and no prompt logprobs still to score."""
+        return not needs_processing(req.params) and req.prompt_logprobs is None
 
     def start_step(self, num_running: int) -> None:
         """Drafts are rows beyond the batch's own: only as many as keep the step within max_rows_per_step (none
@@ -94,7 +91,6 @@ class Speculator:
     def count(self, drafts: list[int], kept: list[int]) -> None:
         if drafts:
             accepted = next((i for i, (d, t) in enumerate(zip(drafts, kept, strict=False)) if d != t), len(kept))
-            self.num_drafts += 1
             self.num_draft_tokens += len(drafts)
             self.num_accepted_tokens += min(accepted, len(drafts))
 
