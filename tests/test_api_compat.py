@@ -148,3 +148,20 @@ def test_continuous_usage_stats_put_usage_in_every_chunk(server: Server, path: s
     assert final["completion_tokens"] == 8
     plain = stream(server, path, {**body, "stream_options": {"include_usage": True}})
     assert all(c["usage"] is None for c in plain[:-1])
+
+
+def test_retrieve_model_gives_the_listed_card_and_404_for_others(server: Server):
+    listed = httpx.get(server.url + "/v1/models", timeout=30).json()["data"]
+    r = httpx.get(f"{server.url}/v1/models/{MODEL}", timeout=30)
+    assert r.status_code == 200 and [r.json()] == listed, r.text
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    card = client.models.retrieve(MODEL)
+    assert (card.id, card.object, card.owned_by) == (MODEL, "model", "roseinfer")
+    for unknown in ("gpt-4o", "org/some-model"):
+        r = httpx.get(f"{server.url}/v1/models/{unknown}", timeout=30)
+        assert r.status_code == 404, r.text
+        error = r.json()["error"]
+        assert error["type"] == "invalid_request_error" and error["code"] == "model_not_found", error
+        assert unknown in error["message"]
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("gpt-4o")

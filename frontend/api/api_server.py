@@ -57,11 +57,18 @@ def create_app(ctx: ServingContext, config: ServerConfig, metrics: Metrics) -> F
     async def chat_completions(req: ChatCompletionRequest, raw: Request) -> Response:
         return await create_chat_completion(ctx, req, raw, raw.state.request_id)
 
+    def model_card() -> dict:
+        return {"id": ctx.model_name, "object": "model", "created": int(start_time), "owned_by": "roseinfer",
+                "root": ctx.model_name, "max_model_len": ctx.max_model_len}  # fmt: skip
+
     @app.get("/v1/models")
     async def models() -> dict:
-        card = {"id": ctx.model_name, "object": "model", "created": int(start_time), "owned_by": "roseinfer",
-                "root": ctx.model_name, "max_model_len": ctx.max_model_len}  # fmt: skip
-        return {"object": "list", "data": [card]}
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model_id:path}")  # :path: ids such as "org/name" hold slashes
+    async def model(model_id: str) -> dict:
+        ctx.check_model(model_id)
+        return model_card()
 
     @app.get("/health")
     async def health() -> Response:
