@@ -165,3 +165,16 @@ def test_retrieve_model_gives_the_listed_card_and_404_for_others(server: Server)
         assert unknown in error["message"]
     with pytest.raises(openai.NotFoundError):
         client.models.retrieve("gpt-4o")
+
+
+@pytest.mark.parametrize("path", [CMPL, CHAT])
+def test_stream_options_need_stream(server: Server, path: str):
+    body = {"prompt": "hi"} if path == CMPL else {"messages": HI}
+    body["max_tokens"] = 1
+    for stream_flag in ({}, {"stream": False}, {"stream": None}):
+        r = post(server, path, {**body, **stream_flag, "stream_options": {"include_usage": True}})
+        assert r.status_code == 400, (stream_flag, r.text)
+        error = r.json()["error"]
+        assert error["param"] == "stream_options" and "only allowed when 'stream' is enabled" in error["message"]
+    assert post(server, path, {**body, "stream": False, "stream_options": None}).status_code == 200
+    assert stream(server, path, {**body, "stream_options": {"include_usage": True}})[-1]["usage"]

@@ -104,6 +104,13 @@ class ServingContext:
         return ApiError(status, error or "the request failed in the engine", None, code or "engine_error")
 
 
+def check_stream_options(req: SamplingFields) -> None:
+    """OpenAI refuses stream_options on a request that does not stream (an explicit null is the default: fine)."""
+    if req.stream_options is not None and not req.stream:
+        raise bad_request("The 'stream_options' parameter is only allowed when 'stream' is enabled.",
+                          "stream_options")  # fmt: skip
+
+
 def _unavailable(exc: EngineUnavailable | QueueFull) -> ApiError:
     if isinstance(exc, QueueFull):  # 429 + Retry-After is what clients and proxies back off on
         return ApiError(429, str(exc), None, "too_many_requests", {"Retry-After": "1"})

@@ -10,7 +10,7 @@ from fastapi.responses import Response
 
 from frontend.api.prompt_logprobs import check_stream, choice_prompt_logprobs, with_prompt_logprobs
 from frontend.api.protocol import ChatCompletionRequest, ChatMessage
-from frontend.api.serving import ServingContext, clamp, off_loop, respond
+from frontend.api.serving import ServingContext, check_stream_options, clamp, off_loop, respond
 from frontend.api.structured_request import check, with_structured_output
 from frontend.engine.fanout import Choice
 from frontend.engine.request_stream import Delta
@@ -113,6 +113,7 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
     if req.top_logprobs is not None and not req.logprobs:
         raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
     check_stream(req.prompt_logprobs, req.stream)
+    check_stream_options(req)
     # Tool schemas are checked off the event loop: a large one takes a while.
     tools = await off_loop(plan_tools, req, ctx.tool_call_parser) if req.tools else plan_tools(req, None)
     await ctx.admit(req.n)

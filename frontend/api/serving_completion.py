@@ -16,7 +16,7 @@ from frontend.api.prompt_logprobs import (
     with_prompt_logprobs,
 )
 from frontend.api.protocol import DEFAULT_COMPLETION_TOKENS, CompletionRequest
-from frontend.api.serving import ServingContext, clamp, off_loop, respond
+from frontend.api.serving import ServingContext, check_stream_options, clamp, off_loop, respond
 from frontend.api.structured_request import with_structured_output
 from frontend.engine.fanout import Choice
 from frontend.engine.request_stream import Delta
@@ -141,6 +141,7 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest, raw: Re
     if req.suffix is not None:  # as vLLM; OpenAI's legacy insert mode needs a model trained for it
         raise bad_request("suffix is not currently supported", "suffix")
     check_stream(req.prompt_logprobs, req.stream)
+    check_stream_options(req)
     await ctx.admit(num_prompts(req.prompt) * req.n)
     prompts, texts = await off_loop(completion_prompts, ctx, req.prompt)
     requested = DEFAULT_COMPLETION_TOKENS if req.max_tokens is None else req.max_tokens
