@@ -178,3 +178,18 @@ def test_stream_options_need_stream(server: Server, path: str):
         assert error["param"] == "stream_options" and "only allowed when 'stream' is enabled" in error["message"]
     assert post(server, path, {**body, "stream": False, "stream_options": None}).status_code == 200
     assert stream(server, path, {**body, "stream_options": {"include_usage": True}})[-1]["usage"]
+
+
+def test_best_of_other_than_n_is_refused(server: Server):
+    """best_of was silently ignored; like vLLM's V1 engine we do not rank candidates, so only best_of == n runs."""
+    for best_of, n in ((2, 1), (3, 2), (1, 2)):
+        r = post(server, CMPL, {"prompt": "hi", "max_tokens": 1, "n": n, "best_of": best_of})
+        assert r.status_code == 400, r.text
+        error = r.json()["error"]
+        assert error["param"] == "best_of" and "best_of is not supported" in error["message"], error
+    for bad in (0, -1, 2**70, "two", 1.5):  # bounded: never reaches the comparison with n
+        r = post(server, CMPL, {"prompt": "hi", "max_tokens": 1, "best_of": bad})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "best_of", r.text
+    for best_of, n in ((None, 2), (1, 1), (2, 2)):
+        r = post(server, CMPL, {"prompt": "hi", "max_tokens": 1, "n": n, "best_of": best_of})
+        assert r.status_code == 200 and len(r.json()["choices"]) == n, r.text

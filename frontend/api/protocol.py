@@ -163,6 +163,7 @@ class CompletionRequest(SamplingFields, StructuredFields):
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # vLLM's extension
     suffix: Text | None = None  # not supported: a 400 when given, as vLLM
+    best_of: int | None = Field(None, ge=1, le=MAX_N)  # supported only as n (no ranking of candidates), as vLLM V1
 
 
 class TextPart(_Model):

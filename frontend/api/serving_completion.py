@@ -140,6 +140,9 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest, raw: Re
     ctx.check_model(req.model)
     if req.suffix is not None:  # as vLLM; OpenAI's legacy insert mode needs a model trained for it
         raise bad_request("suffix is not currently supported", "suffix")
+    if req.best_of is not None and req.best_of != req.n:  # no engine ranks candidates by their logprob sum
+        raise bad_request(f"best_of is not supported (best_of={req.best_of}, n={req.n}): leave it unset or equal "
+                          "to n", "best_of")  # fmt: skip
     check_stream(req.prompt_logprobs, req.stream)
     check_stream_options(req)
     await ctx.admit(num_prompts(req.prompt) * req.n)
