@@ -20,9 +20,11 @@ from frontend.api.protocol import (
     GenerateRequest,
     TokenizeRequest,
 )
+from frontend.api.protocol_responses import ResponsesRequest
 from frontend.api.serving import ServingContext, off_loop, stream_text
 from frontend.api.serving_chat import chat_prompt, create_chat_completion
 from frontend.api.serving_completion import create_completion
+from frontend.api.serving_responses import create_response
 from frontend.errors import ApiError, bad_request, from_validation_errors
 from frontend.metrics import Metrics
 
@@ -60,6 +62,10 @@ def create_app(ctx: ServingContext, config: ServerConfig, metrics: Metrics) -> F
     def model_card() -> dict:
         return {"id": ctx.model_name, "object": "model", "created": int(start_time), "owned_by": "roseinfer",
                 "root": ctx.model_name, "max_model_len": ctx.max_model_len}  # fmt: skip
+
+    @app.post("/v1/responses")
+    async def responses(req: ResponsesRequest, raw: Request) -> Response:
+        return await create_response(ctx, req, raw, raw.state.request_id)
 
     @app.get("/v1/models")
     async def models() -> dict:

@@ -17,7 +17,7 @@ MAX_STOP_CHARS = 4096  # per stop string: the matcher's tables are built per req
 MAX_TOOLS = 128  # tool definitions per request, as OpenAI
 MAX_CHOICES = 1024  # guided_choice strings
 MIN_TOP_P = 1e-6  # any smaller keeps only the top token too; subnormals would read as 0 in the engine (flush-to-zero)
-_SEED = {"ge": -(2**63), "le": 2**63 - 1}  # what the wire (msgpack int64) carries
+SEED_BOUNDS = {"ge": -(2**63), "le": 2**63 - 1}  # what the wire (msgpack int64) carries
 DEFAULT_COMPLETION_TOKENS = 16  # /v1/completions with max_tokens absent or null, as OpenAI and vLLM
 
 
@@ -36,7 +36,7 @@ StopText = Annotated[Text, Field(max_length=MAX_STOP_CHARS)]
 LogitBias = Annotated[dict[int, Annotated[float, Field(ge=-100, le=100)]], Field(max_length=MAX_LOGIT_BIAS)]
 
 
-class _Model(BaseModel):
+class ApiModel(BaseModel):
     # Unknown fields are ignored, as OpenAI-compatible servers do; Infinity and NaN are refused everywhere.
     model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
 
@@ -52,18 +52,18 @@ class _Model(BaseModel):
 
 
 @cache
-def _defaulted_keys(cls: type[_Model]) -> frozenset[str]:
+def _defaulted_keys(cls: type[ApiModel]) -> frozenset[str]:
     """The names (as the JSON spells them) of the fields of `cls` that have a default other than None."""
     return frozenset(f.alias or name for name, f in cls.model_fields.items()
                      if not f.is_required() and f.get_default(call_default_factory=True) is not None)  # fmt: skip
 
 
-class StreamOptions(_Model):
+class StreamOptions(ApiModel):
     include_usage: bool = False
     continuous_usage_stats: bool = False  # vLLM's: usage so far in every chunk (with include_usage)
 
 
-class SamplingFields(_Model):
+class SamplingFields(ApiModel):
     """Fields shared by /v1/completions, /v1/chat/completions and /generate (vLLM's extensions included)."""
 
     model: Text | None = None
@@ -72,7 +72,7 @@ class SamplingFields(_Model):
     top_p: float | None = Field(None, gt=0, le=1)
     top_k: int | None = Field(None, ge=-1, le=MAX_TOP_K)  # -1 or 0: off
     min_p: float | None = Field(None, ge=0, le=1)
-    seed: int | None = Field(None, **_SEED)
+    seed: int | None = Field(None, **SEED_BOUNDS)
     stop: StopText | Annotated[list[StopText], Field(max_length=MAX_STOP)] | None = None
     stop_token_ids: list[int] | None = Field(None, max_length=MAX_STOP)
     presence_penalty: float | None = Field(None, ge=-2, le=2)
@@ -121,19 +121,19 @@ class SamplingFields(_Model):
         )
 
 
-class JsonSchemaFormat(_Model):
+class JsonSchemaFormat(ApiModel):
     name: Text = Field("response", max_length=64)
     description: Text | None = None
     schema_: dict[str, Any] | bool | None = Field(None, alias="schema")  # None: any JSON object
     strict: bool | None = None
 
 
-class ResponseFormat(_Model):
+class ResponseFormat(ApiModel):
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchemaFormat | None = None
 
 
-class StructuredOutputsParams(_Model):
+class StructuredOutputsParams(ApiModel):
     """vLLM's `structured_outputs` object: one of these."""
 
     json_: dict[str, Any] | bool | Text | None = Field(None, alias="json")
@@ -143,7 +143,7 @@ class StructuredOutputsParams(_Model):
     json_object: bool | None = None
 
 
-class StructuredFields(_Model):
+class StructuredFields(ApiModel):
     """Constrained decoding (frontend/api/structured_request.py): OpenAI's response_format, vLLM's guided_* and
     structured_outputs. At most one may be given; texts are bounded by common/structured.py's MAX_SPEC_CHARS."""
 
@@ -166,17 +166,17 @@ class CompletionRequest(SamplingFields, StructuredFields):
     best_of: int | None = Field(None, ge=1, le=MAX_N)  # supported only as n (no ranking of candidates), as vLLM V1
 
 
-class TextPart(_Model):
+class TextPart(ApiModel):
     type: Literal["text"]
     text: Text
 
 
-class FunctionCall(_Model):
+class FunctionCall(ApiModel):
     name: Text
     arguments: Text  # JSON text, as the model wrote it
 
 
-class ToolCall(_Model):
+class ToolCall(ApiModel):
     """A call the assistant made earlier in the conversation."""
 
     id: Text
@@ -195,7 +195,7 @@ class ToolCall(_Model):
         return {"id": self.id, "type": "function", "function": {"name": self.function.name, "arguments": arguments}}
 
 
-class ChatMessage(_Model):
+class ChatMessage(ApiModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Text | list[TextPart] | None = None
     name: Text | None = None
@@ -214,23 +214,23 @@ class ChatMessage(_Model):
         return out
 
 
-class FunctionDefinition(_Model):
+class FunctionDefinition(ApiModel):
     name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")  # OpenAI's rule
     description: Text | None = None
     parameters: dict[str, Any] | None = None  # a JSON schema of an object; checked in frontend/tools/tool_calls.py
     strict: bool | None = None
 
 
-class ToolDefinition(_Model):
+class ToolDefinition(ApiModel):
     type: Literal["function"]
     function: FunctionDefinition
 
 
-class NamedFunction(_Model):
+class NamedFunction(ApiModel):
     name: Text
 
 
-class NamedToolChoice(_Model):
+class NamedToolChoice(ApiModel):
     type: Literal["function"]
     function: NamedFunction
 
@@ -256,7 +256,7 @@ class GenerateRequest(SamplingFields):
     max_tokens: int = Field(16, ge=1)
 
 
-class TokenizeRequest(_Model):
+class TokenizeRequest(ApiModel):
     model: Text | None = None
     prompt: Text | None = None
     messages: list[ChatMessage] | None = None
@@ -265,6 +265,6 @@ class TokenizeRequest(_Model):
     continue_final_message: bool = False
 
 
-class DetokenizeRequest(_Model):
+class DetokenizeRequest(ApiModel):
     model: Text | None = None
     tokens: list[int]

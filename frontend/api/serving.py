@@ -15,7 +15,7 @@ from common.messages import SamplingParams
 from frontend.api.protocol import SamplingFields
 from frontend.api.sse import ResponseFormat, sse_stream
 from frontend.engine.engine_client import AsyncEngineClient, EngineUnavailable, QueueFull
-from frontend.engine.fanout import FanOut
+from frontend.engine.fanout import Choice, FanOut
 from frontend.engine.recovery import ENGINE_GONE, POISON
 from frontend.errors import ApiError, bad_request
 from frontend.text.detokenizer import IncrementalDetokenizer
@@ -128,7 +128,7 @@ def clamp(logprob: float) -> float:
     return logprob if logprob == logprob and logprob > -9999.0 else -9999.0
 
 
-class _ClosingStreamingResponse(StreamingResponse):
+class ClosingStreamingResponse(StreamingResponse):
     """Runs `on_close` however the response ends (done, client gone, server stopping): aborts leftover requests."""
 
     def __init__(self, content: AsyncIterator[str | bytes], on_close: Callable[[], None], media_type: str) -> None:
@@ -148,12 +148,9 @@ async def _disconnected(request: Request) -> None:
         pass
 
 
-async def respond(ctx: ServingContext, raw: Request, fan: FanOut, fmt: ResponseFormat, request_id: str,
-                  req: SamplingFields) -> Response:  # fmt: skip
-    head = {"id": request_id, "created": int(time.time()), "model": ctx.model_name}
-    if req.stream:
-        chunks = sse_stream(fan, fmt, head, req.include_usage, req.continuous_usage, ctx.failure)
-        return _ClosingStreamingResponse(chunks, fan.abort, "text/event-stream")
+async def collect(ctx: ServingContext, raw: Request, fan: FanOut) -> list[Choice] | None:
+    """Every choice run to its end (non-streaming); None when the client left first (its requests are aborted).
+    A choice that failed in the engine raises its ApiError."""
     work = asyncio.ensure_future(fan.collect())
     gone = asyncio.ensure_future(_disconnected(raw))
     try:
@@ -164,11 +161,23 @@ async def respond(ctx: ServingContext, raw: Request, fan: FanOut, fmt: ResponseF
             work.cancel()
         fan.abort()  # the client left (or this handler was cancelled): free the engine at once
     if not work.done() or work.cancelled():
-        return Response(status_code=499)  # nobody is listening; nginx's "client closed request"
+        return None
     choices = work.result()
     failed = next((c.result for c in choices if c.result.finish_reason == "error"), None)
     if failed is not None:
         raise ctx.failure(failed.error, failed.error_code)
+    return choices
+
+
+async def respond(ctx: ServingContext, raw: Request, fan: FanOut, fmt: ResponseFormat, request_id: str,
+                  req: SamplingFields) -> Response:  # fmt: skip
+    head = {"id": request_id, "created": int(time.time()), "model": ctx.model_name}
+    if req.stream:
+        chunks = sse_stream(fan, fmt, head, req.include_usage, req.continuous_usage, ctx.failure)
+        return ClosingStreamingResponse(chunks, fan.abort, "text/event-stream")
+    choices = await collect(ctx, raw, fan)
+    if choices is None:
+        return Response(status_code=499)  # nobody is listening; nginx's "client closed request"
     return JSONResponse({**head, **fmt.response(choices, fan.usage())})
 
 
@@ -185,4 +194,4 @@ def stream_text(fan: FanOut) -> Response:
         finally:
             fan.abort()
 
-    return _ClosingStreamingResponse(body(), fan.abort, "text/plain; charset=utf-8")
+    return ClosingStreamingResponse(body(), fan.abort, "text/plain; charset=utf-8")

@@ -12,7 +12,7 @@ from frontend.api.prompt_logprobs import check_stream, choice_prompt_logprobs, w
 from frontend.api.protocol import ChatCompletionRequest, ChatMessage
 from frontend.api.serving import ServingContext, check_stream_options, clamp, off_loop, respond
 from frontend.api.structured_request import check, with_structured_output
-from frontend.engine.fanout import Choice
+from frontend.engine.fanout import Choice, FanOut
 from frontend.engine.request_stream import Delta
 from frontend.errors import bad_request
 from frontend.text.tokenizer import TokenizerError
@@ -107,8 +107,9 @@ class ChatFormat:
         return body
 
 
-async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest, raw: Request,
-                                 request_id: str) -> Response:  # fmt: skip
+async def start_chat(ctx: ServingContext, req: ChatCompletionRequest, rid: str) -> tuple[FanOut, ToolPlan]:
+    """A chat request checked, admitted, rendered and sent to the engine as `rid`; also what to do with its tools.
+    Shared by /v1/chat/completions and /v1/responses (which translates its requests into chat requests)."""
     ctx.check_model(req.model)
     if req.top_logprobs is not None and not req.logprobs:
         raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
@@ -128,6 +129,11 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
     if tools.structured is not None:  # a forced tool call: the output is held to the tools' schema (it wins)
         await check(tools.structured, "tools")
         params = msgspec.structs.replace(params, structured=tools.structured)
+    return await ctx.fan_out(rid, [prompt], req, params), tools
+
+
+async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest, raw: Request,
+                                 request_id: str) -> Response:  # fmt: skip
     rid = f"chatcmpl-{request_id}"
-    fan = await ctx.fan_out(rid, [prompt], req, params)
+    fan, tools = await start_chat(ctx, req, rid)
     return await respond(ctx, raw, fan, ChatFormat(ctx, req, tools), rid, req)

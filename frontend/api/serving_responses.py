@@ -1,0 +1,105 @@
+"""POST /v1/responses (OpenAI's Responses API) on the chat path: the request is translated into a chat request
+(protocol_responses.py), which start_chat checks, admits, renders and sends; the engine's text goes through the chat
+path's tool-call parser into output items (responses_output.py), returned whole or streamed as Responses events."""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+
+from frontend.api.protocol_responses import ResponsesRequest, chat_request, in_responses_terms
+from frontend.api.responses_output import OutputBuilder, parser_events
+from frontend.api.serving import ClosingStreamingResponse, ServingContext, collect
+from frontend.api.serving_chat import start_chat
+from frontend.api.sse import dumps
+from frontend.engine.fanout import FanOut
+from frontend.errors import ApiError
+from frontend.tools.tool_parsers import ToolParser
+
+
+def status_of(finish_reason: str | None) -> str:
+    """The length limit (max_output_tokens, or the context) leaves a response incomplete."""
+    return "incomplete" if finish_reason == "length" else "completed"
+
+
+def usage(fan: FanOut) -> dict[str, Any]:
+    counts = fan.usage()
+    cached = sum(c.stream.num_cached_tokens for c in fan.choices)  # prompt tokens the prefix cache held
+    return {"input_tokens": counts["prompt_tokens"], "input_tokens_details": {"cached_tokens": cached},
+            "output_tokens": counts["completion_tokens"], "output_tokens_details": {"reasoning_tokens": 0},
+            "total_tokens": counts["total_tokens"]}  # fmt: skip
+
+
+class Envelope:
+    """The response object around the output: its id, the request's settings echoed, status and usage."""
+
+    def __init__(self, ctx: ServingContext, req: ResponsesRequest, rid: str) -> None:
+        self.head = {"id": rid, "object": "response", "created_at": int(time.time()), "model": ctx.model_name}
+        self.echo = req.echo()
+
+    def body(self, status: str, output: list[dict[str, Any]], usage: dict[str, Any] | None,
+             error: dict[str, Any] | None = None) -> dict[str, Any]:  # fmt: skip
+        incomplete = {"reason": "max_output_tokens"} if status == "incomplete" else None
+        completed_at = int(time.time()) if status == "completed" else None
+        return {**self.head, "status": status, "completed_at": completed_at, "error": error,
+                "incomplete_details": incomplete, "output": output, "usage": usage, **self.echo}  # fmt: skip
+
+
+async def _events(ctx: ServingContext, fan: FanOut, parser: ToolParser | None,
+                  envelope: Envelope) -> AsyncIterator[bytes]:  # fmt: skip
+    """created, in_progress, the output items' events as the text comes, then completed or incomplete (with the
+    whole response); a failure in the engine ends the stream with response.failed."""
+    numbers = itertools.count()
+
+    def sse(event: dict[str, Any]) -> bytes:
+        event = {"type": event["type"], "sequence_number": next(numbers), **event}
+        return f"event: {event['type']}\ndata: {dumps(event)}\n\n".encode()
+
+    builder, finish = OutputBuilder(), None
+    try:
+        yield sse({"type": "response.created", "response": envelope.body("in_progress", [], None)}) + \
+            sse({"type": "response.in_progress", "response": envelope.body("in_progress", [], None)})  # fmt: skip
+        async for _, delta in fan.deltas():
+            if delta.finish_reason == "error":
+                err = ctx.failure(delta.error, delta.error_code)
+                error = {"code": err.code or "server_error", "message": err.message}
+                yield sse({"type": "response.failed", "response": envelope.body("failed", builder.output(),
+                                                                               usage(fan), error)})  # fmt: skip
+                return
+            events = builder.feed(parser_events(parser, delta.text, delta.finish_reason is not None))
+            if delta.finish_reason is not None:
+                finish = delta.finish_reason
+                events += builder.finish(status_of(finish))
+            if events:
+                yield b"".join(sse(e) for e in events)
+        status = status_of(finish)
+        yield sse({"type": f"response.{status}", "response": envelope.body(status, builder.output(), usage(fan))})
+    finally:
+        fan.abort()
+
+
+async def create_response(ctx: ServingContext, req: ResponsesRequest, raw: Request, request_id: str) -> Response:
+    rid = f"resp_{request_id}"
+    try:
+        fan, tools = await start_chat(ctx, chat_request(req), rid)
+    except ApiError as exc:
+        raise in_responses_terms(exc) from None
+    make_parser = tools.make_parser()
+    parser = make_parser() if make_parser is not None else None
+    envelope = Envelope(ctx, req, rid)
+    if req.stream:
+        return ClosingStreamingResponse(_events(ctx, fan, parser, envelope), fan.abort, "text/event-stream")
+    choices = await collect(ctx, raw, fan)
+    if choices is None:
+        return Response(status_code=499)  # the client left; its request was aborted
+    result = choices[0].result
+    status = status_of(result.finish_reason)
+    builder = OutputBuilder()
+    builder.feed(parser_events(parser, result.text, True))
+    builder.finish(status)
+    return JSONResponse(envelope.body(status, builder.output(), usage(fan)))
