@@ -201,6 +201,20 @@ def test_disconnect_aborts_the_engine_request(server: Server):
     assert_engine_idle_within(server, 5.0)
 
 
+def test_explicit_nulls_mean_the_default(server: Server):
+    """Clients send null for options left unset, and a message item's type may be null as well as absent."""
+    nullable = ["instructions", "temperature", "top_p", "seed", "tools", "tool_choice", "parallel_tool_calls", "text",
+                "stream", "metadata", "user", "store", "previous_response_id", "conversation", "background",
+                "reasoning", "include", "truncation"]  # fmt: skip
+    body = {"model": None, "input": [{"type": None, "role": "user", "content": "hi"}], "max_output_tokens": 1,
+            **dict.fromkeys(nullable)}  # fmt: skip
+    r = httpx.post(server.url + "/v1/responses", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    answer = r.json()
+    assert answer["status"] == "incomplete" and answer["usage"]["output_tokens"] == 1
+    assert (answer["tool_choice"], answer["text"], answer["metadata"]) == ("auto", {"format": {"type": "text"}}, {})
+
+
 BAD = [
     ({"previous_response_id": "resp_123"}, "previous_response_id", "send the whole conversation as input"),
     ({"conversation": "conv_1"}, "conversation", "send the whole conversation"),

@@ -34,6 +34,12 @@ MetadataKey = Annotated[str, Field(max_length=64)]
 MetadataValue = Annotated[Text, Field(max_length=512)]
 
 
+def _type_of(value: dict[str, Any], default: str | None) -> Any:
+    """An object's `type`; absent or null, the default (a message item may leave it out)."""
+    kind = value.get("type")
+    return default if kind is None else kind
+
+
 def _one_of(supported: tuple[str, ...], what: str, default: str | None = None) -> BeforeValidator:
     """A 400 that names an unsupported type (an image part, a web_search tool) instead of pydantic's union noise."""
 
@@ -41,9 +47,9 @@ def _one_of(supported: tuple[str, ...], what: str, default: str | None = None) -
         if not isinstance(value, dict):
             raise PydanticCustomError("not_an_object", "{what} are objects, not a {kind}",
                                       {"what": what, "kind": type(value).__name__})  # fmt: skip
-        if value.get("type", default) not in supported:
+        if _type_of(value, default) not in supported:
             raise PydanticCustomError("unsupported_kind", "{what} of type {kind} are not supported (only {ok})",
-                                      {"what": what, "kind": repr(value.get("type", default))[:80],
+                                      {"what": what, "kind": repr(_type_of(value, default))[:80],
                                        "ok": ", ".join(supported)})  # fmt: skip
         return value
 
@@ -84,7 +90,7 @@ class FunctionCallOutputItem(ApiModel):
 
 
 def _item_tag(item: Any) -> str | None:
-    return item.get("type", "message") if isinstance(item, dict) else getattr(item, "type", None)
+    return _type_of(item, "message") if isinstance(item, dict) else getattr(item, "type", None)
 
 
 InputItem = Annotated[
