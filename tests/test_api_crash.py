@@ -18,6 +18,7 @@ from common.messages import EngineOutput, EngineRequest, SamplingParams
 from frontend.engine.request_stream import RequestStream
 from frontend.engine.supervisor import RestartBudget
 from tests.conftest import Server, engine_child
+from tests.test_api_streaming import metric
 
 MODEL = "SmolLM2-135M-Instruct"
 POISON_TOKEN = 12345  # ROSEINFER_DEBUG_CRASH_ON_TOKEN: the engine process exits on a prompt holding it
@@ -203,6 +204,21 @@ def test_poison_request_fails_alone(servers):
             assert (await client.get("/health")).status_code == 200
 
     asyncio.run(scenario())
+
+
+def test_poison_response_stream_ends_with_response_failed(servers):
+    """/v1/responses: a failure after the stream started is a response.failed event, and the stream ends."""
+    server = servers[0]
+    before = metric(server, "engine_restarts_total")
+    body = {"model": MODEL, "input": "Describe these strings.", "max_output_tokens": 8, "stream": True}  # " strings"
+    with httpx.stream("POST", server.url + "/v1/responses", json=body, timeout=300) as r:
+        assert r.status_code == 200
+        events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: ")]
+    assert [e["type"] for e in events] == ["response.created", "response.in_progress", "response.failed"], events
+    failed = events[-1]["response"]
+    assert failed["status"] == "failed" and failed["error"]["code"] == "request_crashed_engine", failed
+    assert metric(server, "engine_restarts_total") == before + 2
+    server.wait_healthy(120)  # the engine is back after its second crash
 
 
 def test_restart_budget_spent_stops_the_server(servers):

@@ -240,12 +240,17 @@ BAD = [
     ({"metadata": {f"k{i}": "v" for i in range(17)}}, "metadata", "16"),
     ({"tools": [{**WEATHER, "name": "bad name"}]}, "tools", "pattern"),
     ({"model": "gpt-4o"}, "model", "does not exist"),
+    # Echoed in the response, so never taken in with text that cannot be encoded.
+    ({"metadata": {"\ud800": "v"}}, "metadata", "not valid Unicode"),
+    ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "object", "description": "\ud800"}}}},
+     "text", "surrogates not allowed"),
 ]
 
 
 @pytest.mark.parametrize(("body", "param", "words"), BAD, ids=[f"{b[1]}-{b[2][:24]}" for b in BAD])
 def test_bad_requests(server: Server, body: dict[str, Any], param: str, words: str):
-    r = httpx.post(server.url + "/v1/responses", json={"model": MODEL, "input": "hi", **body}, timeout=60)
+    raw = json.dumps({"model": MODEL, "input": "hi", **body})  # ASCII: a lone surrogate as its JSON escape
+    r = httpx.post(server.url + "/v1/responses", content=raw, headers={"Content-Type": "application/json"}, timeout=60)
     assert r.status_code == (404 if param == "model" else 400), r.text
     error = r.json()["error"]
     assert error["type"] == "invalid_request_error" and error["param"] == param and words in error["message"], error

@@ -30,7 +30,7 @@ from frontend.errors import ApiError, bad_request, from_validation_errors
 ITEM_TYPES = ("message", "function_call", "function_call_output")
 PART_TYPES = ("input_text", "output_text")
 MAX_METADATA = 16  # OpenAI's bounds on metadata: pairs, key and value lengths
-MetadataKey = Annotated[str, Field(max_length=64)]
+MetadataKey = Annotated[Text, Field(max_length=64)]
 MetadataValue = Annotated[Text, Field(max_length=512)]
 
 
