@@ -66,6 +66,12 @@ class Request:
     def output_token_ids(self) -> list[int]:
         return self.token_ids[self.num_prompt_tokens :]
 
+    def next_chunk(self, budget: int, computed: int) -> int:
+        """How many tokens to compute next, from `computed` on, at most budget: the rest of the prompt, then the
+        rest of the outputs (a recompute), never both at once (batch.is_decode runs them through other kernels)."""
+        end = self.num_prompt_tokens if computed < self.num_prompt_tokens else self.num_tokens
+        return min(end - computed, budget)
+
     @property
     def finished(self) -> bool:
         return self.status == RequestStatus.FINISHED

@@ -175,7 +175,7 @@ class Scheduler:
     def _admit(self, req: Request, budget: int) -> int:
         """Takes prefix-cache hits and allocates a first chunk; returns its size, 0 if it does not fit."""
         hits = usable_prefix_hits(req, self.kv.get_computed_blocks(req), self.kv.block_size)
-        n = min(req.num_tokens - len(hits) * self.kv.block_size, budget)
+        n = req.next_chunk(budget, len(hits) * self.kv.block_size)
         if not self.kv.allocate_slots(req, n, hits):
             return 0
         self.prefix_queries += req.num_tokens
@@ -191,7 +191,7 @@ class Scheduler:
         if req.draft_token_ids and self.kv.allocate_slots(req, 1 + len(req.draft_token_ids)):
             return 1 + len(req.draft_token_ids)
         req.draft_token_ids = []
-        n = min(rest, budget)
+        n = req.next_chunk(budget, req.num_computed_tokens)
         return n if self._allocate_or_preempt(req, n, protected) else 0
 
     def _allocate_or_preempt(self, req: Request, n: int, protected: set[int]) -> bool:

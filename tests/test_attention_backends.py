@@ -126,3 +126,26 @@ def test_select_backend(monkeypatch) -> None:
     with pytest.raises(ValueError, match="interpreter"):
         pick("triton")
     assert TritonBackend.graphable and not TorchBackend.graphable and not CpuKernelBackend.graphable
+
+
+def test_torch_decode_gathers_a_slice_of_rows_at_a_time(monkeypatch) -> None:
+    """Many decode rows over wide tables (a recompute of a request's outputs) gather in slices under the byte
+    bound, with the result of one gather: each row attends on its own."""
+    from engine_core.attention import torch_backend
+
+    torch.manual_seed(3)
+    k_cache, v_cache = torch.randn(2, 30, BLOCK_SIZE, 2, 16).unbind(0)
+    rows = 11
+    tables = torch.randint(0, 30, (rows, 7))
+    lens = torch.randint(1, 7 * BLOCK_SIZE + 1, (rows,))
+    q = torch.randn(rows, 4, 16)
+    meta = AttentionMetadata.build(torch.zeros(rows, dtype=torch.long), tables, lens, [], BLOCK_SIZE)
+    whole = TorchBackend().decode(q, k_cache, v_cache, meta, 0.25)
+    gathered: list[int] = []
+    decode_rows = torch_backend._decode_rows
+    monkeypatch.setattr(torch_backend, "_decode_rows", lambda q, *a: gathered.append(q.shape[0]) or decode_rows(q, *a))
+    monkeypatch.setattr(torch_backend, "MAX_DECODE_GATHER_BYTES", 4 * 2 * 7 * k_cache[0].numel() * 4)  # 4 rows' worth
+    meta = AttentionMetadata.build(torch.zeros(rows, dtype=torch.long), tables, lens, [], BLOCK_SIZE)
+    sliced = TorchBackend().decode(q, k_cache, v_cache, meta, 0.25)
+    assert gathered == [4, 4, 3]
+    assert torch.allclose(sliced, whole, atol=TOL, rtol=TOL)

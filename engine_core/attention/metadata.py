@@ -1,6 +1,6 @@
 """Per-step attention metadata: built once per step by the model runner, read by every layer's backend.
 
-The flat batch of a step holds the single-token decodes first, then the prefill chunks (contiguous rows), then
+The flat batch of a step holds the decode rows first, then the prefill chunks (contiguous rows), then
 padding rows that nobody attends and whose output is zero. What only one backend needs (kernel argument arrays,
 int32 copies, masks) is built on that backend's first use in the step and cached here, so the CPU step pays for
 nothing the Triton backend wants and vice versa.

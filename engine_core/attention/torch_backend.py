@@ -12,6 +12,8 @@ import torch.nn.functional as F
 
 from engine_core.attention.metadata import AttentionMetadata, PrefillChunk
 
+MAX_DECODE_GATHER_BYTES = 256 * 2**20  # K and V gathered by one slice of decode rows
+
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor):
     """k_cache: [num_blocks, block_size, kv_heads, head_dim]; k: [T, kv_heads, head_dim]."""
@@ -38,17 +40,17 @@ class TorchBackend:
         return out
 
     def decode(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        assert meta.decode_block_tables is not None
-        num_seqs, num_q_heads, head_dim = q.shape
-        num_kv_heads = k_cache.shape[2]
-        # [D, blocks, block_size, Hk, hd] -> [D, Hk, L, hd]
-        keys = k_cache[meta.decode_block_tables].flatten(1, 2).transpose(1, 2)
-        values = v_cache[meta.decode_block_tables].flatten(1, 2).transpose(1, 2)
-        # Grouped-query attention without expanding K/V: the query heads of one KV head act as its rows.
-        group_q = q.view(num_seqs, num_kv_heads, num_q_heads // num_kv_heads, head_dim)
+        tables = meta.decode_block_tables
+        assert tables is not None
         mask = meta.cached("torch_decode_mask", _decode_mask)
-        out = F.scaled_dot_product_attention(group_q, keys, values, attn_mask=mask, scale=scale)
-        return out.reshape(num_seqs, num_q_heads, head_dim)
+        # Each row gathers its table's whole width of K and V: a step of many rows (a request's recomputed outputs,
+        # up to the token budget) over long contexts would gather gigabytes at once, so rows go a slice at a time.
+        per_row = 2 * tables.shape[1] * k_cache[0].numel() * k_cache.element_size()
+        rows = max(1, MAX_DECODE_GATHER_BYTES // per_row)
+        if q.shape[0] <= rows:
+            return _decode_rows(q, k_cache, v_cache, tables, mask, scale)
+        return torch.cat([_decode_rows(q[s : s + rows], k_cache, v_cache, tables[s : s + rows], mask[s : s + rows],
+                                       scale) for s in range(0, q.shape[0], rows)])  # fmt: skip
 
     def prefill(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float, out: torch.Tensor) -> None:
         """Writes the rows of every prefill chunk into out."""
@@ -61,6 +63,18 @@ class TorchBackend:
                 ck = k_cache[chunk.block_ids].flatten(0, 1)[: chunk.context_len]
                 cv = v_cache[chunk.block_ids].flatten(0, 1)[: chunk.context_len]
                 out[s:e] = _attend(q[s:e], ck, cv, mask, scale, causal=False)
+
+
+def _decode_rows(q, k_cache, v_cache, tables: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
+    num_seqs, num_q_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[2]
+    # [D, blocks, block_size, Hk, hd] -> [D, Hk, L, hd]
+    keys = k_cache[tables].flatten(1, 2).transpose(1, 2)
+    values = v_cache[tables].flatten(1, 2).transpose(1, 2)
+    # Grouped-query attention without expanding K/V: the query heads of one KV head act as its rows.
+    group_q = q.view(num_seqs, num_kv_heads, num_q_heads // num_kv_heads, head_dim)
+    out = F.scaled_dot_product_attention(group_q, keys, values, attn_mask=mask, scale=scale)
+    return out.reshape(num_seqs, num_q_heads, head_dim)
 
 
 def _decode_mask(meta: AttentionMetadata) -> torch.Tensor:
