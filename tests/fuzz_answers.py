@@ -8,7 +8,7 @@ from collections.abc import Iterator
 
 import httpx
 
-from tests.fuzz_request_strategies import CHAT, CMPL, DETOK, GEN, TOK, Req
+from tests.fuzz_request_strategies import CHAT, CMPL, DETOK, GEN, RESP, TOK, Req
 
 ERROR_KEYS = {"message", "type", "param", "code"}
 FINISH = {"stop", "length"}
@@ -45,6 +45,8 @@ def problems(req: Req, status: int, ctype: str, raw: bytes) -> list[str]:
 
 
 def _bad_200(req: Req, ctype: str, text: str) -> str | None:
+    if req.path == RESP:
+        return _bad_response(ctype, text)
     if ctype.startswith("text/event-stream"):
         events = list(sse_events(text))
         if not events or events[-1] != "[DONE]":
@@ -67,6 +69,23 @@ def _bad_200(req: Req, ctype: str, text: str) -> str | None:
     return f"200 from {req.path}"
 
 
+def _bad_response(ctype: str, text: str) -> str | None:
+    """/v1/responses: a response object that completed (or hit its length limit), whole or as the last of a stream
+    of numbered events (no [DONE] in this API); response.failed after the 200 is a 5xx in all but status."""
+    if ctype.startswith("text/event-stream"):
+        events = [json.loads(e) for e in sse_events(text)]
+        if [e["sequence_number"] for e in events] != list(range(len(events))):
+            return "events out of sequence"
+        if not events or events[-1]["type"] not in RESPONSE_ENDS:
+            return f"stream ends with {events[-1]['type'] if events else 'nothing'}"
+        answer = events[-1]["response"]
+    else:
+        answer = json.loads(text)
+    ok = answer["object"] == "response" and answer["status"] in ("completed", "incomplete") and answer["usage"]
+    return None if ok else f"status {answer['status']}"
+
+
+RESPONSE_ENDS = {"response.completed", "response.incomplete"}
 NO_ANSWER = -1  # send()'s status when the server never answered in full: a timeout (a hang?) or a dropped connection
 
 

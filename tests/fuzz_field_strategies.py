@@ -155,3 +155,46 @@ CLEAN_MESSAGES = st.lists(CLEAN_MESSAGE, min_size=1, max_size=3)
 CLEAN_MODEL = st.sampled_from([MODEL, None])
 CLEAN_MAX_TOKENS = st.integers(1, 8)
 PRESENT = st.sampled_from([True] * 9 + [False])  # a fuzzed required field is left out one time in ten or so
+
+# /v1/responses (frontend/api/protocol_responses.py): input items and the fields a chat request does not have.
+INPUT_PART = weighted(
+    (3, st.fixed_dictionaries({"type": st.sampled_from(["input_text", "output_text"]), "text": field(TEXT)})),
+    (1, st.sampled_from([{"type": "input_image", "image_url": "http://x"}, {"type": "input_text"}, {"text": "hi"}])),
+)
+INPUT_ITEM = weighted(
+    (5, st.fixed_dictionaries({"role": ROLE, "content": weighted((3, TEXT), (2, st.lists(INPUT_PART, max_size=3)),
+                                                                 (1, JUNK))}, optional={"type": st.just("message")})),
+    (1, st.fixed_dictionaries({"type": st.just("function_call"), "call_id": field(TEXT), "name": field(TEXT),
+                               "arguments": field(st.sampled_from(['{"x": 1}', "{", "", "[]"]))})),
+    (1, st.fixed_dictionaries({"type": st.just("function_call_output"), "call_id": field(TEXT),
+                               "output": field(TEXT)})),
+    (1, st.sampled_from([{"type": "reasoning", "summary": []}, {"type": "input_file"}, {"type": None}, {}])),
+    (1, JUNK),
+)
+INPUT = weighted((4, TEXT), (4, st.lists(INPUT_ITEM, min_size=1, max_size=3)), (1, st.just([])), (1, JUNK))
+CLEAN_INPUT = st.one_of(CLEAN_TEXT.map("".join), CLEAN_MESSAGES)
+FUNCTION_TOOL = st.fixed_dictionaries(
+    {"type": st.just("function"), "name": field(st.sampled_from(["get_weather", "f", "bad name", "", "x" * 65]))},
+    optional={"parameters": field(st.sampled_from([{"type": "object", "properties": {"city": {"type": "string"}}},
+                                                   {"type": "string"}, {"type": "object"}, {}]))},
+)
+RESPONSES_FIELDS: dict[str, SearchStrategy[Any]] = {
+    "instructions": TEXT,
+    "temperature": floats(0, 2),
+    "top_p": floats(0, 1),
+    "seed": ints(-(2**63), 2**63 - 1),
+    "tools": weighted((4, st.lists(FUNCTION_TOOL, max_size=2)), (1, st.just([{"type": "web_search"}]))),
+    "tool_choice": st.sampled_from(["auto", "none", "required", "any", {"type": "function", "name": "get_weather"},
+                                    {"type": "function", "name": "nope"}, {"type": "web_search"}]),
+    "parallel_tool_calls": BOOL,
+    "text": st.sampled_from([{"format": {"type": "text"}}, {"format": {"type": "json_object"}}, {"format": {}},
+                             {"format": {"type": "json_schema", "name": "r", "schema": {"type": "object"}}},
+                             {"format": {"type": "json_schema", "schema": {"type": "nonsense"}}}]),
+    "stream": BOOL,
+    "metadata": weighted((3, st.dictionaries(TEXT, TEXT, max_size=3)),
+                         (1, st.builds(lambda n: {f"k{i}": "v" for i in range(n)}, st.sampled_from([16, 17])))),
+    "store": BOOL,
+    "user": TEXT,
+    "previous_response_id": TEXT,
+    "unknown_field": JUNK,
+}

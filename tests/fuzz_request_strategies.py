@@ -12,11 +12,13 @@ from hypothesis.strategies import SearchStrategy
 
 from tests.fuzz_field_strategies import (
     BOOL,
+    CLEAN_INPUT,
     CLEAN_MAX_TOKENS,
     CLEAN_MESSAGES,
     CLEAN_MODEL,
     CLEAN_PROMPT,
     IDS,
+    INPUT,
     JUNK,
     LONG_IDS,
     MAX_TOKENS,
@@ -24,6 +26,7 @@ from tests.fuzz_field_strategies import (
     MODEL_NAME,
     PRESENT,
     PROMPT,
+    RESPONSES_FIELDS,
     SAMPLING,
     TEXT,
     field,
@@ -31,6 +34,7 @@ from tests.fuzz_field_strategies import (
 )
 
 CMPL, CHAT, GEN, TOK, DETOK = "/v1/completions", "/v1/chat/completions", "/generate", "/tokenize", "/detokenize"
+RESP = "/v1/responses"
 
 
 @dataclass(frozen=True)
@@ -114,6 +118,9 @@ TOKENIZE = body(
         "add_generation_prompt": BOOL,
     },
 )
+RESPONSES = body(
+    {"model": MODEL_FIELD, "input": (CLEAN_INPUT, INPUT), "max_output_tokens": MAX_TOKENS_FIELD}, RESPONSES_FIELDS
+)
 DETOKENIZE = body(
     {"model": MODEL_FIELD, "tokens": (IDS, field(st.one_of(IDS, LONG_IDS, st.lists(IDS, max_size=2))))}, {}
 )
@@ -121,8 +128,8 @@ DETOKENIZE = body(
 CONTENT_TYPE = st.sampled_from(["application/json", "application/json", None, "text/plain",
                                 "application/x-www-form-urlencoded", "application/json; charset=utf-8"])  # fmt: skip
 # Mostly the routes that parse bodies; now and then one that takes no POST, or none at all.
-ANY_PATH = st.sampled_from([CMPL, CHAT, GEN, TOK, DETOK, CMPL, CHAT, GEN, TOK, DETOK, "/v1/models", "/health",
-                            "/v1/nothing"])  # fmt: skip
+ANY_PATH = st.sampled_from([CMPL, CHAT, GEN, TOK, DETOK, RESP, CMPL, CHAT, GEN, TOK, DETOK, RESP, "/v1/models",
+                            "/health", "/v1/nothing"])  # fmt: skip
 
 
 def encoded(path: str | SearchStrategy[str], bodies: SearchStrategy[Any]) -> SearchStrategy[Req]:
@@ -131,7 +138,7 @@ def encoded(path: str | SearchStrategy[str], bodies: SearchStrategy[Any]) -> Sea
 
 
 SCHEMA_REQS = st.one_of(encoded(CMPL, COMPLETION), encoded(CHAT, CHAT_BODY), encoded(GEN, GENERATE),
-                        encoded(TOK, TOKENIZE), encoded(DETOK, DETOKENIZE))  # fmt: skip
+                        encoded(TOK, TOKENIZE), encoded(DETOK, DETOKENIZE), encoded(RESP, RESPONSES))  # fmt: skip
 RANDOM_JSON = st.recursive(
     st.none() | st.booleans() | st.integers() | st.floats(allow_subnormal=False) | st.text(max_size=8),
     lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),

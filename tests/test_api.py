@@ -99,7 +99,8 @@ def test_chat_streaming_order_and_usage(server):
     assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 8
     assert all(c["usage"] is None for c in chunks[:-1])
     text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks[:-1])
-    plain = httpx.post(server.url + "/v1/chat/completions", json={**body, "stream": False}, timeout=60).json()
+    plain_body = {**body, "stream": False, "stream_options": None}  # stream_options alone would be a 400
+    plain = httpx.post(server.url + "/v1/chat/completions", json=plain_body, timeout=60).json()
     assert text == plain["choices"][0]["message"]["content"] and text
 
 

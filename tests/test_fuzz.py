@@ -1,5 +1,6 @@
 """Property-based fuzzing of every POST route's request schema: whatever the body, the answer is a 200 that parses
-(SSE ending in [DONE], /generate streams that complete) or an OpenAI-shaped 4xx; never a 5xx, a hang or a leak."""
+(SSE ending in [DONE], /generate streams that complete, Responses event streams that end in a completed response)
+or an OpenAI-shaped 4xx; never a 5xx, a hang or a leak."""
 
 from __future__ import annotations
 
