@@ -8,20 +8,10 @@ from common.messages import Logprobs
 from engine_core.request import Request
 
 
-def is_decode(req: Request, n: int) -> bool:
-    """Whether an entry of n tokens runs as decode rows, each attending to the keys up to its own position, rather
-    than as a prefill chunk: output positions do, prompt positions never (not even the lone last one that a
-    prefix-cache hit leaves). Each position is so computed by the same kernel whether it runs in its first decode
-    or is recomputed after a preemption or an engine restart, and whatever the prefix cache held: the decode and
-    prefill kernels round differently, and a recomputed stream must go on exactly as it would have. A chunk never
-    holds both kinds (Request.next_chunk)."""
-    return req.num_computed_tokens >= req.num_prompt_tokens
-
-
 @dataclass
 class SchedulerOutput:
-    """The batch of one step, decodes first (the runner's decode path relies on it): the entries for which
-    is_decode holds, whose every token is a decode row."""
+    """The batch of one step, decodes first (the runner's decode path relies on it): the entries of requests whose
+    next positions are outputs (Request.decoding), whose every token is a decode row."""
 
     requests: list[Request] = field(default_factory=list)
     num_new_tokens: list[int] = field(default_factory=list)
@@ -39,7 +29,7 @@ class SchedulerOutput:
         self.sample.append(req.num_computed_tokens + n - len(req.draft_token_ids) == req.num_tokens)
 
     def put_decodes_first(self) -> None:
-        order = sorted(range(len(self.requests)), key=lambda i: not is_decode(self.requests[i], self.num_new_tokens[i]))
+        order = sorted(range(len(self.requests)), key=lambda i: not self.requests[i].decoding)
         self.requests = [self.requests[i] for i in order]
         self.num_new_tokens = [self.num_new_tokens[i] for i in order]
         self.sample = [self.sample[i] for i in order]

@@ -16,7 +16,7 @@ import torch
 from common.config import EngineConfig
 from engine_core import distributed, memory_profile
 from engine_core.attention import AttentionBackend, AttentionMetadata, PrefillChunk, select_backend
-from engine_core.batch import SampledTokens, SchedulerOutput, is_decode
+from engine_core.batch import SampledTokens, SchedulerOutput
 from engine_core.cpu_kernels import cpu_kernels
 from engine_core.cuda_graphs import DecodeGraphs
 from engine_core.models.cpu_decode import DecodeStack
@@ -169,7 +169,7 @@ class ModelRunner:
         for req, n, sample in zip(out.requests, out.num_new_tokens, out.sample, strict=True):
             start, end = req.num_computed_tokens, req.num_computed_tokens + n
             drafts = req.draft_token_ids
-            if is_decode(req, n):  # decode rows: each attends to the keys up to its own position
+            if req.decoding:  # decode rows: each attends to the keys up to its own position
                 for p in range(start, end):
                     decode_tables.append(req.block_ids[: p // bs + 1])
                     decode_lens.append(p + 1)

@@ -66,9 +66,18 @@ class Request:
     def output_token_ids(self) -> list[int]:
         return self.token_ids[self.num_prompt_tokens :]
 
+    @property
+    def decoding(self) -> bool:
+        """Whether its next positions are outputs, which run as decode rows (each attending to the keys up to its own
+        position), where prompt positions run as prefill chunks, even the lone last one that a prefix-cache hit
+        leaves. So each position is computed by the same kernel in its first decode and when a preemption or an
+        engine restart recomputes it, whatever the prefix cache held: the decode and prefill kernels round
+        differently, and a recomputed stream must go on exactly as it would have."""
+        return self.num_computed_tokens >= self.num_prompt_tokens
+
     def next_chunk(self, budget: int, computed: int) -> int:
         """How many tokens to compute next, from `computed` on, at most budget: the rest of the prompt, then the
-        rest of the outputs (a recompute), never both at once (batch.is_decode runs them through other kernels)."""
+        rest of the outputs (a recompute), never both at once (they run through other kernels: `decoding`)."""
         end = self.num_prompt_tokens if computed < self.num_prompt_tokens else self.num_tokens
         return min(end - computed, budget)
 

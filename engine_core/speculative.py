@@ -74,8 +74,9 @@ class Speculator:
         self.rows_left = 0 if limit is not None and num_running > limit else self.config.max_rows_per_step - num_running
 
     def draft(self, req: Request, budget: int) -> list[int]:
-        """Draft tokens for a decode of `req` this step."""
-        if not self.takes(req):
+        """Draft tokens for a decode of `req` this step; none beside its last prompt token, which runs as prefill
+        (Request.decoding)."""
+        if not self.takes(req) or not req.decoding:
             return []
         # Every kept token must fit the request's limits, the step's token budget and its rows.
         k = min(self.config.num_speculative_tokens, budget - 1, self.max_model_len - req.num_tokens,

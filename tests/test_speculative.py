@@ -8,7 +8,8 @@ import pytest
 from common.config import EngineConfig, SpeculativeConfig
 from common.messages import EngineRequest, FinishReason, SamplingParams
 from engine_core.core import EngineCore
-from engine_core.speculative import NgramIndex
+from engine_core.request import Request
+from engine_core.speculative import NgramIndex, Speculator
 from tests.engine_helpers import run_engine, save_tiny_llama, tokens_of
 
 SPEC = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1}'
@@ -50,6 +51,19 @@ def test_config_parses_vllm_keys_and_names_what_is_wrong() -> None:
         with pytest.raises(ValueError, match=None) as err:
             SpeculativeConfig.parse(text)
         assert words in str(err.value), (text, err.value)
+
+
+def test_drafts_only_once_the_prompt_is_computed() -> None:
+    """The last prompt token runs as prefill (Request.decoding), so no draft rides beside it; its first decode may."""
+    speculator = Speculator.build(SPEC, max_model_len=256)
+    assert speculator is not None
+    speculator.start_step(num_running=1)
+    req = Request(EngineRequest("r", [1, 2, 3, 9, 1, 2], SamplingParams(max_tokens=8)), 0)
+    req.num_computed_tokens = 5  # a chunk budget left the last prompt token for this step
+    assert speculator.draft(req, budget=100) == []
+    req.token_ids.append(3)
+    req.num_computed_tokens = 6
+    assert speculator.draft(req, budget=100) == [9, 1, 2, 3]
 
 
 @pytest.fixture(scope="module")
