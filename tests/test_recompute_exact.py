@@ -1,8 +1,8 @@
 """A position is computed by the same kernel however it comes to be computed, so a request's tokens and, bit for
 bit, its logprobs do not depend on the prefix cache, on preemption, or on an engine restart (Request.decoding).
 The decode and prefill kernels sum a score's products in another order; with SmolLM2 in bf16 through the C
-kernels (the production CPU path), computing a position in the other kernel moved its logprob by up to 0.04 and
-changed the greedy text of most prompts here. That happened to the lone prompt position a prefix-cache hit leaves
+kernels (the production CPU path), computing a position in the other kernel moved its logprob by up to 0.08 and
+changed the greedy text of some prompts. That happened to the lone prompt position a prefix-cache hit leaves
 one token past a block boundary (it ran as a decode), and to every output position recomputed after a preemption
 or a restart (they ran as prefill)."""
 
