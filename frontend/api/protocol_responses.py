@@ -100,14 +100,11 @@ InputItem = Annotated[
 ]  # fmt: skip
 
 
-class FunctionTool(ApiModel):
-    """The Responses API's flat function tool (chat nests the same fields under `function`)."""
+class FunctionTool(FunctionDefinition):
+    """The Responses API's flat function tool: chat's function definition (its fields and their checks) with the
+    tool's `type` beside them, where chat nests the definition under `function`."""
 
     type: Literal["function"]
-    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
-    description: Text | None = None
-    parameters: dict[str, Any] | None = None
-    strict: bool | None = None
 
 
 class FunctionChoice(ApiModel):
@@ -221,8 +218,8 @@ def chat_request(req: ResponsesRequest) -> ChatCompletionRequest:
     choice = req.tool_choice
     named = NamedToolChoice(type="function", function=NamedFunction(name=choice.name)) \
         if isinstance(choice, FunctionChoice) else choice  # fmt: skip
-    tools = [ToolDefinition(type="function", function=FunctionDefinition(
-        name=t.name, description=t.description, parameters=t.parameters, strict=t.strict)) for t in req.tools or []]
+    tools = [ToolDefinition(type="function", function=FunctionDefinition(**t.model_dump(exclude={"type"})))
+             for t in req.tools or []]
     try:
         return ChatCompletionRequest.model_validate({
             "model": req.model, "messages": _messages(req), "max_completion_tokens": req.max_output_tokens,
