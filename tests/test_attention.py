@@ -115,3 +115,34 @@ def test_long_decodes_attended_in_parts_match_and_do_not_depend_on_the_batch(blo
         alone = AttentionMetadata.build(meta.slot_mapping[s : s + 1], tables[s : s + 1], lens[s : s + 1], [],
                                         block_size)  # fmt: skip
         assert torch.equal(cpu.decode(q[s : s + 1], k_cache, v_cache, alone, 0.125), batch[s : s + 1]), s
+
+
+@pytest.mark.parametrize("block_size", [16, 8])
+def test_rows_on_the_same_blocks_are_attended_together_and_each_as_alone(block_size) -> None:
+    """Consecutive bf16 rows on the same blocks (a request's draft rows, or the outputs a recompute replays) share
+    their key loads in csrc/decode_bf16.c; each row's output stays bit for bit what it is alone. The batch: one
+    sequence's rows 400..699 (across the part boundary, ending in every position of a slice and a block; enough
+    rows that up to 16 threads group them), 12 rows of a sequence that shares the first's first 600 keys (so
+    the two group in the first part only), a row of another sequence, and a long one."""
+    torch.manual_seed(0)
+    q_heads, kv_heads, head_dim = 9, 3, 64
+    width = -(-1200 // block_size)
+    num_blocks = 4 * width
+    perm = torch.randperm(num_blocks)
+    first, other, long = perm[:width], perm[width : 2 * width], perm[2 * width : 3 * width]
+    sharing = torch.cat([first[: 600 // block_size], perm[3 * width : 3 * width + width - 600 // block_size]])
+    rows = [(first, n) for n in range(400, 700)] + [(sharing, n) for n in range(700, 712)] + [(other, 77)]
+    rows += [(long, 1200)]
+    tables = torch.stack([table for table, _ in rows])
+    lens = torch.tensor([n for _, n in rows])
+    k_cache = torch.randn(num_blocks + 1, block_size, kv_heads, head_dim, dtype=torch.bfloat16)
+    v_cache = torch.randn(num_blocks + 1, block_size, kv_heads, head_dim, dtype=torch.bfloat16)
+    q = torch.randn(len(rows), q_heads, head_dim, dtype=torch.bfloat16) * 3
+    cpu, ref = CpuKernelBackend(cpu_kernels(), kernel_prefill=True), TorchBackend()
+    meta = AttentionMetadata.build(torch.full((len(rows),), num_blocks * block_size), tables, lens, [], block_size)
+    batch = cpu.decode(q, k_cache, v_cache, meta, 0.125)
+    assert torch.allclose(batch.float(), ref.decode(q, k_cache, v_cache, meta, 0.125).float(), atol=2e-2, rtol=2e-2)
+    for s in range(len(rows)):
+        alone = AttentionMetadata.build(meta.slot_mapping[s : s + 1], tables[s : s + 1], lens[s : s + 1], [],
+                                        block_size)  # fmt: skip
+        assert torch.equal(cpu.decode(q[s : s + 1], k_cache, v_cache, alone, 0.125), batch[s : s + 1]), s
