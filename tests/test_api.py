@@ -104,6 +104,24 @@ def test_chat_streaming_order_and_usage(server):
     assert text == plain["choices"][0]["message"]["content"] and text
 
 
+def test_chat_echo_leads_with_the_final_assistant_message(client):
+    """vLLM's chat `echo`: with continue_final_message, the open assistant message the model continues is the
+    answer's beginning, streamed in the opening chunk; a final user message is not echoed."""
+    opened = [*CHAT, {"role": "assistant", "content": "The waves"}]
+    kw = {"model": MODEL, "max_tokens": 6, "temperature": 0}
+    cont = {"messages": opened, "extra_body": {"add_generation_prompt": False, "continue_final_message": True}}
+    plain = client.chat.completions.create(**kw, **cont).choices[0].message.content
+    echo_body = {**cont["extra_body"], "echo": True}
+    echoed = client.chat.completions.create(**kw, messages=opened, extra_body=echo_body)
+    assert echoed.choices[0].message.content == "The waves" + plain and plain
+    assert echoed.usage.completion_tokens == 6  # the echo is not a completion token
+    chunks = list(client.chat.completions.create(**kw, messages=opened, extra_body=echo_body, stream=True))
+    assert chunks[0].choices[0].delta.content == "The waves"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == echoed.choices[0].message.content
+    unechoed = client.chat.completions.create(**kw, messages=CHAT, extra_body={"echo": True}).choices[0].message
+    assert unechoed.content == client.chat.completions.create(**kw, messages=CHAT).choices[0].message.content
+
+
 def test_n_choices(client):
     kw = {"model": MODEL, "prompt": STORY, "n": 3, "max_tokens": 3, "temperature": 1.0, "seed": 7,
           "extra_body": {"ignore_eos": True}}  # fmt: skip

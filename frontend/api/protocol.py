@@ -244,6 +244,7 @@ class ChatCompletionRequest(SamplingFields, StructuredFields):
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # vLLM's extension
     add_generation_prompt: bool = True
     continue_final_message: bool = False  # vLLM's: the final message is left open for the model to continue
+    echo: bool = False  # vLLM's: a final assistant message's content leads the answer (with continue_final_message)
     tools: list[ToolDefinition] | None = Field(None, max_length=MAX_TOOLS)
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True

@@ -45,6 +45,9 @@ class ChatFormat:
         make_parser = tools.make_parser() if tools is not None else None
         self.tool_streams = ToolStreams(make_parser) if make_parser is not None else None  # None: plain content
         self.prompt_logprobs_k = req.prompt_logprobs
+        # echo: the final message is the answer's beginning when it is the assistant's (as vLLM echoes it)
+        last = req.messages[-1]
+        self.echo = last.template_dict()["content"] if req.echo and last.role == "assistant" else ""
 
     def _entry(self, token_id: int, logprob: float) -> dict[str, Any]:
         text = self.tok.token_text(token_id)
@@ -63,7 +66,7 @@ class ChatFormat:
         return {"content": content}
 
     def opening(self, index: int) -> dict[str, Any]:
-        return {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+        return {"index": index, "delta": {"role": "assistant", "content": self.echo}, "logprobs": None,
                 "finish_reason": None}  # fmt: skip
 
     def content(self, index: int, delta: Delta) -> list[dict[str, Any]]:
@@ -99,6 +102,8 @@ class ChatFormat:
             if self.tool_streams is not None:
                 parser = self.tool_streams.make_parser()
                 msg, reason = message(parser, c.result.text), finish_reason(parser, reason)
+            if self.echo:
+                msg["content"] = self.echo + (msg["content"] or "")
             out.append({"index": c.index, "message": msg, "logprobs": self._logprobs(c.result),
                         "finish_reason": reason, "stop_reason": c.result.stop_reason})  # fmt: skip
         body = {"object": "chat.completion", "choices": out, "usage": usage}
