@@ -11,7 +11,7 @@ import httpx
 from tests.fuzz_request_strategies import CHAT, CMPL, DETOK, GEN, RESP, TOK, Req
 
 ERROR_KEYS = {"message", "type", "param", "code"}
-FINISH = {"stop", "length"}
+FINISH = {"stop", "length", "function_call"}  # function_call: a legacy `functions` request
 
 
 def sse_events(text: str) -> Iterator[str]:

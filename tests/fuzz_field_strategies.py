@@ -178,6 +178,7 @@ FUNCTION_TOOL = st.fixed_dictionaries(
     optional={"parameters": field(st.sampled_from([{"type": "object", "properties": {"city": {"type": "string"}}},
                                                    {"type": "string"}, {"type": "object"}, {}]))},
 )
+LEGACY_FUNCTION = FUNCTION_TOOL.map(lambda tool: {k: v for k, v in tool.items() if k != "type"})  # chat `functions`
 RESPONSES_FIELDS: dict[str, SearchStrategy[Any]] = {
     "instructions": TEXT,
     "temperature": floats(0, 2),

@@ -20,6 +20,7 @@ from tests.fuzz_field_strategies import (
     IDS,
     INPUT,
     JUNK,
+    LEGACY_FUNCTION,
     LONG_IDS,
     MAX_TOKENS,
     MESSAGES,
@@ -99,6 +100,9 @@ CHAT_BODY = body(
         "add_generation_prompt": BOOL,
         "top_logprobs": LOGPROBS,
         "prompt_logprobs": LOGPROBS,
+        "echo": BOOL,
+        "functions": st.lists(LEGACY_FUNCTION, max_size=2),
+        "function_call": st.sampled_from(["auto", "none", "required", {"name": "get_weather"}, {"name": "nope"}]),
     },
 )
 GENERATE = body(

@@ -153,6 +153,47 @@ def test_hermes_parser_on_the_server(server: Server):
     assert_engine_idle_within(server, 5.0)
 
 
+FUNCTIONS = [t["function"] for t in TOOLS]  # the deprecated `functions` shape
+
+
+def test_legacy_functions_answer_with_function_call(server: Server):
+    """OpenAI's deprecated `functions` / `function_call`: a named function is forced as tool_choice would force it,
+    and the call comes back as message.function_call (streamed: delta.function_call, the name first, then pieces of
+    the arguments) with finish_reason "function_call"; auto with the hermes parser, through the same parser, and
+    a history with a legacy call and its "function" result."""
+    url = server.url + "/v1/chat/completions"
+    body = {"model": MODEL, "messages": ASK, "functions": FUNCTIONS, "function_call": {"name": "get_time"},
+            "max_tokens": 64, "temperature": 0}  # fmt: skip
+    whole = httpx.post(url, json=body, timeout=120).json()["choices"][0]
+    msg = whole["message"]
+    assert whole["finish_reason"] == "function_call" and "tool_calls" not in msg and msg["content"] is None
+    assert msg["function_call"]["name"] == "get_time"
+    jsonschema.validate(json.loads(msg["function_call"]["arguments"]), PARAMETERS["get_time"])
+    with httpx.stream("POST", url, json={**body, "stream": True}, timeout=120) as r:
+        chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    deltas = [c["choices"][0]["delta"] for c in chunks if c["choices"]]
+    pieces = [d["function_call"] for d in deltas if "function_call" in d]
+    assert pieces[0] == {"name": "get_time", "arguments": ""} and all(p.keys() == {"arguments"} for p in pieces[1:])
+    assert "".join(p["arguments"] for p in pieces) == msg["function_call"]["arguments"]
+    assert not any("tool_calls" in d for d in deltas) and chunks[-1]["choices"][0]["finish_reason"] == "function_call"
+
+    regex = re.sub(r"([.{}\[\]])", r"\\\1", HERMES)
+    auto = {**body, "function_call": "auto", "max_tokens": 128, "guided_regex": regex}
+    called = httpx.post(url, json=auto, timeout=120).json()["choices"][0]
+    assert called["finish_reason"] == "function_call" and called["message"]["function_call"] == {
+        "name": "get_weather", "arguments": '{"city": "Paris", "days": 3}'}  # fmt: skip
+
+    history = [*ASK, {"role": "assistant", "content": None, "function_call": {"name": "get_weather",
+               "arguments": '{"city": "Paris", "days": 3}'}}, {"role": "function", "name": "get_weather",
+               "content": "Sunny, 22 C"}]  # fmt: skip
+    reply = httpx.post(url, json={**body, "messages": history, "function_call": "none", "max_tokens": 4}, timeout=120)
+    alone = httpx.post(url, json={**body, "function_call": "none", "max_tokens": 4}, timeout=120)
+    assert reply.status_code == alone.status_code == 200, reply.text
+    # The call and its result are in the prompt (the template writes both).
+    assert reply.json()["usage"]["prompt_tokens"] > alone.json()["usage"]["prompt_tokens"] + 20
+    assert_engine_idle_within(server, 5.0)
+
+
 BAD = [
     ({"tool_choice": "required"}, "tool_choice", "only allowed when tools"),
     ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice", "nope"),
@@ -167,6 +208,13 @@ BAD = [
     ({"messages": [{"role": "tool", "content": "22 C"}]}, "messages", "tool_call_id"),
     ({"messages": [{"role": "assistant", "tool_calls": [{"id": "c", "function": {"name": "f"}}]}]}, "messages",
      "arguments"),
+    ({"functions": FUNCTIONS, "tools": TOOLS}, "functions", "not both"),
+    ({"function_call": "auto"}, "function_call", "only allowed when functions"),
+    ({"functions": FUNCTIONS, "function_call": {"name": "nope"}}, "function_call", "nope"),
+    ({"functions": FUNCTIONS, "function_call": "required"}, "function_call", "function_call"),
+    ({"messages": [{"role": "function", "content": "22 C"}]}, "messages", "name of the function"),
+    ({"messages": [{"role": "user", "content": "hi", "function_call": {"name": "f", "arguments": "{}"}}]},
+     "messages", "only assistant messages"),
 ]
 
 

@@ -196,21 +196,28 @@ class ToolCall(ApiModel):
 
 
 class ChatMessage(ApiModel):
-    role: Literal["system", "developer", "user", "assistant", "tool"]
+    role: Literal["system", "developer", "user", "assistant", "tool", "function"]  # "function": legacy tool results
     content: Text | list[TextPart] | None = None
     name: Text | None = None
     tool_calls: list[ToolCall] | None = Field(None, max_length=MAX_TOOLS)  # assistant messages only
     tool_call_id: Text | None = None  # tool messages: the call this answers
+    function_call: FunctionCall | None = None  # assistant messages only: the legacy form of one tool call
 
     def template_dict(self) -> dict[str, Any]:
         """What chat templates expect: string content (null content, as beside tool calls, is ""); OpenAI's newer
-        "developer" role is a system prompt; tool calls and tool results in the shape HF templates read."""
+        "developer" role is a system prompt; tool calls and tool results in the shape HF templates read (the legacy
+        function call and function result as a tool call and a tool result)."""
         content = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content or [])
-        out: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role, "content": content}
+        role = {"developer": "system", "function": "tool"}.get(self.role, self.role)
+        out: dict[str, Any] = {"role": role, "content": content}
+        if self.function_call is not None:
+            out["tool_calls"] = [ToolCall(id="call_0", function=self.function_call).template_dict()]
         if self.tool_calls:
             out["tool_calls"] = [c.template_dict() for c in self.tool_calls]
         if self.tool_call_id is not None:
             out["tool_call_id"] = self.tool_call_id
+        if self.role == "function":
+            out["name"] = self.name
         return out
 
 
@@ -248,6 +255,9 @@ class ChatCompletionRequest(SamplingFields, StructuredFields):
     tools: list[ToolDefinition] | None = Field(None, max_length=MAX_TOOLS)
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
+    # OpenAI's deprecated forms of tools and tool_choice: at most one call, answered as message.function_call
+    functions: list[FunctionDefinition] | None = Field(None, max_length=MAX_TOOLS)
+    function_call: Literal["none", "auto"] | NamedFunction | None = None
 
 
 class GenerateRequest(SamplingFields):

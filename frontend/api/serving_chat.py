@@ -16,8 +16,8 @@ from frontend.engine.fanout import Choice, FanOut
 from frontend.engine.request_stream import Delta
 from frontend.errors import bad_request
 from frontend.text.tokenizer import TokenizerError
-from frontend.tools.tool_calls import ToolPlan, plan_tools
-from frontend.tools.tool_stream import ToolStreams, finish_reason, message
+from frontend.tools.tool_calls import ToolPlan, functions_as_tools, plan_tools
+from frontend.tools.tool_stream import ToolStreams, as_function_call, finish_reason, legacy_finish_reason, message
 
 
 def chat_prompt(ctx: ServingContext, messages: list[ChatMessage], add_generation_prompt: bool = True,
@@ -45,6 +45,7 @@ class ChatFormat:
         make_parser = tools.make_parser() if tools is not None else None
         self.tool_streams = ToolStreams(make_parser) if make_parser is not None else None  # None: plain content
         self.prompt_logprobs_k = req.prompt_logprobs
+        self.legacy_functions = req.functions is not None  # calls are answered as function_call
         # echo: the final message is the answer's beginning when it is the assistant's (as vLLM echoes it)
         last = req.messages[-1]
         self.echo = last.template_dict()["content"] if req.echo and last.role == "assistant" else ""
@@ -72,6 +73,8 @@ class ChatFormat:
     def content(self, index: int, delta: Delta) -> list[dict[str, Any]]:
         if self.tool_streams is not None:  # the text goes through the choice's tool-call parser
             deltas = self.tool_streams.deltas(index, delta.text, delta.finish_reason is not None)
+            if self.legacy_functions:
+                deltas = [d for d in map(as_function_call, deltas) if d is not None]
             logprobs = self._logprobs(delta)
             if not deltas and logprobs is not None and logprobs["content"]:
                 deltas = [{}]
@@ -92,6 +95,8 @@ class ChatFormat:
         reason = delta.finish_reason
         if self.tool_streams is not None:
             reason = self.tool_streams.finish_reason(index, reason)
+        if self.legacy_functions:
+            reason = legacy_finish_reason(reason)
         return {"index": index, "delta": {}, "logprobs": None, "finish_reason": reason,
                 "stop_reason": delta.stop_reason}  # fmt: skip
 
@@ -102,6 +107,8 @@ class ChatFormat:
             if self.tool_streams is not None:
                 parser = self.tool_streams.make_parser()
                 msg, reason = message(parser, c.result.text), finish_reason(parser, reason)
+                if self.legacy_functions:
+                    msg, reason = as_function_call(msg) or msg, legacy_finish_reason(reason)
             if self.echo:
                 msg["content"] = self.echo + (msg["content"] or "")
             out.append({"index": c.index, "message": msg, "logprobs": self._logprobs(c.result),
@@ -120,6 +127,7 @@ async def start_chat(ctx: ServingContext, req: ChatCompletionRequest, rid: str) 
         raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
     check_stream(req.prompt_logprobs, req.stream)
     check_stream_options(req)
+    req = functions_as_tools(req)
     # Tool schemas are checked off the event loop: a large one takes a while.
     tools = await off_loop(plan_tools, req, ctx.tool_call_parser) if req.tools else plan_tools(req, None)
     await ctx.admit(req.n)

@@ -13,7 +13,14 @@ from typing import Any, Literal
 import jsonschema
 
 from common.messages import StructuredOutput
-from frontend.api.protocol import ChatCompletionRequest, ChatMessage, FunctionDefinition, ToolDefinition
+from frontend.api.protocol import (
+    ChatCompletionRequest,
+    ChatMessage,
+    FunctionDefinition,
+    NamedFunction,
+    NamedToolChoice,
+    ToolDefinition,
+)
 from frontend.errors import bad_request
 from frontend.tools.tool_forced import ForcedCallsParser, NamedCallParser
 from frontend.tools.tool_parsers import HermesParser, ToolParser
@@ -98,10 +105,32 @@ def check_tools(tools: list[ToolDefinition]) -> None:
 
 def check_messages(messages: list[ChatMessage]) -> None:
     for i, m in enumerate(messages):
-        if m.tool_calls and m.role != "assistant":
-            raise bad_request(f"messages[{i}]: only assistant messages carry tool_calls", "messages")
+        if (m.tool_calls or m.function_call) and m.role != "assistant":
+            raise bad_request(f"messages[{i}]: only assistant messages carry tool_calls or a function_call",
+                              "messages")  # fmt: skip
         if m.role == "tool" and m.tool_call_id is None:
             raise bad_request(f"messages[{i}]: a tool message needs the tool_call_id it answers", "messages")
+        if m.role == "function" and m.name is None:
+            raise bad_request(f"messages[{i}]: a function message needs the name of the function it answers",
+                              "messages")  # fmt: skip
+
+
+def functions_as_tools(req: ChatCompletionRequest) -> ChatCompletionRequest:
+    """OpenAI's deprecated `functions` and `function_call` as the tools and tool_choice they became, with one call
+    at most (the legacy answer holds one function_call)."""
+    if req.functions is None:
+        if req.function_call is not None:
+            raise bad_request("function_call is only allowed when functions are given", "function_call")
+        return req
+    if req.tools is not None or req.tool_choice is not None:
+        raise bad_request("give either functions and function_call (deprecated) or tools and tool_choice, not both",
+                          "functions")  # fmt: skip
+    choice = req.function_call
+    if isinstance(choice, NamedFunction) and all(f.name != choice.name for f in req.functions):
+        raise bad_request(f"function_call names {choice.name!r}, which is not among the functions", "function_call")
+    named = NamedToolChoice(type="function", function=choice) if isinstance(choice, NamedFunction) else choice
+    tools = [ToolDefinition(type="function", function=f) for f in req.functions]
+    return req.model_copy(update={"tools": tools, "tool_choice": named, "parallel_tool_calls": False})
 
 
 def _hoist_defs(parameters: dict[str, Any], prefix: str) -> tuple[dict[str, Any], dict[str, Any]]:

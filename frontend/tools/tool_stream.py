@@ -54,6 +54,24 @@ def message(parser: ToolParser, text: str) -> dict[str, Any]:
     return out
 
 
+def as_function_call(delta: dict[str, Any]) -> dict[str, Any] | None:
+    """A delta or message in the legacy form (request `functions`): its first call as `function_call` (name and
+    arguments, or a piece of the arguments), or None for a delta of a later call, which that form cannot hold."""
+    calls = delta.get("tool_calls")
+    if not calls:
+        return delta
+    if calls[0].get("index", 0) != 0:
+        return None
+    out = {k: v for k, v in delta.items() if k != "tool_calls"}
+    fn = calls[0]["function"]
+    out["function_call"] = {"name": fn["name"], "arguments": fn["arguments"]} if "name" in fn else fn
+    return out
+
+
+def legacy_finish_reason(reason: str | None) -> str | None:
+    return "function_call" if reason == "tool_calls" else reason
+
+
 class ToolStreams:
     """The parsers of one streamed request's choices."""
 
