@@ -172,7 +172,8 @@ class Launch:
         tokenizer = Tokenizer(source.path, parse_special_in_content=self.config.parse_special_tokens_in_content,
                               chat_template=self.config.chat_template)  # fmt: skip
         ctx = ServingContext(self.client, tokenizer, model_name, ready.max_model_len, ready.vocab_size,
-                             tool_call_parser=self.config.tool_call_parser)  # fmt: skip
+                             tool_call_parser=self.config.tool_call_parser,
+                             priority_scheduling=self.engine_config.scheduling_policy == "priority")  # fmt: skip
         app = create_app(ctx, self.config, metrics)
         self.server = _Server(uvicorn.Config(app, host=self.config.host, port=self.config.port, lifespan="off",
                                              log_level=self.config.log_level,

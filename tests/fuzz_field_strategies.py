@@ -112,8 +112,12 @@ SAMPLING: dict[str, SearchStrategy[Any]] = {
     "user": TEXT,
     "stream": BOOL,
     "stream_options": STREAM_OPTIONS,
+    "priority": ints(-1, 1),  # the fuzzed server schedules fcfs: any but 0 is a 400
+    "truncate_prompt_tokens": ints(-1, 4),
     "unknown_field": JUNK,  # ignored (extra="ignore"), whatever it holds
 }
+TEMPLATE_KWARGS = st.sampled_from([{}, {"enable_thinking": True}, {"x": [1, "<|im_end|>"]}, {"messages": []},
+                                   {"bos_token": "x"}, {"deep": {"a": {"b": 1}}}, {"x": float("nan")}])  # fmt: skip
 
 ROLE = weighted((4, st.sampled_from(["user", "system", "assistant", "developer"])),
                 (1, field(st.sampled_from(["tool", "function", "wizard", "", "USER", " user"]))))  # fmt: skip

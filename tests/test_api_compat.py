@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
+from collections.abc import Iterator
 
 import httpx
 import openai
@@ -106,6 +108,72 @@ def test_stop_reason_is_null_on_eos_and_the_id_on_a_stop_token(server: Server):
     ids = post(server, "/tokenize", {"prompt": text, "add_special_tokens": False}).json()["tokens"]
     stopped = post(server, CHAT, {**body, "stop_token_ids": [ids[-1]]}).json()["choices"][0]
     assert stopped["finish_reason"] == "stop" and stopped["stop_reason"] == ids[-1], stopped
+
+
+def test_truncate_prompt_tokens_keeps_the_prompts_end(server: Server):
+    ids = post(server, "/tokenize", {"prompt": "Once upon a time, there was a dragon who lived alone"}).json()["tokens"]
+    body = {"prompt": ids, "max_tokens": 2, "temperature": 0, "echo": True, "truncate_prompt_tokens": 4}
+    r = post(server, CMPL, body).json()
+    kept = post(server, "/detokenize", {"tokens": ids[-4:]}).json()["prompt"]
+    assert r["usage"]["prompt_tokens"] == 4 and r["choices"][0]["text"].startswith(kept), r
+    as_text = post(server, CMPL, {**body, "prompt": post(server, "/detokenize", {"tokens": ids}).json()["prompt"]})
+    assert as_text.json()["choices"][0]["text"] == r["choices"][0]["text"]  # echoed: the kept part, not the whole
+    whole = post(server, CHAT, {"messages": HI, "max_tokens": 1}).json()["usage"]["prompt_tokens"]
+    chat = post(server, CHAT, {"messages": HI, "max_tokens": 1, "truncate_prompt_tokens": 3}).json()
+    assert chat["usage"]["prompt_tokens"] == 3 < whole, chat
+    r = post(server, CMPL, {**body, "truncate_prompt_tokens": 0})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "truncate_prompt_tokens", r.text
+
+
+def test_priority_needs_the_priority_policy(server: Server):
+    """As vLLM: a priority the scheduler would ignore is refused."""
+    assert post(server, CHAT, {"messages": HI, "max_tokens": 1, "priority": 0}).status_code == 200
+    r = post(server, CHAT, {"messages": HI, "max_tokens": 1, "priority": -3})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "priority", r.text
+    assert "--scheduling-policy priority" in r.json()["error"]["message"]
+
+
+@pytest.fixture(scope="module")
+def priority_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    s = Server(tmp_path_factory.mktemp("priority"), "--scheduling-policy", "priority", "--max-num-seqs", "1")
+    yield s.wait_healthy()
+    s.assert_clean_exit()
+
+
+def test_priority_orders_the_queue(priority_server: Server):
+    """With one request running (--max-num-seqs 1), of two that queue behind it the lower priority value runs first,
+    though it came last."""
+    body = {"model": MODEL, "messages": HI, "temperature": 0, "ignore_eos": True}
+
+    async def run() -> list[str]:
+        done: list[str] = []
+        async with httpx.AsyncClient(base_url=priority_server.url, timeout=120) as client:
+            async def finish(name: str, **extra) -> None:
+                r = await client.post(CHAT, json={**body, "max_tokens": 8, **extra})
+                assert r.status_code == 200, r.text
+                done.append(name)
+
+            async with client.stream("POST", CHAT, json={**body, "max_tokens": 200, "stream": True}) as first:
+                lines = first.aiter_lines()
+                while not (await anext(lines)).startswith("data: "):  # running: it holds the one slot
+                    pass
+                late = asyncio.ensure_future(finish("late", priority=5))
+                await asyncio.sleep(0.2)
+                urgent = asyncio.ensure_future(finish("urgent", priority=-5))
+                async for _ in lines:
+                    pass
+            done.append("first")
+            await asyncio.gather(late, urgent)
+        return done
+
+    assert asyncio.run(run()) == ["first", "urgent", "late"]
+
+
+def test_chat_template_kwargs_may_not_replace_the_servers_variables(server: Server):
+    ok = post(server, CHAT, {"messages": HI, "max_tokens": 1, "chat_template_kwargs": {"enable_thinking": False}})
+    assert ok.status_code == 200, ok.text
+    r = post(server, CHAT, {"messages": HI, "max_tokens": 1, "chat_template_kwargs": {"messages": []}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "chat_template_kwargs", r.text
 
 
 def test_suffix_is_refused_as_vllm_does(server: Server):

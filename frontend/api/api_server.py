@@ -102,7 +102,7 @@ def create_app(ctx: ServingContext, config: ServerConfig, metrics: Metrics) -> F
             raise bad_request("give exactly one of prompt and messages", "prompt")
         if req.messages is not None:
             ids = await off_loop(chat_prompt, ctx, req.messages, req.add_generation_prompt, None,
-                                 req.continue_final_message)  # fmt: skip
+                                 req.continue_final_message, req.chat_template_kwargs)  # fmt: skip
         else:
             ids = await off_loop(ctx.tokenizer.encode, req.prompt or "", req.add_special_tokens)
         return {"tokens": ids, "count": len(ids), "max_model_len": ctx.max_model_len}
@@ -120,7 +120,7 @@ def create_app(ctx: ServingContext, config: ServerConfig, metrics: Metrics) -> F
             raise bad_request("/generate makes one completion; use /v1/completions for n > 1", "n")
         await ctx.admit(1)
         prompt = await off_loop(ctx.tokenizer.encode, req.prompt) if isinstance(req.prompt, str) else list(req.prompt)
-        ctx.check_prompt(prompt, "prompt")
+        prompt = ctx.check_prompt(prompt, "prompt", req.truncate_prompt_tokens)
         params = ctx.sampling_params(req, ctx.max_tokens(len(prompt), req.max_tokens, "max_tokens"), None)
         return stream_text(await ctx.fan_out(f"gen-{raw.state.request_id}", [prompt], req, params))
 

@@ -31,6 +31,10 @@ def _valid_text(text: str) -> str:
 
 
 Text = Annotated[str, AfterValidator(_valid_text)]
+# vLLM's chat_template_kwargs: extra variables for the chat template (e.g. Qwen3's enable_thinking), shallow JSON.
+TemplateScalar = Text | bool | int | float | None
+TemplateKwargs = Annotated[dict[Text, TemplateScalar | list[TemplateScalar] | dict[Text, TemplateScalar]],
+                           Field(max_length=64)]  # fmt: skip
 StopText = Annotated[Text, Field(max_length=MAX_STOP_CHARS)]
 # OpenAI: token id (a JSON key, so a string) -> bias added to its logit before sampling.
 LogitBias = Annotated[dict[int, Annotated[float, Field(ge=-100, le=100)]], Field(max_length=MAX_LOGIT_BIAS)]
@@ -86,6 +90,10 @@ class SamplingFields(ApiModel):
     user: Text | None = None
     stream: bool | None = False
     stream_options: StreamOptions | None = None
+    # vLLM's: under --scheduling-policy priority, lower values are served first and preempted last
+    priority: int = Field(0, ge=-(2**31), le=2**31 - 1)
+    # vLLM's: only the prompt's last k tokens are kept (-1: as many as the context holds)
+    truncate_prompt_tokens: int | None = Field(None, ge=-1)
 
     @property
     def stop_strings(self) -> list[str]:
@@ -252,6 +260,7 @@ class ChatCompletionRequest(SamplingFields, StructuredFields):
     add_generation_prompt: bool = True
     continue_final_message: bool = False  # vLLM's: the final message is left open for the model to continue
     echo: bool = False  # vLLM's: a final assistant message's content leads the answer (with continue_final_message)
+    chat_template_kwargs: TemplateKwargs | None = None
     tools: list[ToolDefinition] | None = Field(None, max_length=MAX_TOOLS)
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
@@ -274,6 +283,7 @@ class TokenizeRequest(ApiModel):
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    chat_template_kwargs: TemplateKwargs | None = None
 
 
 class DetokenizeRequest(ApiModel):

@@ -32,6 +32,7 @@ class ServingContext:
     max_model_len: int
     vocab_size: int
     tool_call_parser: str | None = None  # --tool-call-parser: reads calls in the model's own format (tool_choice auto)
+    priority_scheduling: bool = False  # --scheduling-policy priority: requests' `priority` orders the engine's queue
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:
@@ -42,10 +43,17 @@ class ServingContext:
         if bad is not None:
             raise bad_request(f"token id {bad} is outside the vocabulary [0, {self.vocab_size})", param)
 
-    def check_prompt(self, ids: list[int], param: str) -> None:
+    def check_prompt(self, ids: list[int], param: str, keep: int | None = None) -> list[int]:
+        """The prompt's ids, checked; with vLLM's truncate_prompt_tokens (`keep`), only its last `keep` tokens (-1:
+        as many as the context holds)."""
+        if keep is not None:
+            if keep == 0:
+                raise bad_request("truncate_prompt_tokens must be -1 or at least 1", "truncate_prompt_tokens")
+            ids = ids[-(self.max_model_len if keep == -1 else keep) :]
         if not ids:
             raise bad_request(f"{param} is empty", param)
         self.check_token_ids(ids, param)
+        return ids
 
     def max_tokens(self, prompt_len: int, requested: int | None, param: str) -> int:
         """The requested budget (default: the rest of the context), checked against max_model_len."""
@@ -81,6 +89,12 @@ class ServingContext:
         except (EngineUnavailable, QueueFull) as exc:
             raise _unavailable(exc) from exc
 
+    def priority(self, req: SamplingFields) -> int:
+        if req.priority != 0 and not self.priority_scheduling:  # as vLLM: it would be ignored
+            raise bad_request("priority scheduling is not enabled (start the server with --scheduling-policy "
+                              "priority)", "priority")  # fmt: skip
+        return req.priority
+
     async def fan_out(self, request_id: str, prompts: list[list[int]], req: SamplingFields,
                       params: SamplingParams) -> FanOut:  # fmt: skip
         def detokenizer(prompt: list[int]) -> IncrementalDetokenizer:
@@ -90,7 +104,7 @@ class ServingContext:
         try:
             await self.client.wait_available()
             return FanOut(self.client, request_id, prompts, req.n, params, detokenizer,
-                          req.include_stop_str_in_output)  # fmt: skip
+                          req.include_stop_str_in_output, self.priority(req))  # fmt: skip
         except (EngineUnavailable, QueueFull) as exc:  # the capacity others took while this one tokenized
             raise _unavailable(exc) from exc
         except ValueError as exc:  # a request id (X-Request-Id) that is already in flight

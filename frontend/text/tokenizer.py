@@ -21,6 +21,10 @@ class TokenizerError(RuntimeError):
     pass
 
 
+class TemplateKwargsError(TokenizerError):
+    """chat_template_kwargs that would replace a variable the server sets."""
+
+
 def _token_text(value: Any) -> str | None:
     """tokenizer_config.json writes special tokens either as strings or as AddedToken dicts."""
     if isinstance(value, dict):
@@ -114,16 +118,20 @@ class Tokenizer:
         return self._tok.decode([token_id], skip_special_tokens=False)
 
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-                            tools: list[dict[str, Any]] | None = None,
-                            continue_final_message: bool = False) -> str:  # fmt: skip
+                            tools: list[dict[str, Any]] | None = None, continue_final_message: bool = False,
+                            template_kwargs: dict[str, Any] | None = None) -> str:  # fmt: skip
         """`tools`: function definitions in HF's shape ({"type": "function", "function": {...}}), or None.
-        `continue_final_message`: the text ends with the final message's content, left open (as transformers)."""
+        `continue_final_message`: the text ends with the final message's content, left open (as transformers).
+        `template_kwargs`: more variables for the template; none may replace the ones set here."""
         if self._template is None:
             raise TokenizerError("this model has no chat template; use /v1/completions")
+        ours = {"messages": messages, "tools": tools, "add_generation_prompt": add_generation_prompt,
+                **self.special_tokens}  # fmt: skip
+        taken = sorted(ours.keys() & (template_kwargs or {}).keys())
+        if taken:
+            raise TemplateKwargsError(f"chat_template_kwargs may not set {', '.join(taken)}")
         try:
-            text = self._template.render(
-                messages=messages, tools=tools, add_generation_prompt=add_generation_prompt, **self.special_tokens
-            )
+            text = self._template.render(**(template_kwargs or {}), **ours)
             return _open_final_message(text, messages) if continue_final_message else text
         except jinja2.TemplateError as exc:  # the template rejected the conversation (e.g. role order)
             raise TokenizerError(f"chat template: {exc}") from exc
@@ -131,11 +139,13 @@ class Tokenizer:
             raise TokenizerError(f"chat template failed on this conversation: {exc}") from exc
 
     def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-                    tools: list[dict[str, Any]] | None = None,
-                    continue_final_message: bool = False) -> list[int]:  # fmt: skip
+                    tools: list[dict[str, Any]] | None = None, continue_final_message: bool = False,
+                    template_kwargs: dict[str, Any] | None = None) -> list[int]:  # fmt: skip
         """The chat prompt's ids. Special tokens the template writes are control tokens; special-token text inside
-        the messages and tools (content, name, any string) is plain text, as the OpenAI API treats message content."""
-        text = self.apply_chat_template(messages, add_generation_prompt, tools, continue_final_message)
+        the messages, tools and template kwargs (content, name, any string) is plain text, as the OpenAI API treats
+        message content."""
+        text = self.apply_chat_template(messages, add_generation_prompt, tools, continue_final_message,
+                                        template_kwargs)  # fmt: skip
         # Each string that holds special-token text is swapped for a unique marker, to learn where the template
         # writes it; the nonce keeps a user from writing a marker themselves.
         nonce = secrets.token_hex(8)
@@ -147,7 +157,7 @@ class Tokenizer:
             strings.append(value)
             return f"\ue000{nonce}:{len(strings) - 1}\ue001"
 
-        marked, marked_tools = _map_strings([messages, tools], marker)
+        marked, marked_tools, marked_kwargs = _map_strings([messages, tools, template_kwargs], marker)
         if self.parse_special_in_content or not strings:
             # The common case: the same ids as encoding the rendered string (as transformers does). The template
             # already wrote every special token (BOS included) the model expects.
@@ -156,7 +166,8 @@ class Tokenizer:
         # definitions and call arguments, written with tojson) JSON-escaped. If putting the strings back does not
         # give the same text, the template changed or inspected them: refuse rather than guess which characters
         # came from the user.
-        marked_text = self.apply_chat_template(marked, add_generation_prompt, marked_tools, continue_final_message)
+        marked_text = self.apply_chat_template(marked, add_generation_prompt, marked_tools, continue_final_message,
+                                               marked_kwargs)  # fmt: skip
         parts = re.split(f"\ue000{nonce}:(\\d+)\ue001", marked_text)
         spans: list[str] = []
         at = 0
