@@ -43,6 +43,7 @@ class SamplingParams(_Msg, frozen=True):
     repetition_penalty: float = 1.0
     logprobs: int | None = None  # top-n alternatives besides the chosen token; 0 = chosen only
     logit_bias: dict[int, float] = {}  # token id -> bias added to its logit before sampling (OpenAI's)
+    allowed_token_ids: list[int] = []  # vLLM's: only these may be sampled (empty: any)
     structured: StructuredOutput | None = None  # constrained decoding (response_format, guided_*, tool_choice)
     prompt_logprobs: int | None = None  # the prompt tokens' logprobs with top-k alternatives; 0 = own only
 

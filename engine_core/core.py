@@ -116,6 +116,7 @@ class EngineCore:
             ("stop_token_ids", len(p.stop_token_ids) <= MAX_STOP_TOKEN_IDS and self._in_vocab(p.stop_token_ids)),
             ("logprobs", all(n is None or 0 <= n <= MAX_LOGPROBS for n in (p.logprobs, p.prompt_logprobs))),
             ("logit_bias", bias_ok),
+            ("allowed_token_ids", len(p.allowed_token_ids) <= self.vocab_size and self._in_vocab(p.allowed_token_ids)),
         ]
 
     def add_request(self, msg: EngineRequest) -> None:

@@ -1,4 +1,4 @@
-"""Batched sampling: per-request logits processors (penalties, logit_bias, min_tokens), temperature,
+"""Batched sampling: per-request logits processors (penalties, logit_bias, allowed_token_ids, min_tokens), temperature,
 top-k / top-p / min-p, seeded draws, and logprobs.
 
 A seeded request's randomness is a function of (seed, output position) only, so it draws the same
@@ -107,7 +107,8 @@ def _needs_penalty(p: SamplingParams) -> bool:
 
 def needs_processing(p: SamplingParams) -> bool:
     """Whether any processor changes this request's row (a new processor adds its condition here)."""
-    return _needs_penalty(p) or bool(p.logit_bias) or p.min_tokens > 0 or p.structured is not None
+    return (_needs_penalty(p) or bool(p.logit_bias) or bool(p.allowed_token_ids) or p.min_tokens > 0
+            or p.structured is not None)  # fmt: skip
 
 
 def _penalize(row: torch.Tensor, req: Request) -> None:
@@ -133,6 +134,16 @@ def _add_logit_bias(row: torch.Tensor, req: Request) -> None:
         row[ids] += torch.tensor(list(bias.values()), dtype=row.dtype, device=row.device)
 
 
+def _keep_allowed(row: torch.Tensor, req: Request) -> None:
+    """vLLM's allowed_token_ids: every other token masked out (the engine checked the ids)."""
+    allowed = req.params.allowed_token_ids
+    if allowed:
+        ids = torch.tensor(allowed, dtype=torch.long, device=row.device)
+        kept = row[ids]
+        row.fill_(float("-inf"))
+        row[ids] = kept
+
+
 def _ban_early_stops(row: torch.Tensor, req: Request) -> None:
     """EOS / stop ids held back until min_tokens is reached. Last, so that no bias can lift the ban."""
     p = req.params
@@ -142,7 +153,7 @@ def _ban_early_stops(row: torch.Tensor, req: Request) -> None:
             row[banned] = float("-inf")
 
 
-LOGITS_PROCESSORS = (_penalize, _add_logit_bias, _ban_early_stops)
+LOGITS_PROCESSORS = (_penalize, _add_logit_bias, _keep_allowed, _ban_early_stops)
 
 
 def _top_k_top_p(probs: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:

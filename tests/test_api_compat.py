@@ -133,6 +133,25 @@ def test_priority_needs_the_priority_policy(server: Server):
     assert "--scheduling-policy priority" in r.json()["error"]["message"]
 
 
+def test_allowed_token_ids_hold_every_token(server: Server):
+    """vLLM's allowed_token_ids: sampled at temperature 1, every token is one of them (their logprobs' tokens say
+    which); an id outside the vocabulary and an empty list are 400s."""
+    allowed = post(server, "/tokenize", {"prompt": " cat dog bird", "add_special_tokens": False}).json()["tokens"]
+    texts = {post(server, "/detokenize", {"tokens": [t]}).json()["prompt"] for t in allowed}
+    body = {"prompt": "Name an animal:", "max_tokens": 12, "temperature": 1, "ignore_eos": True, "logprobs": 0,
+            "allowed_token_ids": allowed, "n": 3, "seed": 1}  # fmt: skip
+    r = post(server, CMPL, body).json()
+    tokens = [t for c in r["choices"] for t in c["logprobs"]["tokens"]]
+    assert len(tokens) == 36 and set(tokens) <= texts, (tokens, texts)
+    chat = post(server, CHAT, {"messages": HI, "max_tokens": 6, "ignore_eos": True, "allowed_token_ids": allowed[:1],
+                               "temperature": 0}).json()  # fmt: skip
+    assert chat["choices"][0]["message"]["content"] == post(server, "/detokenize", {"tokens": allowed[:1] * 6}).json()[
+        "prompt"]  # fmt: skip
+    for bad in ([], [10**6]):
+        r = post(server, CMPL, {**body, "allowed_token_ids": bad})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "allowed_token_ids", r.text
+
+
 @pytest.fixture(scope="module")
 def priority_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     s = Server(tmp_path_factory.mktemp("priority"), "--scheduling-policy", "priority", "--max-num-seqs", "1")

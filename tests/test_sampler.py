@@ -109,6 +109,19 @@ def test_logit_bias_leaves_other_rows_alone() -> None:
     assert [tokens[0], tokens[2]] == alone[0] and [logprobs[0], logprobs[2]] == alone[1]
 
 
+def test_allowed_token_ids_hold_every_draw_and_the_stop_ban_holds_within_them() -> None:
+    logits = [[9.0, 0, 3.0, 8.0, 1.0, 0, 0, 0]]
+    (tok,), (lp,) = sample(logits, [req(SamplingParams(temperature=0, allowed_token_ids=[2, 4], logprobs=0))])
+    assert tok == 2
+    # Logprobs stay those of the raw logits, before any processor.
+    assert lp is not None and abs(lp.token_logprobs[0] - torch.log_softmax(torch.tensor(logits[0]), -1)[2]) < 1e-6
+    params = SamplingParams(temperature=1.0, allowed_token_ids=[1, 4, 6])
+    assert {sample([[1.0] * V], [req(params)], seed)[0][0] for seed in range(40)} == {1, 4, 6}
+    # EOS (0) allowed, but held back by min_tokens.
+    (tok,), _ = sample(logits, [req(SamplingParams(temperature=0, min_tokens=1, allowed_token_ids=[0, 4]))])
+    assert tok == 4
+
+
 def test_top_k_beyond_the_vocabulary_is_clamped() -> None:
     logits = [[4.0, 3.9, 3.8, 0, 0, 0, 0, 0]]
     for top_k in (10**6, 2**63):  # 2**63 does not fit an int64 tensor: the clamp keeps it out of one

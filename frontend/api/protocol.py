@@ -15,6 +15,7 @@ MAX_N = 64  # choices per request: each is an engine request
 MAX_STOP = 16  # stop strings (checked every token) and stop token ids
 MAX_STOP_CHARS = 4096  # per stop string: the matcher's tables are built per request
 MAX_TOOLS = 128  # tool definitions per request, as OpenAI
+MAX_ALLOWED_TOKENS = 1 << 18  # allowed_token_ids: more than any vocabulary we serve
 MAX_CHOICES = 1024  # guided_choice strings
 MIN_TOP_P = 1e-6  # any smaller keeps only the top token too; subnormals would read as 0 in the engine (flush-to-zero)
 SEED_BOUNDS = {"ge": -(2**63), "le": 2**63 - 1}  # what the wire (msgpack int64) carries
@@ -83,6 +84,7 @@ class SamplingFields(ApiModel):
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
     repetition_penalty: float | None = Field(None, ge=0.01, le=2)  # 1 is off; a tiny divisor makes logits inf
     logit_bias: LogitBias | None = None
+    allowed_token_ids: list[int] | None = Field(None, min_length=1, max_length=MAX_ALLOWED_TOKENS)  # vLLM's
     ignore_eos: bool = False
     min_tokens: int = Field(0, ge=0)
     include_stop_str_in_output: bool = False
@@ -126,6 +128,7 @@ class SamplingFields(ApiModel):
             repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
             logprobs=logprobs,
             logit_bias=dict(self.logit_bias or {}),
+            allowed_token_ids=list(self.allowed_token_ids or []),
         )
 
 

@@ -72,6 +72,7 @@ class ServingContext:
     def sampling_params(self, req: SamplingFields, max_tokens: int, logprobs: int | None) -> SamplingParams:
         self.check_token_ids(list(req.stop_token_ids or []), "stop_token_ids")
         self.check_token_ids(list(req.logit_bias or {}), "logit_bias")
+        self.check_token_ids(list(req.allowed_token_ids or []), "allowed_token_ids")
         if req.min_tokens > max_tokens:
             raise bad_request(f"min_tokens ({req.min_tokens}) is larger than max_tokens ({max_tokens})", "min_tokens")
         return req.sampling_params(max_tokens, logprobs)
