@@ -152,6 +152,28 @@ def test_allowed_token_ids_hold_every_token(server: Server):
         assert r.status_code == 400 and r.json()["error"]["param"] == "allowed_token_ids", r.text
 
 
+def test_return_tokens_as_token_ids_names_logprob_tokens_by_id(server: Server):
+    """vLLM's return_tokens_as_token_ids: logprobs name each token "token_id:{id}" (chosen and top alike); the text
+    and its offsets are unchanged."""
+    prompt = "The capital of France is"
+    ids = post(server, "/tokenize", {"prompt": prompt}).json()["tokens"]
+    body = {"prompt": prompt, "max_tokens": 4, "temperature": 0, "echo": True, "logprobs": 2}
+    plain = post(server, CMPL, body).json()["choices"][0]
+    named = post(server, CMPL, {**body, "return_tokens_as_token_ids": True}).json()["choices"][0]
+    lp, plain_lp = named["logprobs"], plain["logprobs"]
+    assert named["text"] == plain["text"] and lp["text_offset"] == plain_lp["text_offset"]
+    assert lp["tokens"][: len(ids)] == [f"token_id:{t}" for t in ids]
+    outputs = [int(t.removeprefix("token_id:")) for t in lp["tokens"][len(ids) :]]
+    assert post(server, "/detokenize", {"tokens": outputs}).json()["prompt"] == plain["text"][len(prompt) :]
+    assert all(k.startswith("token_id:") for top in lp["top_logprobs"][1:] for k in top)
+    chat = {"messages": HI, "max_tokens": 3, "temperature": 0, "logprobs": True, "top_logprobs": 1}
+    named_chat = post(server, CHAT, {**chat, "return_tokens_as_token_ids": True}).json()
+    content = named_chat["choices"][0]["logprobs"]["content"]
+    plain_content = post(server, CHAT, chat).json()["choices"][0]["logprobs"]["content"]
+    assert [e["bytes"] for e in content] == [e["bytes"] for e in plain_content]
+    assert all(e["token"].startswith("token_id:") and e["top_logprobs"][0]["token"] == e["token"] for e in content)
+
+
 @pytest.fixture(scope="module")
 def priority_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     s = Server(tmp_path_factory.mktemp("priority"), "--scheduling-policy", "priority", "--max-num-seqs", "1")

@@ -8,6 +8,7 @@ decoded_token}} holding the prompt token and the top-k. The engine sends them on
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
@@ -33,7 +34,7 @@ def check_stream(prompt_logprobs: int | None, stream: bool | None) -> None:
         raise bad_request("prompt_logprobs is not available with stream=true", "prompt_logprobs")
 
 
-def echo_part(tok: Tokenizer, prompt: list[int], lp: Logprobs | None, n: int) -> dict[str, list]:
+def echo_part(name: Callable[[int], str], prompt: list[int], lp: Logprobs | None, n: int) -> dict[str, list]:
     """The prompt's share of legacy completion logprobs: tokens, token_logprobs, top_logprobs (text_offset is
     the caller's: it runs on into the generated part)."""
     rest = len(prompt) - 1
@@ -41,18 +42,19 @@ def echo_part(tok: Tokenizer, prompt: list[int], lp: Logprobs | None, n: int) ->
     top: list[dict[str, float] | None] = [None] * rest
     if lp is not None and len(lp.token_logprobs) == rest:
         own = [clamp(x) for x in lp.token_logprobs]
-        top = [legacy_top(tok, token, x, ids[:n], vals[:n])
+        top = [legacy_top(name, token, x, ids[:n], vals[:n])
                for token, x, ids, vals in zip(prompt[1:], lp.token_logprobs, lp.top_ids, lp.top_logprobs,
                                                strict=False)]  # fmt: skip
-    return {"tokens": [tok.token_text(t) for t in prompt], "token_logprobs": [None, *own], "top_logprobs": [None, *top]}
+    return {"tokens": [name(t) for t in prompt], "token_logprobs": [None, *own], "top_logprobs": [None, *top]}
 
 
-def legacy_top(tok: Tokenizer, token: int, logprob: float, ids: list[int], vals: list[float]) -> dict[str, float]:
+def legacy_top(name: Callable[[int], str], token: int, logprob: float, ids: list[int],
+               vals: list[float]) -> dict[str, float]:  # fmt: skip
     """One position's legacy `top_logprobs`: the chosen token first, then the top n, as vLLM; OpenAI: "the API will
     always return the logprob of the sampled token, so there may be up to logprobs+1 elements" (logprobs 0: one)."""
-    top = {tok.token_text(token): clamp(logprob)}
+    top = {name(token): clamp(logprob)}
     for t, v in zip(ids, vals, strict=False):
-        top.setdefault(tok.token_text(t), clamp(v))
+        top.setdefault(name(t), clamp(v))
     return top
 
 

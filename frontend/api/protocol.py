@@ -172,6 +172,7 @@ class CompletionRequest(SamplingFields, StructuredFields):
     max_tokens: int | None = Field(DEFAULT_COMPLETION_TOKENS, ge=0)
     echo: bool = False
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    return_tokens_as_token_ids: bool = False  # vLLM's: logprobs name tokens "token_id:{id}"
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # vLLM's extension
     suffix: Text | None = None  # not supported: a 400 when given, as vLLM
     best_of: int | None = Field(None, ge=1, le=MAX_N)  # supported only as n (no ranking of candidates), as vLLM V1
@@ -259,6 +260,7 @@ class ChatCompletionRequest(SamplingFields, StructuredFields):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    return_tokens_as_token_ids: bool = False  # vLLM's: logprobs name tokens "token_id:{id}"
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # vLLM's extension
     add_generation_prompt: bool = True
     continue_final_message: bool = False  # vLLM's: the final message is left open for the model to continue

@@ -138,6 +138,12 @@ async def off_loop(fn: Callable[..., T], *args: Any) -> T:
     return await asyncio.to_thread(fn, *args)
 
 
+def token_namer(tok: Tokenizer, as_ids: bool) -> Callable[[int], str]:
+    """How logprobs name a token: its text, or with vLLM's return_tokens_as_token_ids "token_id:{id}" (a token
+    that is part of a character has no text of its own)."""
+    return (lambda t: f"token_id:{t}") if as_ids else tok.token_text
+
+
 def clamp(logprob: float) -> float:
     """JSON has no -inf or NaN: a token the sampler could never pick reports -9999 as vLLM does."""
     return logprob if logprob == logprob and logprob > -9999.0 else -9999.0

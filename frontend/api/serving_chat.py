@@ -10,7 +10,7 @@ from fastapi.responses import Response
 
 from frontend.api.prompt_logprobs import check_stream, choice_prompt_logprobs, with_prompt_logprobs
 from frontend.api.protocol import ChatCompletionRequest, ChatMessage
-from frontend.api.serving import ServingContext, check_stream_options, clamp, off_loop, respond
+from frontend.api.serving import ServingContext, check_stream_options, clamp, off_loop, respond, token_namer
 from frontend.api.structured_request import check, with_structured_output
 from frontend.engine.fanout import Choice, FanOut
 from frontend.engine.request_stream import Delta
@@ -42,6 +42,7 @@ class ChatFormat:
     def __init__(self, ctx: ServingContext, req: ChatCompletionRequest, tools: ToolPlan | None = None) -> None:
         self.tok = ctx.tokenizer
         self.want_logprobs = req.logprobs
+        self.name = token_namer(self.tok, req.return_tokens_as_token_ids)  # how logprobs name a token
         make_parser = tools.make_parser() if tools is not None else None
         self.tool_streams = ToolStreams(make_parser) if make_parser is not None else None  # None: plain content
         self.prompt_logprobs_k = req.prompt_logprobs
@@ -52,7 +53,7 @@ class ChatFormat:
 
     def _entry(self, token_id: int, logprob: float) -> dict[str, Any]:
         text = self.tok.token_text(token_id)
-        return {"token": text, "logprob": clamp(logprob), "bytes": list(text.encode())}
+        return {"token": self.name(token_id), "logprob": clamp(logprob), "bytes": list(text.encode())}
 
     def _logprobs(self, delta: Delta) -> dict[str, Any] | None:
         if not self.want_logprobs:

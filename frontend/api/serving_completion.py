@@ -16,7 +16,7 @@ from frontend.api.prompt_logprobs import (
     with_prompt_logprobs,
 )
 from frontend.api.protocol import DEFAULT_COMPLETION_TOKENS, CompletionRequest
-from frontend.api.serving import ServingContext, check_stream_options, clamp, off_loop, respond
+from frontend.api.serving import ServingContext, check_stream_options, clamp, off_loop, respond, token_namer
 from frontend.api.structured_request import with_structured_output
 from frontend.engine.fanout import Choice
 from frontend.engine.request_stream import Delta
@@ -29,6 +29,7 @@ class CompletionFormat:
     def __init__(self, ctx: ServingContext, req: CompletionRequest, prompts: list[list[int]],
                  prompt_texts: list[str]) -> None:  # fmt: skip
         self.tok = ctx.tokenizer
+        self.name = token_namer(self.tok, req.return_tokens_as_token_ids)  # how logprobs name a token
         self.n = req.n
         self.echo = req.echo
         self.want_logprobs = req.logprobs is not None
@@ -44,26 +45,27 @@ class CompletionFormat:
 
     def _echo_logprobs(self, index: int, lp: Logprobs | None) -> dict[str, list]:
         """The echoed prompt's logprobs (the engine's prompt logprobs; the first token null, as OpenAI's)."""
-        part = echo_part(self.tok, self.prompts[self._prompt_index(index)], lp, self.logprobs_n)
-        part["text_offset"] = self._advance(index, part["tokens"])
+        prompt = self.prompts[self._prompt_index(index)]
+        part = echo_part(self.name, prompt, lp, self.logprobs_n)
+        part["text_offset"] = self._advance(index, prompt)
         return part
 
-    def _advance(self, index: int, tokens: list[str]) -> list[int]:
+    def _advance(self, index: int, token_ids: list[int]) -> list[int]:
         offsets = []
-        for text in tokens:
+        for token in token_ids:
             offsets.append(self.offsets[index])
-            self.offsets[index] += len(text)
+            self.offsets[index] += len(self.tok.token_text(token))
         return offsets
 
     def _logprobs(self, index: int, delta: Delta) -> dict[str, list] | None:
         if not self.want_logprobs:
             return None
-        tokens = [self.tok.token_text(t) for t in delta.token_ids[: len(delta.logprobs)]]
-        top = [legacy_top(self.tok, t, lp, ids, lps)
+        token_ids = delta.token_ids[: len(delta.logprobs)]
+        top = [legacy_top(self.name, t, lp, ids, lps)
                for t, lp, ids, lps in zip(delta.token_ids, delta.logprobs, delta.top_ids, delta.top_logprobs,
                                           strict=False)]  # fmt: skip
-        return {"tokens": tokens, "token_logprobs": [clamp(lp) for lp in delta.logprobs], "top_logprobs": top,
-                "text_offset": self._advance(index, tokens)}  # fmt: skip
+        return {"tokens": [self.name(t) for t in token_ids], "token_logprobs": [clamp(lp) for lp in delta.logprobs],
+                "top_logprobs": top, "text_offset": self._advance(index, token_ids)}  # fmt: skip
 
     def opening(self, index: int) -> dict[str, Any] | None:
         # With logprobs the echo waits for the first output, which brings the prompt's logprobs.
