@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import asyncio
 import json
-from collections.abc import Iterator
 
 import httpx
 import openai
@@ -108,113 +106,6 @@ def test_stop_reason_is_null_on_eos_and_the_id_on_a_stop_token(server: Server):
     ids = post(server, "/tokenize", {"prompt": text, "add_special_tokens": False}).json()["tokens"]
     stopped = post(server, CHAT, {**body, "stop_token_ids": [ids[-1]]}).json()["choices"][0]
     assert stopped["finish_reason"] == "stop" and stopped["stop_reason"] == ids[-1], stopped
-
-
-def test_truncate_prompt_tokens_keeps_the_prompts_end(server: Server):
-    ids = post(server, "/tokenize", {"prompt": "Once upon a time, there was a dragon who lived alone"}).json()["tokens"]
-    body = {"prompt": ids, "max_tokens": 2, "temperature": 0, "echo": True, "truncate_prompt_tokens": 4}
-    r = post(server, CMPL, body).json()
-    kept = post(server, "/detokenize", {"tokens": ids[-4:]}).json()["prompt"]
-    assert r["usage"]["prompt_tokens"] == 4 and r["choices"][0]["text"].startswith(kept), r
-    as_text = post(server, CMPL, {**body, "prompt": post(server, "/detokenize", {"tokens": ids}).json()["prompt"]})
-    assert as_text.json()["choices"][0]["text"] == r["choices"][0]["text"]  # echoed: the kept part, not the whole
-    whole = post(server, CHAT, {"messages": HI, "max_tokens": 1}).json()["usage"]["prompt_tokens"]
-    chat = post(server, CHAT, {"messages": HI, "max_tokens": 1, "truncate_prompt_tokens": 3}).json()
-    assert chat["usage"]["prompt_tokens"] == 3 < whole, chat
-    r = post(server, CMPL, {**body, "truncate_prompt_tokens": 0})
-    assert r.status_code == 400 and r.json()["error"]["param"] == "truncate_prompt_tokens", r.text
-
-
-def test_priority_needs_the_priority_policy(server: Server):
-    """As vLLM: a priority the scheduler would ignore is refused."""
-    assert post(server, CHAT, {"messages": HI, "max_tokens": 1, "priority": 0}).status_code == 200
-    r = post(server, CHAT, {"messages": HI, "max_tokens": 1, "priority": -3})
-    assert r.status_code == 400 and r.json()["error"]["param"] == "priority", r.text
-    assert "--scheduling-policy priority" in r.json()["error"]["message"]
-
-
-def test_allowed_token_ids_hold_every_token(server: Server):
-    """vLLM's allowed_token_ids: sampled at temperature 1, every token is one of them (their logprobs' tokens say
-    which); an id outside the vocabulary and an empty list are 400s."""
-    allowed = post(server, "/tokenize", {"prompt": " cat dog bird", "add_special_tokens": False}).json()["tokens"]
-    texts = {post(server, "/detokenize", {"tokens": [t]}).json()["prompt"] for t in allowed}
-    body = {"prompt": "Name an animal:", "max_tokens": 12, "temperature": 1, "ignore_eos": True, "logprobs": 0,
-            "allowed_token_ids": allowed, "n": 3, "seed": 1}  # fmt: skip
-    r = post(server, CMPL, body).json()
-    tokens = [t for c in r["choices"] for t in c["logprobs"]["tokens"]]
-    assert len(tokens) == 36 and set(tokens) <= texts, (tokens, texts)
-    chat = post(server, CHAT, {"messages": HI, "max_tokens": 6, "ignore_eos": True, "allowed_token_ids": allowed[:1],
-                               "temperature": 0}).json()  # fmt: skip
-    assert chat["choices"][0]["message"]["content"] == post(server, "/detokenize", {"tokens": allowed[:1] * 6}).json()[
-        "prompt"]  # fmt: skip
-    for bad in ([], [10**6]):
-        r = post(server, CMPL, {**body, "allowed_token_ids": bad})
-        assert r.status_code == 400 and r.json()["error"]["param"] == "allowed_token_ids", r.text
-
-
-def test_return_tokens_as_token_ids_names_logprob_tokens_by_id(server: Server):
-    """vLLM's return_tokens_as_token_ids: logprobs name each token "token_id:{id}" (chosen and top alike); the text
-    and its offsets are unchanged."""
-    prompt = "The capital of France is"
-    ids = post(server, "/tokenize", {"prompt": prompt}).json()["tokens"]
-    body = {"prompt": prompt, "max_tokens": 4, "temperature": 0, "echo": True, "logprobs": 2}
-    plain = post(server, CMPL, body).json()["choices"][0]
-    named = post(server, CMPL, {**body, "return_tokens_as_token_ids": True}).json()["choices"][0]
-    lp, plain_lp = named["logprobs"], plain["logprobs"]
-    assert named["text"] == plain["text"] and lp["text_offset"] == plain_lp["text_offset"]
-    assert lp["tokens"][: len(ids)] == [f"token_id:{t}" for t in ids]
-    outputs = [int(t.removeprefix("token_id:")) for t in lp["tokens"][len(ids) :]]
-    assert post(server, "/detokenize", {"tokens": outputs}).json()["prompt"] == plain["text"][len(prompt) :]
-    assert all(k.startswith("token_id:") for top in lp["top_logprobs"][1:] for k in top)
-    chat = {"messages": HI, "max_tokens": 3, "temperature": 0, "logprobs": True, "top_logprobs": 1}
-    named_chat = post(server, CHAT, {**chat, "return_tokens_as_token_ids": True}).json()
-    content = named_chat["choices"][0]["logprobs"]["content"]
-    plain_content = post(server, CHAT, chat).json()["choices"][0]["logprobs"]["content"]
-    assert [e["bytes"] for e in content] == [e["bytes"] for e in plain_content]
-    assert all(e["token"].startswith("token_id:") and e["top_logprobs"][0]["token"] == e["token"] for e in content)
-
-
-@pytest.fixture(scope="module")
-def priority_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    s = Server(tmp_path_factory.mktemp("priority"), "--scheduling-policy", "priority", "--max-num-seqs", "1")
-    yield s.wait_healthy()
-    s.assert_clean_exit()
-
-
-def test_priority_orders_the_queue(priority_server: Server):
-    """With one request running (--max-num-seqs 1), of two that queue behind it the lower priority value runs first,
-    though it came last."""
-    body = {"model": MODEL, "messages": HI, "temperature": 0, "ignore_eos": True}
-
-    async def run() -> list[str]:
-        done: list[str] = []
-        async with httpx.AsyncClient(base_url=priority_server.url, timeout=120) as client:
-            async def finish(name: str, **extra) -> None:
-                r = await client.post(CHAT, json={**body, "max_tokens": 8, **extra})
-                assert r.status_code == 200, r.text
-                done.append(name)
-
-            async with client.stream("POST", CHAT, json={**body, "max_tokens": 200, "stream": True}) as first:
-                lines = first.aiter_lines()
-                while not (await anext(lines)).startswith("data: "):  # running: it holds the one slot
-                    pass
-                late = asyncio.ensure_future(finish("late", priority=5))
-                await asyncio.sleep(0.2)
-                urgent = asyncio.ensure_future(finish("urgent", priority=-5))
-                async for _ in lines:
-                    pass
-            done.append("first")
-            await asyncio.gather(late, urgent)
-        return done
-
-    assert asyncio.run(run()) == ["first", "urgent", "late"]
-
-
-def test_chat_template_kwargs_may_not_replace_the_servers_variables(server: Server):
-    ok = post(server, CHAT, {"messages": HI, "max_tokens": 1, "chat_template_kwargs": {"enable_thinking": False}})
-    assert ok.status_code == 200, ok.text
-    r = post(server, CHAT, {"messages": HI, "max_tokens": 1, "chat_template_kwargs": {"messages": []}})
-    assert r.status_code == 400 and r.json()["error"]["param"] == "chat_template_kwargs", r.text
 
 
 def test_suffix_is_refused_as_vllm_does(server: Server):
