@@ -20,7 +20,10 @@ SITE=/tmp/site MODELS=/tmp/models OUT=${OUT:-/tmp/out}
 GGUF=SmolLM2-135M-Instruct.Q4_1.gguf
 
 prepare() {
-    grep -qx '/.whl/' .git/info/exclude 2>/dev/null || printf '/.whl/\n/.gpu_base/\n/.gguf_a/\n/.gguf_b/\n' >> .git/info/exclude
+    local d
+    for d in .whl .gpu_base .gguf_a .gguf_b; do
+        grep -qx "/$d/" .git/info/exclude 2>/dev/null || echo "/$d/" >> .git/info/exclude
+    done
     rm -rf .whl .gpu_base .gguf_a .gguf_b && mkdir -p .whl .gpu_base .gguf_a .gguf_b
     local platforms=() n
     for n in 17 27 28 31 34; do platforms+=(--platform "manylinux_2_${n}_x86_64"); done
@@ -67,7 +70,15 @@ serve_1b() {
     model llama-1b
     python3 launch.py --model "$MODELS/llama-1b" --max-num-seqs 256 --port 8000 > "$OUT/serve-1b-server.log" 2>&1 &
     local server=$!
-    for _ in $(seq 300); do curl -sf localhost:8000/health > /dev/null && break; sleep 1; done
+    python3 - <<'PY'
+import time, urllib.request
+for _ in range(300):
+    try:
+        urllib.request.urlopen("http://127.0.0.1:8000/health", timeout=2)
+        break
+    except OSError:
+        time.sleep(1)
+PY
     python3 -m bench.serve --tokenizer "$MODELS/llama-1b" --max-concurrency 256 --num-prompts 1024 \
         --input-len 512 --output-len 256 --result-json "$OUT/gpu_serve_llama-1b.json"
     kill -INT "$server" && wait "$server" || true
@@ -90,10 +101,10 @@ step() {
             files=$(ls tests/test_*.py | awk -v h="$half" 'NR % 2 == h % 2')
             # shellcheck disable=SC2086
             python3 -m pytest -q -p no:cacheprovider $files 2>&1 | tee "$OUT/$1.log" ;;
-        *) echo "unknown step $1" >&2; exit 2 ;;
+        *) echo "unknown step $1" >&2; return 2 ;;
     esac
 }
 
 if [ "${1:-}" = prepare ]; then prepare; exit; fi
 install
-for s in "$@"; do echo "== $s"; step "$s"; done
+for s in "$@"; do echo "== $s"; step "$s" || echo "== $s failed (exit $?)"; done  # a failed step leaves the next to run
