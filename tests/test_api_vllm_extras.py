@@ -34,6 +34,8 @@ def test_priority_needs_the_priority_policy(server: Server):
     r = post(server, CHAT, {"messages": HI, "max_tokens": 1, "priority": -3})
     assert r.status_code == 400 and r.json()["error"]["param"] == "priority", r.text
     assert "--scheduling-policy priority" in r.json()["error"]["message"]
+    r = post(server, "/v1/responses", {"input": "hi", "max_output_tokens": 1, "priority": 2})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "priority", r.text
 
 
 def test_allowed_token_ids_hold_every_token(server: Server):
@@ -86,14 +88,14 @@ def priority_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server
 
 def test_priority_orders_the_queue(priority_server: Server):
     """With one request running (--max-num-seqs 1), of two that queue behind it the lower priority value runs first,
-    though it came last."""
+    though it came last (a /v1/responses request: its priority takes the chat path)."""
     body = {"model": MODEL, "messages": HI, "temperature": 0, "ignore_eos": True}
 
     async def run() -> list[str]:
         done: list[str] = []
         async with httpx.AsyncClient(base_url=priority_server.url, timeout=120) as client:
-            async def finish(name: str, **extra) -> None:
-                r = await client.post(CHAT, json={**body, "max_tokens": 8, **extra})
+            async def finish(name: str, path: str, request: dict) -> None:
+                r = await client.post(path, json={"model": MODEL, **request})
                 assert r.status_code == 200, r.text
                 done.append(name)
 
@@ -101,9 +103,10 @@ def test_priority_orders_the_queue(priority_server: Server):
                 lines = first.aiter_lines()
                 while not (await anext(lines)).startswith("data: "):  # running: it holds the one slot
                     pass
-                late = asyncio.ensure_future(finish("late", priority=5))
+                late = asyncio.ensure_future(finish("late", CHAT, {**body, "max_tokens": 8, "priority": 5}))
                 await asyncio.sleep(0.2)
-                urgent = asyncio.ensure_future(finish("urgent", priority=-5))
+                urgent = asyncio.ensure_future(finish("urgent", "/v1/responses", {"input": "hi", "max_output_tokens": 8,
+                                                                                  "priority": -5}))  # fmt: skip
                 async for _ in lines:
                     pass
             done.append("first")
