@@ -15,6 +15,8 @@ class _Msg(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
 MAX_LOGPROBS = 20  # top alternatives per token
 MAX_TOP_K = 2**31 - 1  # above the vocabulary means "off"; bounded so that no tensor build can overflow
 MAX_LOGIT_BIAS = 1024  # entries (OpenAI allows about 300)
+MAX_BAD_WORDS = 16  # bad_words per request; each becomes up to two token sequences
+MAX_BAD_WORD_TOKENS = 2048  # tokens in one bad word's sequence (the API takes words of up to 256 characters)
 
 
 class StructuredOutput(_Msg, frozen=True):
@@ -44,6 +46,8 @@ class SamplingParams(_Msg, frozen=True):
     logprobs: int | None = None  # top-n alternatives besides the chosen token; 0 = chosen only
     logit_bias: dict[int, float] = {}  # token id -> bias added to its logit before sampling (OpenAI's)
     allowed_token_ids: list[int] = []  # vLLM's: only these may be sampled (empty: any)
+    # vLLM's bad_words as token sequences: a sequence's last token is banned where the outputs end with the rest
+    bad_words: list[list[int]] = []
     structured: StructuredOutput | None = None  # constrained decoding (response_format, guided_*, tool_choice)
     prompt_logprobs: int | None = None  # the prompt tokens' logprobs with top-k alternatives; 0 = own only
 

@@ -17,6 +17,8 @@ from transformers import AutoConfig
 from common import ipc
 from common.config import EngineConfig
 from common.messages import (
+    MAX_BAD_WORD_TOKENS,
+    MAX_BAD_WORDS,
     MAX_LOGIT_BIAS,
     MAX_LOGPROBS,
     MAX_TOP_K,
@@ -117,6 +119,8 @@ class EngineCore:
             ("logprobs", all(n is None or 0 <= n <= MAX_LOGPROBS for n in (p.logprobs, p.prompt_logprobs))),
             ("logit_bias", bias_ok),
             ("allowed_token_ids", len(p.allowed_token_ids) <= self.vocab_size and self._in_vocab(p.allowed_token_ids)),
+            ("bad_words", len(p.bad_words) <= 2 * MAX_BAD_WORDS and all(
+                0 < len(w) <= MAX_BAD_WORD_TOKENS and self._in_vocab(w) for w in p.bad_words)),
         ]
 
     def add_request(self, msg: EngineRequest) -> None:

@@ -1,5 +1,5 @@
-"""Batched sampling: per-request logits processors (penalties, logit_bias, allowed_token_ids, min_tokens), temperature,
-top-k / top-p / min-p, seeded draws, and logprobs.
+"""Batched sampling: per-request logits processors (penalties, logit_bias, allowed_token_ids, bad_words, min_tokens),
+temperature, top-k / top-p / min-p, seeded draws, and logprobs.
 
 A seeded request's randomness is a function of (seed, output position) only, so it draws the same
 tokens whatever else shares its batch, and a resumed stream continues exactly where it stopped.
@@ -107,8 +107,8 @@ def _needs_penalty(p: SamplingParams) -> bool:
 
 def needs_processing(p: SamplingParams) -> bool:
     """Whether any processor changes this request's row (a new processor adds its condition here)."""
-    return (_needs_penalty(p) or bool(p.logit_bias) or bool(p.allowed_token_ids) or p.min_tokens > 0
-            or p.structured is not None)  # fmt: skip
+    return (_needs_penalty(p) or bool(p.logit_bias) or bool(p.allowed_token_ids) or bool(p.bad_words)
+            or p.min_tokens > 0 or p.structured is not None)  # fmt: skip
 
 
 def _penalize(row: torch.Tensor, req: Request) -> None:
@@ -144,6 +144,16 @@ def _keep_allowed(row: torch.Tensor, req: Request) -> None:
         row[ids] = kept
 
 
+def _ban_bad_words(row: torch.Tensor, req: Request) -> None:
+    """vLLM's bad_words: each sequence's last token is banned where the outputs end with the rest of it (a
+    one-token word always)."""
+    ids, outputs = req.token_ids, req.num_output_tokens
+    for word in req.params.bad_words:
+        head = word[:-1]
+        if len(head) <= outputs and ids[len(ids) - len(head) :] == head:
+            row[word[-1]] = float("-inf")
+
+
 def _ban_early_stops(row: torch.Tensor, req: Request) -> None:
     """EOS / stop ids held back until min_tokens is reached. Last, so that no bias can lift the ban."""
     p = req.params
@@ -153,7 +163,7 @@ def _ban_early_stops(row: torch.Tensor, req: Request) -> None:
             row[banned] = float("-inf")
 
 
-LOGITS_PROCESSORS = (_penalize, _add_logit_bias, _keep_allowed, _ban_early_stops)
+LOGITS_PROCESSORS = (_penalize, _add_logit_bias, _keep_allowed, _ban_bad_words, _ban_early_stops)
 
 
 def _top_k_top_p(probs: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:

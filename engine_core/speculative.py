@@ -11,9 +11,9 @@ has the same distribution), and a step yields 1 to k + 1 tokens for about the co
 the arithmetic, bound it.
 
 Requests whose next token depends on the tokens before it in ways the sampler computes per request (penalties,
-`logit_bias`, `allowed_token_ids`, `min_tokens`, grammars), or whose prompt logprobs are still to come, decode one
-token at a time. A step's running requests plus its draft rows stay within `max_rows_per_step`, the rows a step
-takes for about the price of one.
+`logit_bias`, `allowed_token_ids`, `bad_words`, `min_tokens`, grammars), or whose prompt logprobs are still to
+come, decode one token at a time. A step's running requests plus its draft rows stay within `max_rows_per_step`,
+the rows a step takes for about the price of one.
 """
 
 from __future__ import annotations

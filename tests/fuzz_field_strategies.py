@@ -113,6 +113,7 @@ SAMPLING: dict[str, SearchStrategy[Any]] = {
     "stream": BOOL,
     "stream_options": STREAM_OPTIONS,
     "allowed_token_ids": weighted((4, st.lists(TOKEN_ID, max_size=4)), (1, st.just(list(range(40))))),
+    "bad_words": st.lists(TEXT, max_size=3),
     "priority": ints(-1, 1),  # the fuzzed server schedules fcfs: any but 0 is a 400
     "truncate_prompt_tokens": ints(-1, 4),
     "unknown_field": JUNK,  # ignored (extra="ignore"), whatever it holds

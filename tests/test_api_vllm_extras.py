@@ -1,4 +1,4 @@
-"""vLLM's request extras over HTTP: truncate_prompt_tokens, priority (and its policy), allowed_token_ids,
+"""vLLM's request extras over HTTP: truncate_prompt_tokens, priority (and its policy), allowed_token_ids, bad_words,
 return_tokens_as_token_ids, chat_template_kwargs."""
 
 from __future__ import annotations
@@ -55,6 +55,23 @@ def test_allowed_token_ids_hold_every_token(server: Server):
     for bad in ([], [10**6]):
         r = post(server, CMPL, {**body, "allowed_token_ids": bad})
         assert r.status_code == 400 and r.json()["error"]["param"] == "allowed_token_ids", r.text
+
+
+def test_bad_words_never_appear_as_their_tokens(server: Server):
+    """vLLM's bad_words: the greedy answer's first word, banned, is gone from the answer's tokens (as it would begin
+    the text and after a space), and the answer changes; an empty word is a 400."""
+    body = {"prompt": "The capital of France is", "max_tokens": 8, "temperature": 0, "logprobs": 0,
+            "return_tokens_as_token_ids": True}  # fmt: skip
+    plain = post(server, CMPL, body).json()["choices"][0]
+    word = plain["text"].split()[0]
+    banned = post(server, CMPL, {**body, "bad_words": [word]}).json()["choices"][0]
+    assert banned["text"] != plain["text"], banned
+    outputs = [int(t.removeprefix("token_id:")) for t in banned["logprobs"]["tokens"]]
+    for text in (word, " " + word):
+        ids = post(server, "/tokenize", {"prompt": text, "add_special_tokens": False}).json()["tokens"]
+        assert not any(outputs[i : i + len(ids)] == ids for i in range(len(outputs))), (text, ids, outputs)
+    r = post(server, CMPL, {**body, "bad_words": ["  "]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "bad_words", r.text
 
 
 def test_return_tokens_as_token_ids_names_logprob_tokens_by_id(server: Server):

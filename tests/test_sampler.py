@@ -122,6 +122,16 @@ def test_allowed_token_ids_hold_every_draw_and_the_stop_ban_holds_within_them() 
     assert tok == 4
 
 
+def test_bad_words_ban_a_words_last_token_after_the_rest_of_it() -> None:
+    logits = [[0, 1.0, 5.0, 4.0, 3.0, 0, 0, 0]]
+    words = [[6, 2], [7, 5, 3]]  # 2 after 6; 3 after 7, 5
+    assert sample(logits, [req(SamplingParams(temperature=0, bad_words=words), outputs=[1, 6])])[0] == [3]
+    assert sample(logits, [req(SamplingParams(temperature=0, bad_words=words), outputs=[6, 1])])[0] == [2]
+    assert sample(logits, [req(SamplingParams(temperature=0, bad_words=[[2], [7, 5, 3]]), outputs=[7, 5])])[0] == [4]
+    # The words follow outputs, not the prompt: the prompt ending in 6 bans nothing.
+    assert sample(logits, [req(SamplingParams(temperature=0, bad_words=words), prompt=[1, 6])])[0] == [2]
+
+
 def test_top_k_beyond_the_vocabulary_is_clamped() -> None:
     logits = [[4.0, 3.9, 3.8, 0, 0, 0, 0, 0]]
     for top_k in (10**6, 2**63):  # 2**63 does not fit an int64 tensor: the clamp keeps it out of one

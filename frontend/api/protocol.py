@@ -8,7 +8,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
-from common.messages import MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_TOP_K, SamplingParams
+from common.messages import MAX_BAD_WORDS, MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_TOP_K, SamplingParams
 from frontend.tools.tool_parsers import no_constant
 
 MAX_N = 64  # choices per request: each is an engine request
@@ -85,6 +85,7 @@ class SamplingFields(ApiModel):
     repetition_penalty: float | None = Field(None, ge=0.01, le=2)  # 1 is off; a tiny divisor makes logits inf
     logit_bias: LogitBias | None = None
     allowed_token_ids: list[int] | None = Field(None, min_length=1, max_length=MAX_ALLOWED_TOKENS)  # vLLM's
+    bad_words: list[Annotated[Text, Field(max_length=256)]] | None = Field(None, max_length=MAX_BAD_WORDS)  # vLLM's
     ignore_eos: bool = False
     min_tokens: int = Field(0, ge=0)
     include_stop_str_in_output: bool = False

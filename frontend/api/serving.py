@@ -8,6 +8,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+import msgspec
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
@@ -75,7 +76,20 @@ class ServingContext:
         self.check_token_ids(list(req.allowed_token_ids or []), "allowed_token_ids")
         if req.min_tokens > max_tokens:
             raise bad_request(f"min_tokens ({req.min_tokens}) is larger than max_tokens ({max_tokens})", "min_tokens")
-        return req.sampling_params(max_tokens, logprobs)
+        params = req.sampling_params(max_tokens, logprobs)
+        return msgspec.structs.replace(params, bad_words=self.bad_word_ids(req.bad_words)) if req.bad_words else params
+
+    def bad_word_ids(self, words: list[str]) -> list[list[int]]:
+        """vLLM's bad_words as token sequences: each word as it would begin the text and as it would follow a space."""
+        sequences: list[list[int]] = []
+        for word in words:
+            if not word.strip():
+                raise bad_request("bad_words holds an empty word", "bad_words")
+            for text in (word.lstrip(), " " + word.lstrip()):
+                ids = self.tokenizer.encode(text, add_special_tokens=False)
+                if ids and ids not in sequences:
+                    sequences.append(ids)
+        return sequences
 
     async def admit(self, num_requests: int) -> None:
         """Capacity first, before any text work: a full server refuses a burst in microseconds, not after
