@@ -8,7 +8,7 @@ import secrets
 from dataclasses import dataclass
 from typing import Any
 
-from frontend.tools.tool_parsers import Arguments, CallStart, Content, Event, ToolParser
+from frontend.tools.tool_parsers import Arguments, CallStart, Content, Event
 
 
 def item_id(prefix: str) -> str:
@@ -114,11 +114,3 @@ class OutputBuilder:
             events = [{"type": "response.function_call_arguments.done", **head, "name": item.name,
                        "arguments": item.arguments}]  # fmt: skip
         return [*events, {"type": "response.output_item.done", "output_index": index, "item": item.item()}]
-
-
-def parser_events(parser: ToolParser | None, text: str, final: bool) -> list[Event]:
-    """A piece of generated text as parser events (all content when the response parses no tool calls)."""
-    if parser is None:
-        return [Content(text)] if text else []
-    events = parser.feed(text) if text else []
-    return events + parser.finish() if final else events

@@ -13,13 +13,13 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from frontend.api.protocol_responses import ResponsesRequest, chat_request, in_responses_terms
-from frontend.api.responses_output import OutputBuilder, parser_events
+from frontend.api.responses_output import OutputBuilder
 from frontend.api.serving import ClosingStreamingResponse, ServingContext, collect
 from frontend.api.serving_chat import start_chat
 from frontend.api.sse import dumps
 from frontend.engine.fanout import FanOut
 from frontend.errors import ApiError
-from frontend.tools.tool_parsers import ToolParser
+from frontend.tools.tool_parsers import ToolParser, parser_events
 
 
 def status_of(finish_reason: str | None) -> str:

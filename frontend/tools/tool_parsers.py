@@ -42,6 +42,14 @@ class ToolParser(Protocol):
     def finish(self) -> list[Event]: ...
 
 
+def parser_events(parser: ToolParser | None, text: str, final: bool) -> list[Event]:
+    """A piece of generated text as parser events, flushed when it is the last (all content without a parser)."""
+    if parser is None:
+        return [Content(text)] if text else []
+    events = parser.feed(text) if text else []
+    return events + parser.finish() if final else events
+
+
 def call_id() -> str:
     return f"call_{secrets.token_hex(12)}"
 

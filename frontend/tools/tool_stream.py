@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from frontend.tools.tool_parsers import Arguments, CallStart, Content, Event, ToolParser
+from frontend.tools.tool_parsers import Arguments, CallStart, Content, Event, ToolParser, parser_events
 
 
 def _deltas(events: list[Event]) -> list[dict[str, Any]]:
@@ -40,7 +40,7 @@ def finish_reason(parser: ToolParser, reason: str | None) -> str | None:
 
 def message(parser: ToolParser, text: str) -> dict[str, Any]:
     """The whole response's assistant message: content (null when there are calls and no other text) and calls."""
-    events = parser.feed(text) + parser.finish()
+    events = parser_events(parser, text, True)
     content = "".join(e.text for e in events if isinstance(e, Content))
     calls: list[dict[str, Any]] = []
     for e in events:
@@ -86,11 +86,7 @@ class ToolStreams:
 
     def deltas(self, index: int, text: str, final: bool) -> list[dict[str, Any]]:
         """The delta objects for one engine delta's text (`final`: the choice's last, which flushes the parser)."""
-        parser = self.parser(index)
-        events = parser.feed(text) if text else []
-        if final:
-            events += parser.finish()
-        return _deltas(events)
+        return _deltas(parser_events(self.parser(index), text, final))
 
     def finish_reason(self, index: int, reason: str | None) -> str | None:
         return finish_reason(self.parser(index), reason)
