@@ -17,6 +17,7 @@ import logging
 import signal
 import socket
 import sys
+from pathlib import Path
 
 import uvicorn
 
@@ -27,6 +28,7 @@ from engine_core.tp_procs import layout as tp_layout
 from engine_core.tp_procs import run_node_agent
 from frontend.api.api_server import create_app
 from frontend.api.http_limits import uvicorn_limits
+from frontend.api.sampling_defaults import GenerationConfigError, load_sampling_defaults
 from frontend.api.serving import ServingContext
 from frontend.engine.engine_client import AsyncEngineClient, supervisors
 from frontend.engine.engine_handle import EngineHandle
@@ -112,7 +114,7 @@ class Launch:
             supervising = asyncio.create_task(self._supervise())
         try:
             return await self._run(http)
-        except (EngineStartError, ModelSourceError, TokenizerError) as exc:
+        except (EngineStartError, ModelSourceError, TokenizerError, GenerationConfigError) as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 1
         finally:
@@ -171,9 +173,14 @@ class Launch:
         self.client.metrics = metrics
         tokenizer = Tokenizer(source.path, parse_special_in_content=self.config.parse_special_tokens_in_content,
                               chat_template=self.config.chat_template)  # fmt: skip
+        defaults = load_sampling_defaults(source.path, self.config.generation_config,
+                                          self.config.override_generation_config)  # fmt: skip
+        if overridden := defaults.overridden():  # said at start, as vLLM does: not the API's usual defaults
+            log.warning("sampling defaults from the generation config (--generation-config vllm: none): %s", overridden)
         ctx = ServingContext(self.client, tokenizer, model_name, ready.max_model_len, ready.vocab_size,
                              tool_call_parser=self.config.tool_call_parser,
-                             priority_scheduling=self.engine_config.scheduling_policy == "priority")  # fmt: skip
+                             priority_scheduling=self.engine_config.scheduling_policy == "priority",
+                             sampling_defaults=defaults)  # fmt: skip
         app = create_app(ctx, self.config, metrics)
         self.server = _Server(uvicorn.Config(app, host=self.config.host, port=self.config.port, lifespan="off",
                                              log_level=self.config.log_level,
@@ -200,6 +207,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         tp_layout(engine_config)
         SpeculativeConfig.parse(engine_config.speculative_config)  # a bad one fails here, before the engine loads
+        # The flags' own generation config and override, checked before the engine loads (the model's, once it has)
+        gen = "vllm" if config.generation_config == "auto" else config.generation_config
+        load_sampling_defaults(Path(), gen, config.override_generation_config)
         if engine_config.nnodes > 1 and config.data_parallel_size > 1:  # the engine cores would share one port
             raise ValueError("--data-parallel-size > 1 with --nnodes > 1 is not supported")
     except ValueError as exc:

@@ -76,6 +76,13 @@ class ServerConfig:
         False, "read special tokens written inside chat message content as control tokens (unsafe: prompt injection)"
     )
     chat_template: str | None = flag(None, "path to a Jinja chat template used instead of the model's own")
+    generation_config: str = flag(
+        "auto", "sampling defaults for what requests leave out: auto (the model's generation_config.json: temperature, "
+        "top_p, top_k, min_p, repetition_penalty; its max_new_tokens caps every request), vllm (none), or a folder",
+    )
+    override_generation_config: str | None = flag(
+        None, 'JSON laid over those defaults, in generation_config.json\'s names: \'{"temperature": 0.6}\'',
+    )
     tool_call_parser: str | None = flag(
         None, "read tool calls in the model's own format for tool_choice auto (hermes: <tool_call>{...}</tool_call>)",
         choices=["hermes"],

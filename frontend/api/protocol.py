@@ -9,6 +9,7 @@ from typing import Annotated, Any, Literal
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
 from common.messages import MAX_BAD_WORDS, MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_TOP_K, SamplingParams
+from frontend.api.sampling_defaults import SamplingDefaults
 from frontend.tools.tool_parsers import no_constant
 
 MAX_N = 64  # choices per request: each is an engine request
@@ -113,20 +114,21 @@ class SamplingFields(ApiModel):
         """vLLM's continuous_usage_stats: every chunk carries its choice's usage so far (only with include_usage)."""
         return self.include_usage and bool(self.stream_options and self.stream_options.continuous_usage_stats)
 
-    def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
+    def sampling_params(self, max_tokens: int, logprobs: int | None, d: SamplingDefaults) -> SamplingParams:
+        """The request's settings; `d` (the server's --generation-config) fills those it leaves out."""
         return SamplingParams(
             max_tokens=max_tokens,
-            temperature=1.0 if self.temperature is None else self.temperature,
-            top_p=1.0 if self.top_p is None else max(self.top_p, MIN_TOP_P),
-            top_k=max(self.top_k or 0, 0),
-            min_p=self.min_p or 0.0,
+            temperature=d.temperature if self.temperature is None else self.temperature,
+            top_p=max(d.top_p if self.top_p is None else self.top_p, MIN_TOP_P),
+            top_k=d.top_k if self.top_k is None else max(self.top_k, 0),
+            min_p=d.min_p if self.min_p is None else self.min_p,
             seed=self.seed,
             min_tokens=self.min_tokens,
             stop_token_ids=list(self.stop_token_ids or []),
             ignore_eos=self.ignore_eos,
             presence_penalty=self.presence_penalty or 0.0,
             frequency_penalty=self.frequency_penalty or 0.0,
-            repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+            repetition_penalty=d.repetition_penalty if self.repetition_penalty is None else self.repetition_penalty,
             logprobs=logprobs,
             logit_bias=dict(self.logit_bias or {}),
             allowed_token_ids=list(self.allowed_token_ids or []),

@@ -25,6 +25,7 @@ from frontend.api.protocol import (
     ToolCall,
     ToolDefinition,
 )
+from frontend.api.sampling_defaults import SamplingDefaults
 from frontend.errors import ApiError, bad_request, from_validation_errors
 
 ITEM_TYPES = ("message", "function_call", "function_call_output")
@@ -153,13 +154,13 @@ class ResponsesRequest(ApiModel):
     conversation: Any = None
     background: bool = False
 
-    def echo(self) -> dict[str, Any]:
-        """The request's settings as OpenAI echoes them in the response object."""
+    def echo(self, d: SamplingDefaults) -> dict[str, Any]:
+        """The request's settings as OpenAI echoes them in the response object (`d`: the server's defaults)."""
         choice = self.tool_choice
         fmt = self.text.format if self.text is not None and self.text.format is not None else TextFormat(type="text")
         return {"instructions": self.instructions, "max_output_tokens": self.max_output_tokens,
-                "temperature": 1.0 if self.temperature is None else self.temperature,
-                "top_p": 1.0 if self.top_p is None else self.top_p,
+                "temperature": d.temperature if self.temperature is None else self.temperature,
+                "top_p": d.top_p if self.top_p is None else self.top_p,
                 "tools": [t.model_dump() for t in self.tools or []],
                 "tool_choice": "auto" if choice is None else choice if isinstance(choice, str) else choice.model_dump(),
                 "parallel_tool_calls": self.parallel_tool_calls,

@@ -14,6 +14,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from common.messages import SamplingParams
 from frontend.api.protocol import SamplingFields
+from frontend.api.sampling_defaults import SamplingDefaults
 from frontend.api.sse import ResponseFormat, sse_stream
 from frontend.engine.engine_client import AsyncEngineClient, EngineUnavailable, QueueFull
 from frontend.engine.fanout import Choice, FanOut
@@ -34,6 +35,7 @@ class ServingContext:
     vocab_size: int
     tool_call_parser: str | None = None  # --tool-call-parser: reads calls in the model's own format (tool_choice auto)
     priority_scheduling: bool = False  # --scheduling-policy priority: requests' `priority` orders the engine's queue
+    sampling_defaults: SamplingDefaults = SamplingDefaults()  # --generation-config: what requests leave out
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:
@@ -57,18 +59,20 @@ class ServingContext:
         return ids
 
     def max_tokens(self, prompt_len: int, requested: int | None, param: str) -> int:
-        """The requested budget (default: the rest of the context), checked against max_model_len."""
+        """The requested budget (default: the rest of the context), checked against max_model_len, then capped by
+        the generation config's max_new_tokens (as vLLM: a server-wide limit)."""
         room = self.max_model_len - prompt_len
+        cap = self.sampling_defaults.max_tokens or room
         if requested is None:
             if room < 1:
                 raise bad_request(f"the prompt has {prompt_len} tokens; the maximum context length is "
                                   f"{self.max_model_len}", param)  # fmt: skip
-            return room
+            return min(room, cap)
         if requested > room or room < 1:  # the engine needs the prompt shorter than the context, max_tokens 0 too
             raise bad_request(f"This model's maximum context length is {self.max_model_len} tokens. However, you "
                               f"requested {prompt_len + requested} tokens ({prompt_len} in the prompt, {requested} "
                               f"in the completion).", param)  # fmt: skip
-        return requested
+        return min(requested, cap)
 
     def sampling_params(self, req: SamplingFields, max_tokens: int, logprobs: int | None) -> SamplingParams:
         self.check_token_ids(list(req.stop_token_ids or []), "stop_token_ids")
@@ -76,7 +80,7 @@ class ServingContext:
         self.check_token_ids(list(req.allowed_token_ids or []), "allowed_token_ids")
         if req.min_tokens > max_tokens:
             raise bad_request(f"min_tokens ({req.min_tokens}) is larger than max_tokens ({max_tokens})", "min_tokens")
-        params = req.sampling_params(max_tokens, logprobs)
+        params = req.sampling_params(max_tokens, logprobs, self.sampling_defaults)
         return msgspec.structs.replace(params, bad_words=self.bad_word_ids(req.bad_words)) if req.bad_words else params
 
     def bad_word_ids(self, words: list[str]) -> list[list[int]]:

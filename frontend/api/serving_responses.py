@@ -40,7 +40,7 @@ class Envelope:
 
     def __init__(self, ctx: ServingContext, req: ResponsesRequest, rid: str) -> None:
         self.head = {"id": rid, "object": "response", "created_at": int(time.time()), "model": ctx.model_name}
-        self.echo = req.echo()
+        self.echo = req.echo(ctx.sampling_defaults)
 
     def body(self, status: str, output: list[dict[str, Any]], usage: dict[str, Any] | None,
              error: dict[str, Any] | None = None) -> dict[str, Any]:  # fmt: skip
