@@ -111,6 +111,9 @@ def request_body(args: argparse.Namespace, model: str, req: BenchRequest) -> dic
             "stream": True, "stream_options": {"include_usage": True}}  # fmt: skip
     if args.ignore_eos:  # a vLLM/roseinfer extension: only sent when asked for
         body["ignore_eos"] = True
+    for name in ("top_p", "top_k", "min_p"):  # as vLLM's client: sent only when given
+        if getattr(args, name) is not None:
+            body[name] = getattr(args, name)
     return body
 
 
@@ -250,6 +253,9 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     a("--prefix-len", type=int, default=0, help="random tokens every prompt shares at its start")
     a("--ignore-eos", action=argparse.BooleanOptionalAction, default=None, help="default: on for random data")
     a("--temperature", type=float, default=0.0)
+    a("--top-p", type=float, default=None)
+    a("--top-k", type=int, default=None)
+    a("--min-p", type=float, default=None)
     a("--request-rate", type=float, default=math.inf, help="requests per second (inf: all at once)")
     a("--burstiness", type=float, default=1.0, help="gamma shape of the arrival gaps (1: Poisson)")
     a("--max-concurrency", type=int, default=None)

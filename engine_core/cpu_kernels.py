@@ -31,7 +31,7 @@ _SIGNATURES = {
     "silu_and_mul": [_P, _P, _I64, _I],
     "rotary": [_P] * 4 + [_I64, _I64, _I, _I],
     "argmax_rows": [_P, _I64, _I64, _P],
-    "sample_rows": [_P, _I64, _I64, _P, _P, _P, _P],
+    "sample_rows": [_P, _I64, _I64] + [_P] * 6,
 }
 
 
@@ -223,14 +223,17 @@ class CpuKernels:
 
     # ---- sampling ----
 
-    def sample_rows(self, x: torch.Tensor, temperatures: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
-        """One token per row of contiguous logits [rows, vocab] drawn from softmax(x / T) at the fp32 uniform
-        number in [0, 1) given for the row (inverse CDF); T <= 0: the row's first maximum."""
+    def sample_rows(self, x: torch.Tensor, temperatures: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+                    min_p: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:  # fmt: skip
+        """One token per row of contiguous logits [rows, vocab] drawn from softmax(x / T) after min-p, top-k (0:
+        off) and top-p, at the fp32 uniform number in [0, 1) given for the row (inverse CDF, the kept tokens in
+        descending order where top-k or top-p is on); T <= 0: the row's first maximum. -inf logits are never drawn."""
         out = torch.empty(x.shape[0], dtype=torch.long)
-        scratch = torch.empty(x.shape, dtype=torch.float32)
-        temperatures, uniforms = temperatures.float().contiguous(), uniforms.float().contiguous()
-        self._funcs["sample_rows", x.dtype](x.data_ptr(), x.shape[0], x.shape[1], temperatures.data_ptr(),
-                                            uniforms.data_ptr(), scratch.data_ptr(), out.data_ptr())  # fmt: skip
+        floats = [t.float().contiguous() for t in (temperatures, top_p, min_p, uniforms)]
+        top_k = top_k.long().contiguous()
+        self._funcs["sample_rows", x.dtype](x.data_ptr(), x.shape[0], x.shape[1], floats[0].data_ptr(),
+                                            top_k.data_ptr(), floats[1].data_ptr(), floats[2].data_ptr(),
+                                            floats[3].data_ptr(), out.data_ptr())  # fmt: skip
         return out
 
     def argmax_rows(self, x: torch.Tensor) -> torch.Tensor:

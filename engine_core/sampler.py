@@ -31,43 +31,52 @@ class Sampler:
         """logits: [N, vocab] in the model's dtype, one row per request, in order. offsets: how far past the
         request's outputs each row's position is (a draft's rows, engine_core/speculative.py); 0 by default."""
         params = [r.params for r in requests]
-        logits = logits[:, : self.vocab_size]
+        logits = raw = logits[:, : self.vocab_size]
         if all(p.greedy and p.logprobs is None and not needs_processing(p) for p in params):
             return _argmax(logits).tolist(), [None] * len(requests)  # the common plain-greedy batch
-        kernels = cpu_kernels() if logits.device.type == "cpu" else None
-        if kernels is not None and kernels.handles(logits) and all(_temperature_only(p) for p in params):
-            # The common plain-sampling batch (an OpenAI client's default temperature 1): one uniform per row.
-            temps = torch.tensor([0.0 if p.greedy else p.temperature for p in params])
-            tokens = kernels.sample_rows(logits.contiguous(), temps, torch.rand(len(params), generator=self.generator))
-            return tokens.tolist(), [None] * len(requests)
-        # Logprobs are reported from `raw`, the model's own distribution before any processor: a choice we keep.
-        logits = raw = logits.float()
         if any(needs_processing(p) for p in params):
-            logits = logits.clone()
+            logits = raw.float().clone()  # fp32: biases and penalties as transformers applies them
             for i, req in enumerate(requests):
                 if needs_processing(req.params):
                     for process in LOGITS_PROCESSORS:
                         process(logits[i], req)
             apply_masks(logits, raw, requests)  # grammars last, batched over the constrained rows
+        kernels = cpu_kernels() if logits.device.type == "cpu" else None
+        offsets = offsets or [0] * len(requests)
         if all(p.greedy for p in params):
             tokens = _argmax(logits)
+        elif kernels is not None and kernels.handles(logits):
+            # Every row through the compiled sampler, one uniform number each (a seeded row's own): a row's token
+            # depends on its logits, its settings and its number alone, whatever shares the batch.
+            vocab = logits.shape[-1]
+            temps = torch.tensor([0.0 if p.greedy else p.temperature for p in params])
+            top_k = torch.tensor([min(p.top_k, vocab) for p in params])
+            top_p, min_p = torch.tensor([p.top_p for p in params]), torch.tensor([p.min_p for p in params])
+            uniforms = torch.rand(len(params), generator=self.generator)
+            for i, req in enumerate(requests):
+                if req.params.seed is not None:
+                    self._seeded.manual_seed(_seed_for(req, offsets[i]))
+                    uniforms[i] = torch.rand(1, generator=self._seeded)[0]
+            tokens = kernels.sample_rows(logits.contiguous(), temps, top_k, top_p, min_p, uniforms)
         else:
-            tokens = self._sample(logits, requests, params, offsets or [0] * len(requests))
+            tokens = self._sample(logits.float(), requests, params, offsets)
         token_list = tokens.tolist()
         logprobs: list[Logprobs | None] = [None] * len(requests)
         if any(p.logprobs is not None for p in params):
-            logprobs = _logprobs(raw, tokens, params)
+            # Reported from `raw`, the model's own distribution before any processor: a choice we keep.
+            logprobs = _logprobs(raw.float(), tokens, params)
         return token_list, logprobs
 
     def _sample(self, logits: torch.Tensor, requests: list[Request], params: list[SamplingParams],
                 offsets: list[int]) -> torch.Tensor:  # fmt: skip
+        """torch's way (CUDA, or no compiled kernels): the same filters, drawn by an exponential race."""
         temps = torch.tensor([1.0 if p.greedy else p.temperature for p in params], device=logits.device)
         probs = torch.softmax(logits / temps[:, None], dim=-1)
-        if any(p.top_k > 0 or p.top_p < 1.0 for p in params):
-            probs = _top_k_top_p(probs, params)
         if any(p.min_p > 0 for p in params):
             min_p = torch.tensor([p.min_p for p in params], device=probs.device)
             probs = probs.masked_fill(probs < min_p[:, None] * probs.max(dim=-1, keepdim=True).values, 0.0)
+        if any(p.top_k > 0 or p.top_p < 1.0 for p in params):
+            probs = _top_k_top_p(probs, params)
         # Exponential race: argmax(p / E) with E ~ Exp(1) draws from p; each row's E has its own source.
         noise = torch.empty_like(probs).exponential_(generator=self.generator)
         for i, (req, p) in enumerate(zip(requests, params, strict=True)):
@@ -82,13 +91,6 @@ class Sampler:
 def _seed_for(req: Request, offset: int = 0) -> int:
     assert req.params.seed is not None
     return (req.params.seed * _SEED_MIX + req.num_output_tokens + offset) & (2**63 - 1)
-
-
-def _temperature_only(p: SamplingParams) -> bool:
-    """Sampling that needs nothing but a temperature: the compiled CPU sampler takes it. Seeded rows never do: they
-    always draw in _sample, so that their tokens do not depend on which path the rest of the batch takes."""
-    plain = p.greedy or (p.top_k == 0 and p.top_p >= 1.0 and p.min_p == 0 and p.seed is None)
-    return plain and p.logprobs is None and not needs_processing(p)
 
 
 def _argmax(logits: torch.Tensor) -> torch.Tensor:
@@ -112,18 +114,20 @@ def needs_processing(p: SamplingParams) -> bool:
 
 
 def _penalize(row: torch.Tensor, req: Request) -> None:
-    """OpenAI presence/frequency penalties over the outputs, HF-style repetition penalty over prompt + outputs."""
+    """OpenAI presence/frequency penalties over the outputs, HF-style repetition penalty over prompt + outputs;
+    touching only the tokens that occurred (a whole-vocabulary pass per row cost milliseconds)."""
     p = req.params
     if not _needs_penalty(p):
         return
     if p.repetition_penalty != 1.0:
         seen = torch.tensor(req.token_ids, dtype=torch.long, device=row.device).unique()
+        seen = seen[seen < row.shape[0]]
         vals = row[seen]
         row[seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
     if req.num_output_tokens and (p.presence_penalty or p.frequency_penalty):
-        out_ids = torch.tensor(req.output_token_ids, dtype=torch.long, device=row.device)
-        counts = torch.bincount(out_ids, minlength=row.shape[0])[: row.shape[0]].to(row.dtype)
-        row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(row.dtype)
+        ids = torch.tensor(req.output_token_ids, dtype=torch.long, device=row.device)
+        ids, counts = ids[ids < row.shape[0]].unique(return_counts=True)
+        row[ids] -= p.frequency_penalty * counts.to(row.dtype) + p.presence_penalty
 
 
 def _add_logit_bias(row: torch.Tensor, req: Request) -> None:
@@ -167,17 +171,19 @@ LOGITS_PROCESSORS = (_penalize, _add_logit_bias, _keep_allowed, _ban_bad_words, 
 
 
 def _top_k_top_p(probs: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-    sorted_probs, order = probs.sort(dim=-1, descending=True)
+    """Top-k, then top-p over the mass top-k kept (as vLLM and transformers), on probabilities after min-p."""
+    sorted_probs, order = probs.sort(dim=-1, descending=True, stable=True)  # equal weights: lower index first
     vocab = probs.shape[-1]
     # Clamped to the vocabulary: top_k beyond it means "all", and never overflows the int64 tensor.
     top_k = torch.tensor([min(p.top_k, vocab) if p.top_k > 0 else vocab for p in params], device=probs.device)
     top_p = torch.tensor([p.top_p for p in params], device=probs.device)
     rank = torch.arange(vocab, device=probs.device)[None, :]
-    # Keep a token if it is within top-k and the mass before it is below top-p (the first always stays). top_p 1
-    # keeps all: the cumulative sum can round past 1.0, and must not drop the tail of a row that asked for none.
+    sorted_probs = sorted_probs * (rank < top_k[:, None])
+    # A token stays while the mass before it is below top-p (the first always). top_p 1 keeps all: the cumulative
+    # sum can round past the total, and must not drop the tail of a row that asked for none.
     mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
-    keep = (rank < top_k[:, None]) & ((mass_before < top_p[:, None]) | (top_p[:, None] >= 1.0))
-    sorted_probs = sorted_probs * keep
+    total = sorted_probs.sum(dim=-1, keepdim=True)
+    sorted_probs = sorted_probs * ((mass_before < top_p[:, None] * total) | (top_p[:, None] >= 1.0))
     return torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
 
 
