@@ -157,13 +157,15 @@ class EngineCore:
         if before_update is not None:
             before_update()
         for part, sampled in ran:
-            # Update is bookkeeping, not tensor work: a raise there is a bug that may have half-applied the
-            # part's step, which cannot be retried, so the part fails as a whole.
+            # Update is bookkeeping, not tensor work: a raise there is a bug that may have half-applied the step of
+            # the request it raised on. The outputs made before it stand (their requests are whole); the rest fail.
+            made: list[EngineOutput] = []
             try:
-                outputs += self.scheduler.update(part, sampled)
+                self.scheduler.update(part, sampled, made)
             except Exception as exc:
                 log.exception("update failed")
-                outputs += self._fail(part.requests, f"engine update failed: {exc!r}")
+                made += self._fail(part.requests, f"engine update failed: {exc!r}", {o.request_id for o in made})
+            outputs += made
         self.last_step_time = time.perf_counter() - start
         return outputs
 
@@ -190,12 +192,15 @@ class EngineCore:
             failed += part_failed
         return ran, failed
 
-    def _fail(self, requests: list[Request], error: str) -> list[EngineOutput]:
+    def _fail(self, requests: list[Request], error: str, sent: set[str] | None = None) -> list[EngineOutput]:
+        """An ERROR output for each request with none sent, also one that update finished before it made its output
+        (the scheduler has forgotten it: its stream would wait forever). An aborted request needs none."""
         failed = []
         for req in requests:
-            if not req.finished:
-                self.scheduler.finish(req, FinishReason.ERROR, error)
-                failed.append(EngineOutput(req.request_id, [], FinishReason.ERROR, error=error))
+            if req.request_id in (sent or ()) or req.finish_reason == FinishReason.ABORT:
+                continue
+            self.scheduler.finish(req, FinishReason.ERROR, error)  # a no-op if update finished it
+            failed.append(EngineOutput(req.request_id, [], FinishReason.ERROR, error=error))
         return failed
 
     def stats(self):

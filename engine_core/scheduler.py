@@ -238,9 +238,9 @@ class Scheduler:
 
     # ---- results ----
 
-    def update(self, out: SchedulerOutput, sampled: SampledTokens) -> list[EngineOutput]:
-        """Appends sampled tokens, applies stop conditions, frees finished requests, caches full blocks."""
-        outputs: list[EngineOutput] = []
+    def update(self, out: SchedulerOutput, sampled: SampledTokens, outputs: list[EngineOutput]) -> None:
+        """Appends sampled tokens, applies stop conditions, frees finished requests, caches full blocks. Outputs go
+        to the caller's list as they are made, so that a raise midway loses none of those made before it."""
         j = 0
         for req, n, is_sampled in zip(out.requests, out.num_new_tokens, out.sample, strict=True):
             drafts, req.draft_token_ids = req.draft_token_ids, []
@@ -281,7 +281,6 @@ class Scheduler:
             lp = logprobs[0] if len(kept) == 1 else merge_logprobs(logprobs[: len(kept)])
             outputs.append(EngineOutput(req.request_id, kept, reason, req.stop_token_id,
                                         req.num_cached_tokens, lp, error, take_prompt_logprobs(req)))
-        return outputs
 
     def stats(self, step_time_s: float = 0.0, forward_time_s: float = 0.0) -> SchedulerStats:
         num_running = sum(1 for r in self.running if not r.finished)

@@ -63,7 +63,7 @@ def test_round_robin_scheduler_only():
             break
         out = s.schedule()
         k = sum(out.sample)
-        s.update(out, SampledTokens([1] * k, [None] * k))
+        s.update(out, SampledTokens([1] * k, [None] * k), [])
     assert not s.has_work, f"livelock after {s.num_preempted} preemptions"
 
 
@@ -103,5 +103,5 @@ def test_round_robin_rotation_serves_everyone():
         for r in out.requests:
             served[r.request_id] += 1
         k = sum(out.sample)
-        s.update(out, SampledTokens([5] * k, [None] * k))
+        s.update(out, SampledTokens([5] * k, [None] * k), [])
     assert min(served.values()) >= 5, served

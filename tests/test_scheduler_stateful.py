@@ -164,7 +164,8 @@ class Machine(RuleBasedStateMachine):
             if not victim.finished:
                 self.sched.abort([victim.request_id])
                 self._finish(victim.request_id, FinishReason.ABORT)
-        outputs = self.sched.update(out, SampledTokens(sampled, [None] * len(sampled)))
+        outputs: list = []
+        self.sched.update(out, SampledTokens(sampled, [None] * len(sampled)), outputs)
         for o in outputs:
             req = self.reqs[o.request_id]
             self.got[o.request_id] += o.new_token_ids
