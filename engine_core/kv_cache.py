@@ -1,8 +1,11 @@
 """KV block bookkeeping: a ref-counted BlockPool with an LRU free queue, and automatic prefix caching.
 
 The tensors themselves live in the model runner; this file only decides which block holds what.
-A full block is identified by a hash chained over its parent's hash and its own token ids, so a hit
-means the whole prefix matches; the block's token ids are compared too, so a hash collision is a miss.
+A full block is identified by a hash chained over its parent's hash and its key: its token ids and how many of
+them are prompt positions (which ran through the prefill kernel; the rest ran as decode rows). So a hit means the
+whole prefix matches and each position was computed by the kernel the new request would use: a request whose prompt
+holds an earlier answer (a multi-turn chat) prefills that answer's blocks again instead of taking decode-made K/V.
+The key is compared too, so a hash collision is a miss.
 """
 
 from __future__ import annotations
@@ -11,19 +14,21 @@ from collections import OrderedDict
 
 from engine_core.request import Request
 
+BlockKey = tuple[int, tuple[int, ...]]  # (prompt positions in the block, its token ids)
+
 
 class Block:
-    __slots__ = ("block_id", "ref_count", "block_hash", "token_ids")
+    __slots__ = ("block_id", "ref_count", "block_hash", "key")
 
     def __init__(self, block_id: int) -> None:
         self.block_id = block_id
         self.ref_count = 0
         self.block_hash: int | None = None
-        self.token_ids: tuple[int, ...] = ()
+        self.key: BlockKey | None = None
 
 
-def chain_hash(parent: int | None, token_ids: tuple[int, ...]) -> int:
-    return hash((parent, token_ids))
+def chain_hash(parent: int | None, key: BlockKey) -> int:
+    return hash((parent, key))
 
 
 class BlockPool:
@@ -43,7 +48,7 @@ class BlockPool:
         if block.block_hash is not None:  # evict the least recently used cached block
             if self.cached.get(block.block_hash) == block.block_id:
                 del self.cached[block.block_hash]
-            block.block_hash, block.token_ids = None, ()
+            block.block_hash, block.key = None, None
         block.ref_count = 1
         return block
 
@@ -58,22 +63,22 @@ class BlockPool:
         if block.ref_count == 0:
             self.free[block.block_id] = None
 
-    def lookup(self, block_hash: int, token_ids: tuple[int, ...]) -> Block | None:
+    def lookup(self, block_hash: int, key: BlockKey) -> Block | None:
         block_id = self.cached.get(block_hash)
         if block_id is None:
             return None
         block = self.blocks[block_id]
-        return block if block.token_ids == token_ids else None
+        return block if block.key == key else None
 
-    def register(self, block: Block, block_hash: int, token_ids: tuple[int, ...]) -> None:
-        block.block_hash, block.token_ids = block_hash, token_ids
+    def register(self, block: Block, block_hash: int, key: BlockKey) -> None:
+        block.block_hash, block.key = block_hash, key
         self.cached.setdefault(block_hash, block.block_id)  # keep the first copy of a duplicate
 
     def reset_cache(self) -> None:
         """Forget every cached hash (blocks in use keep their contents)."""
         self.cached.clear()
         for block in self.blocks:
-            block.block_hash, block.token_ids = None, ()
+            block.block_hash, block.key = None, None
 
 
 class KVCacheManager:
@@ -95,14 +100,16 @@ class KVCacheManager:
     def usage(self) -> float:
         return self.num_used_blocks / self.num_blocks
 
-    def _full_block_tokens(self, req: Request, index: int) -> tuple[int, ...]:
-        return tuple(req.token_ids[index * self.block_size : (index + 1) * self.block_size])
+    def _block_key(self, req: Request, index: int) -> BlockKey:
+        start = index * self.block_size
+        num_prompt = min(max(req.num_prompt_tokens - start, 0), self.block_size)
+        return num_prompt, tuple(req.token_ids[start : start + self.block_size])
 
     def _extend_hashes(self, req: Request, num_tokens: int) -> None:
         """Hashes every full block within the first num_tokens tokens that has none yet."""
         for i in range(len(req.block_hashes), num_tokens // self.block_size):
             parent = req.block_hashes[-1] if req.block_hashes else None
-            req.block_hashes.append(chain_hash(parent, self._full_block_tokens(req, i)))
+            req.block_hashes.append(chain_hash(parent, self._block_key(req, i)))
 
     def get_computed_blocks(self, req: Request) -> list[Block]:
         """The longest cached prefix of a request that holds no blocks. At least one token is left to
@@ -112,7 +119,7 @@ class KVCacheManager:
         self._extend_hashes(req, req.num_tokens - 1)
         hits: list[Block] = []
         for i, block_hash in enumerate(req.block_hashes[: (req.num_tokens - 1) // self.block_size]):
-            block = self.pool.lookup(block_hash, self._full_block_tokens(req, i))
+            block = self.pool.lookup(block_hash, self._block_key(req, i))
             if block is None:
                 break
             hits.append(block)
@@ -144,7 +151,7 @@ class KVCacheManager:
         for i in range(req.num_registered_blocks, num_full):
             block = self.pool.blocks[req.block_ids[i]]
             if block.block_hash is None:
-                self.pool.register(block, req.block_hashes[i], self._full_block_tokens(req, i))
+                self.pool.register(block, req.block_hashes[i], self._block_key(req, i))
         req.num_registered_blocks = max(req.num_registered_blocks, num_full)
 
     def free(self, req: Request) -> None:

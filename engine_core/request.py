@@ -40,7 +40,7 @@ class Request:
         self.num_computed_tokens = 0  # tokens whose KV is in the cache
         self.num_cached_tokens = 0  # of those, how many came from the prefix cache
         self.block_ids: list[int] = []
-        self.block_hashes: list[int] = []  # chained hash of each full block of token_ids
+        self.block_hashes: list[int] = []  # chained hash of each full block: its tokens and kernel role (kv_cache)
         self.num_registered_blocks = 0  # leading blocks already offered to the prefix cache
         self.status = RequestStatus.WAITING
         self.finish_reason: FinishReason | None = None

@@ -104,3 +104,36 @@ def test_reset_prefix_cache_forgets_hashes() -> None:
     kv.reset_prefix_cache()
     assert kv.get_computed_blocks(make("b", list(range(9)))) == []
     kv.check_integrity([])
+
+
+def decode(kv: KVCacheManager, req: Request, tokens: list[int]) -> None:
+    """What the scheduler does for outputs: one position at a time, each a decode row."""
+    for token in tokens:
+        assert kv.allocate_slots(req, 1)
+        req.token_ids.append(token)
+        req.num_computed_tokens += 1
+        kv.cache_full_blocks(req)
+
+
+def test_a_block_hits_only_where_its_positions_ran_through_the_same_kernel() -> None:
+    """Prompt positions are prefilled and outputs decoded, and the two kernels round differently, so a block is
+    keyed by its tokens and how many of them are prompt. `a`: 10 prompt tokens, 7 outputs, so block 2 holds 2
+    prompt positions and 2 outputs, block 3 only outputs."""
+    kv = KVCacheManager(16, BS, enable_prefix_caching=True)
+    a = make("a", list(range(10)))
+    compute_all(kv, a)
+    decode(kv, a, list(range(50, 57)))
+    assert a.num_registered_blocks == 4
+    # The next turn of a chat: a's prompt and answer, then more. Only the blocks wholly in a's prompt hit.
+    turn = make("turn", [*a.token_ids, 99, 98])
+    assert [b.block_id for b in kv.get_computed_blocks(turn)] == a.block_ids[:2]
+    # A recompute of a (preempted, or resumed after a restart) takes all four: the same kernels made each.
+    again = Request(EngineRequest("again", list(range(10)), SamplingParams(max_tokens=8),
+                                  output_token_ids=list(range(50, 57))), seq_no=1)  # fmt: skip
+    assert [b.block_id for b in kv.get_computed_blocks(again)] == a.block_ids[:4]
+    # The reverse: blocks another request prefilled as prompt do not serve a recompute's output positions.
+    kv = KVCacheManager(16, BS, enable_prefix_caching=True)
+    long = make("long", [*range(10), *range(50, 57)])
+    compute_all(kv, long)
+    assert [b.block_id for b in kv.get_computed_blocks(again)] == long.block_ids[:2]
+    kv.check_integrity([long])

@@ -67,6 +67,21 @@ def test_a_prefix_cache_hit_gives_the_cold_runs_tokens_and_logprobs() -> None:
         assert (warm_tokens, warm_logprobs) == (tokens, logprobs), f"{n} tokens, {warm_cached} from the cache"
 
 
+def test_a_prompt_holding_an_earlier_answer_gives_the_cold_runs_tokens_and_logprobs() -> None:
+    """A chat's next turn: the prompt is the first turn's prompt, its answer, then more. The answer's K/V in the
+    cache came from decode rows, and this prompt's positions run as prefill, so only the blocks wholly inside the
+    first prompt may hit (before the fix the answer's blocks hit too and the logprobs moved)."""
+    first, more = corpus_prompts([BLOCK * 2 + 5, 20])
+    core = bf16_engine()
+    (answer, _, _), = tokens_and_logprobs(core, [request("turn1", first)])
+    turn2 = first + answer + more
+    warm = tokens_and_logprobs(core, [request("warm", turn2)])
+    core.kv.reset_prefix_cache()
+    cold = tokens_and_logprobs(core, [request("cold", turn2)])
+    assert cold[0][2] == 0 and warm[0][2] == BLOCK * 2
+    assert warm[0][:2] == cold[0][:2]
+
+
 def test_a_resumed_request_goes_on_exactly_as_undisturbed(undisturbed) -> None:
     """What a restarted engine does with the streams it resumes: prompt and streamed outputs recomputed."""
     prompts, reference = undisturbed
