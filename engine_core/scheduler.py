@@ -106,7 +106,7 @@ class Scheduler:
 
     def _schedule_queue(self, out: SchedulerOutput) -> None:
         budget = self.max_num_batched_tokens
-        preempted = False
+        preempted_before = self.num_preempted
         scheduled: set[int] = set()  # ids of this step's requests: never preemption victims
         ongoing = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
         ongoing += [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
@@ -122,9 +122,8 @@ class Scheduler:
                 out.add(req, n)
                 scheduled.add(id(req))
                 budget -= n
-            else:
-                preempted = True
-        if preempted:  # memory is short: let the running ones finish before admitting more
+        # Anyone preempted: memory is short, admit nobody (a victim, first in the queue, would restart at once).
+        if self.num_preempted != preempted_before:
             return
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[0][1]
@@ -221,10 +220,11 @@ class Scheduler:
             candidates = [r for r in candidates if r.seq_no > requester.seq_no]
         if not candidates:
             return None
-        if self.policy == "priority":  # the least important, newest first among equals; the requester included
-            victim = max([*candidates, requester], key=lambda r: (r.priority, r.seq_no))
-            return None if victim is requester else victim
-        return candidates[-1]
+        # The least important (under fcfs all are equal), the newest first among equals; the requester included. By
+        # seq_no, not place in `running`: a recomputed old request goes to its end.
+        key = (lambda r: (r.priority, r.seq_no)) if self.policy == "priority" else (lambda r: r.seq_no)
+        victim = max([*candidates, requester], key=key)
+        return None if victim is requester else victim
 
     def _preempt(self, req: Request) -> None:
         self.kv.free(req)
