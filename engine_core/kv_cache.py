@@ -138,7 +138,9 @@ class KVCacheManager:
             self.pool.touch(block)
         req.block_ids.extend(b.block_id for b in computed)
         req.num_computed_tokens = num_computed
-        req.num_cached_tokens = max(req.num_cached_tokens, len(computed) * self.block_size)
+        # A recompute's hits may cover its own outputs; only prompt tokens count as cached.
+        hit = min(len(computed) * self.block_size, req.num_prompt_tokens)
+        req.num_cached_tokens = max(req.num_cached_tokens, hit)
         req.block_ids.extend(self.pool.allocate().block_id for _ in range(needed))
         return True
 

@@ -38,7 +38,7 @@ class Request:
         self.priority = msg.priority
         self.seq_no = seq_no  # admission order: the tie-breaker of every policy
         self.num_computed_tokens = 0  # tokens whose KV is in the cache
-        self.num_cached_tokens = 0  # of those, how many came from the prefix cache
+        self.num_cached_tokens = 0  # prompt tokens that came from the prefix cache (the most at any admission)
         self.block_ids: list[int] = []
         self.block_hashes: list[int] = []  # chained hash of each full block: its tokens and kernel role (kv_cache)
         self.num_registered_blocks = 0  # leading blocks already offered to the prefix cache

@@ -177,8 +177,9 @@ class Scheduler:
         n = req.next_chunk(budget, len(hits) * self.kv.block_size)
         if not self.kv.allocate_slots(req, n, hits):
             return 0
-        self.prefix_queries += req.num_tokens
-        self.prefix_hits += len(hits) * self.kv.block_size
+        if req.num_preemptions == 0:  # a recompute's hits are mostly its own blocks: not what the cache saved
+            self.prefix_queries += req.num_tokens
+            self.prefix_hits += len(hits) * self.kv.block_size
         req.status = RequestStatus.RUNNING
         return n
 

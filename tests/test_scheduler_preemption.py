@@ -1,5 +1,5 @@
 """Preemption in the queue policies, with the Scheduler alone (fake model: token 9 forever, blocks of 4): who is
-the victim, and that nobody is admitted in a step with a preemption."""
+the victim, that nobody is admitted in a step with a preemption, and what a recompute's prefix hits count as."""
 
 from __future__ import annotations
 
@@ -71,3 +71,21 @@ def test_fcfs_requester_newer_than_every_candidate_yields_itself() -> None:
     step(s)
     assert (a.num_preemptions, b.num_preemptions) == (0, 1)
 
+
+def test_a_recomputes_hits_count_neither_as_cached_prompt_nor_in_the_prefix_stats() -> None:
+    """`b` is preempted with 16 tokens of prompt and outputs in full blocks; re-admitted, its own blocks hit, which
+    made num_cached_tokens (reported as cached_tokens of usage) larger than its 4-token prompt and counted the
+    recompute as prefix-cache queries and hits."""
+    s = Scheduler(KVCacheManager(6, 4, enable_prefix_caching=True), 4, 64, 24)
+    a, b = make("a", [1, 2, 3, 4, 9, 9, 9, 9], 6, 1), make("b", [5, 6, 7, 8], 16, 2)
+    s.add(a)
+    s.add(b)
+    cached: dict[str, int] = {}
+    for _ in range(60):
+        if not s.has_work:
+            break
+        for o in step(s)[1]:
+            cached[o.request_id] = max(cached.get(o.request_id, 0), o.num_cached_tokens)
+    assert b.num_preemptions == 1 and b.num_tokens == 20
+    assert cached == {"a": 0, "b": 4}  # re-admitted b did hit its own blocks, but only prompt tokens count
+    assert (s.prefix_queries, s.prefix_hits) == (8 + 4, 0)  # first admissions only
