@@ -88,7 +88,8 @@ def test_hung_engine_fails_in_flight_requests(env):
     async def scenario():
         client.ping_timeout = 1.5
         stream = client.add(request(tok, "hung", 500, ignore_eos=True))
-        engine = next(h for h in client.handles if "hung" in h.streams)  # the one it was routed to
+        engine = client.engine_of(stream)  # the one it was routed to
+        assert engine is not None
         delta = await stream.get()
         sleeper = asyncio.ensure_future(client.call("sleep", 8.0, timeout=20, engine=engine.index))  # it hangs
         start = time.monotonic()

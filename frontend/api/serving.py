@@ -126,8 +126,6 @@ class ServingContext:
                           req.include_stop_str_in_output, self.priority(req))  # fmt: skip
         except (EngineUnavailable, QueueFull) as exc:  # the capacity others took while this one tokenized
             raise _unavailable(exc) from exc
-        except ValueError as exc:  # a request id (X-Request-Id) that is already in flight
-            raise bad_request(str(exc), None, "duplicate_request_id") from exc
 
     def failure(self, error: str | None, code: str | None = None) -> ApiError:
         if code == POISON:  # this request is the likely cause: retrying it elsewhere will not help

@@ -8,6 +8,7 @@ import contextlib
 import logging
 from collections.abc import AsyncIterator
 
+import msgspec
 import zmq
 import zmq.asyncio
 
@@ -70,6 +71,7 @@ class AsyncEngineClient:
         self.metrics = metrics
         self.pacing = StreamPacing(lambda: self.num_in_flight)  # many streams: several tokens per consumer wakeup
         self._tasks: list[asyncio.Task] = []
+        self._num_added = 0  # makes each engine request id unique (add)
 
     @classmethod
     async def spawn(cls, config: EngineConfig, ready_timeout: float = 600.0, data_parallel_size: int = 1,
@@ -175,24 +177,32 @@ class AsyncEngineClient:
             raise EngineUnavailable(f"the engine core is restarting and was not back within "
                                     f"{self.restart_timeout:g} s ({self.dead})")  # fmt: skip
 
-    def _owner(self, request_id: str) -> EngineHandle | None:
-        return next((h for h in self.handles if request_id in h.streams), None)
+    def engine_of(self, stream: RequestStream) -> EngineHandle | None:
+        """The engine `stream` is in flight on (or waits for); None once it has ended."""
+        return next((h for h in self.handles if h.streams.get(stream.request_id) is stream), None)
 
     def add(self, request: EngineRequest, detokenizer: IncrementalDetokenizer | None = None,
             include_stop_token: bool = False) -> RequestStream:  # fmt: skip
+        """Sends the request under an engine id of its own, `<its id>#<n>` (the stream's request_id): a client's
+        id (X-Request-Id) may come again (a retry) while the engine still runs or reports the aborted first try."""
         self.check_capacity(1)
-        if self._owner(request.request_id) is not None:
-            raise ValueError(f"request id {request.request_id!r} is already in flight")
+        self._num_added += 1
+        request = msgspec.structs.replace(request, request_id=f"{request.request_id}#{self._num_added}")
         stream = RequestStream(request, detokenizer, include_stop_token, self.pacing)
         live = [h for h in self.handles if h.healthy]  # a dead engine takes nothing new while it restarts
-        handle = live[0] if self.router is None else self.router.choose(request.prompt_token_ids, live)
-        handle.add(stream)
+        while True:
+            handle = live[0] if self.router is None else self.router.choose(request.prompt_token_ids, live)
+            live.remove(handle)
+            # An engine that refuses the send died a moment ago: another live one takes it, else it waits there.
+            if handle.add(stream, park=not live):
+                break
         if self.metrics is not None:
             self.metrics.prompt_tokens.inc(len(request.prompt_token_ids))
         return stream
 
     def abort(self, request_ids: list[str]) -> None:
-        """Forgets the requests and tells their engines to free them (before the next step). Never awaits."""
+        """Forgets the requests (streams' request_id: the engine ids) and tells their engines to free them (before
+        the next step). Never awaits."""
         for handle in self.handles:
             unfinished = [rid for rid in request_ids if (s := handle.streams.pop(rid, None)) and not s.finished]
             handle.abort(unfinished)
@@ -206,7 +216,7 @@ class AsyncEngineClient:
                 yield delta
         finally:
             if not stream.finished:
-                self.abort([request.request_id])
+                self.abort([stream.request_id])
 
     async def call(self, method: str, arg: float = 0.0, timeout: float | None = None,
                    engine: int = 0) -> UtilityResult:  # fmt: skip

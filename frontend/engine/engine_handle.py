@@ -117,16 +117,23 @@ class EngineHandle:
     def send(self, msg: EngineRequest | AbortRequest | UtilityCall) -> None:
         self._send(self.identity, ipc.encode(msg))
 
-    def add(self, stream: RequestStream) -> None:
-        """Sends the request; an engine that cannot be reached goes down and the stream waits for its successor."""
+    def add(self, stream: RequestStream, park: bool = True) -> bool:
+        """Sends the request. An engine that cannot be reached (ROUTER_MANDATORY: the request never got there) is
+        taken down at once where it will restart. With `park` the stream then waits for its successor (without
+        restarts: EngineUnavailable); without, add returns False and the caller sends it elsewhere."""
         try:
             self.send(stream.mark_sent())
         except zmq.ZMQError as exc:
-            if not self.life.resumable:
-                raise EngineUnavailable(f"cannot reach the {self.label}: {exc}") from exc
             stream.sent_at = None  # it never got there: the next engine gets it
-            self.engine_down(f"cannot reach the {self.label}: {exc}", self.epoch)
+            reason = f"cannot reach the {self.label}: {exc}"
+            if self.life.resumable:
+                self.engine_down(reason, self.epoch)
+            elif park:
+                raise EngineUnavailable(reason) from exc
+            if not park:
+                return False
         self.streams[stream.request_id] = stream
+        return True
 
     def abort(self, request_ids: list[str]) -> None:
         if request_ids and self.dead is None:
