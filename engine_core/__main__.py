@@ -12,12 +12,12 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Callable
 from typing import NoReturn
 
 from common import ipc
 from common.config import EngineConfig, add_cli_args, from_cli_args
 from common.model_source import ModelSourceError
+from common.python_command import STOP_SIGNAL, unblock_sigterm
 
 log = logging.getLogger("roseinfer.engine")
 
@@ -57,16 +57,31 @@ def _watch_parent(parent_pid: int, run_dir: str | None) -> None:
     threading.Thread(target=watch, name="parent-watch", daemon=True).start()
 
 
-def _on_sigterm(parent_pid: int, run_dir: str | None) -> Callable[..., None]:
-    def stop_once(*_) -> None:
+def _signal_handlers(parent_pid: int, run_dir: str | None, stop_on_sigterm: bool) -> None:
+    """STOP_SIGNAL: the parent stops us. SIGTERM stops us only when we were started by hand (no --parent-pid):
+    the API server's SIGTERM reaches us too when a process manager signals its whole group or cgroup, and the
+    server drains its in-flight requests on us before it sends STOP_SIGNAL."""
+    stopping = False
+
+    def stop(*_) -> None:
+        nonlocal stopping
         if os.getppid() != parent_pid:  # PR_SET_PDEATHSIG: the parent died (the watcher may not have run yet)
             _exit_orphaned(parent_pid, run_dir)
-        # A clean stop from the parent (or the thread that spawned us exited): end the busy loop like Ctrl+C, so
-        # run_engine shuts down and returns 0. A second SIGTERM during that shutdown is ignored.
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        raise KeyboardInterrupt
+        if not stopping:  # end the busy loop like Ctrl+C: run_engine shuts down and returns 0; only once
+            stopping = True
+            raise KeyboardInterrupt
 
-    return stop_once
+    def on_sigterm(*args) -> None:
+        if os.getppid() != parent_pid:
+            _exit_orphaned(parent_pid, run_dir)
+        if stop_on_sigterm:
+            stop(*args)
+        elif not stopping:
+            log.info("SIGTERM ignored: the server drains its requests and then stops this engine core")
+
+    signal.signal(STOP_SIGNAL, stop)
+    signal.signal(signal.SIGTERM, on_sigterm)
+    unblock_sigterm()  # held since our start (sigterm_held): one that came meanwhile is handled now
 
 
 def main() -> int:
@@ -80,7 +95,7 @@ def main() -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s engine %(levelname)s %(message)s")
     parent_pid = args.parent_pid or os.getppid()
     _die_with_parent()
-    signal.signal(signal.SIGTERM, _on_sigterm(parent_pid, args.run_dir))
+    _signal_handlers(parent_pid, args.run_dir, stop_on_sigterm=args.parent_pid is None)
     _watch_parent(parent_pid, args.run_dir)  # after the prctl: no moment where a parent's death goes unnoticed
     from engine_core.core import run_engine  # after argument parsing: importing torch takes a while
 

@@ -20,7 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from common.config import EngineConfig, to_cli_args
-from common.python_command import python_module
+from common.python_command import python_module, sigterm_held
 
 log = logging.getLogger("roseinfer.tp")
 
@@ -73,7 +73,8 @@ def spawn_worker(config: EngineConfig, rank: int, port: int, cpus: list[int] | N
     cmd += ["--rank", str(rank), "--parent-pid", str(os.getpid())]
     cmd += ["--cpus", ",".join(map(str, cpus))] if cpus else []
     config = dataclasses.replace(config, master_port=port)
-    return subprocess.Popen(cmd + to_cli_args(config), env=env)
+    with sigterm_held():  # it ignores SIGTERM (ours to handle), once it has started
+        return subprocess.Popen(cmd + to_cli_args(config), env=env)
 
 
 def watch_workers(procs: list[subprocess.Popen], on_exit: Callable[[int, int], None]) -> None:

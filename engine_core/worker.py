@@ -17,6 +17,7 @@ import sys
 from typing import NoReturn
 
 from common.config import EngineConfig, add_cli_args, from_cli_args
+from common.python_command import unblock_sigterm
 
 log = logging.getLogger("roseinfer.tp")
 
@@ -58,6 +59,10 @@ def main() -> int:
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s worker {args.rank} %(levelname)s %(message)s")
     if args.parent_pid:
         _die_with(args.parent_pid)
+        # Our parent ends us (SIGKILL, or its death): a SIGTERM for the whole process group (a process manager
+        # stopping the server) would break the group under requests the server still drains.
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    unblock_sigterm()  # held since our start (sigterm_held)
     config = from_cli_args(EngineConfig, args)
 
     import torch.distributed as dist

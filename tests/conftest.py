@@ -40,7 +40,8 @@ def dp_args(dp: int) -> list[str]:
 
 
 class Server:
-    def __init__(self, tmp: Path, *extra: str) -> None:
+    def __init__(self, tmp: Path, *extra: str, new_session: bool = False) -> None:
+        """`new_session`: a process group of its own (with its engines), which a test may signal as a whole."""
         self.num_engines = int(extra[extra.index("--data-parallel-size") + 1]) if "--data-parallel-size" in extra else 1
         self.tmp = tmp  # the server's TMPDIR: its ipc run directory lives here
         self.port = free_port()
@@ -49,7 +50,8 @@ class Server:
         env = {**os.environ, "HF_HUB_OFFLINE": "1", "TMPDIR": str(tmp)}
         with open(self.log, "wb") as log:
             cmd = [sys.executable, "launch.py", "--port", str(self.port), *SERVER_ARGS, *extra]
-            self.proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
+            self.proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                         start_new_session=new_session)  # fmt: skip
         self.engine_pids: list[int] = []
 
     def wait_healthy(self, timeout: float = 180.0, headers: dict[str, str] | None = None) -> Server:

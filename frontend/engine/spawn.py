@@ -1,4 +1,5 @@
-"""Starting an engine-core process: the command line, its parent pid and run directory, and the import path."""
+"""Starting an engine-core process: the command line, its parent pid and run directory, the import path, and
+SIGTERM held back until it has set its handler."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import subprocess
 
 from common import ipc
 from common.config import EngineConfig, to_cli_args
-from common.python_command import python_module
+from common.python_command import python_module, sigterm_held
 
 
 class EngineStartError(RuntimeError):
@@ -20,4 +21,5 @@ def spawn_engine(config: EngineConfig, addresses: ipc.Addresses, env: dict[str, 
     # Our pid, not the engine's later getppid(): we may die before it looks. With the run directory, an engine
     # that outlives us removes it.
     cmd += ["--parent-pid", str(os.getpid())] + (["--run-dir", addresses.run_dir] if addresses.run_dir else [])
-    return subprocess.Popen(cmd + to_cli_args(config), env=full_env)
+    with sigterm_held():  # the engine ignores SIGTERM while we live (we stop it with STOP_SIGNAL), once it started
+        return subprocess.Popen(cmd + to_cli_args(config), env=full_env)

@@ -12,6 +12,7 @@ import time
 
 from common import ipc
 from common.config import EngineConfig
+from common.python_command import STOP_SIGNAL
 from frontend.engine.spawn import spawn_engine
 
 
@@ -30,7 +31,8 @@ class EngineSupervisor:
         SIGTERM (PR_SET_PDEATHSIG) when the *thread* that spawned it exits."""
         assert self.proc is None or self.proc.poll() is not None, "an engine core is already running"
         # Ctrl+C in a terminal signals the whole process group. The engine must not die with it: the API
-        # drains in-flight requests first, then stops the engine itself. An ignored SIGINT survives exec.
+        # drains in-flight requests first, then stops the engine itself. An ignored SIGINT survives exec (a
+        # SIGTERM to the group the engine ignores itself, spawn_engine).
         previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
         # A child inherits the spawning thread's affinity: set for the fork, so the engine never runs (or sizes
         # its thread pool) on another engine's cores, then ours is restored.
@@ -64,11 +66,11 @@ class EngineSupervisor:
                 self.proc.kill()
 
     def stop(self, timeout: float = 10.0) -> None:
-        """SIGTERM (the engine exits its loop cleanly), then SIGKILL if it does not go in time; reaps it."""
+        """STOP_SIGNAL (the engine exits its loop cleanly), then SIGKILL if it does not go in time; reaps it."""
         if self.proc is None:
             return
         if self.proc.poll() is None:
-            self.proc.terminate()
+            self.proc.send_signal(STOP_SIGNAL)
             try:
                 self.proc.wait(timeout=timeout)
             except subprocess.TimeoutExpired:

@@ -21,6 +21,7 @@ from common.messages import (
     UtilityCall,
     UtilityResult,
 )
+from common.python_command import STOP_SIGNAL
 from frontend.engine.spawn import EngineStartError, spawn_engine
 
 
@@ -118,7 +119,7 @@ class EngineClient(EngineLink):
 
     def shutdown(self) -> None:
         if self.proc.poll() is None:
-            self.proc.terminate()
+            self.proc.send_signal(STOP_SIGNAL)  # it ignores SIGTERM while we live
             try:
                 self.proc.wait(timeout=10)
             except subprocess.TimeoutExpired:
