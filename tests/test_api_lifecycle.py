@@ -1,4 +1,5 @@
-"""Process lifecycle: API key, CORS, queue limit, engine kill -9 under load, SIGTERM drain, start-up failures."""
+"""Process lifecycle: API key, CORS, queue limit, engine kill -9 under load, a reused X-Request-Id, SIGTERM drain,
+start-up failures."""
 
 from __future__ import annotations
 
@@ -120,6 +121,27 @@ def test_queue_limit_then_engine_killed_under_load(servers):
 
     asyncio.run(scenario())
     server.assert_clean_exit()  # SIGTERM still exits 0, and leaves no process or ipc file behind
+
+
+def test_requests_sharing_an_x_request_id_each_run_on_their_own(servers):
+    """A gateway retries (Envoy) or hedges with the X-Request-Id of a try the engine may still be running."""
+    server = servers[1]
+
+    async def scenario() -> None:
+        async with httpx.AsyncClient(base_url=server.url, timeout=60, headers={"X-Request-Id": "retry-1"}) as client:
+            async with client.stream("POST", "/v1/completions", json={**LONG, "stream": True}) as first:
+                async for line in first.aiter_lines():
+                    if line.startswith("data: "):
+                        break  # the first try's client gives up mid-stream: aborted in the engine
+            body = {**LONG, "max_tokens": 8}
+            retries = await asyncio.gather(*(client.post("/v1/completions", json=body) for _ in range(2)))
+            for r in retries:  # both at once, each with exactly its own 8 tokens
+                assert r.status_code == 200 and r.headers["x-request-id"] == "retry-1", r.text
+                choice = r.json()["choices"][0]
+                assert r.json()["id"] == "cmpl-retry-1" and choice["finish_reason"] == "length"
+                assert r.json()["usage"]["completion_tokens"] == 8
+
+    asyncio.run(scenario())
 
 
 def test_sigterm_drains_in_flight_requests(servers):
