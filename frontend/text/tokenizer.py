@@ -6,15 +6,14 @@ import json
 import re
 import secrets
 from collections.abc import Callable
-from datetime import datetime
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
 import jinja2
-import jinja2.ext
-import jinja2.sandbox
 from tokenizers import Tokenizer as _HFTokenizer
+
+from frontend.text.chat_template import environment, model_templates
 
 
 class TokenizerError(RuntimeError):
@@ -30,10 +29,6 @@ def _token_text(value: Any) -> str | None:
     if isinstance(value, dict):
         return value.get("content")
     return value if isinstance(value, str) else None
-
-
-def _raise(message: str) -> None:
-    raise jinja2.TemplateError(message)
 
 
 def _map_strings(value: Any, fn: Callable[[str], str]) -> Any:
@@ -82,26 +77,20 @@ class Tokenizer:
         self.special_tokens = {
             k: text for k in ("bos_token", "eos_token", "unk_token", "pad_token") if (text := _token_text(cfg.get(k)))
         }
-        template_file = path / "chat_template.jinja"
-        template = template_file.read_text() if template_file.is_file() else cfg.get("chat_template")
-        if isinstance(template, list):  # named templates: take the default one
-            template = next((t["template"] for t in template if t.get("name") == "default"), None)
-        if chat_template is not None:  # --chat-template: a Jinja file instead of the model's own
+        templates = model_templates(path, cfg)
+        if chat_template is not None:  # --chat-template: a Jinja file instead of the model's own, with tools too
             try:
-                template = Path(chat_template).read_text()
+                templates = {"default": Path(chat_template).read_text()}
             except OSError as exc:
                 raise TokenizerError(f"--chat-template: cannot read {chat_template}: {exc}") from exc
-        # The same environment transformers renders chat templates in, so prompts match token for token.
-        env = jinja2.sandbox.ImmutableSandboxedEnvironment(
-            trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
-        )
-        env.filters["tojson"] = lambda x, indent=None, **_: json.dumps(x, ensure_ascii=False, indent=indent)
-        env.globals["raise_exception"] = _raise
-        env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+        env = environment()  # transformers', so prompts match token for token
         try:
-            self._template = env.from_string(template) if template else None
+            compiled = {name: env.from_string(text) for name, text in templates.items()}
         except jinja2.TemplateSyntaxError as exc:
             raise TokenizerError(f"chat template: line {exc.lineno}: {exc.message}") from exc
+        # As transformers picks among named templates: "tool_use" for a request with tools, where there is one.
+        self._template = compiled.get("default")
+        self._tool_template = compiled.get("tool_use")
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
         self.token_text = lru_cache(maxsize=1 << 16)(self._token_text)
 
@@ -123,7 +112,8 @@ class Tokenizer:
         """`tools`: function definitions in HF's shape ({"type": "function", "function": {...}}), or None.
         `continue_final_message`: the text ends with the final message's content, left open (as transformers).
         `template_kwargs`: more variables for the template; none may replace the ones set here."""
-        if self._template is None:
+        template = self._tool_template if tools is not None and self._tool_template is not None else self._template
+        if template is None:
             raise TokenizerError("this model has no chat template; use /v1/completions")
         ours = {"messages": messages, "tools": tools, "add_generation_prompt": add_generation_prompt,
                 **self.special_tokens}  # fmt: skip
@@ -131,7 +121,7 @@ class Tokenizer:
         if taken:
             raise TemplateKwargsError(f"chat_template_kwargs may not set {', '.join(taken)}")
         try:
-            text = self._template.render(**(template_kwargs or {}), **ours)
+            text = template.render(**(template_kwargs or {}), **ours)
             return _open_final_message(text, messages) if continue_final_message else text
         except jinja2.TemplateError as exc:  # the template rejected the conversation (e.g. role order)
             raise TokenizerError(f"chat template: {exc}") from exc
