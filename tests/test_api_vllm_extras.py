@@ -1,5 +1,5 @@
 """vLLM's request extras over HTTP: truncate_prompt_tokens, priority (and its policy), allowed_token_ids, bad_words,
-return_tokens_as_token_ids, chat_template_kwargs."""
+return_tokens_as_token_ids, chat_template_kwargs; chat logprobs' bytes."""
 
 from __future__ import annotations
 
@@ -138,3 +138,13 @@ def test_chat_template_kwargs_may_not_replace_the_servers_variables(server: Serv
     assert ok.status_code == 200, ok.text
     r = post(server, CHAT, {"messages": HI, "max_tokens": 1, "chat_template_kwargs": {"messages": []}})
     assert r.status_code == 400 and r.json()["error"]["param"] == "chat_template_kwargs", r.text
+
+
+def test_chat_logprobs_bytes_join_characters_split_over_tokens(server: Server):
+    """OpenAI's `bytes`: a token that holds part of a character (its text is U+FFFD) has its own bytes, so the
+    tokens' bytes joined are the content's UTF-8 (no SmolLM token holds a whole emoji)."""
+    body = {"messages": HI, "max_tokens": 12, "temperature": 0, "logprobs": True, "guided_choice": ["😀🎉"]}
+    choice = post(server, CHAT, body).json()["choices"][0]
+    content = choice["logprobs"]["content"]
+    assert choice["message"]["content"] == "😀🎉" and any("\ufffd" in e["token"] for e in content), content
+    assert b"".join(bytes(e["bytes"]) for e in content) == "😀🎉".encode()

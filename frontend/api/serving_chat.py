@@ -52,8 +52,7 @@ class ChatFormat:
         self.echo = last.template_dict()["content"] if req.echo and last.role == "assistant" else ""
 
     def _entry(self, token_id: int, logprob: float) -> dict[str, Any]:
-        text = self.tok.token_text(token_id)
-        return {"token": self.name(token_id), "logprob": clamp(logprob), "bytes": list(text.encode())}
+        return {"token": self.name(token_id), "logprob": clamp(logprob), "bytes": list(self.tok.token_bytes(token_id))}
 
     def _logprobs(self, delta: Delta) -> dict[str, Any] | None:
         if not self.want_logprobs:

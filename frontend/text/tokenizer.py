@@ -14,6 +14,7 @@ import jinja2
 from tokenizers import Tokenizer as _HFTokenizer
 
 from frontend.text.chat_template import environment, model_templates
+from frontend.text.token_bytes import token_bytes_table
 
 
 class TokenizerError(RuntimeError):
@@ -64,6 +65,7 @@ class Tokenizer:
         path = Path(model_dir)
         if not (path / "tokenizer.json").is_file():
             raise TokenizerError(f"{path} has no tokenizer.json (the API server needs a fast tokenizer)")
+        tokenizer_json = json.loads((path / "tokenizer.json").read_text())
         self._tok = _HFTokenizer.from_file(str(path / "tokenizer.json"))
         self.parse_special_in_content = parse_special_in_content
         # Encodes special-token text as plain text. A second instance, not a flag toggled on the shared one:
@@ -93,6 +95,7 @@ class Tokenizer:
         self._tool_template = compiled.get("tool_use")
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
         self.token_text = lru_cache(maxsize=1 << 16)(self._token_text)
+        self._bytes = token_bytes_table(self._tok, tokenizer_json)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         # encode_batch releases the GIL (encode holds it), so a long text tokenized in a worker thread never
@@ -105,6 +108,12 @@ class Tokenizer:
     def _token_text(self, token_id: int) -> str:
         """One token's text for logprobs (may be a partial UTF-8 character, shown as U+FFFD)."""
         return self._tok.decode([token_id], skip_special_tokens=False)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """One token's own bytes, a partial UTF-8 character's too (chat logprobs' `bytes`)."""
+        if self._bytes is not None and 0 <= token_id < len(self._bytes):
+            return self._bytes[token_id]
+        return self.token_text(token_id).encode()
 
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
                             tools: list[dict[str, Any]] | None = None, continue_final_message: bool = False,
