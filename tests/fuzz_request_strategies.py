@@ -90,7 +90,7 @@ MAX_TOKENS_FIELD = (CLEAN_MAX_TOKENS, field(MAX_TOKENS))
 LOGPROBS = weighted((4, st.integers(-1, 25)), (1, st.none()))
 COMPLETION = body(
     {"model": MODEL_FIELD, "prompt": (CLEAN_PROMPT, PROMPT), "max_tokens": MAX_TOKENS_FIELD},
-    {**SAMPLING, "echo": BOOL, "logprobs": LOGPROBS, "prompt_logprobs": LOGPROBS},
+    {**SAMPLING, "echo": BOOL, "logprobs": LOGPROBS, "prompt_logprobs": LOGPROBS, "add_special_tokens": BOOL},
 )
 CHAT_BODY = body(
     {"model": MODEL_FIELD, "messages": (CLEAN_MESSAGES, MESSAGES), "max_tokens": MAX_TOKENS_FIELD},
@@ -99,6 +99,7 @@ CHAT_BODY = body(
         "max_completion_tokens": MAX_TOKENS,
         "logprobs": BOOL,
         "add_generation_prompt": BOOL,
+        "add_special_tokens": BOOL,
         "top_logprobs": LOGPROBS,
         "prompt_logprobs": LOGPROBS,
         "echo": BOOL,

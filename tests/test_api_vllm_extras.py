@@ -1,5 +1,5 @@
 """vLLM's request extras over HTTP: truncate_prompt_tokens, priority (and its policy), allowed_token_ids, bad_words,
-return_tokens_as_token_ids, chat_template_kwargs; chat logprobs' bytes."""
+return_tokens_as_token_ids, chat_template_kwargs, add_special_tokens; chat logprobs' bytes."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import httpx
 import pytest
 
 from tests.conftest import Server
-from tests.test_api_compat import CHAT, CMPL, HI, MODEL, post
+from tests.test_api_compat import CHAT, CMPL, HI, MODEL, post, stream
 
 
 def test_truncate_prompt_tokens_keeps_the_prompts_end(server: Server):
@@ -55,6 +55,19 @@ def test_allowed_token_ids_hold_every_token(server: Server):
     for bad in ([], [10**6]):
         r = post(server, CMPL, {**body, "allowed_token_ids": bad})
         assert r.status_code == 400 and r.json()["error"]["param"] == "allowed_token_ids", r.text
+
+
+def test_allowed_token_ids_may_repeat_past_the_vocabulary(server: Server):
+    """A mask, as vLLM's: an id given 65536 times (more ids than SmolLM's 49152-token vocabulary) is one id, not an
+    engine error (a 500, or an error event in a stream)."""
+    one = post(server, "/tokenize", {"prompt": " cat", "add_special_tokens": False}).json()["tokens"]
+    assert len(one) == 1
+    body = {"prompt": "Name an animal:", "max_tokens": 3, "temperature": 0, "ignore_eos": True,
+            "allowed_token_ids": one * (1 << 16)}  # fmt: skip
+    r = post(server, CMPL, body)
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] == " cat" * 3, r.text
+    chunks = stream(server, CHAT, {"messages": HI, **{k: body[k] for k in ("max_tokens", "allowed_token_ids")}})
+    assert "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"]) == " cat" * 3
 
 
 def test_bad_words_never_appear_as_their_tokens(server: Server):
@@ -138,6 +151,17 @@ def test_chat_template_kwargs_may_not_replace_the_servers_variables(server: Serv
     assert ok.status_code == 200, ok.text
     r = post(server, CHAT, {"messages": HI, "max_tokens": 1, "chat_template_kwargs": {"messages": []}})
     assert r.status_code == 400 and r.json()["error"]["param"] == "chat_template_kwargs", r.text
+
+
+def test_add_special_tokens_is_read_on_both_routes(server: Server):
+    """vLLM's add_special_tokens is a field of both routes (the default model adds no BOS, so the prompt is the
+    same either way; tests/test_add_special_tokens.py checks the ids with one that does), not an ignored extra."""
+    for path, body in ((CMPL, {"prompt": "Hello"}), (CHAT, {"messages": HI})):
+        answers = [post(server, path, {**body, "max_tokens": 1, "add_special_tokens": add}) for add in (True, False)]
+        counts = {r.json()["usage"]["prompt_tokens"] for r in answers}
+        assert len(counts) == 1, counts
+        r = post(server, path, {**body, "max_tokens": 1, "add_special_tokens": "sometimes"})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "add_special_tokens", r.text
 
 
 def test_chat_logprobs_bytes_join_characters_split_over_tokens(server: Server):

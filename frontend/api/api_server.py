@@ -13,14 +13,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from common.config import ServerConfig
 from frontend.api.http_guard import BodyRefused, HttpGuard
-from frontend.api.protocol import (
-    ChatCompletionRequest,
-    CompletionRequest,
-    DetokenizeRequest,
-    GenerateRequest,
-    TokenizeRequest,
-)
+from frontend.api.protocol import ChatCompletionRequest, CompletionRequest
 from frontend.api.protocol_responses import ResponsesRequest
+from frontend.api.protocol_tokens import DetokenizeRequest, GenerateRequest, TokenizeRequest
 from frontend.api.serving import ServingContext, off_loop, stream_text
 from frontend.api.serving_chat import chat_prompt, create_chat_completion
 from frontend.api.serving_completion import create_completion
@@ -102,9 +97,11 @@ def create_app(ctx: ServingContext, config: ServerConfig, metrics: Metrics) -> F
             raise bad_request("give exactly one of prompt and messages", "prompt")
         if req.messages is not None:
             ids = await off_loop(chat_prompt, ctx, req.messages, req.add_generation_prompt, None,
-                                 req.continue_final_message, req.chat_template_kwargs)  # fmt: skip
+                                 req.continue_final_message, req.chat_template_kwargs, None,
+                                 bool(req.add_special_tokens))  # fmt: skip
         else:
-            ids = await off_loop(ctx.tokenizer.encode, req.prompt or "", req.add_special_tokens)
+            add = req.add_special_tokens is not False
+            ids = await off_loop(ctx.tokenizer.encode, req.prompt or "", add)
         return {"tokens": ids, "count": len(ids), "max_model_len": ctx.max_model_len}
 
     @app.post("/detokenize")

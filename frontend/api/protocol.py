@@ -131,7 +131,7 @@ class SamplingFields(ApiModel):
             repetition_penalty=d.repetition_penalty if self.repetition_penalty is None else self.repetition_penalty,
             logprobs=logprobs,
             logit_bias=dict(self.logit_bias or {}),
-            allowed_token_ids=list(self.allowed_token_ids or []),
+            allowed_token_ids=sorted(set(self.allowed_token_ids or [])),  # a mask (vLLM's too): repeats are one
         )
 
 
@@ -177,6 +177,7 @@ class CompletionRequest(SamplingFields, StructuredFields):
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     return_tokens_as_token_ids: bool = False  # vLLM's: logprobs name tokens "token_id:{id}"
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # vLLM's extension
+    add_special_tokens: bool = True  # vLLM's: the tokenizer's own special tokens (a BOS) around a text prompt
     suffix: Text | None = None  # not supported: a 400 when given, as vLLM
     best_of: int | None = Field(None, ge=1, le=MAX_N)  # supported only as n (no ranking of candidates), as vLLM V1
 
@@ -267,6 +268,7 @@ class ChatCompletionRequest(SamplingFields, StructuredFields):
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # vLLM's extension
     add_generation_prompt: bool = True
     continue_final_message: bool = False  # vLLM's: the final message is left open for the model to continue
+    add_special_tokens: bool = False  # vLLM's: the tokenizer's own (a BOS) around the rendered template too
     echo: bool = False  # vLLM's: a final assistant message's content leads the answer (with continue_final_message)
     chat_template_kwargs: TemplateKwargs | None = None
     tools: list[ToolDefinition] | None = Field(None, max_length=MAX_TOOLS)
@@ -275,25 +277,3 @@ class ChatCompletionRequest(SamplingFields, StructuredFields):
     # OpenAI's deprecated forms of tools and tool_choice: at most one call, answered as message.function_call
     functions: list[FunctionDefinition] | None = Field(None, max_length=MAX_TOOLS)
     function_call: Literal["none", "auto"] | NamedFunction | None = None
-
-
-class GenerateRequest(SamplingFields):
-    """POST /generate: the smallest useful request; the answer is plain text, streamed."""
-
-    prompt: Text | list[int]
-    max_tokens: int = Field(16, ge=1)
-
-
-class TokenizeRequest(ApiModel):
-    model: Text | None = None
-    prompt: Text | None = None
-    messages: list[ChatMessage] | None = None
-    add_special_tokens: bool = True
-    add_generation_prompt: bool = True
-    continue_final_message: bool = False
-    chat_template_kwargs: TemplateKwargs | None = None
-
-
-class DetokenizeRequest(ApiModel):
-    model: Text | None = None
-    tokens: list[int]

@@ -22,14 +22,16 @@ from frontend.tools.tool_stream import ToolStreams, as_function_call, finish_rea
 
 def chat_prompt(ctx: ServingContext, messages: list[ChatMessage], add_generation_prompt: bool = True,
                 tools: list[dict[str, Any]] | None = None, continue_final_message: bool = False,
-                template_kwargs: dict[str, Any] | None = None, keep: int | None = None) -> list[int]:  # fmt: skip
+                template_kwargs: dict[str, Any] | None = None, keep: int | None = None,
+                add_special_tokens: bool = False) -> list[int]:  # fmt: skip
     if continue_final_message and add_generation_prompt:  # vLLM's words
         raise bad_request("Cannot set both `continue_final_message` and `add_generation_prompt` to True.",
                           "continue_final_message")  # fmt: skip
     try:
         # Special-token text inside the messages stays text unless the server was told to parse it.
         dicts = [m.template_dict() for m in messages]
-        ids = ctx.tokenizer.encode_chat(dicts, add_generation_prompt, tools, continue_final_message, template_kwargs)
+        ids = ctx.tokenizer.encode_chat(dicts, add_generation_prompt, tools, continue_final_message, template_kwargs,
+                                        add_special_tokens)  # fmt: skip
     except TokenizerError as exc:
         param = "chat_template_kwargs" if isinstance(exc, TemplateKwargsError) else "messages"
         raise bad_request(str(exc), param) from exc
@@ -132,8 +134,8 @@ async def start_chat(ctx: ServingContext, req: ChatCompletionRequest, rid: str) 
     tools = await off_loop(plan_tools, req, ctx.tool_call_parser) if req.tools else plan_tools(req, None)
     await ctx.admit(req.n)
     prompt = await off_loop(chat_prompt, ctx, req.messages, req.add_generation_prompt, tools.template_tools,
-                            req.continue_final_message, req.chat_template_kwargs,
-                            req.truncate_prompt_tokens)  # fmt: skip
+                            req.continue_final_message, req.chat_template_kwargs, req.truncate_prompt_tokens,
+                            req.add_special_tokens)  # fmt: skip
     requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     max_tokens = ctx.max_tokens(len(prompt), requested, param)

@@ -116,8 +116,10 @@ class CompletionFormat:
 
 
 def completion_prompts(ctx: ServingContext, prompt: str | list[str] | list[int] | list[list[int]],
-                       keep: int | None = None) -> tuple[list[list[int]], list[str]]:  # fmt: skip
-    """Every accepted prompt form -> (token ids, text) per prompt; `keep`: truncate_prompt_tokens."""
+                       keep: int | None = None,
+                       add_special_tokens: bool = True) -> tuple[list[list[int]], list[str]]:  # fmt: skip
+    """Every accepted prompt form -> (token ids, text) per prompt; `keep`: truncate_prompt_tokens;
+    `add_special_tokens`: the tokenizer's own (a BOS) around a text prompt."""
     if isinstance(prompt, str):
         prompt = [prompt]
     if not prompt:
@@ -127,7 +129,7 @@ def completion_prompts(ctx: ServingContext, prompt: str | list[str] | list[int] 
     ids_list: list[list[int]] = []
     texts: list[str] = []
     for p in prompt:
-        whole = ctx.tokenizer.encode(p) if isinstance(p, str) else list(p)  # type: ignore[arg-type]
+        whole = ctx.tokenizer.encode(p, add_special_tokens) if isinstance(p, str) else list(p)  # type: ignore[arg-type]
         ids = ctx.check_prompt(whole, "prompt", keep)  # ids out of range must not reach the decode below
         texts.append(p if isinstance(p, str) and ids == whole else ctx.tokenizer.decode(ids, skip_special_tokens=False))
         ids_list.append(ids)
@@ -148,7 +150,8 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest, raw: Re
     check_stream(req.prompt_logprobs, req.stream)
     check_stream_options(req)
     await ctx.admit(num_prompts(req.prompt) * req.n)
-    prompts, texts = await off_loop(completion_prompts, ctx, req.prompt, req.truncate_prompt_tokens)
+    prompts, texts = await off_loop(completion_prompts, ctx, req.prompt, req.truncate_prompt_tokens,
+                                    req.add_special_tokens)  # fmt: skip
     requested = DEFAULT_COMPLETION_TOKENS if req.max_tokens is None else req.max_tokens
     max_tokens = ctx.max_tokens(max(len(p) for p in prompts), requested, "max_tokens")
     params = ctx.sampling_params(req, max_tokens, req.logprobs)

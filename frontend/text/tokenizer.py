@@ -96,6 +96,7 @@ class Tokenizer:
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
         self.token_text = lru_cache(maxsize=1 << 16)(self._token_text)
         self._bytes = token_bytes_table(self._tok, tokenizer_json)
+        self._affixes = self._special_affixes()
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         # encode_batch releases the GIL (encode holds it), so a long text tokenized in a worker thread never
@@ -108,6 +109,12 @@ class Tokenizer:
     def _token_text(self, token_id: int) -> str:
         """One token's text for logprobs (may be a partial UTF-8 character, shown as U+FFFD)."""
         return self._tok.decode([token_id], skip_special_tokens=False)
+
+    def _special_affixes(self) -> tuple[list[int], list[int]]:
+        """The special tokens the tokenizer's post-processor puts before and after a text (e.g. a BOS)."""
+        bare, full = self.encode("a", add_special_tokens=False), self.encode("a")
+        at = next((i for i in range(len(full) - len(bare) + 1) if full[i : i + len(bare)] == bare), None)
+        return ([], []) if at is None else (full[:at], full[at + len(bare) :])
 
     def token_bytes(self, token_id: int) -> bytes:
         """One token's own bytes, a partial UTF-8 character's too (chat logprobs' `bytes`)."""
@@ -139,10 +146,11 @@ class Tokenizer:
 
     def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
                     tools: list[dict[str, Any]] | None = None, continue_final_message: bool = False,
-                    template_kwargs: dict[str, Any] | None = None) -> list[int]:  # fmt: skip
+                    template_kwargs: dict[str, Any] | None = None,
+                    add_special_tokens: bool = False) -> list[int]:  # fmt: skip
         """The chat prompt's ids. Special tokens the template writes are control tokens; special-token text inside
         the messages, tools and template kwargs (content, name, any string) is plain text, as the OpenAI API treats
-        message content."""
+        message content. `add_special_tokens` (vLLM's): the tokenizer's own (a BOS) around the rendered text too."""
         text = self.apply_chat_template(messages, add_generation_prompt, tools, continue_final_message,
                                         template_kwargs)  # fmt: skip
         # Each string that holds special-token text is swapped for a unique marker, to learn where the template
@@ -160,7 +168,7 @@ class Tokenizer:
         if self.parse_special_in_content or not strings:
             # The common case: the same ids as encoding the rendered string (as transformers does). The template
             # already wrote every special token (BOS included) the model expects.
-            return self.encode(text, add_special_tokens=False)
+            return self.encode(text, add_special_tokens=add_special_tokens)
         # Even parts are the template's text, odd parts the index of the string written there, as it is or (tool
         # definitions and call arguments, written with tojson) JSON-escaped. If putting the strings back does not
         # give the same text, the template changed or inspected them: refuse rather than guess which characters
@@ -189,4 +197,4 @@ class Tokenizer:
                 ids += self._text_tok.encode_batch([span], add_special_tokens=False)[0].ids
             elif span:
                 ids += self.encode(span, add_special_tokens=False)
-        return ids
+        return [*self._affixes[0], *ids, *self._affixes[1]] if add_special_tokens else ids
