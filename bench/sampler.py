@@ -42,8 +42,10 @@ def real_logits(rows: int) -> tuple[torch.Tensor, list[list[int]]]:
     path = resolve_model(None).path
     tok = AutoTokenizer.from_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    chats = [json.loads(line)["messages"] for line in DATA.read_text().splitlines() if line.strip()]
-    prompts = [tok.apply_chat_template(chats[i % len(chats)], add_generation_prompt=True) for i in range(rows)]
+    records = [json.loads(line) for line in DATA.read_text().splitlines() if line.strip()]
+    chats = [r["messages"] for r in records if "messages" in r]  # (a few lines are plain prompts)
+    prompts = [tok.apply_chat_template(chats[i % len(chats)], add_generation_prompt=True, return_dict=True)["input_ids"]
+               for i in range(rows)]  # fmt: skip
     with torch.inference_mode():
         logits = torch.stack([model(torch.tensor([p])).logits[0, -1] for p in prompts])
     return logits.to(torch.bfloat16), [list(p) for p in prompts]
