@@ -116,6 +116,7 @@ class EngineOutput(_Msg):
     # With the request's first output when params.prompt_logprobs is set: one entry per prompt token after the
     # first (the first has no logprob), in prompt order.
     prompt_logprobs: Logprobs | None = None
+    error_code: str | None = None  # why it failed, where the API answers other than "the engine failed"
 
     @property
     def finished(self) -> bool:

@@ -9,10 +9,12 @@ max_tokens, and the grammar would never end the request.
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 from typing import TYPE_CHECKING
 
+from common.json_schema_check import REPEAT, unsupported
 from common.messages import StructuredOutput
 
 if TYPE_CHECKING:
@@ -22,9 +24,11 @@ MAX_SPEC_CHARS = 256 * 1024  # schema / regex / EBNF text; a grammar's compile t
 ANY_OBJECT_SCHEMA = '{"type": "object"}'
 # Regex / EBNF repetition counts: xgrammar's parser takes about 15 s over "a{1000000}", and its compile is worse.
 MAX_REPEAT = 10_000
-_REPEAT = re.compile(r"\{\s*(\d+)\s*(?:,\s*(\d*)\s*)?\}")
+# EngineOutput.error_code of a constraint the engine could not compile: the request's fault (a 400), as the
+# API's own check would have said had it seen the failure coming.
+INVALID_CONSTRAINT = "invalid_structured_output"
 # xgrammar's errors start with "[hh:mm:ss] /path/file.cc:123: " and sometimes "Check failed: (...) is false: ".
-_NOISE = re.compile(r"^\[[\d:]+\] \S+:\d+: (Check failed: .*? is false: )?")
+_NOISE = re.compile(r"^\[[\d:]+\] \S+:\d+: (Check failed: .*? is false:\s*)?")
 
 
 def choice_ebnf(choices: list[str]) -> str:
@@ -57,16 +61,39 @@ def spec_error(so: StructuredOutput) -> str | None:
     if len(so.spec) > MAX_SPEC_CHARS:
         return f"the {so.kind} specification is longer than {MAX_SPEC_CHARS} characters"
     if so.kind in ("regex", "grammar"):
-        counts = [int(n) for m in _REPEAT.finditer(so.spec) for n in m.groups() if n]
+        counts = [int(n) for m in REPEAT.finditer(so.spec) for n in m.groups() if n]
         if counts and max(counts) > MAX_REPEAT:
             return f"repetition count {max(counts)} is above the limit of {MAX_REPEAT}"
+    if so.kind == "json_schema" and (error := _unsupported(so.spec)) is not None:
+        return error
     try:
-        grammar_of(so)
+        # Some grammars build but fail to compile (xgrammar 0.2.8: a schema pattern repeated more than 128 times);
+        # a compile against a tiny vocabulary finds them (a small schema takes milliseconds), before the engine.
+        _tiny_compiler().compile_grammar(grammar_of(so))
     except Exception as exc:  # whatever xgrammar raises, a bad spec is the caller's 400, never a 500
         return error_text(exc)
     return None
 
 
+def _unsupported(spec: str) -> str | None:
+    try:
+        return unsupported(json.loads(spec))
+    except RecursionError:
+        return "the schema is nested too deeply"
+    except ValueError:
+        return None  # not JSON: xgrammar says where
+
+
+@functools.cache
+def _tiny_compiler() -> xgrammar.GrammarCompiler:
+    import xgrammar as xgr
+
+    info = xgr.TokenizerInfo([chr(c) for c in range(32, 127)])  # printable ASCII, one character a token
+    # With its cache on, as the engine's: the failures above happen on the cache's path.
+    return xgr.GrammarCompiler(info, max_threads=1, cache_limit_bytes=8 << 20)
+
+
 def error_text(exc: BaseException) -> str:
     lines = [line for line in str(exc).strip().splitlines() if line.strip()]
-    return _NOISE.sub("", lines[0]) if lines else type(exc).__name__
+    text = _NOISE.sub("", lines[0]).strip() if lines else ""
+    return text or "xgrammar could not compile it (an internal check failed)"  # a failed check says nothing more

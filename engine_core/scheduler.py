@@ -96,9 +96,9 @@ class Scheduler:
         ready, ended, self.gated = release(self.gated, wait=len(self.gated) == len(self.requests))
         for req in ready:
             self._enqueue(req)
-        for req, reason, error in ended:
+        for req, (reason, error, code) in ended:
             self.finish(req, reason, error)
-            self.early_outputs.append(EngineOutput(req.request_id, [], reason, error=error))
+            self.early_outputs.append(EngineOutput(req.request_id, [], reason, error=error, error_code=code))
 
     def take_early_outputs(self) -> list[EngineOutput]:
         outputs, self.early_outputs = self.early_outputs, []

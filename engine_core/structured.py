@@ -21,12 +21,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from common.messages import FinishReason, StructuredOutput
-from common.structured import MAX_SPEC_CHARS, error_text, grammar_of
+from common.structured import INVALID_CONSTRAINT, MAX_SPEC_CHARS, error_text, grammar_of
 
 if TYPE_CHECKING:
     from engine_core.request import Request
 
 log = logging.getLogger("roseinfer.engine")
+Ending = tuple[FinishReason, str | None, str | None]  # how a request ends before it runs: reason, error, code
 CACHE_ENTRIES = 256  # compiled grammars kept (tool schemas repeat request after request)
 IDLE_WAIT_S = 0.02  # how long an otherwise idle engine sleeps on a compile instead of spinning
 
@@ -85,7 +86,7 @@ class RequestGrammar:
         self.matcher: Any = None
         self.stop_ids: list[int] = []
 
-    def start(self, req: Request) -> tuple[FinishReason, str | None] | None:
+    def start(self, req: Request) -> Ending | None:
         """Makes the matcher once the grammar is compiled and replays the request's outputs so far. None: it
         may run; otherwise how it ends without running (compile error, or its outputs already end the grammar)."""
         import xgrammar as xgr
@@ -94,14 +95,16 @@ class RequestGrammar:
             compiled = self.future.result()
         except Exception as exc:
             log.info("grammar for request %s failed to compile: %s", req.request_id, exc)
-            return FinishReason.ERROR, f"the structured output constraint could not be compiled: {error_text(exc)}"
+            error = f"the structured output constraint could not be compiled: {error_text(exc)}"
+            return FinishReason.ERROR, error, INVALID_CONSTRAINT
         # The request's own EOS ids end the grammar, so that its finish is the one check_stop reports.
         self.stop_ids = sorted(req.eos_token_ids) or list(self.service.stop_token_ids)
         self.matcher = xgr.GrammarMatcher(compiled, override_stop_tokens=self.stop_ids or None)
         for token in req.output_token_ids:
             reason = self.advance(token, None)
             if reason is not None:
-                return reason, None if reason == FinishReason.STOP else "resumed output does not match the grammar"
+                error = None if reason == FinishReason.STOP else "resumed output does not match the grammar"
+                return reason, error, None
         return None
 
     def advance(self, token: int, reason: FinishReason | None) -> FinishReason | None:
@@ -128,8 +131,7 @@ def _unpack(words: torch.Tensor, vocab_size: int) -> torch.Tensor:
     return bits.flatten()[:vocab_size].bool()
 
 
-def release(gated: list[Request], wait: bool) -> tuple[list[Request], list[tuple[Request, FinishReason, str | None]],
-                                                       list[Request]]:  # fmt: skip
+def release(gated: list[Request], wait: bool) -> tuple[list[Request], list[tuple[Request, Ending]], list[Request]]:
     """Splits the requests waiting for a grammar into (ready to queue, ended, still compiling); aborted ones drop.
     With `wait` (nothing else to run) it first sleeps briefly on the compiles, so the engine loop does not spin."""
     live = [r for r in gated if not r.finished]
@@ -144,11 +146,11 @@ def release(gated: list[Request], wait: bool) -> tuple[list[Request], list[tuple
             end = req.grammar.start(req)
         except Exception as exc:  # a matcher that cannot be made fails its request, never the engine
             log.exception("grammar matcher for request %s", req.request_id)
-            end = FinishReason.ERROR, f"the structured output constraint failed: {error_text(exc)}"
+            end = FinishReason.ERROR, f"the structured output constraint failed: {error_text(exc)}", None
         if end is None:
             ready.append(req)
         else:
-            ended.append((req, *end))
+            ended.append((req, end))
     return ready, ended, pending
 
 

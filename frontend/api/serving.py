@@ -13,6 +13,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from common.messages import SamplingParams
+from common.structured import INVALID_CONSTRAINT
 from frontend.api.protocol import SamplingFields
 from frontend.api.sampling_defaults import SamplingDefaults
 from frontend.api.sse import ResponseFormat, sse_stream
@@ -128,6 +129,8 @@ class ServingContext:
             raise _unavailable(exc) from exc
 
     def failure(self, error: str | None, code: str | None = None) -> ApiError:
+        if code == INVALID_CONSTRAINT:  # its grammar did not compile: the request's fault, which a retry repeats
+            return bad_request(error or "the structured output constraint could not be compiled", None, code)
         if code == POISON:  # this request is the likely cause: retrying it elsewhere will not help
             return ApiError(500, error or "the request crashed the engine core", None, code)
         # Its engine will not come back (retired past its restart budget, or shutdown), or none serves: retry later.

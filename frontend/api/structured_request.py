@@ -9,8 +9,9 @@ from typing import Any
 
 import msgspec
 
+from common.json_schema_check import MAX_SCHEMA_DEPTH, depth_exceeds
 from common.messages import SamplingParams, StructuredOutput
-from common.structured import spec_error
+from common.structured import MAX_SPEC_CHARS, spec_error
 from frontend.api.protocol import StructuredFields
 from frontend.api.serving import off_loop
 from frontend.errors import bad_request
@@ -26,7 +27,24 @@ def _json_text(value: Any, param: str) -> str:
         raise bad_request(f"{param} cannot be encoded as JSON: {exc}", param) from None
 
 
+def _too_deep(value: Any) -> bool:
+    if isinstance(value, str):  # the text form is parsed to count its levels
+        if len(value) > MAX_SPEC_CHARS:
+            return False  # refused for its length
+        try:
+            value = json.loads(value)
+        except RecursionError:
+            return True
+        except ValueError:
+            return False  # not JSON: the check says where
+    return depth_exceeds(value, MAX_SCHEMA_DEPTH)
+
+
 def _schema(value: Any, param: str) -> StructuredOutput:
+    """A JSON schema nested at most MAX_SCHEMA_DEPTH levels, as tools' parameters: xgrammar's conversion takes
+    seconds over a few hundred, in the API's check and again in the engine."""
+    if _too_deep(value):
+        raise bad_request(f"{param} holds a schema nested deeper than {MAX_SCHEMA_DEPTH} levels", param)
     return StructuredOutput("json_schema", _json_text(value, param))
 
 

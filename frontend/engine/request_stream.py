@@ -104,7 +104,7 @@ class RequestStream:
             # The id only when it was one of the request's stop_token_ids: EOS ends it with stop_reason null (vLLM).
             stop_ids = self.request.params.stop_token_ids
             delta.stop_reason = out.stop_token_id if out.stop_token_id in stop_ids else None
-            delta.error = out.error
+            delta.error, delta.error_code = out.error, out.error_code
         self._put(delta)
         return delta.finish_reason is not None and out.finish_reason is None
 
