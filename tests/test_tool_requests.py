@@ -11,10 +11,11 @@ import jsonschema
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from xgrammar.testing import _is_grammar_accept_string
 
 from common.messages import StructuredOutput
 from common.model_source import resolve_model
-from common.structured import spec_error
+from common.structured import grammar_of, spec_error
 from frontend.api.protocol import ChatCompletionRequest
 from frontend.errors import ApiError
 from frontend.text.tokenizer import Tokenizer
@@ -75,6 +76,36 @@ def test_forced_schemas_compile_to_grammars():
     for body in ({"tool_choice": "required"}, {"tool_choice": {"type": "function", "function": {"name": "route"}}}):
         so = plan(tools=[WEATHER, ROUTE, ALARM, NOARGS], **body).structured
         assert so is not None and spec_error(so) is None
+
+
+# As zod-to-json-schema writes them: "#/properties/..." for a reused sub-schema, "#" for recursion.
+ADDRESSES = {"type": "function", "function": {"name": "addresses", "parameters": {
+    "type": "object", "properties": {"home": {"type": "object", "properties": {"city": {"type": "string"}},
+                                              "required": ["city"]},
+                                     "work": {"$ref": "#/properties/home"}}, "required": ["home", "work"]}}}
+TREE = {"type": "function", "function": {"name": "tree", "parameters": {
+    "type": "object", "properties": {"v": {"type": "integer"}, "kids": {"type": "array", "items": {"$ref": "#"}}},
+    "required": ["v"]}}}  # fmt: skip
+
+
+def test_forced_schemas_keep_each_tools_local_refs():
+    """What the grammar lets the model write is what each tool's own schema accepts, whatever its refs point at."""
+    home, tree = {"home": {"city": "A"}, "work": {"city": "B"}}, {"v": 1, "kids": [{"v": 2, "kids": []}]}
+    good = {"addresses": [home], "tree": [tree, {"v": 1}]}
+    bad = {"addresses": [{"home": {"city": "A"}, "work": {"x": 1}}, {"home": {"city": "A"}, "work": 5}],
+           "tree": [{"v": 1, "kids": [{"name": "tree", "arguments": {"v": 1}}]}, {"v": 1, "kids": [{"v": "x"}]}]}
+    for choice in ("required", *({"type": "function", "function": {"name": n}} for n in good)):
+        so = plan(tools=[ADDRESSES, TREE, ROUTE], tool_choice=choice).structured
+        assert so is not None and spec_error(so) is None
+        spec, grammar = json.loads(so.spec), grammar_of(so)
+        named = choice if isinstance(choice, dict) else None
+        for name, arguments in [(n, a) for n in good for a in good[n]] + [(n, a) for n in bad for a in bad[n]]:
+            if named is not None and named["function"]["name"] != name:
+                continue
+            output = arguments if named is not None else [{"name": name, "arguments": arguments}]
+            valid = arguments in good[name]
+            assert jsonschema.Draft202012Validator(spec).is_valid(output) == valid, (choice, output)
+            assert _is_grammar_accept_string(grammar, json.dumps(output, separators=(", ", ": "))) == valid
 
 
 def test_modes_and_template_tools():

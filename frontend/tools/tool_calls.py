@@ -12,6 +12,7 @@ from typing import Any, Literal
 
 import jsonschema
 
+from common.json_schema_check import MAX_SCHEMA_DEPTH, subschemas
 from common.messages import StructuredOutput
 from frontend.api.protocol import (
     ChatCompletionRequest,
@@ -26,7 +27,6 @@ from frontend.tools.tool_forced import ForcedCallsParser, NamedCallParser
 from frontend.tools.tool_parsers import HermesParser, ToolParser
 
 TOOL_PARSERS = ("hermes",)  # --tool-call-parser choices
-MAX_SCHEMA_DEPTH = 32  # nesting of a tool's parameters: every walk over it (ours, jsonschema's, the grammar's) recurses
 _EMPTY_PARAMETERS = {"type": "object", "properties": {}}  # OpenAI: no parameters is a function without arguments
 
 Mode = Literal["none", "auto", "required", "named"]
@@ -133,42 +133,31 @@ def functions_as_tools(req: ChatCompletionRequest) -> ChatCompletionRequest:
     return req.model_copy(update={"tools": tools, "tool_choice": named, "parallel_tool_calls": False})
 
 
-def _hoist_defs(parameters: dict[str, Any], prefix: str) -> tuple[dict[str, Any], dict[str, Any]]:
-    """A tool's $defs / definitions, renamed and moved to the root of the combined schema ($refs resolve from the
-    root, and two tools may use the same names); its "#/$defs/X" and "#/definitions/X" refs follow them."""
+def _moved(parameters: dict[str, Any], at: str) -> dict[str, Any]:
+    """A tool's parameters to live at `at` (a JSON pointer) inside a larger schema: every local $ref ("#" itself,
+    "#/properties/home" as zod writes them, "#/$defs/X") still points into the tool's own schema."""
     parameters = copy.deepcopy(parameters)
-    defs: dict[str, Any] = {}
-    for key in ("$defs", "definitions"):
-        for name, sub in (parameters.pop(key, None) or {}).items():
-            defs[f"{prefix}{key.strip('$')}_{name}"] = sub
-    stack: list[Any] = [parameters, defs]
-    while stack:
-        node = stack.pop()
-        if isinstance(node, dict):
-            ref = node.get("$ref")
-            for key in ("$defs", "definitions"):
-                if isinstance(ref, str) and ref.startswith(f"#/{key}/"):
-                    node["$ref"] = f"#/$defs/{prefix}{key.strip('$')}_{ref[len(key) + 3:]}"
-            stack.extend(node.values())
-        elif isinstance(node, list):
-            stack.extend(node)
-    return parameters, defs
+    parameters.pop("$id", None)  # a new base URI would make jsonschema resolve the refs below against it
+    for _, node in subschemas(parameters):
+        ref = node.get("$ref")
+        if isinstance(ref, str) and (ref == "#" or ref.startswith("#/")):
+            node["$ref"] = f"#{at}{ref[1:]}"
+    return parameters
 
 
 def required_schema(tools: list[ToolDefinition], parallel: bool) -> dict[str, Any]:
     """An array of calls, each {"name": one tool's name, "arguments": that tool's parameters}, at least one
-    (exactly one without parallel_tool_calls)."""
+    (exactly one without parallel_tool_calls). Each tool's parameters go whole under $defs, so that their own
+    refs resolve as they did at their root."""
     alternatives, defs = [], {}
     for i, tool in enumerate(tools):
-        parameters, own = _hoist_defs(_parameters(tool.function), f"tool{i}_")
-        defs.update(own)
-        alternatives.append({"type": "object", "properties": {"name": {"type": "string", "const": tool.function.name},
-                             "arguments": parameters}, "required": ["name", "arguments"]})  # fmt: skip
-    schema: dict[str, Any] = {"type": "array", "items": {"anyOf": alternatives}, "minItems": 1}
+        defs[f"tool{i}"] = _moved(_parameters(tool.function), f"/$defs/tool{i}")
+        name, arguments = {"type": "string", "const": tool.function.name}, {"$ref": f"#/$defs/tool{i}"}
+        alternatives.append({"type": "object", "properties": {"name": name, "arguments": arguments},
+                             "required": ["name", "arguments"]})  # fmt: skip
+    schema: dict[str, Any] = {"type": "array", "items": {"anyOf": alternatives}, "minItems": 1, "$defs": defs}
     if not parallel:
         schema["maxItems"] = 1
-    if defs:
-        schema["$defs"] = defs
     return schema
 
 
