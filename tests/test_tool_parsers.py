@@ -10,6 +10,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from frontend.api.protocol import ChatCompletionRequest
+from frontend.tools.tool_calls import plan_tools
 from frontend.tools.tool_forced import ForcedCallsParser, NamedCallParser
 from frontend.tools.tool_parsers import Arguments, CallStart, Content, Event, HermesParser, ToolParser
 from frontend.tools.tool_stream import ToolStreams, finish_reason, message
@@ -154,6 +156,26 @@ def test_whole_message():
     plain = message(HermesParser(), "no tools here ")
     assert plain == {"role": "assistant", "content": "no tools here "}
     assert finish_reason(HermesParser(), "stop") == "stop"
+
+
+def test_parallel_tool_calls_false_keeps_only_the_first_call():
+    """OpenAI answers at most one call then: the chat stream, the whole message and /v1/responses all take their
+    parser from the plan, so each drops the later calls."""
+    text = f"Let me check.\n<tool_call>\n{WEATHER}\n</tool_call>\n<tool_call>\n{TIME}\n</tool_call>\nDone."
+    tools = [{"type": "function", "function": {"name": n}} for n in ("get_weather", "get_time")]
+
+    def make(**fields: object) -> Callable[[], ToolParser]:
+        req = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "hi"}], "tools": tools,
+                                                    **fields})  # fmt: skip
+        factory = plan_tools(req, "hermes").make_parser()
+        assert factory is not None
+        return factory
+
+    weather = ("get_weather", '{"city": "Paris", "unit": "celsius"}')
+    assert same_everywhere(make(parallel_tool_calls=False), text) == ("Let me check.Done.", [weather], 1)
+    assert same_everywhere(make(), text)[1] == [weather, ("get_time", '{"tz": "Europe/Paris"}')]
+    msg = message(make(parallel_tool_calls=False)(), text)
+    assert [c["function"]["name"] for c in msg["tool_calls"]] == ["get_weather"]
 
 
 # Text made of the pieces parsers care about: tags (whole and cut), JSON punctuation, names, whitespace.

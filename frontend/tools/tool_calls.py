@@ -41,6 +41,7 @@ class ToolPlan:
     structured: StructuredOutput | None = None  # "required" / "named": the output is held to this schema
     named: str | None = None  # the function a named tool_choice forces
     parser: str | None = None  # "auto": the model's own format, parsed when the server has a parser
+    parallel: bool = True  # "auto": False keeps only the model's first call, as OpenAI answers
 
     def make_parser(self) -> Callable[[], ToolParser] | None:
         """A factory for one choice's parser, or None when the output is plain content."""
@@ -50,7 +51,8 @@ class ToolPlan:
         if self.mode == "required":
             return ForcedCallsParser
         if self.mode == "auto" and self.parser == "hermes":
-            return HermesParser
+            max_calls = None if self.parallel else 1
+            return lambda: HermesParser(max_calls)
         return None
 
 
@@ -184,7 +186,7 @@ def plan_tools(req: ChatCompletionRequest, parser: str | None) -> ToolPlan:
         return ToolPlan("none", None)
     template_tools = [_template_tool(t) for t in tools]
     if choice is None or choice == "auto":
-        return ToolPlan("auto", template_tools, parser=parser)
+        return ToolPlan("auto", template_tools, parser=parser, parallel=req.parallel_tool_calls)
     if choice == "required":
         schema = required_schema(tools, req.parallel_tool_calls)
         return ToolPlan("required", template_tools, StructuredOutput("json_schema", json.dumps(schema)))

@@ -87,10 +87,12 @@ class HermesParser:
 
     Text outside the tags is content; whitespace that only separates content from a call is dropped. A call is
     held until its closing tag (or the end of the text), then emitted whole: a malformed one stays content, exactly
-    as written. A call the model ends without its closing tag still counts if its JSON is complete.
+    as written. A call the model ends without its closing tag still counts if its JSON is complete. Calls past
+    `max_calls` (parallel_tool_calls false: one) are dropped.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, max_calls: int | None = None) -> None:
+        self.max_calls = max_calls
         self.calls = 0
         self.pending = ""  # content held back: trailing whitespace and what may be the start of OPEN
         self.in_call = False
@@ -144,8 +146,9 @@ class HermesParser:
             self._content(events, self.call_ws + raw)
             return
         name, arguments = call
-        events += [CallStart(self.calls, call_id(), name), Arguments(self.calls, arguments)]
-        self.calls += 1
+        if self.max_calls is None or self.calls < self.max_calls:
+            events += [CallStart(self.calls, call_id(), name), Arguments(self.calls, arguments)]
+            self.calls += 1
         self.after_call = True
 
     @staticmethod
