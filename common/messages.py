@@ -23,7 +23,8 @@ class StructuredOutput(_Msg, frozen=True):
     """A constraint on the generated text; the engine compiles it (xgrammar) into a per-step token mask.
 
     kind: "json_object" (any JSON object), "json_schema" (spec = the schema as JSON text), "regex" (spec = the
-    pattern), "choice" (spec = a JSON list of the allowed strings) or "grammar" (spec = EBNF text).
+    pattern), "choice" (spec = a JSON list of the allowed strings), "grammar" (spec = EBNF text) or "json_or_calls"
+    (spec = JSON: the JSON of "schema", or tagged calls: "begin", JSON of "calls", "end", by "separator").
     """
 
     kind: str

@@ -48,12 +48,30 @@ def grammar_of(so: StructuredOutput) -> xgrammar.Grammar:
         return xgr.Grammar.from_regex(so.spec)
     if so.kind == "grammar":
         return xgr.Grammar.from_ebnf(so.spec)
+    if so.kind == "json_or_calls":
+        return _json_or_calls(json.loads(so.spec))
     if so.kind == "choice":
         choices = json.loads(so.spec)
         if not isinstance(choices, list) or not choices or not all(isinstance(c, str) and c for c in choices):
             raise ValueError("choice must be a non-empty list of non-empty strings")
         return xgr.Grammar.from_ebnf(choice_ebnf(choices))
     raise ValueError(f"unknown structured output kind {so.kind!r}")
+
+
+def _json_or_calls(spec: dict) -> xgrammar.Grammar:
+    """The JSON of spec["schema"], or one or more tagged calls: begin, the JSON of spec["calls"], end, separated
+    (one at most unless spec["parallel"]). Both JSON grammars compact, as everywhere."""
+    import xgrammar as xgr
+
+    def compact(schema: object) -> dict:
+        text = str(xgr.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False))  # xgrammar's own EBNF
+        return {"type": "grammar", "grammar": text}
+
+    tag = {"type": "tag", "begin": spec["begin"], "content": compact(spec["calls"]), "end": spec["end"]}
+    calls = {"type": "tags_with_separator", "tags": [tag], "separator": spec["separator"], "at_least_one": True,
+             "stop_after_first": not spec["parallel"]}  # fmt: skip
+    either = {"type": "or", "elements": [compact(spec["schema"]), calls]}
+    return xgr.Grammar.from_structural_tag(json.dumps({"type": "structural_tag", "format": either}))
 
 
 def spec_error(so: StructuredOutput) -> str | None:
@@ -66,6 +84,14 @@ def spec_error(so: StructuredOutput) -> str | None:
             return f"repetition count {max(counts)} is above the limit of {MAX_REPEAT}"
     if so.kind == "json_schema" and (error := _unsupported(so.spec)) is not None:
         return error
+    if so.kind == "json_or_calls":
+        try:
+            spec = json.loads(so.spec)
+            error = unsupported(spec["schema"]) or unsupported(spec["calls"])
+        except (ValueError, KeyError, TypeError, RecursionError):
+            return "the json_or_calls specification is malformed"
+        if error is not None:
+            return error
     try:
         # Some grammars build but fail to compile (xgrammar 0.2.8: a schema pattern repeated more than 128 times);
         # a compile against a tiny vocabulary finds them (a small schema takes milliseconds), before the engine.

@@ -153,6 +153,35 @@ def test_hermes_parser_on_the_server(server: Server):
     assert_engine_idle_within(server, 5.0)
 
 
+LESS_THAN = 44  # "<" in the default model's vocabulary: the hermes tag's first token, and no JSON value's
+
+
+def test_auto_tools_with_a_response_format(server: Server):
+    """tools (auto) and response_format together, as the OpenAI Agents SDK sends them: the answer is the format's
+    JSON or the model's calls. A bias on "<" makes the small model begin a call; the grammar holds the rest."""
+    answer = {"type": "object", "properties": {"sky": {"enum": ["sunny", "rainy"]}}, "required": ["sky"]}
+    kw = {"model": MODEL, "messages": ASK, "tools": TOOLS, "max_tokens": 96, "temperature": 0,
+          "response_format": {"type": "json_schema", "json_schema": {"name": "weather", "schema": answer}}}
+
+    async def run() -> list[Any]:
+        async with openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0, timeout=300) as c:
+            create, bias = c.chat.completions.create, {"logit_bias": {str(LESS_THAN): 100}}
+            results = await asyncio.gather(create(**kw), create(**kw, **bias, parallel_tool_calls=False),
+                                           create(**kw, **bias, parallel_tool_calls=False, stream=True))
+            return [r if not isinstance(r, openai.AsyncStream) else [x async for x in r] for r in results]
+
+    plain, whole, chunks = asyncio.run(run())
+    if plain.choices[0].message.tool_calls is None:  # the model chose to answer: the format's JSON
+        jsonschema.validate(json.loads(plain.choices[0].message.content), answer)
+    msg = whole.choices[0].message
+    assert whole.choices[0].finish_reason == "tool_calls" and not msg.content and len(msg.tool_calls) == 1
+    check_calls([c.model_dump() for c in msg.tool_calls], {"get_weather", "get_time"})
+    content, calls, finish = from_stream(chunks)
+    assert finish == "tool_calls" and content == ""
+    assert [c["function"] for c in calls] == [c.function.model_dump() for c in msg.tool_calls]
+    assert_engine_idle_within(server, 5.0)
+
+
 FUNCTIONS = [t["function"] for t in TOOLS]  # the deprecated `functions` shape
 
 

@@ -19,7 +19,8 @@ from common.structured import grammar_of, spec_error
 from frontend.api.protocol import ChatCompletionRequest
 from frontend.errors import ApiError
 from frontend.text.tokenizer import Tokenizer
-from frontend.tools.tool_calls import plan_tools
+from frontend.tools.tool_calls import calls_or_output, plan_tools
+from frontend.tools.tool_stream import message
 
 TEMPLATE = Path(__file__).parent / "data" / "tool_template.jinja"
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Current weather", "parameters": {
@@ -106,6 +107,37 @@ def test_forced_schemas_keep_each_tools_local_refs():
             valid = arguments in good[name]
             assert jsonschema.Draft202012Validator(spec).is_valid(output) == valid, (choice, output)
             assert _is_grammar_accept_string(grammar, json.dumps(output, separators=(", ", ": "))) == valid
+
+
+def test_auto_tools_with_an_output_format_may_answer_either():
+    """tools (auto, hermes) and a JSON output format, as the OpenAI Agents SDK sends them: the grammar takes the
+    format's JSON (content) or the model's tagged calls, each call held to its tool's parameters."""
+    answer = StructuredOutput("json_schema", json.dumps({"type": "object", "properties": {"city": {"type": "string"}},
+                                                         "required": ["city"]}))  # fmt: skip
+    call = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+    for parallel in (True, False):
+        req = ChatCompletionRequest.model_validate({"messages": USER, "tools": [WEATHER, ALARM],
+                                                    "parallel_tool_calls": parallel})  # fmt: skip
+        p = plan_tools(req, "hermes")
+        so = calls_or_output(p, req.tools or [], answer)
+        assert so is not None and spec_error(so) is None
+        grammar = grammar_of(so)
+        assert _is_grammar_accept_string(grammar, '{"city": "Paris"}')
+        assert _is_grammar_accept_string(grammar, call)
+        assert _is_grammar_accept_string(grammar, call + "\n" + call) == parallel
+        for bad in ('{"town": "Paris"}', "Sure.", call.replace('"Paris"', "3"), call.replace("get_weather", "nope"),
+                    '<tool_call>\n{"name": "alarm", "arguments": {"at": "7"}}\n</tool_call>'):  # fmt: skip
+            assert not _is_grammar_accept_string(grammar, bad), bad
+        make = p.make_parser()
+        assert make is not None
+        assert message(make(), call)["tool_calls"][0]["function"] == {"name": "get_weather",
+                                                                      "arguments": '{"city": "Paris"}'}  # fmt: skip
+        assert message(make(), '{"city": "Paris"}') == {"role": "assistant", "content": '{"city": "Paris"}'}
+    # Without a parser for the model's calls, or with a constraint other than JSON, the format holds alone.
+    assert calls_or_output(plan(tools=[WEATHER]), [], answer) is None
+    regex = StructuredOutput("regex", "a+")
+    assert calls_or_output(plan_tools(ChatCompletionRequest.model_validate({"messages": USER, "tools": [WEATHER]}),
+                                      "hermes"), [], regex) is None  # fmt: skip
 
 
 def test_modes_and_template_tools():

@@ -16,7 +16,7 @@ from frontend.engine.fanout import Choice, FanOut
 from frontend.engine.request_stream import Delta
 from frontend.errors import bad_request
 from frontend.text.tokenizer import TemplateKwargsError, TokenizerError
-from frontend.tools.tool_calls import ToolPlan, functions_as_tools, plan_tools
+from frontend.tools.tool_calls import ToolPlan, calls_or_output, functions_as_tools, plan_tools
 from frontend.tools.tool_stream import ToolStreams, as_function_call, finish_reason, legacy_finish_reason, message
 
 
@@ -142,9 +142,10 @@ async def start_chat(ctx: ServingContext, req: ChatCompletionRequest, rid: str) 
     params = ctx.sampling_params(req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None)
     params = with_prompt_logprobs(params, req.prompt_logprobs)
     params = await with_structured_output(req, params)  # response_format, guided_*: a bad one is a 400
-    if tools.structured is not None:  # a forced tool call: the output is held to the tools' schema (it wins)
-        await check(tools.structured, "tools")
-        params = msgspec.structs.replace(params, structured=tools.structured)
+    structured = tools.structured or calls_or_output(tools, req.tools or [], params.structured)
+    if structured is not None:  # a forced tool call (it wins over a format), or the format's JSON or tool calls
+        await check(structured, "tools")
+        params = msgspec.structs.replace(params, structured=structured)
     return await ctx.fan_out(rid, [prompt], req, params), tools
 
 

@@ -14,6 +14,7 @@ import jsonschema
 
 from common.json_schema_check import MAX_SCHEMA_DEPTH, subschemas
 from common.messages import StructuredOutput
+from common.structured import ANY_OBJECT_SCHEMA
 from frontend.api.protocol import (
     ChatCompletionRequest,
     ChatMessage,
@@ -24,7 +25,7 @@ from frontend.api.protocol import (
 )
 from frontend.errors import bad_request
 from frontend.tools.tool_forced import ForcedCallsParser, NamedCallParser
-from frontend.tools.tool_parsers import HermesParser, ToolParser
+from frontend.tools.tool_parsers import CLOSE, OPEN, HermesParser, ToolParser
 
 TOOL_PARSERS = ("hermes",)  # --tool-call-parser choices
 _EMPTY_PARAMETERS = {"type": "object", "properties": {}}  # OpenAI: no parameters is a function without arguments
@@ -147,20 +148,40 @@ def _moved(parameters: dict[str, Any], at: str) -> dict[str, Any]:
     return parameters
 
 
-def required_schema(tools: list[ToolDefinition], parallel: bool) -> dict[str, Any]:
-    """An array of calls, each {"name": one tool's name, "arguments": that tool's parameters}, at least one
-    (exactly one without parallel_tool_calls). Each tool's parameters go whole under $defs, so that their own
-    refs resolve as they did at their root."""
+def call_schema(tools: list[ToolDefinition]) -> dict[str, Any]:
+    """One call: {"name": one tool's name, "arguments": that tool's parameters}. Each tool's parameters go whole
+    under $defs, so that their own refs resolve as they did at their root."""
     alternatives, defs = [], {}
     for i, tool in enumerate(tools):
         defs[f"tool{i}"] = _moved(_parameters(tool.function), f"/$defs/tool{i}")
         name, arguments = {"type": "string", "const": tool.function.name}, {"$ref": f"#/$defs/tool{i}"}
         alternatives.append({"type": "object", "properties": {"name": name, "arguments": arguments},
                              "required": ["name", "arguments"]})  # fmt: skip
-    schema: dict[str, Any] = {"type": "array", "items": {"anyOf": alternatives}, "minItems": 1, "$defs": defs}
+    return {"anyOf": alternatives, "$defs": defs}
+
+
+def required_schema(tools: list[ToolDefinition], parallel: bool) -> dict[str, Any]:
+    """An array of calls, at least one (exactly one without parallel_tool_calls)."""
+    call = call_schema(tools)
+    schema: dict[str, Any] = {"type": "array", "items": {"anyOf": call["anyOf"]}, "minItems": 1, "$defs": call["$defs"]}
     if not parallel:
         schema["maxItems"] = 1
     return schema
+
+
+def calls_or_output(plan: ToolPlan, tools: list[ToolDefinition], output: StructuredOutput | None
+                    ) -> StructuredOutput | None:  # fmt: skip
+    """tool_choice auto with a JSON output format (OpenAI Agents SDK: tools and an output_type): the format alone
+    would hold the whole answer to its JSON, so the model could never call a tool. With the hermes parser the
+    answer may instead be the model's tagged calls; None where this does not apply (the format stays)."""
+    if plan.mode != "auto" or plan.parser != "hermes" or output is None:
+        return None
+    if output.kind not in ("json_schema", "json_object"):
+        return None
+    schema = json.loads(output.spec) if output.kind == "json_schema" else json.loads(ANY_OBJECT_SCHEMA)
+    spec = {"schema": schema, "calls": call_schema(tools), "begin": OPEN + "\n", "end": "\n" + CLOSE,
+            "separator": "\n", "parallel": plan.parallel}  # fmt: skip
+    return StructuredOutput("json_or_calls", json.dumps(spec))
 
 
 def _template_tool(tool: ToolDefinition) -> dict[str, Any]:
