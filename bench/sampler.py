@@ -37,8 +37,9 @@ SETTINGS: dict[str, dict] = {
 }  # fmt: skip
 
 
-def real_logits(rows: int) -> tuple[torch.Tensor, list[list[int]]]:
-    """The default model's next-token logits after `rows` chat prompts, and the prompts' ids."""
+def real_logits(rows: int, random_prompts: bool) -> tuple[torch.Tensor, list[list[int]]]:
+    """The default model's next-token logits after `rows` chat prompts (or prompts of 128 random tokens, as
+    benchmarks send, after which the model's next token is far less certain), and the prompts' ids."""
     path = resolve_model(None).path
     tok = AutoTokenizer.from_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
@@ -46,6 +47,9 @@ def real_logits(rows: int) -> tuple[torch.Tensor, list[list[int]]]:
     chats = [r["messages"] for r in records if "messages" in r]  # (a few lines are plain prompts)
     prompts = [tok.apply_chat_template(chats[i % len(chats)], add_generation_prompt=True, return_dict=True)["input_ids"]
                for i in range(rows)]  # fmt: skip
+    if random_prompts:
+        gen = torch.Generator().manual_seed(0)
+        prompts = [torch.randint(0, tok.vocab_size, (128,), generator=gen).tolist() for _ in range(rows)]
     with torch.inference_mode():
         logits = torch.stack([model(torch.tensor([p])).logits[0, -1] for p in prompts])
     return logits.to(torch.bfloat16), [list(p) for p in prompts]
@@ -55,9 +59,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=30)
+    parser.add_argument("--random-prompts", action="store_true", help="128 random tokens each instead of chats")
     parser.add_argument("--result-json", default=None)
     args = parser.parse_args()
-    logits, prompts = real_logits(args.rows)
+    logits, prompts = real_logits(args.rows, args.random_prompts)
     sampler = Sampler(torch.device("cpu"), logits.shape[-1], seed=0)
     results = {}
     for name, fields in SETTINGS.items():
@@ -74,7 +79,8 @@ def main() -> None:
         results[name] = {"min_ms": round(min(times), 2), "median_ms": round(statistics.median(times), 2)}
         print(f"{name:66s} min {min(times):8.2f} ms   median {statistics.median(times):8.2f} ms")
     if args.result_json:
-        settings = {"rows": args.rows, "repeats": args.repeats, "threads": torch.get_num_threads(),
+        settings = {"rows": args.rows, "repeats": args.repeats, "random_prompts": args.random_prompts,
+                    "threads": torch.get_num_threads(),
                     "machine": platform.processor() or platform.machine(), "torch": torch.__version__}  # fmt: skip
         Path(args.result_json).write_text(json.dumps({"settings": settings, "results": results}, indent=1) + "\n")
 

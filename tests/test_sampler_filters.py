@@ -38,12 +38,14 @@ def cases() -> list[tuple[torch.Tensor, float, int, float, float]]:
     flat = torch.randn(1003, generator=gen) * 0.3  # top-p reaches deep; an odd width
     ties = (torch.randint(0, 6, (777,), generator=gen).float() / 2)  # many equal logits
     masked = torch.randn(500, generator=gen) * 2
+    level = torch.randn(4000, generator=gen) * 0.01  # within a few percent: the cut's range is split further
     masked[::3] = float("-inf")
     return [
         (peaked, 1.0, 0, 0.9, 0.0), (peaked, 0.7, 20, 0.8, 0.0), (peaked, 1.3, 0, 1.0, 0.05),
         (flat, 1.0, 0, 0.95, 0.0), (flat, 0.5, 300, 0.5, 0.0), (flat, 1.0, 0, 0.3, 0.2),
         (ties, 1.0, 5, 1.0, 0.0), (ties, 1.0, 0, 0.6, 0.0), (ties, 0.8, 100, 0.9, 0.1),
         (masked, 1.0, 10, 0.7, 0.0), (masked, 2.0, 0, 0.99, 0.01), (peaked, 1.0, 1000, 1.0, 0.0),
+        (level, 1.0, 0, 0.5, 0.0), (level, 1.0, 1500, 1.0, 0.0), (level, 0.5, 3000, 0.3, 0.0),
     ]  # fmt: skip
 
 

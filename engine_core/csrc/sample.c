@@ -42,6 +42,7 @@ static int descending(const void* a, const void* b) {  // by weight, then by ind
 // into 1024 ranges by their top 12 bits (a weight in (0, 1] has bits below 0x3F800001), which says in which range
 // the cut falls; only that range's tokens are then sorted. `head`: room for `cols` weights.
 #define RANGES 1024
+#define SORT_AT_MOST 64  // a range of more tokens is split further before the sort
 #define COPIES 4  // histograms filled in turn: a run of tokens in one range does not wait on its own adds
 static Cut cut_at(const float* e, int64_t cols, Cut in, int64_t k, float limit, Weight* head) {
     static _Thread_local int32_t count[COPIES][RANGES];
@@ -80,6 +81,33 @@ static Cut cut_at(const float* e, int64_t cols, Cut in, int64_t k, float limit, 
     for (int64_t c = 0; c < cols; c++) {
         const float w = e[c];
         if (w > 0.0f && inside(w, c, in) && (int)(bits_of(w) >> 20) == d) head[n++] = (Weight){w, (int32_t)c};
+    }
+    // A range that holds many tokens (a flat row, where top-p reaches deep) is split further by the next 8 bits of
+    // the weights, twice at most, before the sort.
+    for (int shift = 12; n > SORT_AT_MOST && shift >= 4; shift -= 8) {
+        int64_t sub_n[256] = {0};
+        float sub_m[256] = {0.0f};
+        for (int64_t j = 0; j < n; j++) {
+            const uint32_t b = (bits_of(head[j].w) >> shift) & 0xff;
+            sub_n[b]++;
+            sub_m[b] += head[j].w;
+        }
+        int64_t n_above = n_before;
+        float m_above = m_before;
+        int b = 255;
+        for (; b >= 0; b--) {
+            if (sub_n[b] == 0) continue;
+            if (k > 0 ? n_above + sub_n[b] >= k : m_above + sub_m[b] >= limit) break;
+            n_above += sub_n[b];
+            m_above += sub_m[b];
+        }
+        if (b < 0) break;  // rounding: the range's sums disagree with its parts'; sort it whole
+        int64_t kept = 0;
+        for (int64_t j = 0; j < n; j++)
+            if (((bits_of(head[j].w) >> shift) & 0xff) == (uint32_t)b) head[kept++] = head[j];
+        n = kept;
+        n_before = n_above;
+        m_before = m_above;
     }
     qsort(head, (size_t)n, sizeof(Weight), descending);
     Cut cut = {head[0].w, head[0].i};  // the first of the range is always taken: the one before it was
