@@ -40,18 +40,20 @@ static int descending(const void* a, const void* b) {  // by weight, then by ind
 // The tokens of `in` (positive weights e) taken in descending order while fewer than k come before (k > 0), or
 // while the mass before is below `limit` (k == 0): the cut after the last one taken. One pass sorts the weights
 // into 1024 ranges by their top 12 bits (a weight in (0, 1] has bits below 0x3F800001), which says in which range
-// the cut falls; only that range's tokens are then sorted. `head`: room for `cols` weights.
+// the cut falls; only that range's tokens are then sorted. Only weights at or above `floor_w` count. Returns 0 where
+// all of them are taken, else 1 and the cut in `out`. `head`: room for `cols` weights.
 #define RANGES 1024
 #define SORT_AT_MOST 64  // a range of more tokens is split further before the sort
 #define COPIES 4  // histograms filled in turn: a run of tokens in one range does not wait on its own adds
-static Cut cut_at(const float* e, int64_t cols, Cut in, int64_t k, float limit, Weight* head) {
+static int cut_among(const float* e, int64_t cols, Cut in, float floor_w, int64_t k, float limit, Weight* head,
+                     Cut* out) {
     static _Thread_local int32_t count[COPIES][RANGES];
     static _Thread_local float mass[COPIES][RANGES];
     memset(count, 0, sizeof(count));
     memset(mass, 0, sizeof(mass));
     for (int64_t c = 0; c < cols; c++) {
         const float w = e[c];
-        if (w > 0.0f && inside(w, c, in)) {
+        if (w > 0.0f && w >= floor_w && inside(w, c, in)) {  // mostly false at a floor: a cheap skip
             const uint32_t d = bits_of(w) >> 20;
             count[c % COPIES][d]++;
             mass[c % COPIES][d] += w;
@@ -60,7 +62,7 @@ static Cut cut_at(const float* e, int64_t cols, Cut in, int64_t k, float limit, 
     int64_t total = 0;
     for (int j = 0; j < COPIES; j++)
         for (int r = 0; r < RANGES; r++) total += count[j][r];
-    if (k >= total) return in;  // all of `in` is taken
+    if (k >= total) return 0;  // all are taken
     int64_t n_before = 0;  // tokens, and their mass, in the ranges above the cut's
     float m_before = 0.0f;
     int d = RANGES - 1;
@@ -76,11 +78,12 @@ static Cut cut_at(const float* e, int64_t cols, Cut in, int64_t k, float limit, 
         n_before += n;
         m_before += m;
     }
-    if (d < 0) return in;  // rounding: the mass of all of `in` stayed below the limit
+    if (d < 0) return 0;  // rounding: the mass of all stayed below the limit
     int64_t n = 0;
     for (int64_t c = 0; c < cols; c++) {
         const float w = e[c];
-        if (w > 0.0f && inside(w, c, in) && (int)(bits_of(w) >> 20) == d) head[n++] = (Weight){w, (int32_t)c};
+        if (w > 0.0f && w >= floor_w && inside(w, c, in) && (int)(bits_of(w) >> 20) == d)
+            head[n++] = (Weight){w, (int32_t)c};
     }
     // A range that holds many tokens (a flat row, where top-p reaches deep) is split further by the next 8 bits of
     // the weights, twice at most, before the sort.
@@ -117,7 +120,40 @@ static Cut cut_at(const float* e, int64_t cols, Cut in, int64_t k, float limit, 
         n_before++;
         m_before += head[j].w;
     }
-    return n_before == total ? in : cut;
+    if (n_before == total) return 0;
+    *out = cut;
+    return 1;
+}
+
+// The tokens of `in` at or above t: how many (returned) and their mass (vectorized).
+static int64_t above(const float* e, int64_t cols, Cut in, float t, float* mass) {
+    int64_t n = 0;
+    float m = 0.0f;
+    for (int64_t c = 0; c < cols; c++) {
+        const int take = (e[c] >= t) & inside(e[c], c, in);
+        n += take;
+        m += take ? e[c] : 0.0f;
+    }
+    *mass = m;
+    return n;
+}
+
+// Most rows' cut lies among their likely tokens: where a vectorized pass shows that few tokens reach a floor (1/256,
+// then 1/65536 of the maximum's weight) and they hold the cut, the histogram counts only those. Else, or where
+// rounding lets the walk take them all, every positive weight.
+static Cut cut_at(const float* e, int64_t cols, Cut in, int64_t k, float limit, Weight* head) {
+    static const float floors[] = {1.0f / 256, 1.0f / 65536, 0.0f};
+    for (int f = 0; f < 3; f++) {
+        float m;
+        if (floors[f] > 0.0f) {
+            const int64_t n = above(e, cols, in, floors[f], &m);
+            // The floor pays where few tokens pass it (its branch is then predictable) and they hold the cut.
+            if (n > cols / 8 || (k > 0 ? n < k : m < limit)) continue;
+        }
+        Cut cut;
+        if (cut_among(e, cols, in, floors[f], k, limit, head, &cut)) return cut;
+    }
+    return in;  // all of `in` is taken
 }
 
 static inline float kept_weight(const float* e, int64_t c, Cut kept) { return inside(e[c], c, kept) ? e[c] : 0.0f; }
