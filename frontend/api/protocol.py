@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import json
 from functools import cache
-from typing import Annotated, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
 from common.messages import MAX_BAD_WORDS, MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_TOP_K, SamplingParams
-from frontend.api.sampling_defaults import SamplingDefaults
 from frontend.tools.tool_parsers import no_constant
+
+if TYPE_CHECKING:  # sampling_defaults checks its values with SamplingFields' own bounds
+    from frontend.api.sampling_defaults import SamplingDefaults
 
 MAX_N = 64  # choices per request: each is an engine request
 MAX_STOP = 16  # stop strings (checked every token) and stop token ids

@@ -5,12 +5,13 @@ out, and its max_new_tokens caps every request's output."""
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
-from common.messages import MAX_TOP_K
+from pydantic import ValidationError
+
+from frontend.api.protocol import SamplingFields
 
 # generation_config.json's names -> ours; the only keys that become defaults (do_sample, num_beams, ... do not).
 _KEYS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
@@ -70,21 +71,15 @@ def _known(obj: dict[str, Any], strict: bool) -> dict[str, Any]:
 
 
 def _checked(d: SamplingDefaults) -> SamplingDefaults:
-    """The same bounds as a request's fields (frontend/api/protocol.py), so a default can never fail a request."""
-    def number(name: str, low: float, high: float, low_open: bool = False) -> None:
-        v = getattr(d, name)
-        ok = isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
-        if not ok or v < low or v > high or (low_open and v == low):
-            raise GenerationConfigError(f"generation config: {name} is {v!r}; it must be a number in "
-                             f"{'(' if low_open else '['}{low}, {high}]")  # fmt: skip
-
-    number("temperature", 0, math.inf)
-    number("top_p", 0, 1, low_open=True)
-    number("min_p", 0, 1)
-    number("repetition_penalty", 0.01, 2)
-    for name, low, high in (("top_k", -1, MAX_TOP_K), ("max_tokens", 1, 2**31 - 1)):
-        v = getattr(d, name)
-        if v is not None and (type(v) is not int or not low <= v <= high):
-            raise GenerationConfigError(f"generation config: {name} is {v!r}; it must be an integer in [{low}, {high}]")
+    """Held to a request's own bounds (SamplingFields, strictly typed), so a default can never fail a request."""
+    names = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+    try:
+        SamplingFields.model_validate({name: getattr(d, name) for name in names}, strict=True)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        raise GenerationConfigError(f"generation config: {err['loc'][0]} is {err['input']!r}: {err['msg']}") from None
+    if d.max_tokens is not None and (type(d.max_tokens) is not int or not 1 <= d.max_tokens <= 2**31 - 1):
+        raise GenerationConfigError(f"generation config: max_tokens is {d.max_tokens!r}; it must be an integer in "
+                                    f"[1, {2**31 - 1}]")  # fmt: skip
     return replace(d, top_k=max(d.top_k, 0), temperature=float(d.temperature), top_p=float(d.top_p),
                    min_p=float(d.min_p), repetition_penalty=float(d.repetition_penalty))  # fmt: skip
