@@ -17,7 +17,7 @@ MAX_SCHEMA_DEPTH = 32  # JSON nesting of a schema: every walk over it (ours, jso
 # xgrammar 0.2.8 compiles no JSON-schema pattern with a repeat count above 128 (and builds one in time quadratic
 # in the count: "a{10000}" takes 8 s before the compile fails).
 MAX_PATTERN_REPEAT = 128
-REPEAT = re.compile(r"\{\s*(\d+)\s*(?:,\s*(\d*)\s*)?\}")
+_REPEAT = re.compile(r"\{\s*(\d+)\s*(?:,\s*(\d*)\s*)?\}")
 _LOOKAROUND = re.compile(r"(?<!\\)(?:\\\\)*\(\?<?[=!]")  # (?= (?! (?<= (?<! not escaped
 
 _ONE = ("items", "additionalItems", "additionalProperties", "unevaluatedItems", "unevaluatedProperties",
@@ -68,12 +68,16 @@ def depth_exceeds(value: Any, limit: int = MAX_SCHEMA_DEPTH) -> bool:
     return False
 
 
+def largest_repeat(pattern: str) -> int:
+    """The largest repetition count ({n}, {n,}, {n,m}) written in a regex or EBNF text; 0 without one."""
+    return max((int(n) for m in _REPEAT.finditer(pattern) for n in m.groups() if n), default=0)
+
+
 def pattern_error(pattern: str) -> str | None:
     if _LOOKAROUND.search(pattern):
         return "uses a lookaround assertion, which constrained decoding cannot enforce"
-    counts = [int(n) for m in REPEAT.finditer(pattern) for n in m.groups() if n]
-    if counts and max(counts) > MAX_PATTERN_REPEAT:
-        return f"has the repetition count {max(counts)}, above the limit of {MAX_PATTERN_REPEAT} for schema patterns"
+    if (count := largest_repeat(pattern)) > MAX_PATTERN_REPEAT:
+        return f"has the repetition count {count}, above the limit of {MAX_PATTERN_REPEAT} for schema patterns"
     return None
 
 

@@ -14,7 +14,7 @@ import json
 import re
 from typing import TYPE_CHECKING
 
-from common.json_schema_check import REPEAT, unsupported
+from common.json_schema_check import largest_repeat, unsupported
 from common.messages import StructuredOutput
 
 if TYPE_CHECKING:
@@ -78,10 +78,8 @@ def spec_error(so: StructuredOutput) -> str | None:
     """Why this constraint cannot be compiled, in one line; None when it can."""
     if len(so.spec) > MAX_SPEC_CHARS:
         return f"the {so.kind} specification is longer than {MAX_SPEC_CHARS} characters"
-    if so.kind in ("regex", "grammar"):
-        counts = [int(n) for m in REPEAT.finditer(so.spec) for n in m.groups() if n]
-        if counts and max(counts) > MAX_REPEAT:
-            return f"repetition count {max(counts)} is above the limit of {MAX_REPEAT}"
+    if so.kind in ("regex", "grammar") and (count := largest_repeat(so.spec)) > MAX_REPEAT:
+        return f"repetition count {count} is above the limit of {MAX_REPEAT}"
     if so.kind == "json_schema" and (error := _unsupported(so.spec)) is not None:
         return error
     if so.kind == "json_or_calls":
