@@ -65,12 +65,12 @@ class Tokenizer:
         path = Path(model_dir)
         if not (path / "tokenizer.json").is_file():
             raise TokenizerError(f"{path} has no tokenizer.json (the API server needs a fast tokenizer)")
-        tokenizer_json = json.loads((path / "tokenizer.json").read_text())
-        self._tok = _HFTokenizer.from_file(str(path / "tokenizer.json"))
+        tokenizer_text = (path / "tokenizer.json").read_text()  # read once: two instances and the bytes table
+        self._tok = _HFTokenizer.from_str(tokenizer_text)
         self.parse_special_in_content = parse_special_in_content
         # Encodes special-token text as plain text. A second instance, not a flag toggled on the shared one:
         # encodes run in worker threads at the same time.
-        self._text_tok = _HFTokenizer.from_file(str(path / "tokenizer.json"))
+        self._text_tok = _HFTokenizer.from_str(tokenizer_text)
         self._text_tok.encode_special_tokens = True
         specials = sorted((t.content for t in self._tok.get_added_tokens_decoder().values() if t.special), key=len)
         self._special_re = re.compile("|".join(map(re.escape, reversed(specials)))) if specials else None
@@ -95,7 +95,7 @@ class Tokenizer:
         self._tool_template = compiled.get("tool_use")
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
         self.token_text = lru_cache(maxsize=1 << 16)(self._token_text)
-        self._bytes = token_bytes_table(self._tok, tokenizer_json)
+        self._bytes = token_bytes_table(self._tok, json.loads(tokenizer_text))
         self._affixes = self._special_affixes()
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
