@@ -72,9 +72,7 @@ def _signal_handlers(parent_pid: int, run_dir: str | None, stop_on_sigterm: bool
             raise KeyboardInterrupt
 
     def on_sigterm(*args) -> None:
-        if os.getppid() != parent_pid:
-            _exit_orphaned(parent_pid, run_dir)
-        if stop_on_sigterm:
+        if stop_on_sigterm or os.getppid() != parent_pid:  # stop() also sees an orphan out
             stop(*args)
         elif not stopping:
             log.info("SIGTERM ignored: the server drains its requests and then stops this engine core")
