@@ -161,12 +161,9 @@ static inline float kept_weight(const float* e, int64_t c, Cut kept) { return in
 // The token at `target` of the running sum of the weights inside `kept`, in index order (the last one if rounding
 // leaves the sum short). Whole chunks are summed first (vectorized); only the chunk that crosses is walked.
 #define CHUNK 64
-static float chunk_sum(const float* e, int64_t c0, float cut_w, int64_t cut_i) {
+static float chunk_sum(const float* e, int64_t c0, Cut kept) {
     float part = 0.0f;
-    for (int64_t c = 0; c < CHUNK; c++) {
-        const int in = (e[c] > cut_w) | ((e[c] == cut_w) & (c0 + c <= cut_i));
-        part += in ? e[c] : 0.0f;
-    }
+    for (int64_t c = 0; c < CHUNK; c++) part += inside(e[c], c0 + c, kept) ? e[c] : 0.0f;
     return part;
 }
 
@@ -174,7 +171,7 @@ static int64_t draw(const float* e, int64_t cols, Cut kept, float target) {
     float acc = 0.0f;
     int64_t c0 = 0;
     for (; c0 + CHUNK <= cols; c0 += CHUNK) {
-        const float part = chunk_sum(e + c0, c0, kept.w, kept.i);
+        const float part = chunk_sum(e + c0, c0, kept);
         if (acc + part > target) break;
         acc += part;
     }
@@ -193,10 +190,8 @@ static int64_t draw(const float* e, int64_t cols, Cut kept, float target) {
 }
 
 static float kept_sum(const float* e, int64_t cols, Cut kept) {
-    const float cut_w = kept.w;
-    const int64_t cut_i = kept.i;
     float sum = 0.0f;
-    for (int64_t c = 0; c < cols; c++) sum += ((e[c] > cut_w) | ((e[c] == cut_w) & (c <= cut_i))) ? e[c] : 0.0f;
+    for (int64_t c = 0; c < cols; c++) sum += kept_weight(e, c, kept);
     return sum;
 }
 
