@@ -81,7 +81,8 @@ def main() -> None:
         at = next((j for j, (a, b) in enumerate(zip(mine, ref, strict=True)) if a != b), None)
         rows.append({"prompt_len": n, "equal": at is None, "diverges_at": at,
                      "hf_top2_gap_there": gaps[at] if at is not None else None})  # fmt: skip
-    result = {"model": args.model, "dtype": args.dtype, "gpu": torch.cuda.get_device_name(0) if args.device == "cuda" else None,
+    gpu = torch.cuda.get_device_name(0) if args.device == "cuda" else None
+    result = {"model": args.model, "dtype": args.dtype, "gpu": gpu,
               "greedy_equal": sum(r["equal"] for r in rows), "greedy_prompts": len(rows), "greedy": rows,
               "seeded_identical_in_batches_of_3_17_40": all(t == alone for t in in_batches)}  # fmt: skip
     print(json.dumps(result, indent=1))

@@ -5,6 +5,7 @@ fresh prefill and padding rows. Also: CUDA-graph-style padding (seq_len 0, fixed
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import os
 
@@ -49,10 +50,28 @@ def model() -> torch.nn.Module:
     return ours
 
 
+class OnCuda(TritonBackend):
+    """The Triton backend under these CPU-built runs on a GPU machine: inputs go to the GPU, the caches it wrote
+    and its output come back."""
+
+    def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        gpu = torch.device("cuda")
+        tables, lens = meta.decode_block_tables, meta.decode_seq_lens
+        chunks = [dataclasses.replace(c, block_ids=c.block_ids.to(gpu)) for c in meta.prefills]
+        moved = AttentionMetadata.build(meta.slot_mapping.to(gpu), None if tables is None else tables.to(gpu),
+                                        None if lens is None else lens.to(gpu), chunks, meta.block_size)  # fmt: skip
+        k_gpu, v_gpu = k_cache.to(gpu), v_cache.to(gpu)
+        out = super().forward(q.to(gpu), k.to(gpu), v.to(gpu), k_gpu, v_gpu, moved, scale)
+        k_cache.copy_(k_gpu)
+        v_cache.copy_(v_gpu)
+        return out.cpu()
+
+
 def backends() -> dict[str, object]:
     kernels = cpu_kernels()
     assert kernels is not None, "the C compiler is part of the supported setup; the kernels must build"
-    return {"torch": TorchBackend(), "cpu": CpuKernelBackend(kernels, kernel_prefill=True), "triton": TritonBackend()}
+    triton = OnCuda() if ON_CUDA else TritonBackend()
+    return {"torch": TorchBackend(), "cpu": CpuKernelBackend(kernels, kernel_prefill=True), "triton": triton}
 
 
 def three_steps(model, backend) -> list[torch.Tensor]:

@@ -35,8 +35,9 @@ def tiny_dir(tmp_path_factory):
 def test_graph_buffers_match_the_eager_forward(tiny_dir, backend) -> None:
     """Every decode step goes through the graph buffers and, right after, through the plain forward on the
     same inputs (rewriting the same KV): the hidden states of the real rows must agree."""
-    config = EngineConfig(model=tiny_dir, dtype="float32", max_num_seqs=12, block_size=4, num_kv_blocks=400,
-                          attention_backend=backend)  # fmt: skip
+    device = "cpu" if backend == "cpu" else "auto"  # our C kernels run on the CPU beside a GPU too
+    config = EngineConfig(model=tiny_dir, device=device, dtype="float32", max_num_seqs=12, block_size=4,
+                          num_kv_blocks=400, attention_backend=backend)  # fmt: skip
     core = EngineCore(config)
     runner = core.runner
     assert runner.attn_backend.name == backend

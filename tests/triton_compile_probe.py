@@ -28,8 +28,9 @@ from triton.runtime.jit import create_function_from_signature
 
 from engine_core.attention import triton_kernels as tk
 
-# (q heads, KV heads, head dim) of the models bench/make_random_model.py writes: SmolLM2-135M, a 1B and a 7B Llama.
-SHAPES = {"smollm2-135m": (9, 3, 64), "llama-1b": (32, 8, 64), "llama-7b": (32, 32, 128)}
+# (q heads, KV heads, head dim) of the models bench/make_random_model.py writes: SmolLM2-135M, a 1B and a 7B Llama;
+# and the tests' tiny models (heads of 8 or 16: below tl.dot's smallest K unless padded).
+SHAPES = {"smollm2-135m": (9, 3, 64), "llama-1b": (32, 8, 64), "llama-7b": (32, 32, 128), "tiny": (4, 2, 8)}
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 KERNELS = ("_store_kv_kernel", "_decode_kernel", "_reduce_kernel", "_prefill_kernel")
 CUOBJDUMP = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"

@@ -204,6 +204,11 @@ def _prefill_tiles(dtype: torch.dtype, head_dim: int) -> tuple[int, int, int]:
     return (PREFILL_BLOCK_M, PREFILL_BLOCK_N, 4) if head_dim <= 64 else (PREFILL_BLOCK_M, 32, 8)
 
 
+def _d_pad(head_dim: int) -> int:
+    """Head dims padded to a power of two of at least 16: tl.dot's smallest K on sm_80 and sm_90."""
+    return max(16, triton.next_power_of_2(head_dim))
+
+
 def _precision(dtype: torch.dtype) -> str:
     return "ieee" if _fp32(dtype) else "tf32"  # only fp32 operands read this
 
@@ -236,7 +241,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         return out
     if num_splits is None:
         num_splits = decode_num_splits(batch, kv_heads, block_tables.shape[1] * block_size, q.device)
-    group, d_pad = q_heads // kv_heads, triton.next_power_of_2(head_dim)
+    group, d_pad = q_heads // kv_heads, _d_pad(head_dim)
     part_acc = part_m = part_l = out  # unused when there is one split
     if num_splits > 1:
         part_acc = torch.empty(batch, q_heads, num_splits, d_pad, dtype=torch.float32, device=q.device)
@@ -273,6 +278,6 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         q, k_cache, v_cache, out, cu_seqlens_q, context_lens, block_tables, scale * LOG2E, num_chunks,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         out.stride(0), out.stride(1), GROUP=q_heads // k_cache.shape[2], HEAD_DIM=head_dim,
-        D_PAD=triton.next_power_of_2(head_dim), BLOCK_SIZE=k_cache.shape[1], BLOCK_M=block_m, BLOCK_N=block_n,
+        D_PAD=_d_pad(head_dim), BLOCK_SIZE=k_cache.shape[1], BLOCK_M=block_m, BLOCK_N=block_n,
         PREC=_precision(q.dtype), num_warps=warps, num_stages=2,
     )  # fmt: skip
