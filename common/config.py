@@ -39,6 +39,10 @@ class EngineConfig:
     scheduling_policy: str = flag("fcfs", "fcfs | priority | round-robin", choices=["fcfs", "priority", "round-robin"])
     num_threads: int | None = flag(None, "torch CPU threads (default: the cores this process may use)")
     enforce_eager: bool = flag(False, "never capture CUDA graphs")
+    overlap_decode: str = flag(
+        "auto", "auto | on | off: launch the next decode step before reading the last one's tokens back, so that the "
+        "host's bookkeeping runs while the GPU computes (auto: on CUDA)", choices=["auto", "on", "off"],
+    )
     attention_backend: str = flag(
         "auto", "auto | torch | cpu | triton (auto: ROSEINFER_ATTENTION_BACKEND if set, else triton on CUDA, "
         "the C kernels on CPU when they take the model, else torch)", choices=["auto", "torch", "cpu", "triton"],

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
+
 from common.messages import Logprobs
 from engine_core.request import Request
 
@@ -39,3 +41,30 @@ class SchedulerOutput:
 class SampledTokens:
     token_ids: list[int]  # one per sampled entry of the SchedulerOutput, in order (1 + its drafts for a draft's)
     logprobs: list[Logprobs | None]
+
+
+@dataclass
+class InFlight:
+    """A launched decode step whose tokens are still being computed (engine_core/overlap.py)."""
+
+    sched: SchedulerOutput
+    tokens: torch.Tensor  # [n] sampled token ids, on the device
+    host: torch.Tensor  # their copy in pinned host memory, valid once `done` has passed
+    done: torch.cuda.Event | None  # None on the CPU, where the step ran synchronously
+    started: float  # perf_counter at launch
+
+    @staticmethod
+    def start(sched: SchedulerOutput, tokens: torch.Tensor, started: float) -> InFlight:
+        if tokens.device.type != "cuda":
+            return InFlight(sched, tokens, tokens, None, started)
+        host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+        host.copy_(tokens, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+        return InFlight(sched, tokens, host, done, started)
+
+    def result(self) -> SampledTokens:
+        """Waits for the step's tokens (the only wait of an overlapped step)."""
+        if self.done is not None:
+            self.done.synchronize()
+        return SampledTokens(self.host.tolist(), [None] * len(self.sched.requests))

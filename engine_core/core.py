@@ -3,13 +3,11 @@
 from __future__ import annotations
 
 import logging
-import math
 import os
 import queue
 import threading
 import time
 import traceback
-from collections.abc import Iterable
 
 import zmq
 from transformers import AutoConfig
@@ -17,11 +15,6 @@ from transformers import AutoConfig
 from common import ipc
 from common.config import EngineConfig
 from common.messages import (
-    MAX_BAD_WORD_TOKENS,
-    MAX_BAD_WORDS,
-    MAX_LOGIT_BIAS,
-    MAX_LOGPROBS,
-    MAX_TOP_K,
     AbortRequest,
     EngineDead,
     EngineOutput,
@@ -29,7 +22,6 @@ from common.messages import (
     EngineReady,
     EngineRequest,
     FinishReason,
-    SamplingParams,
     UtilityCall,
     UtilityResult,
 )
@@ -37,16 +29,14 @@ from common.model_source import model_eos_ids, resolve_model
 from engine_core.batch import SampledTokens, SchedulerOutput
 from engine_core.kv_cache import KVCacheManager
 from engine_core.model_runner import ModelRunner
+from engine_core.overlap import DecodePipeline
 from engine_core.request import Request
+from engine_core.request_checks import invalid_request
 from engine_core.scheduler import Scheduler
 from engine_core.speculative import Speculator
 from engine_core.structured import GrammarService
 
 log = logging.getLogger("roseinfer.engine")
-MAX_STOP_TOKEN_IDS = 64
-# vLLM's (0, 2], floored: logits are divided by it, and below this a float32 row overflows to inf
-# (1e-300 is 0.0 in float32), which turns sampling and logprobs into NaN.
-MIN_REPETITION_PENALTY = 1e-6
 
 RanParts = list[tuple[SchedulerOutput, SampledTokens]]  # sub-batches of a step that executed, with their tokens
 
@@ -69,6 +59,7 @@ class EngineCore:
         speculator = Speculator.build(config.speculative_config, self.max_model_len)  # n-gram drafts, if asked
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
                                    self.max_model_len, config.scheduling_policy, speculator)  # fmt: skip
+        self.pipeline = DecodePipeline.build(config, self.scheduler, self.runner, self.max_model_len)
         self._rejected: list[EngineOutput] = []
         self._seq_no = 0
         self.last_step_time = 0.0
@@ -79,52 +70,8 @@ class EngineCore:
 
     # ---- requests ----
 
-    def _invalid(self, msg: EngineRequest) -> str | None:
-        p = msg.params
-        total = len(msg.prompt_token_ids) + len(msg.output_token_ids)
-        if not msg.prompt_token_ids:
-            return "prompt is empty"
-        if not self._in_vocab(msg.prompt_token_ids) or not self._in_vocab(msg.output_token_ids):
-            return f"token id outside the vocabulary [0, {self.vocab_size})"
-        if total >= self.max_model_len:
-            return f"prompt has {total} tokens; the maximum context length is {self.max_model_len}"
-        if len(msg.eos_token_ids) > MAX_STOP_TOKEN_IDS or not self._in_vocab(msg.eos_token_ids):
-            return "eos_token_ids out of range"
-        if bad := [name for name, ok in self._param_checks(p) if not ok]:
-            return f"sampling parameter {bad[0]} out of range"
-        if msg.request_id in self.scheduler.requests:
-            return f"request id {msg.request_id!r} is already running"
-        return None
-
-    def _in_vocab(self, ids: Iterable[int]) -> bool:
-        return all(0 <= t < self.vocab_size for t in ids)
-
-    def _param_checks(self, p: SamplingParams) -> list[tuple[str, bool]]:
-        """Every field, again: the frontend validates too, but no value the engine receives may reach a tensor
-        build (an int64 overflow) or the sampler's math (inf / NaN rows). NaN fails every comparison."""
-        bias = p.logit_bias
-        bias_ok = len(bias) <= MAX_LOGIT_BIAS and self._in_vocab(bias) and all(-100 <= b <= 100 for b in bias.values())
-        return [
-            ("max_tokens", p.max_tokens >= 0),  # 0: score the prompt (prompt_logprobs), generate nothing
-            ("min_tokens", p.min_tokens >= 0),
-            ("temperature", math.isfinite(p.temperature) and p.temperature >= 0),
-            ("top_p", 0 < p.top_p <= 1),
-            ("top_k", 0 <= p.top_k <= MAX_TOP_K),
-            ("min_p", 0 <= p.min_p <= 1),
-            ("presence_penalty", -2 <= p.presence_penalty <= 2),
-            ("frequency_penalty", -2 <= p.frequency_penalty <= 2),
-            ("repetition_penalty", MIN_REPETITION_PENALTY <= p.repetition_penalty <= 2),
-            ("seed", p.seed is None or -(2**63) <= p.seed < 2**63),
-            ("stop_token_ids", len(p.stop_token_ids) <= MAX_STOP_TOKEN_IDS and self._in_vocab(p.stop_token_ids)),
-            ("logprobs", all(n is None or 0 <= n <= MAX_LOGPROBS for n in (p.logprobs, p.prompt_logprobs))),
-            ("logit_bias", bias_ok),
-            ("allowed_token_ids", len(p.allowed_token_ids) <= self.vocab_size and self._in_vocab(p.allowed_token_ids)),
-            ("bad_words", len(p.bad_words) <= 2 * MAX_BAD_WORDS and all(
-                0 < len(w) <= MAX_BAD_WORD_TOKENS and self._in_vocab(w) for w in p.bad_words)),
-        ]
-
     def add_request(self, msg: EngineRequest) -> None:
-        error = self._invalid(msg)
+        error = invalid_request(msg, self.vocab_size, self.max_model_len, self.scheduler.requests)
         if error is not None:
             self._rejected.append(EngineOutput(msg.request_id, [], FinishReason.ERROR, error=error))
             return
@@ -138,21 +85,33 @@ class EngineCore:
 
     @property
     def has_work(self) -> bool:
-        return self.scheduler.has_work or bool(self._rejected)
+        return self.scheduler.has_work or bool(self._rejected) or self._in_flight is not None
+
+    @property
+    def _in_flight(self) -> SchedulerOutput | None:
+        return self.pipeline.inflight.sched if self.pipeline is not None and self.pipeline.inflight else None
 
     # ---- one step ----
 
     def step(self, before_update=None) -> list[EngineOutput]:
         """schedule -> execute -> (aborts that arrived meanwhile) -> update. Returns this step's outputs."""
         outputs, self._rejected = self._rejected, []
-        if not self.scheduler.has_work:
-            return outputs
         start = time.perf_counter()
-        sched = self.scheduler.schedule()
-        outputs += self.scheduler.take_early_outputs()  # constrained requests whose grammar failed
-        if not sched.requests:
-            return outputs
-        ran, failed = self._execute_isolating(sched)
+        if (in_flight := self._in_flight) is not None:  # engine_core/overlap.py: the next step launches first
+            try:
+                ran, failed = [self.pipeline.advance()], []  # type: ignore[union-attr]
+            except Exception as exc:
+                log.exception("an overlapped step failed")
+                self.pipeline.inflight = None  # type: ignore[union-attr]  # the device's state is unknown: resync
+                ran, failed = [], self._fail(in_flight.requests, f"engine step failed: {exc!r}")
+        else:
+            if not self.scheduler.has_work:
+                return outputs
+            sched = self.scheduler.schedule()
+            outputs += self.scheduler.take_early_outputs()  # constrained requests whose grammar failed
+            if not sched.requests or (self.pipeline is not None and self.pipeline.try_launch(sched)):
+                return outputs  # an overlapped step's tokens come with the next step
+            ran, failed = self._execute_isolating(sched)
         outputs += failed
         if before_update is not None:
             before_update()

@@ -16,7 +16,7 @@ import torch
 from common.config import EngineConfig
 from engine_core import distributed, memory_profile
 from engine_core.attention import AttentionBackend, AttentionMetadata, PrefillChunk, select_backend
-from engine_core.batch import SampledTokens, SchedulerOutput
+from engine_core.batch import InFlight, SampledTokens, SchedulerOutput
 from engine_core.cpu_kernels import cpu_kernels
 from engine_core.cuda_graphs import DecodeGraphs
 from engine_core.models.cpu_decode import DecodeStack
@@ -24,6 +24,7 @@ from engine_core.models.loader import load_model
 from engine_core.models.quant import prepare_linears
 from engine_core.prompt_logprobs import score_prompts, wants_prompt_logprobs
 from engine_core.sampler import Sampler
+from engine_core.transfer import to_device
 
 
 def padded_size(num_tokens: int, min_rows: int = 8) -> int:
@@ -157,7 +158,10 @@ class ModelRunner:
     def padded_size(self, num_tokens: int) -> int:
         return padded_size(num_tokens, self.min_rows)
 
-    def _prepare(self, out: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
+    def _prepare(self, out: SchedulerOutput, pending: int = 0,
+                 ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:  # fmt: skip
+        """pending 1: every entry is a decode whose input token is still on the device (InFlight), so its position
+        is one past its computed tokens and its input id is left 0 here for launch() to fill."""
         bs = self.block_size
         ids: list[int] = []
         positions: list[int] = []
@@ -167,7 +171,8 @@ class ModelRunner:
         decode_tables: list[list[int]] = []
         decode_lens: list[int] = []
         for req, n, sample in zip(out.requests, out.num_new_tokens, out.sample, strict=True):
-            start, end = req.num_computed_tokens, req.num_computed_tokens + n
+            start = req.num_computed_tokens + pending
+            end = start + n
             drafts = req.draft_token_ids
             if req.decoding:  # decode rows: each attends to the keys up to its own position
                 for p in range(start, end):
@@ -176,7 +181,10 @@ class ModelRunner:
             else:
                 block_ids = torch.tensor(req.block_ids[: (end + bs - 1) // bs], device=self.device)
                 prefills.append(PrefillChunk(len(ids), n, end, block_ids))
-            ids += [req.token_ids[start], *drafts] if drafts else req.token_ids[start:end]
+            if pending:
+                ids.append(0)
+            else:
+                ids += [req.token_ids[start], *drafts] if drafts else req.token_ids[start:end]
             positions += range(start, end)
             slots += [req.block_ids[p // bs] * bs + p % bs for p in range(start, end)]
             if sample:  # the last position; with drafts, every row
@@ -190,23 +198,43 @@ class ModelRunner:
         if decode_tables:
             width = max(len(t) for t in decode_tables)
             index = self.attn_backend.index_dtype
-            tables = torch.tensor([t + [0] * (width - len(t)) for t in decode_tables], dtype=index, device=dev)
-            lens = torch.tensor(decode_lens, dtype=index, device=dev)
-        slot_tensor = torch.tensor(slots, dtype=torch.long, device=dev)
-        meta = AttentionMetadata.build(slot_tensor, tables, lens, prefills, bs)
-        return torch.tensor(ids, device=dev), torch.tensor(positions, device=dev), meta, sample_idx
+            tables = to_device([t + [0] * (width - len(t)) for t in decode_tables], dev, index)
+            lens = to_device(decode_lens, dev, index)
+        meta = AttentionMetadata.build(to_device(slots, dev, torch.long), tables, lens, prefills, bs)
+        return to_device(ids, dev, torch.long), to_device(positions, dev, torch.long), meta, sample_idx
+
+    def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        if self.decode_graphs is not None and self.decode_graphs.fits(meta.num_decodes, meta):
+            return self.decode_graphs.run(input_ids, positions, meta)
+        with distributed.lockstep():  # tensor parallel: the workers run the same forward
+            if self.tp is not None:
+                distributed.send_step(input_ids, positions, meta)
+            return self.model(input_ids, positions, meta)
+
+    def _logits(self, hidden: torch.Tensor, sample_idx: list[int]) -> torch.Tensor:
+        """The sampled rows' logits, computed over a padded row count (padded_size)."""
+        rows = sample_idx + sample_idx[-1:] * (self.padded_size(len(sample_idx)) - len(sample_idx))
+        return self.model.compute_logits(hidden[to_device(rows, self.device, torch.long)])[: len(sample_idx)]
+
+    @torch.inference_mode()
+    def launch(self, out: SchedulerOutput, prev: InFlight | None = None) -> InFlight:
+        """A decode step of plain rows (engine_core/overlap.py), sampled on the device and not waited for. With prev,
+        each request's input is the token prev sampled for it, taken on the device: prev need not have finished."""
+        started = time.perf_counter()
+        input_ids, positions, meta, sample_idx = self._prepare(out, pending=1 if prev is not None else 0)
+        if prev is not None:
+            row_of = {id(r): i for i, r in enumerate(prev.sched.requests)}
+            index = to_device([row_of[id(r)] for r in out.requests], self.device, torch.long)
+            input_ids[: len(out.requests)] = prev.tokens[index]
+        logits = self._logits(self._forward(input_ids, positions, meta), sample_idx)
+        offsets = [1 if prev is not None else 0] * len(out.requests)  # seeded draws: their output position
+        return InFlight.start(out, self.sampler.sample_on_device(logits, out.requests, offsets), started)
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> SampledTokens:
         input_ids, positions, meta, sample_idx = self._prepare(out)
         start = time.perf_counter()
-        if self.decode_graphs is not None and self.decode_graphs.fits(meta.num_decodes, meta):
-            hidden = self.decode_graphs.run(input_ids, positions, meta)
-        else:
-            with distributed.lockstep():  # tensor parallel: the workers run the same forward
-                if self.tp is not None:
-                    distributed.send_step(input_ids, positions, meta)
-                hidden = self.model(input_ids, positions, meta)
+        hidden = self._forward(input_ids, positions, meta)
         if wants_prompt_logprobs(out):
             score_prompts(self.model, hidden, out, self.vocab_size, self.padded_size)
         # One sampled row per entry, or 1 + its drafts; each row's output position, for seeded draws.
@@ -216,8 +244,7 @@ class ModelRunner:
         if not sampled_reqs:
             self.last_forward_time = time.perf_counter() - start
             return SampledTokens([], [])
-        rows = sample_idx + sample_idx[-1:] * (self.padded_size(len(sample_idx)) - len(sample_idx))
-        logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])[: len(sample_idx)]
+        logits = self._logits(hidden, sample_idx)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self.last_forward_time = time.perf_counter() - start

@@ -13,6 +13,7 @@ from common.messages import Logprobs, SamplingParams
 from engine_core.cpu_kernels import cpu_kernels
 from engine_core.request import Request
 from engine_core.structured import apply_masks
+from engine_core.transfer import to_device
 
 _SEED_MIX = 0x9E3779B97F4A7C15  # spreads (seed, position) pairs over the 63-bit seed space
 
@@ -67,13 +68,24 @@ class Sampler:
             logprobs = _logprobs(raw.float(), tokens, params)
         return token_list, logprobs
 
+    def sample_on_device(self, logits: torch.Tensor, requests: list[Request], offsets: list[int]) -> torch.Tensor:
+        """Tokens as a device tensor, nothing read back: for rows without processors or logprobs
+        (engine_core/overlap.py), the same draws as __call__ on this device."""
+        if logits.device.type != "cuda":  # nothing to overlap with: the compiled sampler, as a synchronous step
+            return torch.tensor(self(logits, requests, offsets)[0])
+        logits = logits[:, : self.vocab_size]
+        params = [r.params for r in requests]
+        if all(p.greedy for p in params):
+            return _argmax(logits)
+        return self._sample(logits.float(), requests, params, offsets)
+
     def _sample(self, logits: torch.Tensor, requests: list[Request], params: list[SamplingParams],
                 offsets: list[int]) -> torch.Tensor:  # fmt: skip
         """torch's way (CUDA, or no compiled kernels): the same filters, drawn by an exponential race."""
-        temps = torch.tensor([1.0 if p.greedy else p.temperature for p in params], device=logits.device)
+        temps = to_device([1.0 if p.greedy else p.temperature for p in params], logits.device)
         probs = torch.softmax(logits / temps[:, None], dim=-1)
         if any(p.min_p > 0 for p in params):
-            min_p = torch.tensor([p.min_p for p in params], device=probs.device)
+            min_p = to_device([p.min_p for p in params], probs.device)
             probs = probs.masked_fill(probs < min_p[:, None] * probs.max(dim=-1, keepdim=True).values, 0.0)
         if any(p.top_k > 0 or p.top_p < 1.0 for p in params):
             probs = _top_k_top_p(probs, params)
@@ -84,7 +96,7 @@ class Sampler:
                 self._seeded.manual_seed(_seed_for(req, offsets[i]))
                 noise[i].exponential_(generator=self._seeded)
         sampled = (probs / noise).argmax(dim=-1)
-        greedy_rows = torch.tensor([p.greedy for p in params], device=logits.device)
+        greedy_rows = to_device([p.greedy for p in params], logits.device)
         return torch.where(greedy_rows, logits.argmax(dim=-1), sampled)
 
 
@@ -175,8 +187,8 @@ def _top_k_top_p(probs: torch.Tensor, params: list[SamplingParams]) -> torch.Ten
     sorted_probs, order = probs.sort(dim=-1, descending=True, stable=True)  # equal weights: lower index first
     vocab = probs.shape[-1]
     # Clamped to the vocabulary: top_k beyond it means "all", and never overflows the int64 tensor.
-    top_k = torch.tensor([min(p.top_k, vocab) if p.top_k > 0 else vocab for p in params], device=probs.device)
-    top_p = torch.tensor([p.top_p for p in params], device=probs.device)
+    top_k = to_device([min(p.top_k, vocab) if p.top_k > 0 else vocab for p in params], probs.device)
+    top_p = to_device([p.top_p for p in params], probs.device)
     rank = torch.arange(vocab, device=probs.device)[None, :]
     sorted_probs = sorted_probs * (rank < top_k[:, None])
     # A token stays while the mass before it is below top-p (the first always). top_p 1 keeps all: the cumulative

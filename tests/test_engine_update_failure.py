@@ -37,7 +37,7 @@ def fake_core() -> EngineCore:
     core = object.__new__(EngineCore)  # no model to load: only step's control flow runs
     core.scheduler = Scheduler(KVCacheManager(16, 4, True), 8, 64, 64)
     core.runner = FakeRunner()
-    core._rejected, core._seq_no, core.last_step_time = [], 0, 0.0
+    core._rejected, core._seq_no, core.last_step_time, core.pipeline = [], 0, 0.0, None
     return core
 
 

@@ -1,0 +1,109 @@
+"""Overlapped decode: the host schedules and launches decode step N+1 before it reads step N's tokens back, and does
+step N's bookkeeping (stop checks, outputs, freeing) while the GPU runs N+1. A synchronous step leaves the GPU idle
+while the host works, which at a 1B model's batch of 256 was half of every step.
+
+Step N+1 holds the requests of step N that may go on, each one position further: its input token is the one step N
+sampled, taken on the device (ModelRunner.launch), its KV slot allocated ahead. A request that step N finishes (an
+EOS, an abort) has a row in N+1 whose token is dropped (its update skips finished requests) and whose KV write
+lands past its last registered block, in blocks it no longer holds: any later holder's writes queue after it on the
+stream. Requests known to end with the token in flight (their max_tokens or the context length) get no row.
+
+Only plain decode rows take this path: nothing that needs the sampled tokens on the host before the next step can
+be built (grammars, penalties, logprobs, drafts), and only while nobody waits for admission (a prefill would make
+the next step a mixed one: the synchronous path schedules it). Anything else runs synchronously, as before.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from common.config import EngineConfig
+from engine_core.batch import InFlight, SampledTokens, SchedulerOutput
+from engine_core.model_runner import ModelRunner
+from engine_core.request import Request
+from engine_core.sampler import needs_processing
+from engine_core.scheduler import Scheduler
+
+log = logging.getLogger("roseinfer.overlap")
+
+
+def plain(req: Request) -> bool:
+    """A decode row whose next step needs nothing of its sampled token but the token itself, on the device."""
+    p = req.params
+    return req.decoding and req.grammar is None and not needs_processing(p) and p.logprobs is None
+
+
+class DecodePipeline:
+    @staticmethod
+    def build(config: EngineConfig, scheduler: Scheduler, runner: ModelRunner, max_model_len: int,
+              ) -> DecodePipeline | None:  # fmt: skip
+        """A pipeline where --overlap-decode asks for one (auto: on CUDA) and every step is plain scheduling: no
+        drafts, no tensor-parallel workers (their lockstep is synchronous), no round-robin rotation."""
+        wanted = config.overlap_decode == "on" or (config.overlap_decode == "auto" and runner.device.type == "cuda")
+        plain_engine = scheduler.speculator is None and runner.tp is None and scheduler.policy != "round-robin"
+        return DecodePipeline(scheduler, runner, max_model_len) if wanted and plain_engine else None
+
+    def __init__(self, scheduler: Scheduler, runner: ModelRunner, max_model_len: int) -> None:
+        self.scheduler = scheduler
+        self.runner = runner
+        self.max_model_len = max_model_len
+        self.inflight: InFlight | None = None
+
+    def try_launch(self, sched: SchedulerOutput) -> bool:
+        """Launches a step of plain single-token decodes without waiting for it; False: run it synchronously."""
+        entries = zip(sched.requests, sched.num_new_tokens, sched.sample, strict=True)
+        if not all(n == 1 and sample and plain(r) and not r.draft_token_ids for r, n, sample in entries):
+            return False
+        try:
+            self.inflight = self.runner.launch(sched)
+        except Exception:  # launch changes no request state: the synchronous path runs it and isolates any culprit
+            log.exception("launching an overlapped step failed; running it synchronously")
+            return False
+        return True
+
+    def advance(self) -> tuple[SchedulerOutput, SampledTokens]:
+        """Launches the step after the one in flight when it can, then waits for the one in flight's tokens."""
+        prev, self.inflight = self.inflight, None
+        assert prev is not None
+        following = self._lookahead(prev.sched)
+        if following is not None:
+            try:
+                self.inflight = self.runner.launch(following, prev)
+            except Exception:  # the synchronous path schedules these requests again, and isolates any culprit
+                log.exception("launching an overlapped step failed; going on synchronously")
+        sampled = prev.result()
+        self.runner.last_forward_time = time.perf_counter() - prev.started
+        return prev.sched, sampled
+
+    def _someone_to_admit(self) -> bool:
+        """Whether the synchronous path could admit a request now: the first in the queue has a seat and blocks for
+        its first chunk (prefix-cache hits aside). A wrong guess only costs an overlap, or delays it by one step."""
+        s = self.scheduler
+        if s.gated:  # constrained requests waiting for their grammar: the synchronous path releases them
+            return True
+        first = min((entry for entry in s.waiting if not entry[1].finished), default=None)
+        if first is None or len(s.running) >= s.max_num_seqs:
+            return False
+        chunk = min(first[1].num_tokens - first[1].num_computed_tokens, s.max_num_batched_tokens)
+        return -(-chunk // s.kv.block_size) <= s.kv.pool.num_free
+
+    def _lookahead(self, prev: SchedulerOutput) -> SchedulerOutput | None:
+        """Step N+1 from step N: its requests that may go on, each allocated one slot past the token in flight."""
+        s = self.scheduler
+        if self._someone_to_admit():
+            return None  # a prefill makes a mixed step, which the synchronous path schedules
+        following = SchedulerOutput()
+        for req in prev.requests:
+            if req.finished or req.num_output_tokens + 1 >= req.params.max_tokens:
+                continue  # ended, or ends with the token in flight
+            if req.num_tokens + 1 >= self.max_model_len:
+                continue
+            # Slots up to the in-flight token's position: allocate_slots counts from num_computed_tokens, which
+            # does not include the token in flight until step N's update.
+            if not s.kv.allocate_slots(req, 2):
+                return None  # memory is short: the synchronous path decides whom to preempt
+            following.requests.append(req)
+            following.num_new_tokens.append(1)
+            following.sample.append(True)
+        return following if following.requests else None

@@ -1,0 +1,109 @@
+"""Overlapped decode (engine_core/overlap.py): with --overlap-decode on, an engine produces the same tokens and finish
+reasons as without, step by step holds its KV invariant, and leaks nothing, through stops while the next step is in
+flight, aborts, length limits, preemption and requests that must run synchronously. On the CPU a launch runs at
+once, so these tests check the bookkeeping; the overlap itself pays on CUDA (bench/gpu.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from common.config import EngineConfig
+from common.messages import EngineRequest, SamplingParams
+from engine_core.core import EngineCore
+from tests.engine_helpers import GPU_TEST_KV
+
+STOPS = list(range(40, 70))  # frequent enough in a random model's output that many requests stop early
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                         eos_token_id=3, tie_word_embeddings=True, initializer_range=0.2)  # fmt: skip
+    path = tmp_path_factory.mktemp("tiny-overlap")
+    LlamaForCausalLM(config).save_pretrained(path)
+    return str(path)
+
+
+def requests(n: int, **extra) -> list[EngineRequest]:
+    """Greedy and seeded sampled requests (both reproducible whatever the batch), some with stop ids."""
+    out = []
+    for i in range(n):
+        params = SamplingParams(max_tokens=4 + 5 * i, temperature=0.0 if i % 2 else 0.9, top_p=0.95, seed=i,
+                                stop_token_ids=STOPS if i % 3 == 0 else [], ignore_eos=True, **extra)  # fmt: skip
+        out.append(EngineRequest(f"r{i}", [(7 * j + i) % 250 + 4 for j in range(6 + 9 * i)], params))
+    return out
+
+
+def drive(mode: str, model: str, reqs: list[EngineRequest], abort_at: dict[int, str] | None = None, **kw):
+    """Adds a request every other step, aborts as asked (step -> id), checks the KV invariant after every step.
+    Returns tokens and finish reasons per request, the launches that chained on one in flight, and the preemptions
+    and aborts of requests that were in flight."""
+    core = EngineCore(EngineConfig(model=model, dtype="float32", overlap_decode=mode, **{**GPU_TEST_KV, **kw}))
+    chained = aborted_in_flight = 0
+    if core.pipeline is not None:
+        launch = core.runner.launch
+
+        def counting(out, prev=None):
+            nonlocal chained
+            chained += prev is not None
+            return launch(out, prev)
+
+        core.runner.launch = counting  # type: ignore[method-assign]
+    tokens: dict[str, list[int]] = {r.request_id: [] for r in reqs}
+    reasons: dict[str, object] = {}
+    pending, step = list(reqs), 0
+    while pending or core.has_work:
+        if pending and step % 2 == 0:
+            core.add_request(pending.pop(0))
+        if abort_at and step in abort_at:
+            flying = core._in_flight.requests if core._in_flight is not None else []
+            aborted_in_flight += any(r.request_id == abort_at[step] for r in flying)
+            core.abort([abort_at[step]])
+        for out in core.step():
+            assert out.request_id not in reasons, f"{out.request_id}: an output after its last"
+            tokens[out.request_id] += out.new_token_ids
+            if out.finish_reason is not None:
+                reasons[out.request_id] = out.finish_reason
+        core.kv.check_integrity(list(core.scheduler.requests.values()))
+        step += 1
+    assert core.kv.pool.num_free == core.kv.num_blocks, "blocks leaked"
+    assert set(reasons) | set((abort_at or {}).values()) == set(tokens), "a request never finished"
+    return tokens, reasons, chained, (core.scheduler.num_preempted, aborted_in_flight)
+
+
+def test_same_tokens_and_finishes_as_synchronous_steps(tiny_dir) -> None:
+    reqs = requests(14)
+    sync_tokens, sync_reasons, _, _ = drive("off", tiny_dir, reqs)
+    tokens, reasons, chained, _ = drive("on", tiny_dir, reqs)
+    assert chained > 20  # the overlap was taken, step after step
+    assert tokens == sync_tokens and reasons == sync_reasons
+    assert any(len(t) < r.params.max_tokens for t, r in zip(tokens.values(), reqs, strict=True))  # stops happened
+
+
+def test_length_limits_preemption_and_aborts(tiny_dir) -> None:
+    """A context limit that cuts requests, a KV cache too small for all of them (the lookahead cannot allocate:
+    the synchronous path preempts), and aborts of requests that are in flight."""
+    reqs = requests(10)
+    kw = {"max_model_len": 64, "num_kv_blocks": 18, "block_size": 4}
+    aborts = {9: "r1", 14: "r4", 21: "r5"}
+    sync_tokens, sync_reasons, _, _ = drive("off", tiny_dir, reqs, aborts, **kw)
+    tokens, reasons, chained, (preempted, aborted_in_flight) = drive("on", tiny_dir, reqs, aborts, **kw)
+    assert chained > 5 and preempted > 0 and aborted_in_flight > 0
+    for rid, want in sync_tokens.items():
+        if rid in aborts.values():  # stopped where it was: an overlapped engine answers a step later
+            assert want[: len(tokens[rid])] == tokens[rid] or tokens[rid][: len(want)] == want, rid
+        else:
+            assert tokens[rid] == want and reasons[rid] == sync_reasons[rid], rid
+
+
+def test_requests_that_need_their_tokens_on_the_host_run_synchronously(tiny_dir) -> None:
+    """Logprobs or penalties need the sampled token before the next step can be built: no overlap for them."""
+    for extra in ({"logprobs": 2}, {"presence_penalty": 0.5}):
+        reqs = requests(6, **extra)
+        tokens, reasons, chained, _ = drive("on", tiny_dir, reqs)
+        assert chained == 0
+        assert (tokens, reasons) == drive("off", tiny_dir, reqs)[:2]
