@@ -62,7 +62,7 @@ def _attend_tile(q, m_i, l_i, acc, k_ptr, v_ptr, table_ptr, pos, valid, visible,
     return m_new, l_i * alpha + tl.sum(p, 1), acc
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_bt"])  # table widths vary by step: one compile at start serves all
 def _decode_kernel(q_ptr, k_ptr, v_ptr, table_ptr, lens_ptr, out_ptr, part_acc_ptr, part_m_ptr, part_l_ptr,
                    scale_log2, stride_qb, stride_qh, stride_cb, stride_cs, stride_ch, stride_bt, stride_ob, stride_oh,
                    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
@@ -124,7 +124,7 @@ def _reduce_kernel(part_acc_ptr, part_m_ptr, part_l_ptr, out_ptr, stride_ob, str
     tl.store(out_ptr + seq * stride_ob + head * stride_oh + d, out.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_chunks", "stride_bt"])  # as _decode_kernel: compiled once, at start
 def _prefill_kernel(q_ptr, k_ptr, v_ptr, out_ptr, cu_ptr, ctx_ptr, table_ptr, scale_log2, num_chunks,
                     stride_qt, stride_qh, stride_cb, stride_cs, stride_ch, stride_bt, stride_ot, stride_oh,
                     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
