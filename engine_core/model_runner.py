@@ -24,7 +24,7 @@ from engine_core.models.loader import load_model
 from engine_core.models.quant import prepare_linears
 from engine_core.prompt_logprobs import score_prompts, wants_prompt_logprobs
 from engine_core.sampler import Sampler
-from engine_core.transfer import to_device
+from engine_core.transfer import padded_rows, to_device
 
 
 def padded_size(num_tokens: int, min_rows: int = 8) -> int:
@@ -196,9 +196,8 @@ class ModelRunner:
         dev = self.device
         tables = lens = None
         if decode_tables:
-            width = max(len(t) for t in decode_tables)
             index = self.attn_backend.index_dtype
-            tables = to_device([t + [0] * (width - len(t)) for t in decode_tables], dev, index)
+            tables = to_device(padded_rows(decode_tables), dev, index)
             lens = to_device(decode_lens, dev, index)
         meta = AttentionMetadata.build(to_device(slots, dev, torch.long), tables, lens, prefills, bs)
         return to_device(ids, dev, torch.long), to_device(positions, dev, torch.long), meta, sample_idx
