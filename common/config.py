@@ -34,7 +34,10 @@ class EngineConfig:
                                          "activations, CUDA graphs, KV cache: sized by a profiling step)")
     num_kv_blocks: int | None = flag(None, "exact number of KV blocks (overrides the memory sizing)")
     max_num_seqs: int = flag(128, "most requests running in one step")
-    max_num_batched_tokens: int = flag(2048, "token budget of one step (prefill is chunked to fit)")
+    max_num_batched_tokens: int | None = flag(
+        None, "token budget of one step, prefill chunked to fit (default, as vLLM's server: 8192 on a GPU of 70 GiB or "
+        "more other than an A100, else 2048)",
+    )
     enable_prefix_caching: bool = flag(True, "reuse KV blocks of shared prompt prefixes")
     scheduling_policy: str = flag("fcfs", "fcfs | priority | round-robin", choices=["fcfs", "priority", "round-robin"])
     num_threads: int | None = flag(None, "torch CPU threads (default: the cores this process may use)")

@@ -57,7 +57,7 @@ class EngineCore:
         self.grammars = GrammarService(source.path, self.vocab_size, self.eos_token_ids)  # constrained decoding
         self.kv = KVCacheManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
         speculator = Speculator.build(config.speculative_config, self.max_model_len)  # n-gram drafts, if asked
-        self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
+        self.scheduler = Scheduler(self.kv, config.max_num_seqs, self.runner.config.max_num_batched_tokens,
                                    self.max_model_len, config.scheduling_policy, speculator)  # fmt: skip
         self.pipeline = DecodePipeline.build(config, self.scheduler, self.runner, self.max_model_len)
         self._rejected: list[EngineOutput] = []

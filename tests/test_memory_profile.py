@@ -3,6 +3,8 @@ start fails with, the profiling step run on CPU, and the error reaching a user o
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
@@ -20,7 +22,7 @@ from engine_core.memory_profile import (
     gpu_kv_blocks,
     kv_budget,
 )
-from engine_core.model_runner import padded_size
+from engine_core.model_runner import padded_size, step_token_budget
 from tests.conftest import Server
 from tests.engine_helpers import run_engine, tokens_of
 
@@ -133,3 +135,15 @@ def test_cuda_start_profiles_and_sizes_within_the_share(tiny_dir: str) -> None:
     params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
     results = run_engine(core, [EngineRequest("a", [5, 6, 7], params)])
     assert len(tokens_of(results, ["a"])[0]) == 3
+
+
+def test_step_budget_defaults_as_vllm_server(monkeypatch) -> None:
+    """--max-num-batched-tokens unset: 8192 on a GPU of 70 GiB or more other than an A100, 2048 elsewhere."""
+    cuda = torch.device("cuda")
+    for name, gib, want in [("NVIDIA H200", 139.8, 8192), ("NVIDIA H100 80GB HBM3", 79.2, 8192),
+                            ("NVIDIA A100-SXM4-80GB", 79.2, 2048), ("NVIDIA L40S", 44.4, 2048)]:  # fmt: skip
+        props = SimpleNamespace(name=name, total_memory=int(gib * 2**30))
+        monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device, props=props: props)
+        assert step_token_budget(None, cuda) == want, name
+        assert step_token_budget(512, cuda) == 512  # a flag always wins
+    assert step_token_budget(None, torch.device("cpu")) == 2048
