@@ -30,11 +30,13 @@ TOPICS = ["whales", "volcanoes", "the moon", "bread", "trains", "owls", "glacier
 
 @pytest.fixture(scope="module")
 def servers(tmp_path_factory: pytest.TempPathFactory):
-    """`crashy` (10 restarts, 10 s ping timeout) and `fragile` (1 restart, new requests wait 0.5 s for an engine)."""
+    """`crashy` (10 restarts, 10 s ping timeout) and `fragile` (1 restart, new requests wait 0.5 s for an engine).
+    crashy decodes overlapped (engine_core/overlap.py, CUDA's default), so crash resume is checked on that path too;
+    the other test servers take the synchronous one, the CPU's default."""
     with pytest.MonkeyPatch.context() as env:
         env.setenv("ROSEINFER_DEBUG_CRASH_ON_TOKEN", str(POISON_TOKEN))  # inherited by each engine core
         crashy = Server(tmp_path_factory.mktemp("crashy"), "--max-engine-restarts", "10", "--engine-ping-timeout",
-                        str(PING_TIMEOUT), "--max-num-batched-tokens", "512")  # fmt: skip
+                        str(PING_TIMEOUT), "--max-num-batched-tokens", "512", "--overlap-decode", "on")  # fmt: skip
         fragile = Server(tmp_path_factory.mktemp("fragile"), "--max-engine-restarts", "1", "--engine-restart-timeout",
                          "0.5", "--num-kv-blocks", "128")  # fmt: skip
     yield crashy.wait_healthy(), fragile.wait_healthy()
