@@ -194,7 +194,7 @@ class ModelRunner:
                     decode_tables.append(req.block_ids[: p // bs + 1])
                     decode_lens.append(p + 1)
             else:
-                block_ids = torch.tensor(req.block_ids[: (end + bs - 1) // bs], device=self.device)
+                block_ids = to_device(req.block_ids[: (end + bs - 1) // bs], self.device, torch.long)
                 prefills.append(PrefillChunk(len(ids), n, end, block_ids))
             if pending:
                 ids.append(0)

@@ -14,6 +14,8 @@ from typing import Any, TypeVar
 
 import torch
 
+from engine_core.transfer import to_device
+
 T = TypeVar("T")
 
 
@@ -68,11 +70,11 @@ class AttentionMetadata:
         """cu_seqlens_q [C+1]: chunk c's queries are rows [c]:[c+1], relative to the first prefill row."""
         first = self.prefill_rows[0]
         starts = [c.start - first for c in self.prefills] + [self.prefill_rows[1] - first]
-        return torch.tensor(starts, dtype=dtype, device=self.slot_mapping.device)
+        return to_device(starts, self.slot_mapping.device, dtype)
 
     def context_lens(self, dtype: torch.dtype = torch.int32) -> torch.Tensor:
         """[C] keys in the cache after each chunk."""
-        return torch.tensor([c.context_len for c in self.prefills], dtype=dtype, device=self.slot_mapping.device)
+        return to_device([c.context_len for c in self.prefills], self.slot_mapping.device, dtype)
 
     def prefill_block_tables(self, dtype: torch.dtype = torch.int32) -> torch.Tensor:
         """[C, W] the chunks' block tables, zero-padded to the widest."""
