@@ -47,7 +47,7 @@ def hf_greedy(model_dir: str, dtype: torch.dtype, device: str, prompts: list[lis
             out = model.generate(torch.tensor([p], device=device), max_new_tokens=max_new, min_new_tokens=max_new,
                                  do_sample=False, output_scores=True, return_dict_in_generate=True,
                                  pad_token_id=0)  # fmt: skip
-            gaps = [float(s[0].topk(2).values[0] - s[0].topk(2).values[1]) for s in out.scores]
+            gaps = [float(top[0] - top[1]) for top in (s[0].topk(2).values for s in out.scores)]
             results.append((out.sequences[0, len(p) :].tolist(), gaps))
     return results
 
