@@ -36,6 +36,7 @@ prepare() {
     local NEEDS="starlette|pydantic|pydantic[-_]core|annotated[-_]types|annotated[-_]doc|typing[-_]inspection"
     NEEDS+="|typing[-_]extensions|huggingface[-_]hub|hf[-_]xet|jiter|referencing|rpds[-_]py|jsonschema[-_]specifications"
     NEEDS+="|sniffio|anyio|click|httpx2|httpcore2|truststore|opentelemetry[-_]api"
+    NEEDS+="|aiohttp|aiohappyeyeballs|aiosignal|attrs|frozenlist|multidict|propcache|yarl|idna"  # bench.serve
     .venv/bin/python -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
         "${platforms[@]}" --platform manylinux2014_x86_64 --platform any -d .whl \
         pyzmq==27.3.0 msgspec==0.22.0 fastapi==0.163.2 uvicorn==0.54.0 gguf==0.19.0 xgrammar==0.2.8 \

@@ -17,10 +17,11 @@ import os
 import platform
 import sys
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
-import httpx
+import aiohttp
 import numpy as np
 from tqdm import tqdm
 
@@ -117,42 +118,50 @@ def request_body(args: argparse.Namespace, model: str, req: BenchRequest) -> dic
     return body
 
 
-async def send_request(client: httpx.AsyncClient, url: str, body: dict[str, Any]) -> RequestResult:
+async def send_request(session: aiohttp.ClientSession, url: str, body: dict[str, Any]) -> RequestResult:
     res = RequestResult()
-    start = last = time.perf_counter()
+    start = time.perf_counter()
     try:
-        async with client.stream("POST", url, json=body) as resp:
-            if resp.status_code != 200:
-                res.error = f"HTTP {resp.status_code}: {(await resp.aread()).decode(errors='replace')[:200]}"
+        async with session.post(url, json=body) as resp:
+            if resp.status != 200:
+                res.error = f"HTTP {resp.status}: {(await resp.read()).decode(errors='replace')[:200]}"
                 return res
-            async for line in resp.aiter_lines():
-                if not line.startswith("data:") or (data := line[5:].strip()) == "[DONE]":
-                    continue
-                chunk = json.loads(data)
-                if "error" in chunk:
-                    res.error = f"stream error: {json.dumps(chunk['error'])[:200]}"
-                    return res
-                if usage := chunk.get("usage"):
-                    res.prompt_tokens, res.output_tokens = usage["prompt_tokens"], usage["completion_tokens"]
-                for choice in chunk.get("choices") or []:
-                    text = choice.get("text") if "text" in choice else (choice.get("delta") or {}).get("content")
-                    if not text:  # the chat role opening and finish chunks carry no content
-                        continue
-                    now = time.perf_counter()
-                    if res.ttft == 0.0:
-                        res.ttft = now - start
-                    else:
-                        res.itl.append(now - last)
-                    last = now
+            await read_stream(resp.content, res, start)
         res.e2e = time.perf_counter() - start
+        if res.error:
+            return res
         if res.output_tokens == 0:
             res.error = "no usage chunk in the stream (stream_options.include_usage unsupported?)"
         elif res.ttft == 0.0:
             res.error = "no content chunk in the stream"
         res.ok = not res.error
-    except (httpx.HTTPError, json.JSONDecodeError, KeyError) as exc:
+    except (aiohttp.ClientError, TimeoutError, ValueError, KeyError) as exc:  # ValueError: bad JSON, a huge line
         res.error = f"{type(exc).__name__}: {exc}"[:200]
     return res
+
+
+async def read_stream(lines: AsyncIterator[bytes], res: RequestResult, start: float) -> None:
+    """SSE lines into `res`: the first content chunk's time (TTFT), the gaps between content chunks, usage."""
+    last = start
+    async for raw in lines:
+        if not raw.startswith(b"data:") or (data := raw[5:].strip()) == b"[DONE]":
+            continue
+        chunk = json.loads(data)
+        if "error" in chunk:
+            res.error = f"stream error: {json.dumps(chunk['error'])[:200]}"
+            return
+        if usage := chunk.get("usage"):
+            res.prompt_tokens, res.output_tokens = usage["prompt_tokens"], usage["completion_tokens"]
+        for choice in chunk.get("choices") or []:
+            text = choice.get("text") if "text" in choice else (choice.get("delta") or {}).get("content")
+            if not text:  # the chat role opening and finish chunks carry no content
+                continue
+            now = time.perf_counter()
+            if res.ttft == 0.0:
+                res.ttft = now - start
+            else:
+                res.itl.append(now - last)
+            last = now
 
 
 # ---------------------------------------------------------------- one run
@@ -165,7 +174,7 @@ def arrival_gaps(n: int, rate: float, burstiness: float, seed: int) -> list[floa
     return np.random.default_rng(seed).gamma(burstiness, 1.0 / (rate * burstiness), size=n).tolist()
 
 
-async def run_once(args: argparse.Namespace, client: httpx.AsyncClient, model: str, requests: list[BenchRequest],
+async def run_once(args: argparse.Namespace, client: aiohttp.ClientSession, model: str, requests: list[BenchRequest],
                    concurrency: int | None, seed: int, warmup: bool = False) -> dict[str, Any]:  # fmt: skip
     sem = asyncio.Semaphore(concurrency) if concurrency else None
     desc = f"{'warmup, ' if warmup else ''}concurrency {concurrency or 'inf'}"
@@ -209,10 +218,10 @@ def machine() -> dict[str, Any]:
 # ---------------------------------------------------------------- entry points
 
 
-async def served_model(client: httpx.AsyncClient) -> str:
-    resp = await client.get("/v1/models")
-    resp.raise_for_status()
-    return resp.json()["data"][0]["id"]
+async def served_model(client: aiohttp.ClientSession) -> str:
+    async with client.get("/v1/models") as resp:
+        resp.raise_for_status()
+        return (await resp.json())["data"][0]["id"]
 
 
 async def benchmark(args: argparse.Namespace, tokenizer: Any | None = None) -> dict[str, Any]:
@@ -220,9 +229,12 @@ async def benchmark(args: argparse.Namespace, tokenizer: Any | None = None) -> d
     if args.ignore_eos is None:  # random prompts run to their length; real conversations may stop early
         args.ignore_eos = args.dataset_path is None
     levels = [int(c) for c in args.sweep_concurrency.split(",")] if args.sweep_concurrency else [args.max_concurrency]
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)  # the semaphore is the only cap
-    timeout = httpx.Timeout(args.timeout, connect=30.0)
-    async with httpx.AsyncClient(base_url=args.base_url, limits=limits, timeout=timeout) as client:
+    # aiohttp, as vLLM's client: httpx's connection pool scans every connection on each request and response, which
+    # at 256 streams took most of this process's CPU (and delayed what it measured) before the server was busy.
+    connector = aiohttp.TCPConnector(limit=0)  # the semaphore is the only cap
+    timeout = aiohttp.ClientTimeout(total=args.timeout, sock_connect=30.0)
+    async with aiohttp.ClientSession(args.base_url, connector=connector, timeout=timeout,
+                                     read_bufsize=2**20) as client:  # fmt: skip
         model = args.model or await served_model(client)
         tokenizer = tokenizer or load_tokenizer(args.tokenizer)
         runs = []

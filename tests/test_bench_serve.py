@@ -11,9 +11,10 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
-import httpx
+import aiohttp
 import numpy as np
 import pytest
+from aiohttp import web
 
 from bench import compare, serve
 from bench.serve_metrics import RequestResult, parse_goodput, stats_ms, summarize
@@ -72,11 +73,28 @@ def _sse(*events: object) -> bytes:
 
 
 def _send(body: bytes, status: int = 200) -> RequestResult:
-    transport = httpx.MockTransport(lambda _: httpx.Response(status, content=body))
+    """serve.send_request against an aiohttp server that answers `body` with `status`, split into small writes."""
+
+    async def answer(request: web.Request) -> web.StreamResponse:
+        resp = web.StreamResponse(status=status)
+        await resp.prepare(request)
+        for i in range(0, len(body), 7):  # lines arrive in pieces, as over a real socket
+            await resp.write(body[i : i + 7])
+        await resp.write_eof()
+        return resp
 
     async def go() -> RequestResult:
-        async with httpx.AsyncClient(transport=transport, base_url="http://bench.test") as client:
-            return await serve.send_request(client, "/v1/chat/completions", {})
+        app = web.Application()
+        app.router.add_post("/v1/chat/completions", answer)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        port = free_port()
+        await web.TCPSite(runner, "127.0.0.1", port).start()
+        try:
+            async with aiohttp.ClientSession(f"http://127.0.0.1:{port}") as client:
+                return await serve.send_request(client, "/v1/chat/completions", {})
+        finally:
+            await runner.cleanup()
 
     return asyncio.run(go())
 
