@@ -73,11 +73,9 @@ class Metrics:
             counter.inc(now - before if now >= before else now)
         self._last[engine] = stats
 
-    def observe_output(self, stream: RequestStream, num_new_tokens: int, previous_token_time: float | None,
-                       engine: int = 0) -> None:  # fmt: skip
+    def observe_output(self, stream: RequestStream, num_new_tokens: int, previous_token_time: float | None) -> None:
+        """One request's output of a step: its latencies (the token counters go once per step: observe_generated)."""
         if num_new_tokens:
-            self.generation_tokens.inc(num_new_tokens)
-            self.generation_tokens_by_engine[engine].inc(num_new_tokens)
             assert stream.first_token_time is not None and stream.last_token_time is not None
             if previous_token_time is None:
                 self.ttft.observe(stream.first_token_time - stream.arrival)
@@ -86,6 +84,11 @@ class Metrics:
         if stream.finished:
             self.e2e.observe(time.monotonic() - stream.arrival)
             self.request_success.labels(self._model_name, stream.finish_reason or "abort").inc()
+
+    def observe_generated(self, num_tokens: int, engine: int = 0) -> None:
+        if num_tokens:
+            self.generation_tokens.inc(num_tokens)
+            self.generation_tokens_by_engine[engine].inc(num_tokens)
 
     def engine_down(self, engine: int = 0) -> None:
         self.num_requests_running[engine].set(0)

@@ -229,6 +229,21 @@ def test_generate_models_metrics_and_request_id(server, client, base):
             assert sum(float(x.split()[-1]) for x in lines) > 0, lines
 
 
+def test_generated_token_counters_count_every_token(server):
+    """Counted once per engine step for the whole batch: the server-wide and per-engine totals move by exactly the
+    tokens streamed."""
+
+    def totals() -> tuple[float, float]:
+        lines = httpx.get(server.url + "/metrics").text.splitlines()
+        return tuple(sum(float(x.split()[-1]) for x in lines if x.startswith(f"roseinfer:{name}_total{{"))
+                     for name in ("generation_tokens", "engine_generation_tokens"))  # type: ignore[return-value]
+
+    before = totals()
+    body = {"model": MODEL, "prompt": "Count", "max_tokens": 7, "n": 3, "ignore_eos": True, "temperature": 0}
+    assert httpx.post(server.url + "/v1/completions", json=body, timeout=60).json()["usage"]["completion_tokens"] == 21
+    assert [a - b for a, b in zip(totals(), before, strict=True)] == [21, 21]
+
+
 def test_api_process_never_imports_torch(server):
     maps = Path(f"/proc/{server.proc.pid}/maps").read_text()
     assert "libtorch" not in maps and "libc10" not in maps

@@ -221,3 +221,43 @@ def test_stop_strings_match_a_reference_with_the_real_tokenizer(tok, words, stop
     ids = tok.encode("".join(words))
     deltas, detok = run(tok, ids, stop=stop, include_stop_str_in_output=include)
     assert ("".join(deltas), detok.stop_reason) == expected_output(tok.decode(ids), stop, include)
+
+
+class DecodeOnly:
+    """The real tokenizer without its joined bytes: the detokenizer decodes windows of ids."""
+
+    def __init__(self, tok: Tokenizer) -> None:
+        self.decode = tok.decode
+
+
+def test_joined_bytes_stream_what_decoding_windows_streams(tok):
+    """Byte-level vocabularies skip the per-token decode calls: the same text as decoding windows, on random ids
+    drawn mostly from partial characters and special tokens, with specials skipped or not; never a delta that ends
+    in U+FFFD, which could still be the start of a character."""
+    assert tok.joined_bytes is not None and tok.special_ids == {i for i in range(17)}
+    partial = [i for i in range(tok.vocab_size) if "\ufffd" in tok.decode([i])]
+    assert len(partial) > 100
+    rng = random.Random(1)
+    for trial in range(300):
+        pool = [partial, sorted(tok.special_ids), range(tok.vocab_size)]
+        ids = [rng.choice(rng.choice(pool)) for _ in range(rng.randrange(1, 30))]
+        skip = trial % 2 == 0
+        fast, _ = run(tok, ids, skip_special_tokens=skip)
+        window, _ = run(DecodeOnly(tok), ids, skip_special_tokens=skip)  # type: ignore[arg-type]
+        assert "".join(fast) == "".join(window) == tok.decode(ids, skip_special_tokens=skip).rstrip("\ufffd")
+        assert not any(d.endswith("\ufffd") for d in fast), (ids, fast)
+
+
+def test_joined_bytes_only_where_decoding_joins_bytes(tmp_path):
+    """A SentencePiece-style decoder (Metaspace drops the leading space) keeps decoding windows."""
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import decoders, models, pre_tokenizers
+
+    vocab = {"<unk>": 0, "\u2581hi": 1, "\u2581there": 2, "!": 3}
+    raw = HFTokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    raw.pre_tokenizer, raw.decoder = pre_tokenizers.Metaspace(), decoders.Metaspace()
+    raw.save(str(tmp_path / "tokenizer.json"))
+    sp = Tokenizer(tmp_path)
+    assert sp.joined_bytes is None
+    deltas, _ = run(sp, [1, 2, 3])
+    assert "".join(deltas) == sp.decode([1, 2, 3]) == "hi there!"

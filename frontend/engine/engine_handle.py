@@ -183,6 +183,7 @@ class EngineHandle:
         if msg.stats is not None and metrics is not None:
             metrics.observe_stats(msg.stats, self.index)
         stopped: list[str] = []
+        generated = 0
         for out in msg.outputs:
             stream = self.streams.get(out.request_id)
             if stream is None:  # aborted or already ended by a stop string
@@ -191,9 +192,13 @@ class EngineHandle:
             if stream.on_output(out):
                 stopped.append(out.request_id)
             if metrics is not None:
-                metrics.observe_output(stream, len(stream.output_token_ids) - num_before, previous_time, self.index)
+                num_new = len(stream.output_token_ids) - num_before
+                metrics.observe_output(stream, num_new, previous_time)
+                generated += num_new
             if stream.finished:
                 del self.streams[out.request_id]
+        if metrics is not None:
+            metrics.observe_generated(generated, self.index)  # once per step: a counter's lock per request cost
         self.abort(stopped)  # a stop string ended these in the frontend; the engine still runs them
 
     # ---- supervision ----

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import codecs
 from typing import Protocol
 
 from frontend.text.stop_strings import StopStringMatcher
@@ -21,6 +22,10 @@ class IncrementalDetokenizer:
     `prefix` and `read` are offsets into `ids`: ids[prefix:read] is context already turned into text,
     ids[read:] the tokens not yet emitted. A window that ends in an incomplete UTF-8 character decodes
     to U+FFFD at its end; we wait for the next token instead of emitting it.
+
+    Where decoding is joining the tokens' bytes (the tokenizer's `joined_bytes`: byte-level vocabularies), each
+    token's bytes go through an incremental UTF-8 decoder instead: the same text, with no decode call per token,
+    which was a fifth of the API process's time at 256 streams. Trailing U+FFFD waits there too.
     """
 
     def __init__(
@@ -45,6 +50,11 @@ class IncrementalDetokenizer:
         self.num_tokens = 0
         self.pending = ""  # output text held back: it could still turn out to be the start of a stop string
         self.stop_reason: str | None = None  # the stop string that ended the text
+        self.joined: list[bytes] | None = getattr(tokenizer, "joined_bytes", None)
+        if self.joined is not None:
+            self.skipped = getattr(tokenizer, "special_ids", frozenset()) if skip_special_tokens else frozenset()
+            self.utf8 = codecs.getincrementaldecoder("utf-8")("replace")
+            self.invalid = ""  # trailing U+FFFD held back: dropped if the text ends there, as a window's would be
 
     @property
     def stopped(self) -> bool:
@@ -65,15 +75,25 @@ class IncrementalDetokenizer:
         """Feeds one output token; returns the text that may be shown now (possibly empty)."""
         if self.stopped:
             return ""
-        self.ids.append(token_id)
         self.num_tokens += 1
+        if self.joined is not None:
+            return self._extend(self._joined_delta(token_id), final=False)
+        self.ids.append(token_id)
         return self._extend(self._window_delta(final=False), final=False)
+
+    def _joined_delta(self, token_id: int) -> str:
+        piece = b"" if token_id in self.skipped or token_id >= len(self.joined) else self.joined[token_id]
+        text = self.invalid + self.utf8.decode(piece)
+        shown = text.rstrip("\ufffd")
+        self.invalid = text[len(shown) :]
+        return shown
 
     def finish(self) -> str:
         """The generation ended: flush what waited for more tokens, and any held-back stop-string prefix."""
         if self.stopped:
             return ""
-        delta = self._window_delta(final=True) if self.read < len(self.ids) else ""
+        # What waits is an incomplete character or U+FFFD at the very end: not text.
+        delta = "" if self.joined is not None else self._window_delta(final=True) if self.read < len(self.ids) else ""
         return self._extend(delta, final=True)
 
     def _extend(self, delta: str, final: bool) -> str:

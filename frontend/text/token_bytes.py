@@ -57,3 +57,15 @@ def token_bytes_table(tok: Tokenizer, tokenizer_json: dict[str, Any]) -> list[by
         as_text = added.special or not added.normalized
         table[token_id] = added.content.encode() if as_text else piece_bytes(added.content)
     return table
+
+
+def joined_bytes_table(tok: Tokenizer, tokenizer_json: dict[str, Any], table: list[bytes] | None) -> list[bytes] | None:
+    """`table` when decoding ids is joining their bytes and reading them as UTF-8 (a byte-level decoder and nothing
+    else: GPT-2, Llama 3, Qwen, SmolLM), checked against the decoder token by token; None otherwise (SentencePiece
+    drops a leading space, WordPiece joins words with spaces). Text then streams with no decode call per token."""
+    if table is None or _decoder_types(tokenizer_json.get("decoder")) - {"Sequence"} != {"ByteLevel"}:
+        return None
+    texts = tok.decode_batch([[i] for i in range(len(table))], skip_special_tokens=False)
+    if any(text != piece.decode("utf-8", "replace") for text, piece in zip(texts, table, strict=True)):
+        return None
+    return table

@@ -14,7 +14,7 @@ import jinja2
 from tokenizers import Tokenizer as _HFTokenizer
 
 from frontend.text.chat_template import environment, model_templates
-from frontend.text.token_bytes import token_bytes_table
+from frontend.text.token_bytes import joined_bytes_table, token_bytes_table
 
 
 class TokenizerError(RuntimeError):
@@ -95,7 +95,11 @@ class Tokenizer:
         self._tool_template = compiled.get("tool_use")
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
         self.token_text = lru_cache(maxsize=1 << 16)(self._token_text)
-        self._bytes = token_bytes_table(self._tok, json.loads(tokenizer_text))
+        tokenizer_json = json.loads(tokenizer_text)
+        self._bytes = token_bytes_table(self._tok, tokenizer_json)
+        # What the incremental detokenizer joins instead of decoding, where decoding is joining bytes.
+        self.joined_bytes = joined_bytes_table(self._tok, tokenizer_json, self._bytes)
+        self.special_ids = frozenset(i for i, t in self._tok.get_added_tokens_decoder().items() if t.special)
         self._affixes = self._special_affixes()
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
