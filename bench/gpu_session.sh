@@ -88,10 +88,13 @@ for _ in range(300):
     except OSError:
         time.sleep(1)
 PY
-    python3 -m bench.serve --tokenizer "$MODELS/llama-1b" --max-concurrency 256 --num-prompts 1024 \
-        --input-len 512 --output-len 256 --result-json "$OUT/gpu_serve_llama-1b.json"
-    # CPU seconds each server process used against its age: which of the API process and the engine was saturated
-    ps -o pid,etimes,times,args -p "$server" --ppid "$server" | cut -c1-160 | tee "$OUT/serve-1b-cpu.txt"
+    # CPU seconds of each server process before and after the run, and the client's: which one was saturated
+    ps -o pid,etimes,times,args -p "$server" --ppid "$server" | cut -c1-160 > "$OUT/serve-1b-cpu.txt"
+    local TIMEFORMAT="client (bench.serve): %U s user, %S s system, %R s wall"
+    { time python3 -m bench.serve --tokenizer "$MODELS/llama-1b" --max-concurrency 256 --num-prompts 1024 \
+        --input-len 512 --output-len 256 --result-json "$OUT/gpu_serve_llama-1b.json" 2>&1; } 2>> "$OUT/serve-1b-cpu.txt"
+    ps -o pid,etimes,times,args -p "$server" --ppid "$server" | cut -c1-160 >> "$OUT/serve-1b-cpu.txt"
+    cat "$OUT/serve-1b-cpu.txt"
     timeout 180 python3 launch.py --model "$MODELS/llama-1b" --port 8001 > "$OUT/second-server.log" 2>&1
     echo "second server exited with $?" | tee -a "$OUT/second-server.log"
     kill -INT "$server" && wait "$server" || true
