@@ -128,11 +128,9 @@ async def send_request(session: aiohttp.ClientSession, url: str, body: dict[str,
                 return res
             await read_stream(resp.content, res, start)
         res.e2e = time.perf_counter() - start
-        if res.error:
-            return res
-        if res.output_tokens == 0:
+        if res.output_tokens == 0 and not res.error:
             res.error = "no usage chunk in the stream (stream_options.include_usage unsupported?)"
-        elif res.ttft == 0.0:
+        elif res.ttft == 0.0 and not res.error:
             res.error = "no content chunk in the stream"
         res.ok = not res.error
     except (aiohttp.ClientError, TimeoutError, ValueError, KeyError) as exc:  # ValueError: bad JSON, a huge line
