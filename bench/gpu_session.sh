@@ -12,9 +12,10 @@
 #   offline-1b       1B random model, 512 x 512 x 256: first pass vs HF generate's static batches, decode steps
 #   eager-1b         the same engine phases with --enforce-eager (graphs must not be slower), no HF
 #   offline-135m     SmolLM2-135M's shape, the same workload
-#   serve-1b         launch.py on the 1B model (plus $SERVE_FLAGS), bench.serve at 256 concurrent streams, the CPU
-#                    time of the API process and the engine; then a second server on the same GPU, which must fail
-#                    at start with the memory error
+#   serve-1b         launch.py on the 1B model (plus $SERVE_FLAGS; $BENCH_FLAGS for bench.serve, $TAG names the
+#                    result), bench.serve at 256 concurrent streams, the CPU time of the client, the API process
+#                    and the engine; untagged, then a second server on the same GPU, which must fail at start
+#                    with the memory error
 #   parity-135m      fp32 greedy against HF generate with CUDA graphs on, seeded draws alone vs in batches
 #   gpu-tests        the test files that run on CUDA without the default model (no GGUF needed)
 #   tests-1, tests-2 the test suite in two halves (needs the default model: gguf-a and gguf-b first)
@@ -77,7 +78,7 @@ serve_1b() {
     model llama-1b
     # shellcheck disable=SC2086  # SERVE_FLAGS: extra server flags, e.g. "--max-num-batched-tokens 2048"
     python3 launch.py --model "$MODELS/llama-1b" --max-num-seqs 256 --port 8000 ${SERVE_FLAGS:-} \
-        > "$OUT/serve-1b-server.log" 2>&1 &
+        > "$OUT/serve-1b${TAG:-}-server.log" 2>&1 &
     local server=$!
     python3 - <<'PY'
 import time, urllib.request
@@ -89,14 +90,19 @@ for _ in range(300):
         time.sleep(1)
 PY
     # CPU seconds of each server process before and after the run, and the client's: which one was saturated
-    ps -o pid,etimes,times,args -p "$server" --ppid "$server" | cut -c1-160 > "$OUT/serve-1b-cpu.txt"
+    local cpu="$OUT/serve-1b${TAG:-}-cpu.txt"
+    ps -o pid,etimes,times,args -p "$server" --ppid "$server" | cut -c1-160 > "$cpu"
     local TIMEFORMAT="client (bench.serve): %U s user, %S s system, %R s wall"
+    # shellcheck disable=SC2086  # BENCH_FLAGS: e.g. "--range-ratio 0.5" (lengths vary: arrivals all the time)
     { time python3 -m bench.serve --tokenizer "$MODELS/llama-1b" --max-concurrency 256 --num-prompts 1024 \
-        --input-len 512 --output-len 256 --result-json "$OUT/gpu_serve_llama-1b.json" 2>&1; } 2>> "$OUT/serve-1b-cpu.txt"
-    ps -o pid,etimes,times,args -p "$server" --ppid "$server" | cut -c1-160 >> "$OUT/serve-1b-cpu.txt"
-    cat "$OUT/serve-1b-cpu.txt"
-    timeout 180 python3 launch.py --model "$MODELS/llama-1b" --port 8001 > "$OUT/second-server.log" 2>&1
-    echo "second server exited with $?" | tee -a "$OUT/second-server.log"
+        --input-len 512 --output-len 256 ${BENCH_FLAGS:-} --result-json "$OUT/gpu_serve_llama-1b${TAG:-}.json" 2>&1; \
+    } 2>> "$cpu"
+    ps -o pid,etimes,times,args -p "$server" --ppid "$server" | cut -c1-160 >> "$cpu"
+    cat "$cpu"
+    if [ -z "${TAG:-}" ]; then  # tagged runs are variants: the second-server check runs once
+        timeout 180 python3 launch.py --model "$MODELS/llama-1b" --port 8001 > "$OUT/second-server.log" 2>&1
+        echo "second server exited with $?" | tee -a "$OUT/second-server.log"
+    fi
     kill -INT "$server" && wait "$server" || true
 }
 

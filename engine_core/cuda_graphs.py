@@ -4,7 +4,8 @@ One graph per batch-size bucket, all captured at engine start (largest first, sh
 static input buffers that every later step copies into. Block tables have one fixed width, enough for
 max_model_len, so no step ever needs another graph; only a backend whose cost does not grow with that width
 (Triton: it reads ceil(seq_len / block_size) blocks) is graphed. Padding rows of a bucket have seq_len 0 and write
-their KV into the runner's scratch slot: the attention reads nothing for them. Mixed steps with prefill run eagerly.
+their KV into the runner's scratch slot: the attention reads nothing for them. A step with prefill rows that fits
+the largest bucket runs them as decode rows (ModelRunner._prepare); a larger one runs eagerly.
 
 With `capture=False` the same buffers and buckets run eagerly, which is how the CPU tests check this logic.
 """
@@ -22,8 +23,8 @@ log = logging.getLogger("roseinfer.cuda_graphs")
 
 
 def batch_buckets(max_batch: int) -> list[int]:
-    """1, 2, 4, 8, then every multiple of 8 up to max_batch."""
-    sizes = [b for b in (1, 2, 4) if b < max_batch] + list(range(8, max_batch + 8, 8))
+    """1, 2, 4, 8, then every multiple of 8 up to 256 and of 64 beyond, up to max_batch."""
+    sizes = [1, 2, 4, *range(8, 257, 8), *range(320, max_batch + 64, 64)]
     return [b for b in sizes if b < max_batch] + [max_batch]
 
 

@@ -42,6 +42,22 @@ def padded_size(num_tokens: int, min_rows: int = 8) -> int:
     return -(-num_tokens // multiple) * multiple
 
 
+# Rows of the largest decode graph when the step budget allows (--mixed-step-graphs): a step of a few hundred
+# decodes plus a prompt chunk of a request that just arrived replays a graph, its prompt tokens as decode rows.
+MIXED_GRAPH_ROWS = 1024
+# K/V bytes the prompt tokens of such a step may read as decode rows, each its whole context (a prefill reads each
+# block once per query tile): about 0.5 ms of an H100's bandwidth. A long chunk, or one after a long cached
+# prefix, runs eagerly instead.
+PROMPT_ROWS_KV_BYTES = 2 * 2**30
+
+
+def graph_rows(config: EngineConfig) -> int:
+    assert config.max_num_batched_tokens is not None
+    if not config.mixed_step_graphs:
+        return config.max_num_seqs
+    return max(config.max_num_seqs, min(config.max_num_batched_tokens, MIXED_GRAPH_ROWS))
+
+
 def pick_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -133,7 +149,7 @@ class ModelRunner:
         self.decode_graphs: DecodeGraphs | None = None
         # Graphs only where the attention's cost does not grow with their fixed full-width block tables.
         if self.device.type == "cuda" and not config.enforce_eager and self.tp is None and self.attn_backend.graphable:
-            self.decode_graphs = DecodeGraphs(self.model, config.max_num_seqs, -(-max_model_len // self.block_size),
+            self.decode_graphs = DecodeGraphs(self.model, graph_rows(config), -(-max_model_len // self.block_size),
                                               self.scratch_slot, self.block_size, self.device,
                                               self.attn_backend.index_dtype)  # fmt: skip
             self.decode_graphs.capture_all()
@@ -176,8 +192,15 @@ class ModelRunner:
     def _prepare(self, out: SchedulerOutput, pending: int = 0,
                  ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:  # fmt: skip
         """pending 1: every entry is a decode whose input token is still on the device (InFlight), so its position
-        is one past its computed tokens and its input id is left 0 here for launch() to fill."""
+        is one past its computed tokens and its input id is left 0 here for launch() to fill.
+
+        A step that fits the largest decode graph puts prompt tokens in decode rows too: each attends to the keys
+        up to its own position, as a draft's row does, which is causal attention over the chunk and the cache
+        (every row's K/V is stored before any row attends). One replay then replaces an eager forward, whose
+        kernel launches alone keep a GPU's host busy for milliseconds however few the tokens (a 1B model's eager
+        decode step at batch 64 took 9.2 ms on an H200, 3.3 ms replayed)."""
         bs = self.block_size
+        as_decode_rows = self._prompts_as_decode_rows(out)
         ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
@@ -189,7 +212,7 @@ class ModelRunner:
             start = req.num_computed_tokens + pending
             end = start + n
             drafts = req.draft_token_ids
-            if req.decoding:  # decode rows: each attends to the keys up to its own position
+            if req.decoding or as_decode_rows:  # decode rows: each attends to the keys up to its own position
                 for p in range(start, end):
                     decode_tables.append(req.block_ids[: p // bs + 1])
                     decode_lens.append(p + 1)
@@ -216,6 +239,15 @@ class ModelRunner:
             lens = to_device(decode_lens, dev, index)
         meta = AttentionMetadata.build(to_device(slots, dev, torch.long), tables, lens, prefills, bs)
         return to_device(ids, dev, torch.long), to_device(positions, dev, torch.long), meta, sample_idx
+
+    def _prompts_as_decode_rows(self, out: SchedulerOutput) -> bool:
+        graphs = self.decode_graphs
+        if graphs is None or not self.config.mixed_step_graphs or out.total_tokens > graphs.max_batch:
+            return False
+        # Row p of a chunk starting at s reads p + 1 tokens' K/V: n * s + n * (n + 1) / 2 for the chunk.
+        reads = sum(n * r.num_computed_tokens + n * (n + 1) // 2
+                    for r, n in zip(out.requests, out.num_new_tokens, strict=True) if not r.decoding)  # fmt: skip
+        return reads * self._bytes_per_block() // self.block_size <= PROMPT_ROWS_KV_BYTES
 
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         if self.decode_graphs is not None and self.decode_graphs.fits(meta.num_decodes, meta):

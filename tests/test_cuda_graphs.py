@@ -18,6 +18,8 @@ def test_buckets() -> None:
     assert batch_buckets(64) == [1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64]
     assert batch_buckets(5) == [1, 2, 4, 5]
     assert batch_buckets(1) == [1]
+    assert batch_buckets(1024)[-15:] == [240, 248, 256, *range(320, 1025, 64)] and len(batch_buckets(1024)) == 47
+    assert batch_buckets(300)[-3:] == [248, 256, 300]
 
 
 @pytest.fixture(scope="module")
@@ -81,3 +83,63 @@ def test_graph_buffers_match_the_eager_forward(tiny_dir, backend) -> None:
     assert len(checked) > 20 and len(set(checked)) >= 6
     assert not any(mismatches)
     assert len(buckets) >= 4 and any(b > n for b, n in zip(map(graphs.bucket, checked), checked, strict=True))
+
+
+@pytest.mark.parametrize("backend", ["cpu", "torch"])
+def test_prompt_chunks_as_decode_rows_match_the_prefill_path(tiny_dir, backend, monkeypatch) -> None:
+    """A step that fits the largest graph runs its prompt chunks as decode rows (each attends to the keys up to its
+    own position). Against an engine without graphs, whose prompts take the prefill path: the same tokens, token
+    and prompt logprobs over chunked prompts, prefix-cache hits and the decodes beside them; steps larger than
+    the graph still run eagerly, and so do prompt chunks that would read too much K/V as decode rows."""
+    from engine_core import model_runner
+    from engine_core.model_runner import graph_rows
+    from tests.engine_helpers import run_engine
+
+    device = "cpu" if backend == "cpu" else "auto"
+    config = EngineConfig(model=tiny_dir, device=device, dtype="float32", max_num_seqs=4, block_size=4,
+                          num_kv_blocks=400, attention_backend=backend, max_num_batched_tokens=40)  # fmt: skip
+    assert graph_rows(config) == 40 and graph_rows(EngineConfig(max_num_batched_tokens=8192)) == 1024
+    assert graph_rows(EngineConfig(max_num_batched_tokens=8192, mixed_step_graphs=False)) == 128
+    shared = [(7 * j) % 290 + 4 for j in range(16)]  # four blocks: later prompts hit the prefix cache
+    requests = [
+        EngineRequest(f"r{i}", shared + [(11 * i + 5 * j) % 290 + 4 for j in range(2 + 9 * i)],
+                      SamplingParams(max_tokens=10, temperature=0, ignore_eos=True, logprobs=2,
+                                     prompt_logprobs=1 if i % 2 else None))
+        for i in range(8)
+    ]  # fmt: skip
+
+    def run(graphed: bool) -> tuple[dict, list[int]]:
+        core = EngineCore(config)
+        rows: list[int] = []
+        if graphed:
+            runner = core.runner
+            width = -(-core.max_model_len // config.block_size)
+            graphs = DecodeGraphs(runner.model, 24, width, runner.scratch_slot, config.block_size, runner.device,
+                                  runner.attn_backend.index_dtype, capture=False)  # fmt: skip
+            graphs.capture_all()
+            runner.decode_graphs = graphs
+            replay = graphs.run
+
+            def counted(input_ids, positions, meta):
+                rows.append(meta.num_decodes)
+                return replay(input_ids, positions, meta)
+
+            graphs.run = counted
+        return run_engine(core, requests, stagger=2), rows
+
+    graphed, rows = run(True)
+    plain, _ = run(False)
+    assert max(rows) > 4  # steps with more rows than requests: prompt tokens ran as decode rows
+    monkeypatch.setattr(model_runner, "PROMPT_ROWS_KV_BYTES", 0)
+    guarded, guarded_rows = run(True)
+    assert max(guarded_rows) <= 4  # only decode-only steps replayed
+    for rid, outs in [*plain.items(), *((f"{rid} (guarded)", outs) for rid, outs in guarded.items())]:
+        mine = graphed[rid.split()[0]]
+        assert [o.new_token_ids for o in mine] == [o.new_token_ids for o in outs], rid
+        for a, b in zip(mine, outs, strict=True):
+            for x, y in ((a.new_logprobs, b.new_logprobs), (a.prompt_logprobs, b.prompt_logprobs)):
+                assert (x is None) == (y is None), rid
+                if x is not None and y is not None:
+                    assert x.top_ids == y.top_ids, rid
+                    assert torch.allclose(torch.tensor(x.token_logprobs), torch.tensor(y.token_logprobs), atol=1e-4)
+    assert any(o.prompt_logprobs is not None for outs in graphed.values() for o in outs)
