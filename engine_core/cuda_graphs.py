@@ -17,9 +17,27 @@ import time
 
 import torch
 
+from common.config import EngineConfig
 from engine_core.attention import AttentionMetadata
+from engine_core.batch import SchedulerOutput
 
 log = logging.getLogger("roseinfer.cuda_graphs")
+
+
+# Rows of the largest graph when the step budget allows (--mixed-step-graphs): a step of a few hundred decodes plus
+# the prompt of a request that just arrived replays a graph, its prompt tokens as decode rows.
+MIXED_GRAPH_ROWS = 1024
+# K/V bytes the prompt tokens of such a step may read as decode rows, each its whole context (a prefill reads each
+# block once per query tile): about 0.5 ms of an H100's bandwidth. A long chunk, or one after a long cached prefix,
+# runs eagerly instead.
+PROMPT_ROWS_KV_BYTES = 2 * 2**30
+
+
+def graph_rows(config: EngineConfig) -> int:
+    assert config.max_num_batched_tokens is not None
+    if not config.mixed_step_graphs:
+        return config.max_num_seqs
+    return max(config.max_num_seqs, min(config.max_num_batched_tokens, MIXED_GRAPH_ROWS))
 
 
 def batch_buckets(max_batch: int) -> list[int]:
@@ -31,8 +49,9 @@ def batch_buckets(max_batch: int) -> list[int]:
 class DecodeGraphs:
     def __init__(self, model: torch.nn.Module, max_batch: int, max_blocks_per_seq: int, scratch_slot: int,
                  block_size: int, device: torch.device, index_dtype: torch.dtype = torch.long,
-                 capture: bool = True) -> None:  # fmt: skip
+                 capture: bool = True, mixed: bool = True) -> None:  # fmt: skip
         self.model = model
+        self.mixed = mixed  # --mixed-step-graphs: steps with prompt tokens that fit replay too
         self.buckets = batch_buckets(max_batch)
         self.max_batch = self.buckets[-1]
         self.width = max_blocks_per_seq  # ceil(max_model_len / block_size): every graph's table width
@@ -51,6 +70,16 @@ class DecodeGraphs:
 
     def bucket(self, num_decodes: int) -> int:
         return next(b for b in self.buckets if b >= num_decodes)
+
+    def takes_prompts(self, out: SchedulerOutput, kv_bytes_per_token: int) -> bool:
+        """Whether the step's prompt tokens go in as decode rows (ModelRunner._prepare), so that it replays a graph:
+        it fits the largest one, and its prompt rows read at most PROMPT_ROWS_KV_BYTES of K/V."""
+        if not self.mixed or out.total_tokens > self.max_batch:
+            return False
+        # Row p of a chunk starting at s reads p + 1 tokens' K/V: n * s + n * (n + 1) / 2 for the chunk.
+        reads = sum(n * r.num_computed_tokens + n * (n + 1) // 2
+                    for r, n in zip(out.requests, out.num_new_tokens, strict=True) if not r.decoding)  # fmt: skip
+        return reads * kv_bytes_per_token <= PROMPT_ROWS_KV_BYTES
 
     def fits(self, num_decodes: int, meta: AttentionMetadata) -> bool:
         return 0 < num_decodes == meta.num_decodes and not meta.prefills and num_decodes <= self.max_batch

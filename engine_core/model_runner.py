@@ -8,6 +8,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import dataclasses
+import itertools
 import os
 import time
 from pathlib import Path
@@ -19,7 +20,7 @@ from engine_core import distributed, memory_profile
 from engine_core.attention import AttentionBackend, AttentionMetadata, PrefillChunk, select_backend
 from engine_core.batch import InFlight, SampledTokens, SchedulerOutput
 from engine_core.cpu_kernels import cpu_kernels
-from engine_core.cuda_graphs import DecodeGraphs
+from engine_core.cuda_graphs import DecodeGraphs, graph_rows
 from engine_core.models.cpu_decode import DecodeStack
 from engine_core.models.loader import load_model
 from engine_core.models.quant import prepare_linears
@@ -40,22 +41,6 @@ def padded_size(num_tokens: int, min_rows: int = 8) -> int:
         return max(min_rows, 1 << (num_tokens - 1).bit_length())
     multiple = 8 if num_tokens <= 256 else 64
     return -(-num_tokens // multiple) * multiple
-
-
-# Rows of the largest decode graph when the step budget allows (--mixed-step-graphs): a step of a few hundred
-# decodes plus a prompt chunk of a request that just arrived replays a graph, its prompt tokens as decode rows.
-MIXED_GRAPH_ROWS = 1024
-# K/V bytes the prompt tokens of such a step may read as decode rows, each its whole context (a prefill reads each
-# block once per query tile): about 0.5 ms of an H100's bandwidth. A long chunk, or one after a long cached
-# prefix, runs eagerly instead.
-PROMPT_ROWS_KV_BYTES = 2 * 2**30
-
-
-def graph_rows(config: EngineConfig) -> int:
-    assert config.max_num_batched_tokens is not None
-    if not config.mixed_step_graphs:
-        return config.max_num_seqs
-    return max(config.max_num_seqs, min(config.max_num_batched_tokens, MIXED_GRAPH_ROWS))
 
 
 def pick_device(name: str) -> torch.device:
@@ -149,9 +134,10 @@ class ModelRunner:
         self.decode_graphs: DecodeGraphs | None = None
         # Graphs only where the attention's cost does not grow with their fixed full-width block tables.
         if self.device.type == "cuda" and not config.enforce_eager and self.tp is None and self.attn_backend.graphable:
-            self.decode_graphs = DecodeGraphs(self.model, graph_rows(config), -(-max_model_len // self.block_size),
-                                              self.scratch_slot, self.block_size, self.device,
-                                              self.attn_backend.index_dtype)  # fmt: skip
+            width = -(-max_model_len // self.block_size)
+            self.decode_graphs = DecodeGraphs(self.model, graph_rows(config), width, self.scratch_slot,
+                                              self.block_size, self.device, self.attn_backend.index_dtype,
+                                              mixed=config.mixed_step_graphs)  # fmt: skip
             self.decode_graphs.capture_all()
         self.sampler = Sampler(self.device, self.vocab_size, config.seed)
         self.last_forward_time = 0.0
@@ -189,10 +175,10 @@ class ModelRunner:
     def padded_size(self, num_tokens: int) -> int:
         return padded_size(num_tokens, self.min_rows)
 
-    def _prepare(self, out: SchedulerOutput, pending: int = 0,
+    def _prepare(self, out: SchedulerOutput, in_flight: list[int] | None = None,
                  ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:  # fmt: skip
-        """pending 1: every entry is a decode whose input token is still on the device (InFlight), so its position
-        is one past its computed tokens and its input id is left 0 here for launch() to fill.
+        """in_flight[i]: tokens of entry i in the step still on the device (InFlight). Such an entry is one decode
+        row, that many positions past its computed tokens, whose input id is left 0 here for launch() to fill.
 
         A step that fits the largest decode graph puts prompt tokens in decode rows too: each attends to the keys
         up to its own position, as a draft's row does, which is causal attention over the chunk and the cache
@@ -200,7 +186,8 @@ class ModelRunner:
         kernel launches alone keep a GPU's host busy for milliseconds however few the tokens (a 1B model's eager
         decode step at batch 64 took 9.2 ms on an H200, 3.3 ms replayed)."""
         bs = self.block_size
-        as_decode_rows = self._prompts_as_decode_rows(out)
+        graphs = self.decode_graphs
+        as_decode_rows = graphs is not None and graphs.takes_prompts(out, self._bytes_per_block() // bs)
         ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
@@ -208,18 +195,19 @@ class ModelRunner:
         prefills: list[PrefillChunk] = []
         decode_tables: list[list[int]] = []
         decode_lens: list[int] = []
-        for req, n, sample in zip(out.requests, out.num_new_tokens, out.sample, strict=True):
-            start = req.num_computed_tokens + pending
+        for i, (req, n, sample) in enumerate(zip(out.requests, out.num_new_tokens, out.sample, strict=True)):
+            ahead = in_flight[i] if in_flight else 0
+            start = req.num_computed_tokens + ahead
             end = start + n
             drafts = req.draft_token_ids
-            if req.decoding or as_decode_rows:  # decode rows: each attends to the keys up to its own position
+            if req.decoding or ahead or as_decode_rows:  # decode rows: each attends to the keys up to its position
                 for p in range(start, end):
                     decode_tables.append(req.block_ids[: p // bs + 1])
                     decode_lens.append(p + 1)
             else:
                 block_ids = to_device(req.block_ids[: (end + bs - 1) // bs], self.device, torch.long)
                 prefills.append(PrefillChunk(len(ids), n, end, block_ids))
-            if pending:
+            if ahead:
                 ids.append(0)
             else:
                 ids += [req.token_ids[start], *drafts] if drafts else req.token_ids[start:end]
@@ -240,15 +228,6 @@ class ModelRunner:
         meta = AttentionMetadata.build(to_device(slots, dev, torch.long), tables, lens, prefills, bs)
         return to_device(ids, dev, torch.long), to_device(positions, dev, torch.long), meta, sample_idx
 
-    def _prompts_as_decode_rows(self, out: SchedulerOutput) -> bool:
-        graphs = self.decode_graphs
-        if graphs is None or not self.config.mixed_step_graphs or out.total_tokens > graphs.max_batch:
-            return False
-        # Row p of a chunk starting at s reads p + 1 tokens' K/V: n * s + n * (n + 1) / 2 for the chunk.
-        reads = sum(n * r.num_computed_tokens + n * (n + 1) // 2
-                    for r, n in zip(out.requests, out.num_new_tokens, strict=True) if not r.decoding)  # fmt: skip
-        return reads * self._bytes_per_block() // self.block_size <= PROMPT_ROWS_KV_BYTES
-
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         if self.decode_graphs is not None and self.decode_graphs.fits(meta.num_decodes, meta):
             return self.decode_graphs.run(input_ids, positions, meta)
@@ -264,16 +243,23 @@ class ModelRunner:
 
     @torch.inference_mode()
     def launch(self, out: SchedulerOutput, prev: InFlight | None = None) -> InFlight:
-        """A decode step of plain rows (engine_core/overlap.py), sampled on the device and not waited for. With prev,
-        each request's input is the token prev sampled for it, taken on the device: prev need not have finished."""
+        """A step of plain rows (engine_core/overlap.py), sampled on the device and not waited for: every entry is
+        sampled once. With prev, an entry of a request in prev is one decode row whose input is the token prev
+        sampled for it, taken on the device (prev need not have finished); the others are whole prompts."""
         started = time.perf_counter()
-        input_ids, positions, meta, sample_idx = self._prepare(out, pending=1 if prev is not None else 0)
-        if prev is not None:
-            row_of = {id(r): i for i, r in enumerate(prev.sched.requests)}
-            index = to_device([row_of[id(r)] for r in out.requests], self.device, torch.long)
-            input_ids[: len(out.requests)] = prev.tokens[index]
+        assert all(out.sample)
+        flown = prev.sched if prev is not None else SchedulerOutput()
+        flying = {id(r): (i, n) for i, (r, n) in enumerate(zip(flown.requests, flown.num_new_tokens, strict=True))}
+        in_flight = [flying.get(id(r), (0, 0))[1] for r in out.requests]
+        input_ids, positions, meta, sample_idx = self._prepare(out, in_flight)
+        firsts = itertools.accumulate(out.num_new_tokens[:-1], initial=0)  # each entry's first row
+        taken = [(row, flying[id(r)][0]) for row, r, n in zip(firsts, out.requests, in_flight, strict=True) if n]
+        if taken:
+            assert prev is not None
+            rows, sources = (to_device(list(x), self.device, torch.long) for x in zip(*taken, strict=True))
+            input_ids[rows] = prev.tokens[sources]
         logits = self._logits(self._forward(input_ids, positions, meta), sample_idx)
-        offsets = [1 if prev is not None else 0] * len(out.requests)  # seeded draws: their output position
+        offsets = [1 if n else 0 for n in in_flight]  # seeded draws: the output position, past a token in flight
         return InFlight.start(out, self.sampler.sample_on_device(logits, out.requests, offsets), started)
 
     @torch.inference_mode()

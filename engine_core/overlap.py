@@ -8,13 +8,19 @@ EOS, an abort) has a row in N+1 whose token is dropped (its update skips finishe
 lands past its last registered block, in blocks it no longer holds: any later holder's writes queue after it on the
 stream. Requests known to end with the token in flight (their max_tokens or the context length) get no row.
 
-Only plain decode rows take this path: nothing that needs the sampled tokens on the host before the next step can
-be built (grammars, penalties, logprobs, drafts), and only while nobody waits for admission (a prefill would make
-the next step a mixed one: the synchronous path schedules it). Anything else runs synchronously, as before.
+Step N+1 also admits waiting requests whose whole prompt fits beside those rows: their prompt tokens are on the host
+already, and the token each one samples in N+1 feeds its first decode row in N+2 the same way (that row starts
+the in-flight prompt's length past num_computed_tokens). Under continuous arrivals most steps admit someone, so this
+is what keeps serving overlapped.
+
+Only plain requests take this path: nothing that needs the sampled tokens on the host before the next step can
+be built (grammars, penalties, logprobs, prompt logprobs, drafts). A prompt chunked over several steps, or a
+waiting request that is not plain, sends the engine back to synchronous steps, which admit it as before.
 """
 
 from __future__ import annotations
 
+import heapq
 import logging
 import time
 
@@ -28,10 +34,14 @@ from engine_core.scheduler import Scheduler
 log = logging.getLogger("roseinfer.overlap")
 
 
-def plain(req: Request) -> bool:
-    """A decode row whose next step needs nothing of its sampled token but the token itself, on the device."""
+def plain_params(req: Request) -> bool:
+    """Whose next step needs nothing of its sampled token but the token itself, on the device."""
     p = req.params
-    return req.decoding and req.grammar is None and not needs_processing(p) and p.logprobs is None
+    return req.grammar is None and not needs_processing(p) and p.logprobs is None and p.prompt_logprobs is None
+
+
+def plain(req: Request) -> bool:
+    return req.decoding and plain_params(req)
 
 
 class DecodePipeline:
@@ -76,34 +86,49 @@ class DecodePipeline:
         self.runner.last_forward_time = time.perf_counter() - prev.started
         return prev.sched, sampled
 
-    def _someone_to_admit(self) -> bool:
-        """Whether the synchronous path could admit a request now: the first in the queue has a seat and blocks for
-        its first chunk (prefix-cache hits aside). A wrong guess only costs an overlap, or delays it by one step."""
+    def _lookahead(self, prev: SchedulerOutput) -> SchedulerOutput | None:
+        """Step N+1 from step N: its requests that may go on, each allocated one slot past its tokens in flight, then
+        the waiting requests it can admit. None: the synchronous path schedules the next step."""
         s = self.scheduler
         if s.gated:  # constrained requests waiting for their grammar: the synchronous path releases them
-            return True
-        first = min((entry for entry in s.waiting if not entry[1].finished), default=None)
-        if first is None or len(s.running) >= s.max_num_seqs:
-            return False
-        chunk = min(first[1].num_tokens - first[1].num_computed_tokens, s.max_num_batched_tokens)
-        return -(-chunk // s.kv.block_size) <= s.kv.pool.num_free
-
-    def _lookahead(self, prev: SchedulerOutput) -> SchedulerOutput | None:
-        """Step N+1 from step N: its requests that may go on, each allocated one slot past the token in flight."""
-        s = self.scheduler
-        if self._someone_to_admit():
-            return None  # a prefill makes a mixed step, which the synchronous path schedules
+            return None
         following = SchedulerOutput()
-        for req in prev.requests:
+        for req, n in zip(prev.requests, prev.num_new_tokens, strict=True):
             if req.finished or req.num_output_tokens + 1 >= req.params.max_tokens:
                 continue  # ended, or ends with the token in flight
             if req.num_tokens + 1 >= self.max_model_len:
                 continue
             # Slots up to the in-flight token's position: allocate_slots counts from num_computed_tokens, which
-            # does not include the token in flight until step N's update.
-            if not s.kv.allocate_slots(req, 2):
+            # does not include step N's n tokens until its update.
+            if not s.kv.allocate_slots(req, n + 1):
                 return None  # memory is short: the synchronous path decides whom to preempt
             following.requests.append(req)
             following.num_new_tokens.append(1)
             following.sample.append(True)
+        if not self._admit_whole_prompts(following):
+            return None
         return following if following.requests else None
+
+    def _admit_whole_prompts(self, following: SchedulerOutput) -> bool:
+        """Admits waiting requests, in queue order, while each one's whole prompt fits the step's budget and its
+        blocks fit the pool. False: the first in the queue needs the synchronous path (not plain, or a prompt
+        longer than the budget left, which takes chunks over several steps)."""
+        s = self.scheduler
+        budget = s.max_num_batched_tokens - following.total_tokens
+        if s.waiting:  # seats of requests finished since (the scheduler drops them lazily, when it schedules)
+            s.running = [r for r in s.running if not r.finished]
+        while s.waiting and len(s.running) < s.max_num_seqs:
+            req = s.waiting[0][1]
+            if req.finished:
+                heapq.heappop(s.waiting)
+                continue
+            if not plain_params(req) or req.num_tokens - req.num_computed_tokens > budget:
+                return False
+            n = s.admit(req, budget)
+            if n == 0:
+                return True  # no blocks for it: the synchronous path would not admit it either
+            heapq.heappop(s.waiting)
+            s.running.append(req)
+            following.add(req, n)
+            budget -= n
+        return True

@@ -130,7 +130,7 @@ class Scheduler:
             if req.finished:
                 heapq.heappop(self.waiting)
                 continue
-            n = self._admit(req, budget)
+            n = self.admit(req, budget)
             if n == 0:
                 break
             heapq.heappop(self.waiting)
@@ -157,9 +157,9 @@ class Scheduler:
                 n = self._allocate_running(req, budget, scheduled)
                 ok = n > 0
             else:
-                n = self._admit(req, budget)
+                n = self.admit(req, budget)
                 while n == 0 and self._preempt_one(protected=scheduled | {id(req)}, requester=req):
-                    n = self._admit(req, budget)
+                    n = self.admit(req, budget)
                 ok = n > 0
                 if ok:
                     self.running.append(req)
@@ -171,7 +171,7 @@ class Scheduler:
         self.active.extendleft(reversed([r for r in batch if not r.finished and id(r) not in reached]))
         self.active.extend(r for r in batch if not r.finished and id(r) in reached)
 
-    def _admit(self, req: Request, budget: int) -> int:
+    def admit(self, req: Request, budget: int) -> int:
         """Takes prefix-cache hits and allocates a first chunk; returns its size, 0 if it does not fit."""
         hits = usable_prefix_hits(req, self.kv.get_computed_blocks(req), self.kv.block_size)
         n = req.next_chunk(budget, len(hits) * self.kv.block_size)

@@ -91,8 +91,8 @@ def test_prompt_chunks_as_decode_rows_match_the_prefill_path(tiny_dir, backend, 
     own position). Against an engine without graphs, whose prompts take the prefill path: the same tokens, token
     and prompt logprobs over chunked prompts, prefix-cache hits and the decodes beside them; steps larger than
     the graph still run eagerly, and so do prompt chunks that would read too much K/V as decode rows."""
-    from engine_core import model_runner
-    from engine_core.model_runner import graph_rows
+    from engine_core import cuda_graphs
+    from engine_core.cuda_graphs import graph_rows
     from tests.engine_helpers import run_engine
 
     device = "cpu" if backend == "cpu" else "auto"
@@ -130,7 +130,7 @@ def test_prompt_chunks_as_decode_rows_match_the_prefill_path(tiny_dir, backend, 
     graphed, rows = run(True)
     plain, _ = run(False)
     assert max(rows) > 4  # steps with more rows than requests: prompt tokens ran as decode rows
-    monkeypatch.setattr(model_runner, "PROMPT_ROWS_KV_BYTES", 0)
+    monkeypatch.setattr(cuda_graphs, "PROMPT_ROWS_KV_BYTES", 0)
     guarded, guarded_rows = run(True)
     assert max(guarded_rows) <= 4  # only decode-only steps replayed
     for rid, outs in [*plain.items(), *((f"{rid} (guarded)", outs) for rid, outs in guarded.items())]:

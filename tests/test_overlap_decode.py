@@ -33,16 +33,18 @@ def requests(n: int, stops: bool = True, **extra) -> list[EngineRequest]:
 
 def drive(mode: str, model: str, reqs: list[EngineRequest], abort_at: dict[int, str] | None = None, **kw):
     """Adds a request every other step, aborts as asked (step -> id), checks the KV invariant after every step.
-    Returns tokens and finish reasons per request, the launches that chained on one in flight, and the preemptions
-    and aborts of requests that were in flight."""
+    Returns tokens and finish reasons per request, the launches that chained on one in flight, and the preemptions,
+    the aborts of requests that were in flight and the requests admitted into launches that chained."""
     core = EngineCore(EngineConfig(model=model, dtype="float32", overlap_decode=mode, **{**GPU_TEST_KV, **kw}))
-    chained = aborted_in_flight = 0
+    chained = aborted_in_flight = admitted = 0
     if core.pipeline is not None:
         launch = core.runner.launch
 
         def counting(out, prev=None):
-            nonlocal chained
+            nonlocal chained, admitted
             chained += prev is not None
+            if prev is not None:  # whole prompts admitted into a step launched while another was in flight
+                admitted += len({id(r) for r in out.requests} - {id(r) for r in prev.sched.requests})
             return launch(out, prev)
 
         core.runner.launch = counting  # type: ignore[method-assign]
@@ -65,7 +67,7 @@ def drive(mode: str, model: str, reqs: list[EngineRequest], abort_at: dict[int, 
         step += 1
     assert core.kv.pool.num_free == core.kv.num_blocks, "blocks leaked"
     assert set(reasons) | set((abort_at or {}).values()) == set(tokens), "a request never finished"
-    return tokens, reasons, chained, (core.scheduler.num_preempted, aborted_in_flight)
+    return tokens, reasons, chained, (core.scheduler.num_preempted, aborted_in_flight, admitted)
 
 
 def test_same_tokens_and_finishes_as_synchronous_steps(tiny_dir) -> None:
@@ -77,6 +79,21 @@ def test_same_tokens_and_finishes_as_synchronous_steps(tiny_dir) -> None:
     assert any(len(t) < r.params.max_tokens for t, r in zip(tokens.values(), reqs, strict=True))  # stops happened
 
 
+def test_requests_admitted_while_a_step_is_in_flight(tiny_dir) -> None:
+    """A request that arrives while a step is in flight joins the next launched step when its whole prompt fits
+    the budget left, prefix-cache hits included; a longer prompt sends the engine back to synchronous steps, which
+    chunk it. Either way: the synchronous engine's tokens and finish reasons."""
+    shared = [(5 * j) % 250 + 4 for j in range(32)]  # eight blocks of 4: later prompts hit the prefix cache
+    reqs = [EngineRequest(r.request_id, shared + r.prompt_token_ids, r.params) for r in requests(12)]
+    configs = (({"block_size": 4}, 8), ({"block_size": 4, "max_num_batched_tokens": 64}, 1),
+               ({"block_size": 4, "max_num_seqs": 3}, 6))  # seats freed by finished requests are taken  # fmt: skip
+    for kw, fewest in configs:
+        sync_tokens, sync_reasons, _, _ = drive("off", tiny_dir, reqs, **kw)
+        tokens, reasons, chained, (_, _, admitted) = drive("on", tiny_dir, reqs, **kw)
+        assert chained > 10 and admitted >= fewest, (kw, chained, admitted)
+        assert tokens == sync_tokens and reasons == sync_reasons, kw
+
+
 def test_length_limits_preemption_and_aborts(tiny_dir) -> None:
     """A context limit that cuts requests, a KV cache too small for all of them (the lookahead cannot allocate:
     the synchronous path preempts), and aborts of requests that are in flight. No stop ids: lengths, and so the
@@ -85,7 +102,7 @@ def test_length_limits_preemption_and_aborts(tiny_dir) -> None:
     kw = {"max_model_len": 64, "num_kv_blocks": 18, "block_size": 4}
     aborts = {9: "r1", 14: "r4", 21: "r5"}
     sync_tokens, sync_reasons, _, _ = drive("off", tiny_dir, reqs, aborts, **kw)
-    tokens, reasons, chained, (preempted, aborted_in_flight) = drive("on", tiny_dir, reqs, aborts, **kw)
+    tokens, reasons, chained, (preempted, aborted_in_flight, _) = drive("on", tiny_dir, reqs, aborts, **kw)
     assert chained > 5 and preempted > 0 and aborted_in_flight > 0
     for rid, want in sync_tokens.items():
         if rid in aborts.values():  # stopped where it was: an overlapped engine answers a step later
