@@ -15,7 +15,8 @@ is what keeps serving overlapped.
 
 Only plain requests take this path: nothing that needs the sampled tokens on the host before the next step can
 be built (grammars, penalties, logprobs, prompt logprobs, drafts). A prompt chunked over several steps, or a
-waiting request that is not plain, sends the engine back to synchronous steps, which admit it as before.
+waiting request that is not plain, sends the engine back to synchronous steps, which admit it as before; the
+pipeline starts again from the first synchronously scheduled step whose every entry is sampled once.
 """
 
 from __future__ import annotations
@@ -34,14 +35,13 @@ from engine_core.scheduler import Scheduler
 log = logging.getLogger("roseinfer.overlap")
 
 
-def plain_params(req: Request) -> bool:
-    """Whose next step needs nothing of its sampled token but the token itself, on the device."""
-    p = req.params
-    return req.grammar is None and not needs_processing(p) and p.logprobs is None and p.prompt_logprobs is None
-
-
 def plain(req: Request) -> bool:
-    return req.decoding and plain_params(req)
+    """Whose next step needs nothing of its sampled token but the token itself, on the device (and, for a prompt,
+    nothing of its hidden states: prompt logprobs)."""
+    p = req.params
+    if req.grammar is not None or needs_processing(p) or p.logprobs is not None:
+        return False
+    return req.decoding or p.prompt_logprobs is None
 
 
 class DecodePipeline:
@@ -61,9 +61,11 @@ class DecodePipeline:
         self.inflight: InFlight | None = None
 
     def try_launch(self, sched: SchedulerOutput) -> bool:
-        """Launches a step of plain single-token decodes without waiting for it; False: run it synchronously."""
+        """Launches a step of plain requests, each sampled once (a one-token decode or the rest of a prompt),
+        without waiting for it; False: run it synchronously."""
         entries = zip(sched.requests, sched.num_new_tokens, sched.sample, strict=True)
-        if not all(n == 1 and sample and plain(r) and not r.draft_token_ids for r, n, sample in entries):
+        if not all(sample and plain(r) and not r.draft_token_ids and (n == 1 or not r.decoding)
+                   for r, n, sample in entries):  # fmt: skip
             return False
         try:
             self.inflight = self.runner.launch(sched)
@@ -122,7 +124,7 @@ class DecodePipeline:
             if req.finished:
                 heapq.heappop(s.waiting)
                 continue
-            if not plain_params(req) or req.num_tokens - req.num_computed_tokens > budget:
+            if not plain(req) or req.num_tokens - req.num_computed_tokens > budget:
                 return False
             n = s.admit(req, budget)
             if n == 0:
