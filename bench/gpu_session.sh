@@ -16,6 +16,8 @@
 #                    result), bench.serve at 256 concurrent streams, the CPU time of the client, the API process
 #                    and the engine; untagged, then a second server on the same GPU, which must fail at start
 #                    with the memory error
+#   serve-ranged     serve-1b with output lengths +-50% (arrivals all the time), then the same with
+#                    --no-mixed-step-graphs: steps with prompt tokens replayed from graphs against eager
 #   parity-135m      fp32 greedy against HF generate with CUDA graphs on, seeded draws alone vs in batches
 #   gpu-tests        the test files that run on CUDA without the default model (no GGUF needed)
 #   tests-1, tests-2 the test suite in two halves (needs the default model: gguf-a and gguf-b first)
@@ -126,6 +128,9 @@ step() {
                        tests/test_scheduler_preemption.py tests/test_speculative.py \
                        tests/test_engine_update_failure.py tests/test_overlap_decode.py 2>&1 | tee "$OUT/gpu-tests.log" ;;
         serve-1b) serve_1b ;;
+        serve-ranged)  # output lengths vary (+-50%), so requests arrive all the time: steps with prompt tokens
+            TAG=-ranged BENCH_FLAGS="--range-ratio 0.5" serve_1b
+            TAG=-ranged-eager-mixed BENCH_FLAGS="--range-ratio 0.5" SERVE_FLAGS=--no-mixed-step-graphs serve_1b ;;
         tests-1|tests-2)
             local files half=${1#tests-}
             files=$(ls tests/test_*.py | awk -v h="$half" 'NR % 2 == h % 2')
