@@ -119,7 +119,7 @@ class DecodePipeline:
         budget = s.max_num_batched_tokens - following.total_tokens
         if s.waiting:  # seats of requests finished since (the scheduler drops them lazily, when it schedules)
             s.running = [r for r in s.running if not r.finished]
-        while s.waiting and len(s.running) < s.max_num_seqs:
+        while s.waiting and budget > 0 and len(s.running) < s.max_num_seqs:  # the synchronous path's conditions
             req = s.waiting[0][1]
             if req.finished:
                 heapq.heappop(s.waiting)
