@@ -21,7 +21,6 @@ pipeline starts again from the first synchronously scheduled step whose every en
 
 from __future__ import annotations
 
-import heapq
 import logging
 import time
 
@@ -116,21 +115,7 @@ class DecodePipeline:
         blocks fit the pool. False: the first in the queue needs the synchronous path (not plain, or a prompt
         longer than the budget left, which takes chunks over several steps)."""
         s = self.scheduler
-        budget = s.max_num_batched_tokens - following.total_tokens
         if s.waiting:  # seats of requests finished since (the scheduler drops them lazily, when it schedules)
             s.running = [r for r in s.running if not r.finished]
-        while s.waiting and budget > 0 and len(s.running) < s.max_num_seqs:  # the synchronous path's conditions
-            req = s.waiting[0][1]
-            if req.finished:
-                heapq.heappop(s.waiting)
-                continue
-            if not plain(req) or req.num_tokens - req.num_computed_tokens > budget:
-                return False
-            n = s.admit(req, budget)
-            if n == 0:
-                return True  # no blocks for it: the synchronous path would not admit it either
-            heapq.heappop(s.waiting)
-            s.running.append(req)
-            following.add(req, n)
-            budget -= n
-        return True
+        whole = lambda req, budget: plain(req) and req.num_tokens - req.num_computed_tokens <= budget
+        return s.admit_waiting(following, s.max_num_batched_tokens - following.total_tokens, whole)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import heapq
 from collections import deque
+from collections.abc import Callable
 
 from common.messages import EngineOutput, FinishReason, SchedulerStats
 from engine_core.batch import SampledTokens, SchedulerOutput
@@ -123,20 +124,27 @@ class Scheduler:
                 scheduled.add(id(req))
                 budget -= n
         # Anyone preempted: memory is short, admit nobody (a victim, first in the queue, would restart at once).
-        if self.num_preempted != preempted_before:
-            return
+        if self.num_preempted == preempted_before:
+            self.admit_waiting(out, budget)
+
+    def admit_waiting(self, out: SchedulerOutput, budget: int, takes: Callable[[Request, int], bool] | None = None,
+                      ) -> bool:  # fmt: skip
+        """Queued requests in order while budget, seats and blocks last; False where `takes(req, budget)` refuses."""
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[0][1]
             if req.finished:
                 heapq.heappop(self.waiting)
                 continue
-            n = self.admit(req, budget)
+            if takes is not None and not takes(req, budget):
+                return False
+            n = self._admit(req, budget)
             if n == 0:
                 break
             heapq.heappop(self.waiting)
             self.running.append(req)
             out.add(req, n)
             budget -= n
+        return True
 
     def _schedule_round_robin(self, out: SchedulerOutput) -> None:
         """Time slicing: each step serves the next batch of the rotation; everyone keeps their blocks."""
@@ -155,15 +163,13 @@ class Scheduler:
             reached.add(id(req))
             if req.block_ids or req.num_computed_tokens:
                 n = self._allocate_running(req, budget, scheduled)
-                ok = n > 0
             else:
-                n = self.admit(req, budget)
+                n = self._admit(req, budget)
                 while n == 0 and self._preempt_one(protected=scheduled | {id(req)}, requester=req):
-                    n = self.admit(req, budget)
-                ok = n > 0
-                if ok:
+                    n = self._admit(req, budget)
+                if n:
                     self.running.append(req)
-            if ok:
+            if n:
                 out.add(req, n)
                 scheduled.add(id(req))
                 budget -= n
@@ -171,7 +177,7 @@ class Scheduler:
         self.active.extendleft(reversed([r for r in batch if not r.finished and id(r) not in reached]))
         self.active.extend(r for r in batch if not r.finished and id(r) in reached)
 
-    def admit(self, req: Request, budget: int) -> int:
+    def _admit(self, req: Request, budget: int) -> int:
         """Takes prefix-cache hits and allocates a first chunk; returns its size, 0 if it does not fit."""
         hits = usable_prefix_hits(req, self.kv.get_computed_blocks(req), self.kv.block_size)
         n = req.next_chunk(budget, len(hits) * self.kv.block_size)
@@ -284,17 +290,11 @@ class Scheduler:
                                         req.num_cached_tokens, lp, error, take_prompt_logprobs(req)))
 
     def stats(self, step_time_s: float = 0.0, forward_time_s: float = 0.0) -> SchedulerStats:
-        num_running = sum(1 for r in self.running if not r.finished)
+        num_running, spec = sum(1 for r in self.running if not r.finished), self.speculator
         return SchedulerStats(
-            num_running=num_running,
-            num_waiting=len(self.requests) - num_running,
-            kv_usage=self.kv.usage,
-            prefix_queries=self.prefix_queries,
-            prefix_hits=self.prefix_hits,
-            num_preempted=self.num_preempted,
-            step_time_s=step_time_s,
-            forward_time_s=forward_time_s,
-            num_blocks_in_use=self.kv.num_used_blocks,
-            num_draft_tokens=self.speculator.num_draft_tokens if self.speculator else 0,
-            num_accepted_tokens=self.speculator.num_accepted_tokens if self.speculator else 0,
-        )
+            num_running=num_running, num_waiting=len(self.requests) - num_running,
+            kv_usage=self.kv.usage, num_blocks_in_use=self.kv.num_used_blocks,
+            prefix_queries=self.prefix_queries, prefix_hits=self.prefix_hits, num_preempted=self.num_preempted,
+            step_time_s=step_time_s, forward_time_s=forward_time_s,
+            num_draft_tokens=spec.num_draft_tokens if spec else 0,
+            num_accepted_tokens=spec.num_accepted_tokens if spec else 0)  # fmt: skip
