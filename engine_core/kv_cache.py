@@ -125,17 +125,26 @@ class KVCacheManager:
             hits.append(block)
         return hits
 
+    def _blocks_needed(self, req: Request, num_new_tokens: int, computed: list[Block]) -> int:
+        """New blocks that num_new_tokens more tokens take after the `computed` prefix hits (<= 0: none)."""
+        num_computed = req.num_computed_tokens + len(computed) * self.block_size
+        return -(-(num_computed + num_new_tokens) // self.block_size) - len(req.block_ids) - len(computed)
+
+    def can_allocate(self, req: Request, num_new_tokens: int, computed: list[Block]) -> bool:
+        """Whether allocate_slots would succeed, changing nothing. Hits that sit in the free queue are taken from it."""
+        evictable_hits = sum(1 for b in computed if b.ref_count == 0)
+        return self._blocks_needed(req, num_new_tokens, computed) <= self.pool.num_free - evictable_hits
+
     def allocate_slots(self, req: Request, num_new_tokens: int, computed: list[Block] | None = None) -> bool:
         """Makes room for num_new_tokens more tokens (after the `computed` prefix hits, which become the
         request's first blocks). False, with nothing changed, if the pool cannot cover it."""
         computed = computed or []
-        num_computed = req.num_computed_tokens + len(computed) * self.block_size
-        needed = -(-(num_computed + num_new_tokens) // self.block_size) - len(req.block_ids) - len(computed)
+        needed = self._blocks_needed(req, num_new_tokens, computed)
         if needed <= 0 and not computed:  # most decode steps: the last block has room
             return True
-        evictable_hits = sum(1 for b in computed if b.ref_count == 0)
-        if needed > self.pool.num_free - evictable_hits:
+        if not self.can_allocate(req, num_new_tokens, computed):
             return False
+        num_computed = req.num_computed_tokens + len(computed) * self.block_size
         for block in computed:
             self.pool.touch(block)
         req.block_ids.extend(b.block_id for b in computed)

@@ -111,11 +111,16 @@ class DecodePipeline:
         return following if following.requests else None
 
     def _admit_whole_prompts(self, following: SchedulerOutput) -> bool:
-        """Admits waiting requests, in queue order, while each one's whole prompt fits the step's budget and its
-        blocks fit the pool. False: the first in the queue needs the synchronous path (not plain, or a prompt
-        longer than the budget left, which takes chunks over several steps)."""
+        """Admits waiting requests, in queue order, while seats, the budget left and free blocks last, each in one
+        chunk of all its tokens. False: the first in the queue that fits needs the synchronous path (not plain, a
+        prompt longer than the budget left, which takes chunks over several steps, or a preempted or resumed
+        request, whose prompt and outputs are computed in separate steps: Request.next_chunk). One that does not
+        fit waits as it would in the synchronous path, which admits nobody past it either."""
         s = self.scheduler
         if s.waiting:  # seats of requests finished since (the scheduler drops them lazily, when it schedules)
             s.running = [r for r in s.running if not r.finished]
-        whole = lambda req, budget: plain(req) and req.num_tokens - req.num_computed_tokens <= budget
+
+        def whole(req: Request, end: int) -> bool:  # its first chunk is all its tokens: sampled at its end
+            return plain(req) and end == req.num_tokens
+
         return s.admit_waiting(following, s.max_num_batched_tokens - following.total_tokens, whole)

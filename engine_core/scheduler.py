@@ -15,7 +15,7 @@ from collections.abc import Callable
 
 from common.messages import EngineOutput, FinishReason, SchedulerStats
 from engine_core.batch import SampledTokens, SchedulerOutput
-from engine_core.kv_cache import KVCacheManager
+from engine_core.kv_cache import Block, KVCacheManager
 from engine_core.prompt_logprobs import take_prompt_logprobs, usable_prefix_hits
 from engine_core.request import Request, RequestStatus
 from engine_core.speculative import Speculator, merge_logprobs
@@ -129,17 +129,19 @@ class Scheduler:
 
     def admit_waiting(self, out: SchedulerOutput, budget: int, takes: Callable[[Request, int], bool] | None = None,
                       ) -> bool:  # fmt: skip
-        """Queued requests in order while budget, seats and blocks last; False where `takes(req, budget)` refuses."""
+        """Queued requests in order while budget, seats and blocks last. `takes(req, end)` is asked of each one whose
+        first chunk fits now (it would compute up to token `end`); False where it refuses."""
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[0][1]
             if req.finished:
                 heapq.heappop(self.waiting)
                 continue
-            if takes is not None and not takes(req, budget):
-                return False
-            n = self._admit(req, budget)
-            if n == 0:
+            hits, n = self._first_chunk(req, budget)
+            if not self.kv.can_allocate(req, n, hits):
                 break
+            if takes is not None and not takes(req, len(hits) * self.kv.block_size + n):
+                return False
+            self._admit(req, hits, n)
             heapq.heappop(self.waiting)
             self.running.append(req)
             out.add(req, n)
@@ -164,9 +166,11 @@ class Scheduler:
             if req.block_ids or req.num_computed_tokens:
                 n = self._allocate_running(req, budget, scheduled)
             else:
-                n = self._admit(req, budget)
-                while n == 0 and self._preempt_one(protected=scheduled | {id(req)}, requester=req):
-                    n = self._admit(req, budget)
+                n = self._admit(req, *self._first_chunk(req, budget))
+                # Under memory pressure, preempt unscheduled younger holders one at a time until it fits.
+                while n == 0 and (victim := self._pick_victim(scheduled | {id(req)}, requester=req)) is not None:
+                    self._preempt(victim)
+                    n = self._admit(req, *self._first_chunk(req, budget))
                 if n:
                     self.running.append(req)
             if n:
@@ -177,10 +181,13 @@ class Scheduler:
         self.active.extendleft(reversed([r for r in batch if not r.finished and id(r) not in reached]))
         self.active.extend(r for r in batch if not r.finished and id(r) in reached)
 
-    def _admit(self, req: Request, budget: int) -> int:
-        """Takes prefix-cache hits and allocates a first chunk; returns its size, 0 if it does not fit."""
+    def _first_chunk(self, req: Request, budget: int) -> tuple[list[Block], int]:
+        """A waiting request's prefix-cache hits and how many tokens after them the budget lets it compute."""
         hits = usable_prefix_hits(req, self.kv.get_computed_blocks(req), self.kv.block_size)
-        n = req.next_chunk(budget, len(hits) * self.kv.block_size)
+        return hits, req.next_chunk(budget, len(hits) * self.kv.block_size)
+
+    def _admit(self, req: Request, hits: list[Block], n: int) -> int:
+        """Takes the hits and allocates the n tokens after them; returns n, 0 if they do not fit."""
         if not self.kv.allocate_slots(req, n, hits):
             return 0
         if req.num_preemptions == 0:  # a recompute's hits are mostly its own blocks: not what the cache saved
@@ -212,13 +219,6 @@ class Scheduler:
             if victim is req:
                 return False
         return True
-
-    def _preempt_one(self, protected: set[int], requester: Request) -> bool:
-        """Round-robin admission under memory pressure: preempt one unscheduled holder, if any."""
-        victim = self._pick_victim(protected, requester)
-        if victim is not None:
-            self._preempt(victim)
-        return victim is not None
 
     def _pick_victim(self, protected: set[int], requester: Request) -> Request | None:
         """Whom `requester` may preempt; None: nobody (then it yields itself, or in round-robin waits)."""

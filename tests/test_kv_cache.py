@@ -89,6 +89,26 @@ def test_allocation_failure_changes_nothing() -> None:
     kv.check_integrity([a])
 
 
+def test_can_allocate_answers_what_allocate_slots_would_do() -> None:
+    """With hits in use by another request and hits in the free queue (which allocating takes from it): the answer
+    at each size is allocate_slots' own, and asking changes nothing."""
+    for size in range(1, 40):
+        kv = KVCacheManager(8, BS, enable_prefix_caching=True)
+        held, freed = make("held", list(range(8))), make("freed", list(range(8)) + list(range(50, 58)))
+        compute_all(kv, held)
+        compute_all(kv, freed)
+        kv.free(freed)  # its last two blocks go to the free queue, still cached
+        req = make("r", list(range(8)) + list(range(50, 58)) + list(range(90, 90 + size)))
+        hits = kv.get_computed_blocks(req)
+        assert len(hits) == 4
+        used, free = kv.num_used_blocks, kv.num_free_blocks
+        answer = kv.can_allocate(req, size, hits)
+        assert (kv.num_used_blocks, kv.num_free_blocks, req.block_ids) == (used, free, [])
+        assert kv.allocate_slots(req, size, hits) == answer, size
+        assert answer == (size <= 4 * BS), size  # 8 blocks: 4 of hits, 4 free for new tokens
+        kv.check_integrity([held, req] if answer else [held])
+
+
 def test_prefix_caching_off_never_hits() -> None:
     kv = KVCacheManager(8, BS, enable_prefix_caching=False)
     a = make("a", list(range(9)))
