@@ -60,16 +60,22 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=30)
     parser.add_argument("--random-prompts", action="store_true", help="128 random tokens each instead of chats")
+    parser.add_argument("--pad-history", type=int, default=0,
+                        help="random token ids put before each prompt in what penalties read (a long context)")
+    parser.add_argument("--outputs", type=int, default=16, help="the history's last N tokens count as outputs")
     parser.add_argument("--result-json", default=None)
     args = parser.parse_args()
     logits, prompts = real_logits(args.rows, args.random_prompts)
     sampler = Sampler(torch.device("cpu"), logits.shape[-1], seed=0)
+    pad = torch.randint(0, logits.shape[-1], (args.rows, args.pad_history), generator=torch.Generator().manual_seed(1))
+    history = [pad[i].tolist() + p for i, p in enumerate(prompts)]
     results = {}
     for name, fields in SETTINGS.items():
         params = SamplingParams(max_tokens=64, **fields)
-        # The prompts' last 16 tokens stand for outputs, so that penalties have tokens to count.
-        reqs = [Request(EngineRequest(str(i), p[:-16], params, eos_token_ids=[2], output_token_ids=p[-16:]), i)
-                for i, p in enumerate(prompts)]  # fmt: skip
+        # The history's last tokens stand for outputs, so that penalties have tokens to count.
+        cut = args.outputs
+        reqs = [Request(EngineRequest(str(i), h[:-cut], params, eos_token_ids=[2], output_token_ids=h[-cut:]), i)
+                for i, h in enumerate(history)]  # fmt: skip
         times = []
         for _ in range(args.repeats + 2):
             start = time.perf_counter()
@@ -80,6 +86,7 @@ def main() -> None:
         print(f"{name:66s} min {min(times):8.2f} ms   median {statistics.median(times):8.2f} ms")
     if args.result_json:
         settings = {"rows": args.rows, "repeats": args.repeats, "random_prompts": args.random_prompts,
+                    "pad_history": args.pad_history, "outputs": args.outputs,
                     "threads": torch.get_num_threads(),
                     "machine": platform.processor() or platform.machine(), "torch": torch.__version__}  # fmt: skip
         Path(args.result_json).write_text(json.dumps({"settings": settings, "results": results}, indent=1) + "\n")

@@ -5,6 +5,8 @@ from __future__ import annotations
 import enum
 from typing import TYPE_CHECKING
 
+import numpy as np
+
 from common.messages import EngineRequest, FinishReason, SamplingParams
 from engine_core.prompt_logprobs import PromptLogprobs, new_accumulator
 
@@ -24,7 +26,7 @@ class Request:
         "request_id", "params", "token_ids", "num_prompt_tokens", "eos_token_ids", "arrival_time",
         "priority", "num_computed_tokens", "num_cached_tokens", "block_ids", "block_hashes", "status",
         "finish_reason", "stop_token_id", "error", "num_preemptions", "seq_no", "num_registered_blocks",
-        "prompt_logprobs", "grammar", "draft_token_ids", "ngram_index",
+        "prompt_logprobs", "grammar", "draft_token_ids", "ngram_index", "_ids_array", "_ids_filled",
     )  # fmt: skip
 
     def __init__(self, msg: EngineRequest, seq_no: int) -> None:
@@ -50,6 +52,8 @@ class Request:
         self.grammar: RequestGrammar | None = None  # constrained decoding (engine_core/structured.py)
         self.draft_token_ids: list[int] = []  # this step's speculative tokens (engine_core/speculative.py)
         self.ngram_index: NgramIndex | None = None  # built on its first draft
+        self._ids_array: np.ndarray | None = None  # token_array's buffer, its first _ids_filled entries set
+        self._ids_filled = 0
         # Filled during prefill when params.prompt_logprobs is set; None once sent with the first output.
         self.prompt_logprobs: PromptLogprobs | None = new_accumulator(msg.params.prompt_logprobs,
                                                                       bool(msg.output_token_ids))
@@ -65,6 +69,17 @@ class Request:
     @property
     def output_token_ids(self) -> list[int]:
         return self.token_ids[self.num_prompt_tokens :]
+
+    def token_array(self) -> np.ndarray:
+        """token_ids as int64, kept in a buffer that only takes the tokens appended since the last call (token_ids
+        only grows): the penalties read every token of a request each step, a list conversion of all of them."""
+        n = len(self.token_ids)
+        if self._ids_array is None or len(self._ids_array) < n:
+            self._ids_array, self._ids_filled = np.empty(max(2 * n, 64), dtype=np.int64), 0
+        if self._ids_filled < n:
+            self._ids_array[self._ids_filled : n] = self.token_ids[self._ids_filled :]
+            self._ids_filled = n
+        return self._ids_array[:n]
 
     @property
     def decoding(self) -> bool:

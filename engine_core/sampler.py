@@ -7,6 +7,9 @@ tokens whatever else shares its batch, and a resumed stream continues exactly wh
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
+import numpy as np
 import torch
 
 from common.messages import Logprobs, SamplingParams
@@ -36,7 +39,8 @@ class Sampler:
         if all(p.greedy and p.logprobs is None and not needs_processing(p) for p in params):
             return _argmax(logits).tolist(), [None] * len(requests)  # the common plain-greedy batch
         if any(needs_processing(p) for p in params):
-            logits = raw.float().clone()  # fp32: biases and penalties as transformers applies them
+            logits = raw.to(torch.float32, copy=True)  # fp32, one copy: processors as transformers applies them
+            _penalize(logits, requests)  # the first processor, batched over the rows
             for i, req in enumerate(requests):
                 if needs_processing(req.params):
                     for process in LOGITS_PROCESSORS:
@@ -112,7 +116,7 @@ def _argmax(logits: torch.Tensor) -> torch.Tensor:
     return logits.argmax(dim=-1)
 
 
-# ---- logits processors: per-request adjustments, each in place on the request's fp32 row, in this order ----
+# ---- logits processors: adjustments in place on fp32 rows: penalties (batched), then the rest, row by row ----
 
 
 def _needs_penalty(p: SamplingParams) -> bool:
@@ -125,21 +129,37 @@ def needs_processing(p: SamplingParams) -> bool:
             or p.min_tokens > 0 or p.structured is not None)  # fmt: skip
 
 
-def _penalize(row: torch.Tensor, req: Request) -> None:
-    """OpenAI presence/frequency penalties over the outputs, HF-style repetition penalty over prompt + outputs;
-    touching only the tokens that occurred (a whole-vocabulary pass per row cost milliseconds)."""
-    p = req.params
-    if not _needs_penalty(p):
-        return
-    if p.repetition_penalty != 1.0:
-        seen = torch.tensor(req.token_ids, dtype=torch.long, device=row.device).unique()
-        seen = seen[seen < row.shape[0]]
-        vals = row[seen]
-        row[seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
-    if req.num_output_tokens and (p.presence_penalty or p.frequency_penalty):
-        ids = torch.tensor(req.output_token_ids, dtype=torch.long, device=row.device)
-        ids, counts = ids[ids < row.shape[0]].unique(return_counts=True)
-        row[ids] -= p.frequency_penalty * counts.to(row.dtype) + p.presence_penalty
+def _penalize(logits: torch.Tensor, requests: list[Request]) -> None:
+    """HF's repetition penalty over each row's prompt and outputs, then OpenAI's presence and frequency penalties over
+    its outputs: every row that asks at once, touching only the tokens that occurred (per-row tensor ops cost about
+    80 us a row on CPU, and a device sync each on CUDA). Repeated ids need no dedup: a penalty that is set writes the
+    same value for each copy, computed from the values before it; the frequency penalty adds up, once per copy."""
+    flat, vocab = logits.view(-1), logits.shape[1]
+    rep = [(i, r) for i, r in enumerate(requests) if r.params.repetition_penalty != 1.0]
+    if rep:
+        keys, penalty = _occurrences(rep, vocab, logits.device, lambda p: [p.repetition_penalty])
+        vals = flat[keys]
+        flat[keys] = torch.where(vals > 0, vals / penalty[0], vals * penalty[0])
+    counted = [(i, r) for i, r in enumerate(requests)
+               if r.num_output_tokens and (r.params.presence_penalty or r.params.frequency_penalty)]  # fmt: skip
+    if counted:
+        per_token = lambda p: [p.presence_penalty, p.frequency_penalty]  # noqa: E731
+        keys, (presence, frequency) = _occurrences(counted, vocab, logits.device, per_token, outputs_only=True)
+        flat[keys] = flat[keys] - presence
+        flat.index_put_((keys,), -frequency, accumulate=True)
+
+
+def _occurrences(rows: list[tuple[int, Request]], vocab: int, device: torch.device,
+                 values: Callable[[SamplingParams], list[float]], outputs_only: bool = False,
+                 ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """Each token occurrence of the rows' requests (or of their outputs) as an index into the flattened [rows, vocab]
+    logits, and `values` of its request's params repeated for each occurrence (one row of the second tensor each)."""
+    ids = [r.token_array()[r.num_prompt_tokens if outputs_only else 0 :] for _, r in rows]
+    ids = [t[t < vocab] for t in ids]
+    counts = [len(t) for t in ids]
+    keys = np.concatenate([t + i * vocab for (i, _), t in zip(rows, ids, strict=True)])
+    per_row = np.array([values(r.params) for _, r in rows], dtype=np.float32).T
+    return to_device(keys, device), to_device(np.repeat(per_row, counts, axis=1), device)
 
 
 def _add_logit_bias(row: torch.Tensor, req: Request) -> None:
@@ -179,7 +199,7 @@ def _ban_early_stops(row: torch.Tensor, req: Request) -> None:
             row[banned] = float("-inf")
 
 
-LOGITS_PROCESSORS = (_penalize, _add_logit_bias, _keep_allowed, _ban_bad_words, _ban_early_stops)
+LOGITS_PROCESSORS = (_add_logit_bias, _keep_allowed, _ban_bad_words, _ban_early_stops)
 
 
 def _top_k_top_p(probs: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:

@@ -6,7 +6,7 @@ import torch
 
 from common.messages import EngineRequest, SamplingParams
 from engine_core.request import Request
-from engine_core.sampler import Sampler
+from engine_core.sampler import Sampler, _penalize
 
 V = 8
 
@@ -187,3 +187,37 @@ def test_a_seeded_row_draws_the_same_whatever_else_the_batch_asks_for() -> None:
         for params, neighbour in variants:
             tokens, _ = sampler(logits, [req(params, outputs=outputs), req(neighbour)])
             assert tokens[0] == alone[0], (position, params, neighbour)
+
+
+def test_batched_penalties_match_their_definitions() -> None:
+    """Repetition (transformers' own processor, over prompt and outputs), presence and frequency (OpenAI's formula,
+    over outputs) on a batch that mixes rows with each, all three, and none, with repeated ids, ids at the edge of
+    the vocabulary and past it, and requests whose tokens grow between calls (id buffers extended, then regrown)."""
+    from transformers import RepetitionPenaltyLogitsProcessor
+
+    gen = torch.Generator().manual_seed(0)
+    vocab = 50
+    settings = [dict(repetition_penalty=1.3), dict(presence_penalty=0.7), dict(frequency_penalty=0.4),
+                dict(repetition_penalty=0.8, presence_penalty=-0.5, frequency_penalty=1.1), dict(temperature=1.0),
+                dict(repetition_penalty=1.2, frequency_penalty=0.3)]  # fmt: skip
+    reqs = []
+    for i, kw in enumerate(settings):
+        # ids at the edge of the row, and past it (a tokenizer's ids beyond the model's vocabulary): never penalized
+        prompt = torch.randint(0, vocab, (5 + 7 * i,), generator=gen).tolist() + [vocab - 1, vocab - 1, vocab + 3]
+        outputs = torch.randint(0, 6, (3 * i,), generator=gen).tolist()  # few distinct ids: many repeats
+        reqs.append(Request(EngineRequest(f"r{i}", prompt, SamplingParams(**kw), output_token_ids=outputs), i))
+    for growth in (0, 5, 80):  # 80 more tokens outgrow the buffer the first call made
+        for r in reqs:
+            r.token_ids += torch.randint(0, vocab, (growth,), generator=gen).tolist()
+        logits = torch.randn(len(reqs), vocab, generator=gen) * 3
+        ours = logits.clone()
+        _penalize(ours, reqs)
+        for row, r in zip(range(len(reqs)), reqs, strict=True):
+            p, want = r.params, logits[row : row + 1].clone()
+            if p.repetition_penalty != 1.0:
+                ids = torch.tensor([[t for t in r.token_ids if t < vocab]])
+                want = RepetitionPenaltyLogitsProcessor(p.repetition_penalty)(ids, want)
+            counts = torch.bincount(torch.tensor(r.output_token_ids, dtype=torch.long), minlength=vocab)[:vocab]
+            want = want - p.frequency_penalty * counts - p.presence_penalty * (counts > 0)
+            assert torch.allclose(ours[row], want[0], atol=1e-5), (row, growth)
+        assert all(r.token_array().tolist() == r.token_ids for r in reqs)
