@@ -25,7 +25,7 @@ from engine_core.models.cpu_decode import DecodeStack
 from engine_core.models.loader import load_model
 from engine_core.models.quant import prepare_linears
 from engine_core.prompt_logprobs import score_prompts, wants_prompt_logprobs
-from engine_core.sampler import Sampler
+from engine_core.sampler import Sampler, needs_processing
 from engine_core.transfer import padded_rows, to_device
 
 
@@ -252,15 +252,19 @@ class ModelRunner:
         flying = {id(r): (i, n) for i, (r, n) in enumerate(zip(flown.requests, flown.num_new_tokens, strict=True))}
         in_flight = [flying.get(id(r), (0, 0))[1] for r in out.requests]
         input_ids, positions, meta, sample_idx = self._prepare(out, in_flight)
-        firsts = itertools.accumulate(out.num_new_tokens[:-1], initial=0)  # each entry's first row
+        firsts = list(itertools.accumulate(out.num_new_tokens[:-1], initial=0))  # each entry's first row
         taken = [(row, flying[id(r)][0]) for row, r, n in zip(firsts, out.requests, in_flight, strict=True) if n]
         if taken:
             assert prev is not None
             rows, sources = (to_device(list(x), self.device, torch.long) for x in zip(*taken, strict=True))
             input_ids[rows] = prev.tokens[sources]
+        # Processors (penalties, min_tokens) count a token in flight as an output: each entry's first input id.
+        processed = taken and any(needs_processing(r.params) for r in out.requests)
+        tokens_in_flight = input_ids[to_device(firsts, self.device, torch.long)] if processed else None
         logits = self._logits(self._forward(input_ids, positions, meta), sample_idx)
         offsets = [1 if n else 0 for n in in_flight]  # seeded draws: the output position, past a token in flight
-        return InFlight.start(out, self.sampler.sample_on_device(logits, out.requests, offsets), started)
+        sampled = self.sampler.sample_on_device(logits, out.requests, offsets, tokens_in_flight)
+        return InFlight.start(out, sampled, started)
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> SampledTokens:

@@ -14,9 +14,10 @@ the in-flight prompt's length past num_computed_tokens). Under continuous arriva
 is what keeps serving overlapped.
 
 Only plain requests take this path: nothing that needs the sampled tokens on the host before the next step can
-be built (grammars, penalties, logprobs, prompt logprobs, drafts). A prompt chunked over several steps, or a
-waiting request that is not plain, sends the engine back to synchronous steps, which admit it as before; the
-pipeline starts again from the first synchronously scheduled step whose every entry is sampled once.
+be built (grammars, bad_words, logprobs, prompt logprobs, drafts). Penalties and min_tokens take it: the sampler
+counts each row's token in flight as its last output, reading it on the device. A prompt chunked over several
+steps, or a waiting request that is not plain, sends the engine back to synchronous steps, which admit it as
+before; the pipeline starts again from the first synchronously scheduled step whose every entry is sampled once.
 """
 
 from __future__ import annotations
@@ -28,17 +29,17 @@ from common.config import EngineConfig
 from engine_core.batch import InFlight, SampledTokens, SchedulerOutput
 from engine_core.model_runner import ModelRunner
 from engine_core.request import Request
-from engine_core.sampler import needs_processing
+from engine_core.sampler import processes_beside_a_token_in_flight
 from engine_core.scheduler import Scheduler
 
 log = logging.getLogger("roseinfer.overlap")
 
 
 def plain(req: Request) -> bool:
-    """Whose next step needs nothing of its sampled token but the token itself, on the device (and, for a prompt,
-    nothing of its hidden states: prompt logprobs)."""
+    """Whose next step needs nothing of its sampled token but the token itself, on the device (penalties and
+    min_tokens read it there), and, for a prompt, nothing of its hidden states (prompt logprobs)."""
     p = req.params
-    if req.grammar is not None or needs_processing(p) or p.logprobs is not None:
+    if req.grammar is not None or not processes_beside_a_token_in_flight(p) or p.logprobs is not None:
         return False
     return req.decoding or p.prompt_logprobs is None
 

@@ -30,24 +30,19 @@ class Sampler:
         self._seeded = torch.Generator(device=device)
 
     @torch.inference_mode()
-    def __call__(self, logits: torch.Tensor, requests: list[Request],
-                 offsets: list[int] | None = None) -> tuple[list[int], list[Logprobs | None]]:  # fmt: skip
+    def __call__(self, logits: torch.Tensor, requests: list[Request], offsets: list[int] | None = None,
+                 in_flight: torch.Tensor | None = None) -> tuple[list[int], list[Logprobs | None]]:  # fmt: skip
         """logits: [N, vocab] in the model's dtype, one row per request, in order. offsets: how far past the
-        request's outputs each row's position is (a draft's rows, engine_core/speculative.py); 0 by default."""
+        request's outputs each row's position is (a draft's rows, engine_core/speculative.py, or a token in flight);
+        0 by default. in_flight [N]: where offsets[i] is 1 in an overlapped step (ModelRunner.launch), the token
+        row i's request has in flight, on the logits' device: processors count it as its last output."""
         params = [r.params for r in requests]
         logits = raw = logits[:, : self.vocab_size]
         if all(p.greedy and p.logprobs is None and not needs_processing(p) for p in params):
             return _argmax(logits).tolist(), [None] * len(requests)  # the common plain-greedy batch
-        if any(needs_processing(p) for p in params):
-            logits = raw.to(torch.float32, copy=True)  # fp32, one copy: processors as transformers applies them
-            _penalize(logits, requests)  # the first processor, batched over the rows
-            for i, req in enumerate(requests):
-                if needs_processing(req.params):
-                    for process in LOGITS_PROCESSORS:
-                        process(logits[i], req)
-            apply_masks(logits, raw, requests)  # grammars last, batched over the constrained rows
-        kernels = cpu_kernels() if logits.device.type == "cpu" else None
         offsets = offsets or [0] * len(requests)
+        logits = self._process(raw, requests, offsets, in_flight)
+        kernels = cpu_kernels() if logits.device.type == "cpu" else None
         if all(p.greedy for p in params):
             tokens = _argmax(logits)
         elif kernels is not None and kernels.handles(logits):
@@ -72,16 +67,36 @@ class Sampler:
             logprobs = _logprobs(raw.float(), tokens, params)
         return token_list, logprobs
 
-    def sample_on_device(self, logits: torch.Tensor, requests: list[Request], offsets: list[int]) -> torch.Tensor:
-        """Tokens as a device tensor, nothing read back: for rows without processors or logprobs
-        (engine_core/overlap.py), the same draws as __call__ on this device."""
+    def sample_on_device(self, logits: torch.Tensor, requests: list[Request], offsets: list[int],
+                         in_flight: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+        """Tokens as a device tensor, nothing read back: for rows whose processors all run beside a token in flight
+        and that want no logprobs (engine_core/overlap.py), the same draws as __call__ on this device."""
         if logits.device.type != "cuda":  # nothing to overlap with: the compiled sampler, as a synchronous step
-            return torch.tensor(self(logits, requests, offsets)[0])
-        logits = logits[:, : self.vocab_size]
+            return torch.tensor(self(logits, requests, offsets, in_flight)[0])
+        return self._draw_in_torch(logits, requests, offsets, in_flight)
+
+    def _draw_in_torch(self, logits: torch.Tensor, requests: list[Request], offsets: list[int],
+                       in_flight: torch.Tensor | None) -> torch.Tensor:  # fmt: skip
+        """sample_on_device on CUDA: processors, then the argmax or torch's draw, all queued on the device."""
+        logits = self._process(logits[:, : self.vocab_size], requests, offsets, in_flight)
         params = [r.params for r in requests]
         if all(p.greedy for p in params):
             return _argmax(logits)
         return self._sample(logits.float(), requests, params, offsets)
+
+    def _process(self, raw: torch.Tensor, requests: list[Request], offsets: list[int],
+                 in_flight: torch.Tensor | None) -> torch.Tensor:  # fmt: skip
+        """The rows after their processors: a fp32 copy (as transformers applies them), or `raw` where none asks."""
+        if not any(needs_processing(r.params) for r in requests):
+            return raw
+        logits = raw.to(torch.float32, copy=True)
+        _penalize(logits, requests, offsets, in_flight)  # the first processor, batched over the rows
+        for i, req in enumerate(requests):
+            if needs_processing(req.params):
+                for process in LOGITS_PROCESSORS:
+                    process(logits[i], req, req.num_output_tokens + offsets[i])
+        apply_masks(logits, raw, requests)  # grammars last, batched over the constrained rows
+        return logits
 
     def _sample(self, logits: torch.Tensor, requests: list[Request], params: list[SamplingParams],
                 offsets: list[int]) -> torch.Tensor:  # fmt: skip
@@ -129,74 +144,94 @@ def needs_processing(p: SamplingParams) -> bool:
             or p.min_tokens > 0 or p.structured is not None)  # fmt: skip
 
 
-def _penalize(logits: torch.Tensor, requests: list[Request]) -> None:
+def processes_beside_a_token_in_flight(p: SamplingParams) -> bool:
+    """Whether every processor this request asks for can run while its last token is still on the device
+    (engine_core/overlap.py): all but bad_words and grammars, which read that token's value on the host."""
+    return not p.bad_words and p.structured is None
+
+
+def _penalize(logits: torch.Tensor, requests: list[Request], offsets: list[int], in_flight: torch.Tensor | None,
+              ) -> None:  # fmt: skip
     """HF's repetition penalty over each row's prompt and outputs, then OpenAI's presence and frequency penalties over
     its outputs: every row that asks at once, touching only the tokens that occurred (per-row tensor ops cost about
     80 us a row on CPU, and a device sync each on CUDA). Repeated ids need no dedup: a penalty that is set writes the
-    same value for each copy, computed from the values before it; the frequency penalty adds up, once per copy."""
-    flat, vocab = logits.view(-1), logits.shape[1]
+    same value for each copy, computed from the values before it; the frequency penalty adds up, once per copy. A
+    token in flight (Sampler.__call__) is one more output, read on the device."""
+    flat = logits.view(-1)
     rep = [(i, r) for i, r in enumerate(requests) if r.params.repetition_penalty != 1.0]
     if rep:
-        keys, penalty = _occurrences(rep, vocab, logits.device, lambda p: [p.repetition_penalty])
+        keys, penalty = _occurrences(rep, logits, offsets, in_flight, lambda p: [p.repetition_penalty])
         vals = flat[keys]
         flat[keys] = torch.where(vals > 0, vals / penalty[0], vals * penalty[0])
-    counted = [(i, r) for i, r in enumerate(requests)
-               if r.num_output_tokens and (r.params.presence_penalty or r.params.frequency_penalty)]  # fmt: skip
+    counted = [(i, r) for i, r in enumerate(requests) if r.num_output_tokens + offsets[i]
+               and (r.params.presence_penalty or r.params.frequency_penalty)]  # fmt: skip
     if counted:
         per_token = lambda p: [p.presence_penalty, p.frequency_penalty]  # noqa: E731
-        keys, (presence, frequency) = _occurrences(counted, vocab, logits.device, per_token, outputs_only=True)
+        keys, (presence, frequency) = _occurrences(counted, logits, offsets, in_flight, per_token, outputs_only=True)
         flat[keys] = flat[keys] - presence
         flat.index_put_((keys,), -frequency, accumulate=True)
 
 
-def _occurrences(rows: list[tuple[int, Request]], vocab: int, device: torch.device,
-                 values: Callable[[SamplingParams], list[float]], outputs_only: bool = False,
-                 ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-    """Each token occurrence of the rows' requests (or of their outputs) as an index into the flattened [rows, vocab]
-    logits, and `values` of its request's params repeated for each occurrence (one row of the second tensor each)."""
+def _occurrences(rows: list[tuple[int, Request]], logits: torch.Tensor, offsets: list[int],
+                 in_flight: torch.Tensor | None, values: Callable[[SamplingParams], list[float]],
+                 outputs_only: bool = False) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """Each token occurrence of the rows' requests (or of their outputs), and each token they have in flight, as an
+    index into the flattened [rows, vocab] logits; and `values` of its request's params for each occurrence (one row
+    of the second tensor each)."""
+    vocab, device = logits.shape[1], logits.device
     ids = [r.token_array()[r.num_prompt_tokens if outputs_only else 0 :] for _, r in rows]
     ids = [t[t < vocab] for t in ids]
     counts = [len(t) for t in ids]
     keys = np.concatenate([t + i * vocab for (i, _), t in zip(rows, ids, strict=True)])
-    per_row = np.array([values(r.params) for _, r in rows], dtype=np.float32).T
-    return to_device(keys, device), to_device(np.repeat(per_row, counts, axis=1), device)
+    per_row = np.array([values(r.params) for _, r in rows], dtype=np.float32)
+    per_key = np.repeat(per_row, counts, axis=0)
+    flying = [(i, k) for k, (i, _) in enumerate(rows) if offsets[i] and in_flight is not None]
+    if not flying:
+        return to_device(keys, device), to_device(per_key.T, device)
+    assert in_flight is not None
+    at = to_device([i for i, _ in flying], device, torch.long)
+    tokens = in_flight[at]  # sampled ids: always inside the row
+    flying_keys = at * vocab + tokens
+    flying_values = to_device(per_row[[k for _, k in flying]], device)
+    return (torch.cat([to_device(keys, device), flying_keys]),
+            torch.cat([to_device(per_key, device), flying_values]).T)  # fmt: skip
 
 
-def _add_logit_bias(row: torch.Tensor, req: Request) -> None:
+def _add_logit_bias(row: torch.Tensor, req: Request, num_outputs: int) -> None:
     """OpenAI's logit_bias: token id -> value added to its logit (the engine checked ids and range)."""
     bias = req.params.logit_bias
     if bias:
-        ids = torch.tensor(list(bias), dtype=torch.long, device=row.device)
-        row[ids] += torch.tensor(list(bias.values()), dtype=row.dtype, device=row.device)
+        ids = to_device(list(bias), row.device, torch.long)  # to_device: a pageable copy would wait for the GPU
+        row[ids] += to_device(list(bias.values()), row.device, row.dtype)
 
 
-def _keep_allowed(row: torch.Tensor, req: Request) -> None:
+def _keep_allowed(row: torch.Tensor, req: Request, num_outputs: int) -> None:
     """vLLM's allowed_token_ids: every other token masked out (the engine checked the ids)."""
     allowed = req.params.allowed_token_ids
     if allowed:
-        ids = torch.tensor(allowed, dtype=torch.long, device=row.device)
+        ids = to_device(allowed, row.device, torch.long)
         kept = row[ids]
         row.fill_(float("-inf"))
         row[ids] = kept
 
 
-def _ban_bad_words(row: torch.Tensor, req: Request) -> None:
+def _ban_bad_words(row: torch.Tensor, req: Request, num_outputs: int) -> None:
     """vLLM's bad_words: each sequence's last token is banned where the outputs end with the rest of it (a
-    one-token word always)."""
-    ids, outputs = req.token_ids, req.num_output_tokens
+    one-token word always). Never beside a token in flight (processes_beside_a_token_in_flight)."""
+    ids = req.token_ids
     for word in req.params.bad_words:
         head = word[:-1]
-        if len(head) <= outputs and ids[len(ids) - len(head) :] == head:
+        if len(head) <= num_outputs and ids[len(ids) - len(head) :] == head:
             row[word[-1]] = float("-inf")
 
 
-def _ban_early_stops(row: torch.Tensor, req: Request) -> None:
+def _ban_early_stops(row: torch.Tensor, req: Request, num_outputs: int) -> None:
     """EOS / stop ids held back until min_tokens is reached. Last, so that no bias can lift the ban."""
     p = req.params
-    if req.num_output_tokens < p.min_tokens:
+    if num_outputs < p.min_tokens:
         banned = [t for t in (*p.stop_token_ids, *req.eos_token_ids) if 0 <= t < row.shape[0]]
         if banned:
-            row[banned] = float("-inf")
+            row[to_device(banned, row.device, torch.long)] = float("-inf")
 
 
 LOGITS_PROCESSORS = (_add_logit_bias, _keep_allowed, _ban_bad_words, _ban_early_stops)

@@ -118,8 +118,8 @@ def test_length_limits_preemption_and_aborts(tiny_dir) -> None:
 
 
 def test_requests_that_need_their_tokens_on_the_host_run_synchronously(tiny_dir) -> None:
-    """Logprobs or penalties need the sampled token before the next step can be built: no overlap for them."""
-    for extra in ({"logprobs": 2}, {"presence_penalty": 0.5}):
+    """Logprobs or bad_words need the sampled token on the host before the next step can be built: no overlap."""
+    for extra in ({"logprobs": 2}, {"bad_words": [[7, 9], [12]]}):
         reqs = requests(6, **extra)
         tokens, reasons, chained, _ = drive("on", tiny_dir, reqs)
         assert chained == 0
@@ -144,3 +144,17 @@ def test_preempted_and_resumed_requests_go_through_the_synchronous_path(tiny_dir
         assert tokens == sync_tokens and reasons == sync_reasons, num_kv_blocks
         launches += chained
     assert launches > 160  # 177; going synchronous whenever such a request heads the queue gives 144
+
+
+def test_penalties_min_tokens_and_biases_run_beside_a_token_in_flight(tiny_dir) -> None:
+    """Their processors count the token in flight as the request's last output, reading it on the device: the
+    synchronous engine's tokens and finish reasons, with the overlap taken. The penalties are strong enough that a
+    history missing its last token changes what is drawn."""
+    settings = ({"repetition_penalty": 1.8}, {"presence_penalty": 1.5, "frequency_penalty": 1.0},
+                {"min_tokens": 12}, {"logit_bias": {5: 3.0, 77: -100.0}, "repetition_penalty": 0.7})  # fmt: skip
+    for extra in settings:
+        reqs = requests(10, **extra)
+        sync_tokens, sync_reasons, _, _ = drive("off", tiny_dir, reqs)
+        tokens, reasons, chained, _ = drive("on", tiny_dir, reqs)
+        assert chained > 20, extra
+        assert tokens == sync_tokens and reasons == sync_reasons, extra

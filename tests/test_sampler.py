@@ -211,7 +211,7 @@ def test_batched_penalties_match_their_definitions() -> None:
             r.token_ids += torch.randint(0, vocab, (growth,), generator=gen).tolist()
         logits = torch.randn(len(reqs), vocab, generator=gen) * 3
         ours = logits.clone()
-        _penalize(ours, reqs)
+        _penalize(ours, reqs, [0] * len(reqs), None)
         for row, r in zip(range(len(reqs)), reqs, strict=True):
             p, want = r.params, logits[row : row + 1].clone()
             if p.repetition_penalty != 1.0:
@@ -221,3 +221,42 @@ def test_batched_penalties_match_their_definitions() -> None:
             want = want - p.frequency_penalty * counts - p.presence_penalty * (counts > 0)
             assert torch.allclose(ours[row], want[0], atol=1e-5), (row, growth)
         assert all(r.token_array().tolist() == r.token_ids for r in reqs)
+
+
+def test_a_token_in_flight_counts_as_the_last_output() -> None:
+    """CUDA's overlapped steps (Sampler.sample_on_device) draw with each row's last token still on the device: the
+    processors that run there (penalties, min_tokens, logit_bias, allowed_token_ids) count it as an output. The torch
+    path those steps take, on CPU: the same tokens as the same requests with that token appended, greedy and seeded,
+    with rows that have no token in flight beside them."""
+    gen = torch.Generator().manual_seed(3)
+    vocab = 40
+    settings = [dict(temperature=0, repetition_penalty=2.0), dict(temperature=0, presence_penalty=2.0),
+                dict(temperature=0, frequency_penalty=1.5), dict(temperature=0, min_tokens=3),
+                dict(temperature=1.0, seed=5, repetition_penalty=1.5, frequency_penalty=0.5),
+                dict(temperature=0, logit_bias={3: 2.0}, allowed_token_ids=[1, 2, 3, 4, 5]),
+                dict(temperature=0.8, seed=9), dict(temperature=0)]  # fmt: skip
+    flying = [9, 9, 9, 2, 9, 4, 0, 0]  # the token each row has in flight (none of its outputs yet); 0: none
+    offsets = [1, 1, 1, 1, 1, 1, 0, 0]
+
+    def make(with_flying: bool) -> list[Request]:
+        reqs = []
+        for i, kw in enumerate(settings):
+            outputs = [7, 8, 7] if i < 3 else [1, 2]
+            if with_flying and offsets[i]:
+                outputs = [*outputs, flying[i]]
+            reqs.append(Request(EngineRequest(f"r{i}", [5, 6, 7], SamplingParams(**kw), eos_token_ids=[2],
+                                              output_token_ids=outputs), i))  # fmt: skip
+        return reqs
+
+    seen = 0
+    for trial in range(20):
+        logits = torch.randn(len(settings), vocab, generator=gen)
+        logits[:3, 9] += 2.5  # the token in flight leads before its penalty
+        logits[3, 2] += 4.0  # EOS leads: banned before min_tokens, which the token in flight reaches
+        draw = Sampler(torch.device("cpu"), vocab, seed=trial)._draw_in_torch
+        ours = draw(logits, make(False), offsets, torch.tensor(flying))
+        want = draw(logits, make(True), [0] * len(settings), None)
+        assert ours.tolist() == want.tolist(), trial
+        blind = draw(logits, make(False), [0] * len(settings), None)  # as if nothing were in flight
+        seen += sum(a != b for a, b in zip(blind[:4].tolist(), ours[:4].tolist(), strict=True))
+    assert seen > 25  # the token in flight changed 50 of these 80 draws
