@@ -44,27 +44,59 @@ class SampledTokens:
 
 
 @dataclass
+class LogprobRows:
+    """The logprobs rows asked for, as tensors: each sampled token's, and the row's top n (the most any row asked)."""
+
+    chosen: torch.Tensor  # [rows]
+    top_ids: torch.Tensor | None  # [rows, n]; None where no row asked for alternatives
+    top_values: torch.Tensor | None
+    wanted: list[int | None]  # each row's n; None: no logprobs for it
+
+    def to_host(self) -> LogprobRows:
+        """Copies queued into pinned host memory, without waiting: valid once the step's event has passed."""
+        return LogprobRows(*(_to_pinned(t) for t in (self.chosen, self.top_ids, self.top_values)), self.wanted)
+
+    def to_lists(self) -> list[Logprobs | None]:
+        chosen = self.chosen.tolist()
+        ids = self.top_ids.tolist() if self.top_ids is not None else None
+        values = self.top_values.tolist() if self.top_values is not None else None
+        return [None if n is None else Logprobs([chosen[i]], [ids[i][:n] if ids and n else []],
+                                                [values[i][:n] if values and n else []])
+                for i, n in enumerate(self.wanted)]  # fmt: skip
+
+
+def _to_pinned(t: torch.Tensor | None) -> torch.Tensor | None:
+    if t is None or t.device.type != "cuda":
+        return t
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    return host.copy_(t, non_blocking=True)
+
+
+@dataclass
 class InFlight:
     """A launched decode step whose tokens are still being computed (engine_core/overlap.py)."""
 
     sched: SchedulerOutput
     tokens: torch.Tensor  # [n] sampled token ids, on the device
     host: torch.Tensor  # their copy in pinned host memory, valid once `done` has passed
+    logprobs: LogprobRows | None  # the rows' logprobs, on the host as `host` is; None where no row asked
     done: torch.cuda.Event | None  # None on the CPU, where the step ran synchronously
     started: float  # perf_counter at launch
 
     @staticmethod
-    def start(sched: SchedulerOutput, tokens: torch.Tensor, started: float) -> InFlight:
+    def start(sched: SchedulerOutput, tokens: torch.Tensor, logprobs: LogprobRows | None, started: float,
+              ) -> InFlight:  # fmt: skip
         if tokens.device.type != "cuda":
-            return InFlight(sched, tokens, tokens, None, started)
-        host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
-        host.copy_(tokens, non_blocking=True)
+            return InFlight(sched, tokens, tokens, logprobs, None, started)
+        host, logprobs = _to_pinned(tokens), logprobs.to_host() if logprobs is not None else None
         done = torch.cuda.Event()
         done.record()
-        return InFlight(sched, tokens, host, done, started)
+        assert host is not None
+        return InFlight(sched, tokens, host, logprobs, done, started)
 
     def result(self) -> SampledTokens:
         """Waits for the step's tokens (the only wait of an overlapped step)."""
         if self.done is not None:
             self.done.synchronize()
-        return SampledTokens(self.host.tolist(), [None] * len(self.sched.requests))
+        logprobs = self.logprobs.to_lists() if self.logprobs is not None else [None] * len(self.sched.requests)
+        return SampledTokens(self.host.tolist(), logprobs)

@@ -263,8 +263,8 @@ class ModelRunner:
         tokens_in_flight = input_ids[to_device(firsts, self.device, torch.long)] if processed else None
         logits = self._logits(self._forward(input_ids, positions, meta), sample_idx)
         offsets = [1 if n else 0 for n in in_flight]  # seeded draws: the output position, past a token in flight
-        sampled = self.sampler.sample_on_device(logits, out.requests, offsets, tokens_in_flight)
-        return InFlight.start(out, sampled, started)
+        sampled, logprobs = self.sampler.sample_on_device(logits, out.requests, offsets, tokens_in_flight)
+        return InFlight.start(out, sampled, logprobs, started)
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> SampledTokens:

@@ -14,8 +14,9 @@ the in-flight prompt's length past num_computed_tokens). Under continuous arriva
 is what keeps serving overlapped.
 
 Only plain requests take this path: nothing that needs the sampled tokens on the host before the next step can
-be built (grammars, bad_words, logprobs, prompt logprobs, drafts). Penalties and min_tokens take it: the sampler
-counts each row's token in flight as its last output, reading it on the device. A prompt chunked over several
+be built (grammars, bad_words, prompt logprobs, drafts). Penalties and min_tokens take it (the sampler counts
+each row's token in flight as its last output, reading it on the device), and so do logprobs, read back with the
+tokens. A prompt chunked over several
 steps, or a waiting request that is not plain, sends the engine back to synchronous steps, which admit it as
 before; the pipeline starts again from the first synchronously scheduled step whose every entry is sampled once.
 """
@@ -39,7 +40,7 @@ def plain(req: Request) -> bool:
     """Whose next step needs nothing of its sampled token but the token itself, on the device (penalties and
     min_tokens read it there), and, for a prompt, nothing of its hidden states (prompt logprobs)."""
     p = req.params
-    if req.grammar is not None or not processes_beside_a_token_in_flight(p) or p.logprobs is not None:
+    if req.grammar is not None or not processes_beside_a_token_in_flight(p):
         return False
     return req.decoding or p.prompt_logprobs is None
 

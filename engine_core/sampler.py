@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from common.messages import Logprobs, SamplingParams
+from engine_core.batch import LogprobRows
 from engine_core.cpu_kernels import cpu_kernels
 from engine_core.request import Request
 from engine_core.structured import apply_masks
@@ -36,11 +37,15 @@ class Sampler:
         request's outputs each row's position is (a draft's rows, engine_core/speculative.py, or a token in flight);
         0 by default. in_flight [N]: where offsets[i] is 1 in an overlapped step (ModelRunner.launch), the token
         row i's request has in flight, on the logits' device: processors count it as its last output."""
+        tokens, logprobs = self.sample_on_device(logits, requests, offsets or [0] * len(requests), in_flight)
+        return tokens.tolist(), logprobs.to_lists() if logprobs is not None else [None] * len(requests)
+
+    def sample_on_device(self, logits: torch.Tensor, requests: list[Request], offsets: list[int],
+                         in_flight: torch.Tensor | None = None) -> tuple[torch.Tensor, LogprobRows | None]:  # fmt: skip
+        """The tokens, and the logprobs asked for, as tensors on the logits' device: nothing read back, so that an
+        overlapped step (engine_core/overlap.py) reads them only after launching the next one."""
         params = [r.params for r in requests]
-        logits = raw = logits[:, : self.vocab_size]
-        if all(p.greedy and p.logprobs is None and not needs_processing(p) for p in params):
-            return _argmax(logits).tolist(), [None] * len(requests)  # the common plain-greedy batch
-        offsets = offsets or [0] * len(requests)
+        raw = logits[:, : self.vocab_size]
         logits = self._process(raw, requests, offsets, in_flight)
         kernels = cpu_kernels() if logits.device.type == "cpu" else None
         if all(p.greedy for p in params):
@@ -60,29 +65,8 @@ class Sampler:
             tokens = kernels.sample_rows(logits.contiguous(), temps, top_k, top_p, min_p, uniforms)
         else:
             tokens = self._sample(logits.float(), requests, params, offsets)
-        token_list = tokens.tolist()
-        logprobs: list[Logprobs | None] = [None] * len(requests)
-        if any(p.logprobs is not None for p in params):
-            # Reported from `raw`, the model's own distribution before any processor: a choice we keep.
-            logprobs = _logprobs(raw.float(), tokens, params)
-        return token_list, logprobs
-
-    def sample_on_device(self, logits: torch.Tensor, requests: list[Request], offsets: list[int],
-                         in_flight: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
-        """Tokens as a device tensor, nothing read back: for rows whose processors all run beside a token in flight
-        and that want no logprobs (engine_core/overlap.py), the same draws as __call__ on this device."""
-        if logits.device.type != "cuda":  # nothing to overlap with: the compiled sampler, as a synchronous step
-            return torch.tensor(self(logits, requests, offsets, in_flight)[0])
-        return self._draw_in_torch(logits, requests, offsets, in_flight)
-
-    def _draw_in_torch(self, logits: torch.Tensor, requests: list[Request], offsets: list[int],
-                       in_flight: torch.Tensor | None) -> torch.Tensor:  # fmt: skip
-        """sample_on_device on CUDA: processors, then the argmax or torch's draw, all queued on the device."""
-        logits = self._process(logits[:, : self.vocab_size], requests, offsets, in_flight)
-        params = [r.params for r in requests]
-        if all(p.greedy for p in params):
-            return _argmax(logits)
-        return self._sample(logits.float(), requests, params, offsets)
+        # Reported from `raw`, the model's own distribution before any processor: a choice we keep.
+        return tokens, _logprobs(raw, tokens, params) if any(p.logprobs is not None for p in params) else None
 
     def _process(self, raw: torch.Tensor, requests: list[Request], offsets: list[int],
                  in_flight: torch.Tensor | None) -> torch.Tensor:  # fmt: skip
@@ -254,18 +238,8 @@ def _top_k_top_p(probs: torch.Tensor, params: list[SamplingParams]) -> torch.Ten
     return torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
 
 
-def _logprobs(logits: torch.Tensor, tokens: torch.Tensor, params: list[SamplingParams]) -> list[Logprobs | None]:
-    logp = torch.log_softmax(logits, dim=-1)
-    chosen = logp.gather(1, tokens[:, None])[:, 0].tolist()
+def _logprobs(raw: torch.Tensor, tokens: torch.Tensor, params: list[SamplingParams]) -> LogprobRows:
+    logp = torch.log_softmax(raw.float(), dim=-1)
     max_n = max(p.logprobs or 0 for p in params)
-    top_vals, top_ids = logp.topk(max_n, dim=-1) if max_n else (None, None)
-    result: list[Logprobs | None] = []
-    for i, p in enumerate(params):
-        if p.logprobs is None:
-            result.append(None)
-            continue
-        n = p.logprobs
-        ids = top_ids[i, :n].tolist() if top_ids is not None and n else []
-        vals = top_vals[i, :n].tolist() if top_vals is not None and n else []
-        result.append(Logprobs([chosen[i]], [ids], [vals]))
-    return result
+    top_values, top_ids = logp.topk(max_n, dim=-1) if max_n else (None, None)
+    return LogprobRows(logp.gather(1, tokens[:, None])[:, 0], top_ids, top_values, [p.logprobs for p in params])

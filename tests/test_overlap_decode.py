@@ -5,6 +5,7 @@ once, so these tests check the bookkeeping; the overlap itself pays on CUDA (ben
 
 from __future__ import annotations
 
+import msgspec
 import pytest
 
 from common.config import EngineConfig
@@ -31,10 +32,12 @@ def requests(n: int, stops: bool = True, **extra) -> list[EngineRequest]:
     return out
 
 
-def drive(mode: str, model: str, reqs: list[EngineRequest], abort_at: dict[int, str] | None = None, **kw):
+def drive(mode: str, model: str, reqs: list[EngineRequest], abort_at: dict[int, str] | None = None,
+          logprobs: dict | None = None, **kw):  # fmt: skip
     """Adds a request every other step, aborts as asked (step -> id), checks the KV invariant after every step.
     Returns tokens and finish reasons per request, the launches that chained on one in flight, and the preemptions,
-    the aborts of requests that were in flight and the requests admitted into launches that chained."""
+    the aborts of requests that were in flight and the requests admitted into launches that chained. `logprobs`
+    collects each request's logprobs per output."""
     core = EngineCore(EngineConfig(model=model, dtype="float32", overlap_decode=mode, **{**GPU_TEST_KV, **kw}))
     chained = aborted_in_flight = admitted = 0
     failures: list[Exception] = []
@@ -66,6 +69,8 @@ def drive(mode: str, model: str, reqs: list[EngineRequest], abort_at: dict[int, 
         for out in core.step():
             assert out.request_id not in reasons, f"{out.request_id}: an output after its last"
             tokens[out.request_id] += out.new_token_ids
+            if logprobs is not None:
+                logprobs.setdefault(out.request_id, []).append(out.new_logprobs)
             if out.finish_reason is not None:
                 reasons[out.request_id] = out.finish_reason
         core.kv.check_integrity(list(core.scheduler.requests.values()))
@@ -118,12 +123,34 @@ def test_length_limits_preemption_and_aborts(tiny_dir) -> None:
 
 
 def test_requests_that_need_their_tokens_on_the_host_run_synchronously(tiny_dir) -> None:
-    """Logprobs or bad_words need the sampled token on the host before the next step can be built: no overlap."""
-    for extra in ({"logprobs": 2}, {"bad_words": [[7, 9], [12]]}):
-        reqs = requests(6, **extra)
-        tokens, reasons, chained, _ = drive("on", tiny_dir, reqs)
-        assert chained == 0
-        assert (tokens, reasons) == drive("off", tiny_dir, reqs)[:2]
+    """bad_words needs the sampled token on the host before the next step can be built: no overlap."""
+    reqs = requests(6, bad_words=[[7, 9], [12]])
+    tokens, reasons, chained, _ = drive("on", tiny_dir, reqs)
+    assert chained == 0
+    assert (tokens, reasons) == drive("off", tiny_dir, reqs)[:2]
+
+
+def test_logprobs_are_read_back_with_the_tokens(tiny_dir) -> None:
+    """Logprobs come back with the tokens of the step in flight: the synchronous engine's tokens, logprobs and
+    alternatives, beside requests that ask for none or for other counts, with the overlap taken."""
+    counts = [None, 0, 3]
+    reqs = [EngineRequest(r.request_id, r.prompt_token_ids, msgspec.structs.replace(r.params, logprobs=counts[i % 3]))
+            for i, r in enumerate(requests(9))]  # fmt: skip
+    sync_lp: dict = {}
+    ours_lp: dict = {}
+    sync_tokens, sync_reasons, _, _ = drive("off", tiny_dir, reqs, logprobs=sync_lp)
+    tokens, reasons, chained, _ = drive("on", tiny_dir, reqs, logprobs=ours_lp)
+    assert chained > 20
+    assert tokens == sync_tokens and reasons == sync_reasons
+    for rid, want in sync_lp.items():
+        got = ours_lp[rid]
+        assert [lp is None for lp in got] == [lp is None for lp in want], rid
+        for a, b in zip(got, want, strict=True):
+            if b is not None:
+                assert a.top_ids == b.top_ids and len(b.top_ids[0]) == reqs[int(rid[1:])].params.logprobs, rid
+                assert a.token_logprobs == pytest.approx(b.token_logprobs, abs=1e-5), rid
+                assert [v for row in a.top_logprobs for v in row] == pytest.approx(
+                    [v for row in b.top_logprobs for v in row], abs=1e-5), rid
 
 
 def test_preempted_and_resumed_requests_go_through_the_synchronous_path(tiny_dir) -> None:

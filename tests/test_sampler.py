@@ -224,10 +224,10 @@ def test_batched_penalties_match_their_definitions() -> None:
 
 
 def test_a_token_in_flight_counts_as_the_last_output() -> None:
-    """CUDA's overlapped steps (Sampler.sample_on_device) draw with each row's last token still on the device: the
-    processors that run there (penalties, min_tokens, logit_bias, allowed_token_ids) count it as an output. The torch
-    path those steps take, on CPU: the same tokens as the same requests with that token appended, greedy and seeded,
-    with rows that have no token in flight beside them."""
+    """Overlapped steps (Sampler.sample_on_device) draw with each row's last token still on the device: the
+    processors that run there (penalties, min_tokens, logit_bias, allowed_token_ids) count it as an output. The same
+    tokens as the same requests with that token appended, greedy and seeded, with rows that have no token in flight
+    beside them."""
     gen = torch.Generator().manual_seed(3)
     vocab = 40
     settings = [dict(temperature=0, repetition_penalty=2.0), dict(temperature=0, presence_penalty=2.0),
@@ -253,10 +253,10 @@ def test_a_token_in_flight_counts_as_the_last_output() -> None:
         logits = torch.randn(len(settings), vocab, generator=gen)
         logits[:3, 9] += 2.5  # the token in flight leads before its penalty
         logits[3, 2] += 4.0  # EOS leads: banned before min_tokens, which the token in flight reaches
-        draw = Sampler(torch.device("cpu"), vocab, seed=trial)._draw_in_torch
-        ours = draw(logits, make(False), offsets, torch.tensor(flying))
-        want = draw(logits, make(True), [0] * len(settings), None)
+        draw = Sampler(torch.device("cpu"), vocab, seed=trial).sample_on_device
+        ours = draw(logits, make(False), offsets, torch.tensor(flying))[0]
+        want = draw(logits, make(True), [0] * len(settings), None)[0]
         assert ours.tolist() == want.tolist(), trial
-        blind = draw(logits, make(False), [0] * len(settings), None)  # as if nothing were in flight
+        blind = draw(logits, make(False), [0] * len(settings), None)[0]  # as if nothing were in flight
         seen += sum(a != b for a, b in zip(blind[:4].tolist(), ours[:4].tolist(), strict=True))
     assert seen > 25  # the token in flight changed 50 of these 80 draws
