@@ -45,7 +45,7 @@ class SampledTokens:
 
 @dataclass
 class LogprobRows:
-    """The logprobs rows asked for, as tensors: each sampled token's, and the row's top n (the most any row asked)."""
+    """A step's logprobs as tensors: each sampled token's, and each row's top n (n: the most any row asked for)."""
 
     chosen: torch.Tensor  # [rows]
     top_ids: torch.Tensor | None  # [rows, n]; None where no row asked for alternatives

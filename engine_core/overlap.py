@@ -16,9 +16,9 @@ is what keeps serving overlapped.
 Only plain requests take this path: nothing that needs the sampled tokens on the host before the next step can
 be built (grammars, bad_words, prompt logprobs, drafts). Penalties and min_tokens take it (the sampler counts
 each row's token in flight as its last output, reading it on the device), and so do logprobs, read back with the
-tokens. A prompt chunked over several
-steps, or a waiting request that is not plain, sends the engine back to synchronous steps, which admit it as
-before; the pipeline starts again from the first synchronously scheduled step whose every entry is sampled once.
+tokens. A prompt chunked over several steps, or a waiting request that is not plain, sends the engine back to
+synchronous steps, which admit it as before; the pipeline starts again from the first synchronously scheduled step
+whose every entry is sampled once.
 """
 
 from __future__ import annotations
