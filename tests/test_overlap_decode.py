@@ -148,9 +148,9 @@ def test_logprobs_are_read_back_with_the_tokens(tiny_dir) -> None:
         for a, b in zip(got, want, strict=True):
             if b is not None:
                 assert a.top_ids == b.top_ids and len(b.top_ids[0]) == reqs[int(rid[1:])].params.logprobs, rid
-                assert a.token_logprobs == pytest.approx(b.token_logprobs, abs=1e-5), rid
+                assert a.token_logprobs == pytest.approx(b.token_logprobs, abs=1e-4), rid  # GPUs: batch rounding
                 assert [v for row in a.top_logprobs for v in row] == pytest.approx(
-                    [v for row in b.top_logprobs for v in row], abs=1e-5), rid
+                    [v for row in b.top_logprobs for v in row], abs=1e-4), rid
 
 
 def test_preempted_and_resumed_requests_go_through_the_synchronous_path(tiny_dir) -> None:
