@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Callable
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from common.config import EngineConfig
-from common.messages import EngineOutput, EngineRequest, SamplingParams
+from common.messages import EngineOutput, EngineRequest, FinishReason, SamplingParams
 from common.model_source import resolve_model
 from engine_core.core import EngineCore
 
@@ -128,3 +129,56 @@ def save_tiny_llama(path, max_positions: int, init: float) -> str:
                          eos_token_id=3, initializer_range=init)  # fmt: skip
     AutoModelForCausalLM.from_config(config).save_pretrained(path)
     return str(path)
+
+
+def drive(mode: str, model: str, reqs: list[EngineRequest], abort_at: dict[int, str] | None = None,
+          logprobs: dict | None = None, prepare: Callable[[EngineCore], None] | None = None, **kw):  # fmt: skip
+    """An fp32 engine with --overlap-decode `mode` (and EngineConfig `kw`; `prepare` may change it before the first
+    step): adds a request every other step, aborts as asked (step -> id), checks the KV invariant after every step,
+    and that no block leaked, no overlapped launch failed (the pipeline would hide it by going synchronous) and every
+    request finished. Returns tokens and finish reasons per request, the launches that chained on one in flight, and
+    the preemptions, the aborts of requests that were in flight and the requests admitted into launches that
+    chained. `logprobs` collects each request's logprobs per output."""
+    core = EngineCore(EngineConfig(model=model, dtype="float32", overlap_decode=mode, **{**GPU_TEST_KV, **kw}))
+    if prepare is not None:
+        prepare(core)
+    chained = aborted_in_flight = admitted = 0
+    failures: list[Exception] = []
+    if core.pipeline is not None:
+        launch = core.runner.launch
+
+        def counting(out, prev=None):
+            nonlocal chained, admitted
+            chained += prev is not None
+            if prev is not None:  # whole prompts admitted into a step launched while another was in flight
+                admitted += len({id(r) for r in out.requests} - {id(r) for r in prev.sched.requests})
+            try:
+                return launch(out, prev)
+            except Exception as exc:  # the pipeline recovers by going synchronous, but a launch must not fail
+                failures.append(exc)
+                raise
+
+        core.runner.launch = counting  # type: ignore[method-assign]
+    tokens: dict[str, list[int]] = {r.request_id: [] for r in reqs}
+    reasons: dict[str, FinishReason] = {}
+    pending, step = list(reqs), 0
+    while pending or core.has_work:
+        if pending and step % 2 == 0:
+            core.add_request(pending.pop(0))
+        if abort_at and step in abort_at:
+            flying = core._in_flight.requests if core._in_flight is not None else []
+            aborted_in_flight += any(r.request_id == abort_at[step] for r in flying)
+            core.abort([abort_at[step]])
+        for out in core.step():
+            assert out.request_id not in reasons, f"{out.request_id}: an output after its last"
+            tokens[out.request_id] += out.new_token_ids
+            if logprobs is not None:
+                logprobs.setdefault(out.request_id, []).append(out.new_logprobs)
+            if out.finish_reason is not None:
+                reasons[out.request_id] = out.finish_reason
+        core.kv.check_integrity(list(core.scheduler.requests.values()))
+        step += 1
+    assert core.kv.pool.num_free == core.kv.num_blocks, "blocks leaked"
+    assert not failures, f"overlapped launches failed: {failures}"
+    assert set(reasons) | set((abort_at or {}).values()) == set(tokens), "a request never finished"
+    return tokens, reasons, chained, (core.scheduler.num_preempted, aborted_in_flight, admitted)

@@ -11,14 +11,14 @@ resumed requests (outputs already streamed), shared prefixes, aborts, small KV p
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 
 import pytest
 
-from common.config import EngineConfig
-from common.messages import EngineRequest, FinishReason, SamplingParams
+from common.messages import EngineRequest, SamplingParams
 from engine_core.core import EngineCore
 from engine_core.cuda_graphs import DecodeGraphs, graph_rows
-from tests.engine_helpers import save_tiny_llama
+from tests.engine_helpers import drive, save_tiny_llama
 
 
 @pytest.fixture(scope="module")
@@ -50,65 +50,36 @@ def workload(seed: int) -> tuple[list[EngineRequest], dict[int, str], dict]:
     return reqs, aborts, config
 
 
-def run(model: str, reqs: list[EngineRequest], aborts: dict[int, str], as_on_cuda: bool, **kw):
-    """Adds a request every other step; returns tokens and finish reasons per request, graph replays and launches
-    chained on one in flight."""
-    config = EngineConfig(model=model, dtype="float32", device="cpu", attention_backend="torch",
-                          overlap_decode="on" if as_on_cuda else "off", **kw)  # fmt: skip
-    core = EngineCore(config)
-    failures: list[Exception] = []
-    counts = {"replays": 0, "chained": 0}
-    if as_on_cuda:
-        runner = core.runner
+def install_graphs(counts: dict[str, int]) -> Callable[[EngineCore], None]:
+    """As a CUDA engine starts: decode graphs up to the mixed-step rows, run eagerly here; replays counted."""
+
+    def prepare(core: EngineCore) -> None:
+        runner, config = core.runner, core.config
         width = -(-core.max_model_len // config.block_size)
-        graphs = DecodeGraphs(runner.model, graph_rows(config), width, runner.scratch_slot, config.block_size,
+        graphs = DecodeGraphs(runner.model, graph_rows(runner.config), width, runner.scratch_slot, config.block_size,
                               runner.device, runner.attn_backend.index_dtype, capture=False)  # fmt: skip
         graphs.capture_all()
         runner.decode_graphs = graphs
-        replay, launch = graphs.run, runner.launch
+        replay = graphs.run
 
-        def counted_replay(input_ids, positions, meta):
+        def counted(input_ids, positions, meta):
             counts["replays"] += 1
             return replay(input_ids, positions, meta)
 
-        def checked_launch(out, prev=None):
-            counts["chained"] += prev is not None
-            try:
-                return launch(out, prev)
-            except Exception as exc:
-                failures.append(exc)
-                raise
+        graphs.run = counted  # type: ignore[method-assign]
 
-        graphs.run = counted_replay  # type: ignore[method-assign]
-        runner.launch = checked_launch  # type: ignore[method-assign]
-    tokens: dict[str, list[int]] = {r.request_id: [] for r in reqs}
-    reasons: dict[str, FinishReason] = {}
-    pending, step = list(reqs), 0
-    while pending or core.has_work:
-        if pending and step % 2 == 0:
-            core.add_request(pending.pop(0))
-        if step in aborts:
-            core.abort([aborts[step]])
-        for out in core.step():
-            assert out.request_id not in reasons, f"{out.request_id}: an output after its last"
-            tokens[out.request_id] += out.new_token_ids
-            if out.finish_reason is not None:
-                reasons[out.request_id] = out.finish_reason
-        core.kv.check_integrity(list(core.scheduler.requests.values()))
-        step += 1
-    assert core.kv.pool.num_free == core.kv.num_blocks, "blocks leaked"
-    assert not failures, f"overlapped launches failed: {failures}"
-    assert set(reasons) | set(aborts.values()) == set(tokens), "a request never finished"  # aborts get no output
-    return tokens, reasons, counts
+    return prepare
 
 
 # Seeds whose workloads chain many launches, replay prompt rows, preempt, chunk and abort between them.
 @pytest.mark.parametrize("seed", [8, 10, 12, 14, 19, 27])
 def test_cuda_default_path_matches_the_plain_engine(tiny_dir, seed) -> None:
     reqs, aborts, config = workload(seed)
-    want_tokens, want_reasons, _ = run(tiny_dir, reqs, aborts, as_on_cuda=False, **config)
-    tokens, reasons, counts = run(tiny_dir, reqs, aborts, as_on_cuda=True, **config)
-    assert counts["chained"] > 10 and counts["replays"] > 20, counts
+    on_cpu = {"device": "cpu", "attention_backend": "torch", **config}
+    want_tokens, want_reasons, _, _ = drive("off", tiny_dir, reqs, aborts, **on_cpu)
+    counts = {"replays": 0}
+    tokens, reasons, chained, _ = drive("on", tiny_dir, reqs, aborts, prepare=install_graphs(counts), **on_cpu)
+    assert chained > 10 and counts["replays"] > 20, (chained, counts)
     for rid, want in want_tokens.items():
         if rid in aborts.values():  # stopped where it was: an overlapped engine answers a step later
             assert want[: len(tokens[rid])] == tokens[rid] or tokens[rid][: len(want)] == want, rid
