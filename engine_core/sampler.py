@@ -76,7 +76,7 @@ class Sampler:
         logits = raw.to(torch.float32, copy=True)
         _penalize(logits, requests, offsets, in_flight)  # the first processor, batched over the rows
         for i, req in enumerate(requests):
-            if needs_processing(req.params):
+            if _needs_row_processors(req.params):
                 for process in LOGITS_PROCESSORS:
                     process(logits[i], req, req.num_output_tokens + offsets[i])
         apply_masks(logits, raw, requests)  # grammars last, batched over the constrained rows
@@ -122,10 +122,14 @@ def _needs_penalty(p: SamplingParams) -> bool:
     return p.presence_penalty != 0.0 or p.frequency_penalty != 0.0 or p.repetition_penalty != 1.0
 
 
+def _needs_row_processors(p: SamplingParams) -> bool:
+    """Whether one of LOGITS_PROCESSORS changes this request's row (a new one adds its condition here)."""
+    return bool(p.logit_bias) or bool(p.allowed_token_ids) or bool(p.bad_words) or p.min_tokens > 0
+
+
 def needs_processing(p: SamplingParams) -> bool:
-    """Whether any processor changes this request's row (a new processor adds its condition here)."""
-    return (_needs_penalty(p) or bool(p.logit_bias) or bool(p.allowed_token_ids) or bool(p.bad_words)
-            or p.min_tokens > 0 or p.structured is not None)  # fmt: skip
+    """Whether any processor changes this request's row: penalties, the row processors, a grammar's mask."""
+    return _needs_penalty(p) or _needs_row_processors(p) or p.structured is not None
 
 
 def processes_beside_a_token_in_flight(p: SamplingParams) -> bool:
