@@ -46,6 +46,9 @@ def cases() -> list[tuple[torch.Tensor, float, int, float, float]]:
         (ties, 1.0, 5, 1.0, 0.0), (ties, 1.0, 0, 0.6, 0.0), (ties, 0.8, 100, 0.9, 0.1),
         (masked, 1.0, 10, 0.7, 0.0), (masked, 2.0, 0, 0.99, 0.01), (peaked, 1.0, 1000, 1.0, 0.0),
         (level, 1.0, 0, 0.5, 0.0), (level, 1.0, 1500, 1.0, 0.0), (level, 0.5, 3000, 0.3, 0.0),
+        # top-k of at most 256 that drops tokens: the rest are gathered and filtered alone (sample.c, sample_few)
+        (flat, 1.0, 256, 0.9, 0.0), (flat, 1.0, 257, 0.9, 0.0), (ties, 1.0, 7, 0.5, 0.0), (level, 1.0, 64, 0.4, 0.0),
+        (peaked, 1.0, 50, 0.95, 0.3),  # min-p leaves fewer than 50: top-k drops nothing
     ]  # fmt: skip
 
 

@@ -203,6 +203,48 @@ static void narrow(const float* e, int64_t cols, Cut* kept, float* sum, Cut cut)
     *sum = kept_sum(e, cols, cut);
 }
 
+// After a top-k that dropped tokens, at most FEW are left: gathered in index order, they alone go through top-p
+// (a sort of at most FEW) and the draw, which over the whole row took as many passes again as everything before.
+#define FEW 256
+static int64_t sample_few(const float* e, int64_t cols, Cut top_k_cut, float top_p, float u, Weight* few) {
+    int64_t n = 0;
+    for (int64_t c0 = 0; c0 < cols; c0 += CHUNK) {  // a vectorized maximum skips the chunks that hold none of them
+        const int64_t end = c0 + CHUNK < cols ? c0 + CHUNK : cols;
+        float m = 0.0f;
+        for (int64_t c = c0; c < end; c++) m = fmaxf(m, e[c]);
+        if (m <= 0.0f || m < top_k_cut.w) continue;
+        for (int64_t c = c0; c < end; c++)
+            if (e[c] > 0.0f && inside(e[c], c, top_k_cut)) few[n++] = (Weight){e[c], (int32_t)c};
+    }
+    float sum = 0.0f;
+    for (int64_t j = 0; j < n; j++) sum += few[j].w;
+    Cut kept = top_k_cut;
+    if (top_p < 1.0f && n > 1) {  // taken in descending order while the mass before is below top_p of the sum
+        Weight sorted[FEW];
+        memcpy(sorted, few, (size_t)n * sizeof(Weight));
+        qsort(sorted, (size_t)n, sizeof(Weight), descending);
+        const float limit = top_p * sum;
+        float before = 0.0f;
+        int64_t taken = 0;
+        while (taken < n && (taken == 0 || before < limit)) before += sorted[taken++].w;
+        if (taken < n) {  // dropped some: the sum is that of the rest (else unchanged, as narrow keeps it)
+            kept = (Cut){sorted[taken - 1].w, sorted[taken - 1].i};
+            sum = 0.0f;
+            for (int64_t j = 0; j < n; j++) sum += inside(few[j].w, few[j].i, kept) ? few[j].w : 0.0f;
+        }
+    }
+    const float target = u * sum;
+    float acc = 0.0f;
+    int64_t last = few[0].i;
+    for (int64_t j = 0; j < n; j++) {
+        if (!inside(few[j].w, few[j].i, kept)) continue;
+        acc += few[j].w;
+        last = few[j].i;
+        if (acc > target) return last;
+    }
+    return last;  // rounding left the sum short of the target
+}
+
 // One row's token from its fp32 logits v. The same code for every dtype (a bf16 row is widened first, exactly),
 // so a row draws the same token whether it comes in its model's dtype or as the fp32 copy that logits processors
 // make. A masked logit (-inf, from a processor or a grammar) counts as NO_SCORE: -ffast-math assumes finite values,
@@ -223,7 +265,11 @@ static int64_t sample_row(const float* v, int64_t cols, float temp, int64_t top_
     }
     Cut kept = {0.0f, cols};  // every positive weight
     float sum = kept_sum(e, cols, kept);
-    if (top_k > 0) narrow(e, cols, &kept, &sum, cut_at(e, cols, kept, top_k, 0.0f, head));
+    if (top_k > 0) {
+        const Cut cut = cut_at(e, cols, kept, top_k, 0.0f, head);
+        if (top_k <= FEW && (cut.w != kept.w || cut.i != kept.i)) return sample_few(e, cols, cut, top_p, u, head);
+        narrow(e, cols, &kept, &sum, cut);
+    }
     if (top_p < 1.0f) narrow(e, cols, &kept, &sum, cut_at(e, cols, kept, 0, top_p * sum, head));
     return draw(e, cols, kept, u * sum);
 }
