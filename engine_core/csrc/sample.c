@@ -205,6 +205,7 @@ static void narrow(const float* e, int64_t cols, Cut* kept, float* sum, Cut cut)
 
 // After a top-k that dropped tokens, at most FEW are left: gathered in index order, they alone go through top-p
 // (a sort of at most FEW) and the draw, which over the whole row took as many passes again as everything before.
+// The cut keeps exactly top_k <= FEW tokens (ties broken by index), all of positive weight: 1 <= n <= FEW.
 #define FEW 256
 static int64_t sample_few(const float* e, int64_t cols, Cut top_k_cut, float top_p, float u, Weight* few) {
     int64_t n = 0;
