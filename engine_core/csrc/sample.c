@@ -265,12 +265,12 @@ static int64_t sample_row(const float* v, int64_t cols, float temp, int64_t top_
         e[c] = w < min_p ? 0.0f : w;  // min-p: the maximum's weight is 1
     }
     Cut kept = {0.0f, cols};  // every positive weight
-    float sum = kept_sum(e, cols, kept);
-    if (top_k > 0) {
+    if (top_k > 0) {  // the cut needs no sum: the sum is taken after it, over what it keeps
         const Cut cut = cut_at(e, cols, kept, top_k, 0.0f, head);
         if (top_k <= FEW && (cut.w != kept.w || cut.i != kept.i)) return sample_few(e, cols, cut, top_p, u, head);
-        narrow(e, cols, &kept, &sum, cut);
+        kept = cut;
     }
+    float sum = kept_sum(e, cols, kept);
     if (top_p < 1.0f) narrow(e, cols, &kept, &sum, cut_at(e, cols, kept, 0, top_p * sum, head));
     return draw(e, cols, kept, u * sum);
 }
