@@ -130,10 +130,13 @@ class KVCacheManager:
         num_computed = req.num_computed_tokens + len(computed) * self.block_size
         return -(-(num_computed + num_new_tokens) // self.block_size) - len(req.block_ids) - len(computed)
 
+    def _free_beside(self, computed: list[Block]) -> int:
+        """Free blocks left to allocate from once the `computed` hits are taken (those in the free queue leave it)."""
+        return self.pool.num_free - sum(1 for b in computed if b.ref_count == 0)
+
     def can_allocate(self, req: Request, num_new_tokens: int, computed: list[Block]) -> bool:
-        """Whether allocate_slots would succeed, changing nothing. Hits that sit in the free queue are taken from it."""
-        evictable_hits = sum(1 for b in computed if b.ref_count == 0)
-        return self._blocks_needed(req, num_new_tokens, computed) <= self.pool.num_free - evictable_hits
+        """Whether allocate_slots would succeed, changing nothing."""
+        return self._blocks_needed(req, num_new_tokens, computed) <= self._free_beside(computed)
 
     def allocate_slots(self, req: Request, num_new_tokens: int, computed: list[Block] | None = None) -> bool:
         """Makes room for num_new_tokens more tokens (after the `computed` prefix hits, which become the
@@ -142,13 +145,12 @@ class KVCacheManager:
         needed = self._blocks_needed(req, num_new_tokens, computed)
         if needed <= 0 and not computed:  # most decode steps: the last block has room
             return True
-        if not self.can_allocate(req, num_new_tokens, computed):
+        if needed > self._free_beside(computed):
             return False
-        num_computed = req.num_computed_tokens + len(computed) * self.block_size
         for block in computed:
             self.pool.touch(block)
         req.block_ids.extend(b.block_id for b in computed)
-        req.num_computed_tokens = num_computed
+        req.num_computed_tokens += len(computed) * self.block_size
         # A recompute's hits may cover its own outputs; only prompt tokens count as cached.
         hit = min(len(computed) * self.block_size, req.num_prompt_tokens)
         req.num_cached_tokens = max(req.num_cached_tokens, hit)
