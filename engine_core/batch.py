@@ -12,29 +12,51 @@ from engine_core.request import Request
 
 @dataclass
 class SchedulerOutput:
-    """The batch of one step, decodes first (the runner's decode path relies on it): the entries of requests whose
-    next positions are outputs (Request.decoding), whose every token is a decode row."""
+    """The batch of one step, decodes first (the runner's decode path relies on it): the entries whose positions are
+    outputs (`decodes`), whose every token is a decode row."""
 
     requests: list[Request] = field(default_factory=list)
     num_new_tokens: list[int] = field(default_factory=list)
     # Whether an entry reaches the end of its tokens this step, so that its last position is sampled.
     sample: list[bool] = field(default_factory=list)
+    # How far past its request's num_computed_tokens an entry starts: the tokens that the step in flight computes
+    # for it (engine_core/overlap.py), whose update has not counted them yet. 0 in synchronous steps.
+    ahead: list[int] = field(default_factory=list)
 
     @property
     def total_tokens(self) -> int:
         return sum(self.num_new_tokens)
 
-    def add(self, req: Request, n: int) -> None:
-        """n counts the request's draft tokens (engine_core/speculative.py) too: each is one more decode row."""
+    def add(self, req: Request, n: int, ahead: int = 0, sample: bool | None = None) -> None:
+        """n counts the request's draft tokens (engine_core/speculative.py) too: each is one more decode row. sample:
+        by default, whether the entry reaches the request's last token."""
         self.requests.append(req)
         self.num_new_tokens.append(n)
-        self.sample.append(req.num_computed_tokens + n - len(req.draft_token_ids) == req.num_tokens)
+        self.ahead.append(ahead)
+        if sample is None:
+            sample = req.num_computed_tokens + ahead + n - len(req.draft_token_ids) == req.num_tokens
+        self.sample.append(sample)
+
+    def start(self, i: int) -> int:
+        """The position entry i starts at."""
+        return self.requests[i].num_computed_tokens + self.ahead[i]
+
+    def decodes(self, i: int) -> bool:
+        """Whether entry i's positions are outputs (Request.decoding, as of this step)."""
+        return self.start(i) >= self.requests[i].num_prompt_tokens
+
+    def in_flight_input(self, i: int) -> bool:
+        """Whether entry i's input is the token that the step in flight samples, on the device only."""
+        return self.start(i) == self.requests[i].num_tokens
+
+    def part(self, rows: slice) -> SchedulerOutput:
+        return SchedulerOutput(self.requests[rows], self.num_new_tokens[rows], self.sample[rows], self.ahead[rows])
 
     def put_decodes_first(self) -> None:
-        order = sorted(range(len(self.requests)), key=lambda i: not self.requests[i].decoding)
-        self.requests = [self.requests[i] for i in order]
-        self.num_new_tokens = [self.num_new_tokens[i] for i in order]
-        self.sample = [self.sample[i] for i in order]
+        order = sorted(range(len(self.requests)), key=lambda i: not self.decodes(i))
+        for name in ("requests", "num_new_tokens", "sample", "ahead"):
+            values = getattr(self, name)
+            setattr(self, name, [values[i] for i in order])
 
 
 @dataclass

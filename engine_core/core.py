@@ -145,8 +145,7 @@ class EngineCore:
         failed: list[EngineOutput] = []
         for half in (slice(None, mid), slice(mid, None)):
             # A slice of a decodes-first batch is still decodes-first.
-            part = SchedulerOutput(sched.requests[half], sched.num_new_tokens[half], sched.sample[half])
-            part_ran, part_failed = self._execute_isolating(part)
+            part_ran, part_failed = self._execute_isolating(sched.part(half))
             ran += part_ran
             failed += part_failed
         return ran, failed

@@ -77,8 +77,7 @@ class DecodeGraphs:
         if not self.mixed or out.total_tokens > self.max_batch:
             return False
         # Row p of a chunk starting at s reads p + 1 tokens' K/V: n * s + n * (n + 1) / 2 for the chunk.
-        reads = sum(n * r.num_computed_tokens + n * (n + 1) // 2
-                    for r, n in zip(out.requests, out.num_new_tokens, strict=True) if not r.decoding)  # fmt: skip
+        reads = sum(n * out.start(i) + n * (n + 1) // 2 for i, n in enumerate(out.num_new_tokens) if not out.decodes(i))
         return reads * kv_bytes_per_token <= PROMPT_ROWS_KV_BYTES
 
     def fits(self, num_decodes: int, meta: AttentionMetadata) -> bool:

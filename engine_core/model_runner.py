@@ -175,10 +175,9 @@ class ModelRunner:
     def padded_size(self, num_tokens: int) -> int:
         return padded_size(num_tokens, self.min_rows)
 
-    def _prepare(self, out: SchedulerOutput, in_flight: list[int] | None = None,
-                 ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:  # fmt: skip
-        """in_flight[i]: tokens of entry i in the step still on the device (InFlight). Such an entry is one decode
-        row, that many positions past its computed tokens, whose input id is left 0 here for launch() to fill.
+    def _prepare(self, out: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
+        """An entry whose input is a token still in flight (SchedulerOutput.in_flight_input) gets input id 0 here,
+        for launch() to fill on the device.
 
         A step that fits the largest decode graph puts prompt tokens in decode rows too: each attends to the keys
         up to its own position, as a draft's row does, which is causal attention over the chunk and the cache
@@ -196,18 +195,17 @@ class ModelRunner:
         decode_tables: list[list[int]] = []
         decode_lens: list[int] = []
         for i, (req, n, sample) in enumerate(zip(out.requests, out.num_new_tokens, out.sample, strict=True)):
-            ahead = in_flight[i] if in_flight else 0
-            start = req.num_computed_tokens + ahead
+            start = out.start(i)
             end = start + n
             drafts = req.draft_token_ids
-            if req.decoding or ahead or as_decode_rows:  # decode rows: each attends to the keys up to its position
+            if as_decode_rows or out.decodes(i):  # decode rows: each attends to the keys up to its position
                 for p in range(start, end):
                     decode_tables.append(req.block_ids[: p // bs + 1])
                     decode_lens.append(p + 1)
             else:
                 block_ids = to_device(req.block_ids[: (end + bs - 1) // bs], self.device, torch.long)
                 prefills.append(PrefillChunk(len(ids), n, end, block_ids))
-            if ahead:
+            if out.in_flight_input(i):
                 ids.append(0)
             else:
                 ids += [req.token_ids[start], *drafts] if drafts else req.token_ids[start:end]
@@ -243,27 +241,32 @@ class ModelRunner:
 
     @torch.inference_mode()
     def launch(self, out: SchedulerOutput, prev: InFlight | None = None) -> InFlight:
-        """A step of plain rows (engine_core/overlap.py), sampled on the device and not waited for: every entry is
-        sampled once. With prev, an entry of a request in prev is one decode row whose input is the token prev
-        sampled for it, taken on the device (prev need not have finished); the others are whole prompts."""
+        """A step of plain requests (engine_core/overlap.py), sampled on the device and not waited for. With prev,
+        an entry whose input is prev's token for its request (SchedulerOutput.in_flight_input) takes it on the
+        device; prev need not have finished."""
         started = time.perf_counter()
-        assert all(out.sample)
-        flown = prev.sched if prev is not None else SchedulerOutput()
-        flying = {id(r): (i, n) for i, (r, n) in enumerate(zip(flown.requests, flown.num_new_tokens, strict=True))}
-        in_flight = [flying.get(id(r), (0, 0))[1] for r in out.requests]
-        input_ids, positions, meta, sample_idx = self._prepare(out, in_flight)
+        input_ids, positions, meta, sample_idx = self._prepare(out)
         firsts = list(itertools.accumulate(out.num_new_tokens[:-1], initial=0))  # each entry's first row
-        taken = [(row, flying[id(r)][0]) for row, r, n in zip(firsts, out.requests, in_flight, strict=True) if n]
-        if taken:
+        fed = [i for i in range(len(out.requests)) if out.in_flight_input(i)]
+        if fed:
             assert prev is not None
-            rows, sources = (to_device(list(x), self.device, torch.long) for x in zip(*taken, strict=True))
+            sampled_before = [id(r) for r, s in zip(prev.sched.requests, prev.sched.sample, strict=True) if s]
+            source = {r: k for k, r in enumerate(sampled_before)}  # prev's tokens: one per sampled entry
+            rows = to_device([firsts[i] for i in fed], self.device, torch.long)
+            sources = to_device([source[id(out.requests[i])] for i in fed], self.device, torch.long)
             input_ids[rows] = prev.tokens[sources]
+        hidden = self._forward(input_ids, positions, meta)
+        sampled_entries = [i for i, s in enumerate(out.sample) if s]
+        if not sampled_entries:  # chunks of prompts only
+            return InFlight.start(out, torch.empty(0, dtype=torch.long, device=self.device), None, started)
+        requests = [out.requests[i] for i in sampled_entries]
         # Processors (penalties, min_tokens) count a token in flight as an output: each entry's first input id.
-        processed = taken and any(needs_processing(r.params) for r in out.requests)
-        tokens_in_flight = input_ids[to_device(firsts, self.device, torch.long)] if processed else None
-        logits = self._logits(self._forward(input_ids, positions, meta), sample_idx)
-        offsets = [1 if n else 0 for n in in_flight]  # seeded draws: the output position, past a token in flight
-        sampled, logprobs = self.sampler.sample_on_device(logits, out.requests, offsets, tokens_in_flight)
+        processed = bool(fed) and any(needs_processing(r.params) for r in requests)
+        first_rows = to_device([firsts[i] for i in sampled_entries], self.device, torch.long) if processed else None
+        tokens_in_flight = input_ids[first_rows] if first_rows is not None else None
+        offsets = [int(out.in_flight_input(i)) for i in sampled_entries]  # seeded draws: the output position
+        logits = self._logits(hidden, sample_idx)
+        sampled, logprobs = self.sampler.sample_on_device(logits, requests, offsets, tokens_in_flight)
         return InFlight.start(out, sampled, logprobs, started)
 
     @torch.inference_mode()

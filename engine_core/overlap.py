@@ -1,24 +1,26 @@
-"""Overlapped decode: the host schedules and launches decode step N+1 before it reads step N's tokens back, and does
-step N's bookkeeping (stop checks, outputs, freeing) while the GPU runs N+1. A synchronous step leaves the GPU idle
-while the host works, which at a 1B model's batch of 256 was half of every step.
+"""Overlapped steps: the host schedules and launches step N+1 before it reads step N's tokens back, and does step
+N's bookkeeping (stop checks, outputs, freeing) while the GPU runs N+1. A synchronous step leaves the GPU idle while
+the host works, which at a 1B model's batch of 256 was half of every step.
 
-Step N+1 holds the requests of step N that may go on, each one position further: its input token is the one step N
-sampled, taken on the device (ModelRunner.launch), its KV slot allocated ahead. A request that step N finishes (an
-EOS, an abort) has a row in N+1 whose token is dropped (its update skips finished requests) and whose KV write
-lands past its last registered block, in blocks it no longer holds: any later holder's writes queue after it on the
-stream. Requests known to end with the token in flight (their max_tokens or the context length) get no row.
+Step N+1 holds the requests of step N that may go on, each where N leaves it (SchedulerOutput.ahead: N's tokens,
+which N's update has not counted yet). One that N samples gets one decode row whose input is that token, taken on
+the device (ModelRunner.launch), its KV slot allocated ahead. One that N does not sample (a prompt chunked to the
+budget) gets its next chunk, whose tokens are on the host. A request that step N finishes (an EOS, an abort) has a
+row in N+1 whose token is dropped (its update skips finished requests) and whose KV write lands past its last
+registered block, in blocks it no longer holds: any later holder's writes queue after it on the stream. Requests
+known to end with the token in flight (their max_tokens or the context length) get no row.
 
-Step N+1 also admits waiting requests whose whole prompt fits beside those rows: their prompt tokens are on the host
-already, and the token each one samples in N+1 feeds its first decode row in N+2 the same way (that row starts
-the in-flight prompt's length past num_computed_tokens). Under continuous arrivals most steps admit someone, so this
-is what keeps serving overlapped.
+Step N+1 then admits waiting requests as the synchronous scheduler does (Scheduler.admit_waiting), their first
+chunk cut to the budget left; a preempted or resumed request computes its prompt, then its outputs, in chunks of
+later steps the same way. Under continuous arrivals most steps admit someone, so this is what keeps serving
+overlapped.
 
 Only plain requests take this path: nothing that needs the sampled tokens on the host before the next step can
 be built (grammars, bad_words, prompt logprobs, drafts). Penalties and min_tokens take it (the sampler counts
 each row's token in flight as its last output, reading it on the device), and so do logprobs, read back with the
-tokens. A prompt chunked over several steps, or a waiting request that is not plain, sends the engine back to
-synchronous steps, which admit it as before; the pipeline starts again from the first synchronously scheduled step
-whose every entry is sampled once.
+tokens. A waiting request that is not plain, or KV blocks that run short (someone must be preempted), sends the
+engine back to synchronous steps; the pipeline starts again from the first synchronously scheduled step of plain
+requests only.
 """
 
 from __future__ import annotations
@@ -62,11 +64,8 @@ class DecodePipeline:
         self.inflight: InFlight | None = None
 
     def try_launch(self, sched: SchedulerOutput) -> bool:
-        """Launches a step of plain requests, each sampled once (a one-token decode or the rest of a prompt),
-        without waiting for it; False: run it synchronously."""
-        entries = zip(sched.requests, sched.num_new_tokens, sched.sample, strict=True)
-        if not all(sample and plain(r) and not r.draft_token_ids and (n == 1 or not r.decoding)
-                   for r, n, sample in entries):  # fmt: skip
+        """Launches a step of plain requests without waiting for it; False: run it synchronously."""
+        if not all(plain(r) and not r.draft_token_ids for r in sched.requests):
             return False
         try:
             self.inflight = self.runner.launch(sched)
@@ -90,39 +89,34 @@ class DecodePipeline:
         return prev.sched, sampled
 
     def _lookahead(self, prev: SchedulerOutput) -> SchedulerOutput | None:
-        """Step N+1 from step N: its requests that may go on, each allocated one slot past its tokens in flight, then
-        the waiting requests it can admit. None: the synchronous path schedules the next step."""
+        """Step N+1 from step N: N's requests that may go on, decode rows first, then the next chunks of prompts, each
+        allocated past its tokens in flight; then the waiting requests it can admit. None: the synchronous path
+        schedules the next step."""
         s = self.scheduler
         if s.gated:  # constrained requests waiting for their grammar: the synchronous path releases them
             return None
         following = SchedulerOutput()
-        for req, n in zip(prev.requests, prev.num_new_tokens, strict=True):
-            if req.finished or req.num_output_tokens + 1 >= req.params.max_tokens:
-                continue  # ended, or ends with the token in flight
-            if req.num_tokens + 1 >= self.max_model_len:
+        budget = s.max_num_batched_tokens
+        entries = list(zip(prev.requests, prev.num_new_tokens, prev.sample, strict=True))
+        for req, n, sampled in [e for e in entries if e[2]] + [e for e in entries if not e[2]]:
+            if req.finished:
                 continue
-            # Slots up to the in-flight token's position: allocate_slots counts from num_computed_tokens, which
-            # does not include step N's n tokens until its update.
-            if not s.kv.allocate_slots(req, n + 1):
+            if sampled:  # one decode row, its input the token N samples
+                if req.num_output_tokens + 1 >= req.params.max_tokens or req.num_tokens + 1 >= self.max_model_len:
+                    continue  # ends with the token in flight
+                m = 1
+            elif (m := req.next_chunk(budget, req.num_computed_tokens + n)) == 0:
+                return None  # no budget left for its next chunk: the synchronous path decides who waits
+            # allocate_slots counts from num_computed_tokens, which does not include N's n tokens until its update.
+            if not s.kv.allocate_slots(req, n + m):
                 return None  # memory is short: the synchronous path decides whom to preempt
-            following.requests.append(req)
-            following.num_new_tokens.append(1)
-            following.sample.append(True)
-        if not self._admit_whole_prompts(following):
-            return None
-        return following if following.requests else None
-
-    def _admit_whole_prompts(self, following: SchedulerOutput) -> bool:
-        """Admits waiting requests, in queue order, while seats, the budget left and free blocks last, each in one
-        chunk of all its tokens. False: the first in the queue that fits needs the synchronous path (not plain, a
-        prompt longer than the budget left, which takes chunks over several steps, or a preempted or resumed
-        request, whose prompt and outputs are computed in separate steps: Request.next_chunk). One that does not
-        fit waits as it would in the synchronous path, which admits nobody past it either."""
-        s = self.scheduler
+            following.add(req, m, ahead=n, sample=True if sampled else None)
+            budget -= m
         if s.waiting:  # seats of requests finished since (the scheduler drops them lazily, when it schedules)
             s.running = [r for r in s.running if not r.finished]
-
-        def whole(req: Request, end: int) -> bool:  # its first chunk is all its tokens: sampled at its end
-            return plain(req) and end == req.num_tokens
-
-        return s.admit_waiting(following, s.max_num_batched_tokens - following.total_tokens, whole)
+        # The first in the queue that is not plain needs the synchronous path; one that does not fit waits, as it
+        # would there.
+        if not s.admit_waiting(following, budget, plain):
+            return None
+        following.put_decodes_first()  # a resumed request may start with its outputs, past its cached prompt
+        return following if following.requests else None

@@ -127,10 +127,9 @@ class Scheduler:
         if self.num_preempted == preempted_before:
             self.admit_waiting(out, budget)
 
-    def admit_waiting(self, out: SchedulerOutput, budget: int, takes: Callable[[Request, int], bool] | None = None,
-                      ) -> bool:  # fmt: skip
-        """Queued requests in order while budget, seats and blocks last. `takes(req, end)` is asked of each one whose
-        first chunk fits now (it would compute up to token `end`); False where it refuses."""
+    def admit_waiting(self, out: SchedulerOutput, budget: int, takes: Callable[[Request], bool] | None = None) -> bool:
+        """Queued requests in order while budget, seats and blocks last. `takes(req)` is asked of each one whose first
+        chunk fits now; False where it refuses."""
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[0][1]
             if req.finished:
@@ -139,7 +138,7 @@ class Scheduler:
             hits, n = self._first_chunk(req, budget)
             if not self.kv.can_allocate(req, n, hits):
                 break
-            if takes is not None and not takes(req, len(hits) * self.kv.block_size + n):
+            if takes is not None and not takes(req):
                 return False
             self._admit(req, hits, n)
             heapq.heappop(self.waiting)

@@ -149,6 +149,7 @@ def drive(mode: str, model: str, reqs: list[EngineRequest], abort_at: dict[int, 
 
         def counting(out, prev=None):
             nonlocal chained, admitted
+            assert out.total_tokens <= core.scheduler.max_num_batched_tokens, "a launched step over the budget"
             chained += prev is not None
             if prev is not None:  # whole prompts admitted into a step launched while another was in flight
                 admitted += len({id(r) for r in out.requests} - {id(r) for r in prev.sched.requests})
@@ -178,6 +179,7 @@ def drive(mode: str, model: str, reqs: list[EngineRequest], abort_at: dict[int, 
                 reasons[out.request_id] = out.finish_reason
         core.kv.check_integrity(list(core.scheduler.requests.values()))
         step += 1
+        assert step < 5000, "the engine stopped making progress"  # these workloads take a few hundred steps
     assert core.kv.pool.num_free == core.kv.num_blocks, "blocks leaked"
     assert not failures, f"overlapped launches failed: {failures}"
     assert set(reasons) | set((abort_at or {}).values()) == set(tokens), "a request never finished"

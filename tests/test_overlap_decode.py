@@ -5,10 +5,14 @@ once, so these tests check the bookkeeping; the overlap itself pays on CUDA (ben
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import msgspec
 import pytest
 
+from common.config import EngineConfig
 from common.messages import EngineRequest, SamplingParams
+from engine_core.core import EngineCore
 from tests.engine_helpers import drive, save_tiny_llama
 
 STOPS = list(range(40, 70))  # frequent enough in a random model's output that many requests stop early
@@ -40,9 +44,8 @@ def test_same_tokens_and_finishes_as_synchronous_steps(tiny_dir) -> None:
 
 
 def test_requests_admitted_while_a_step_is_in_flight(tiny_dir) -> None:
-    """A request that arrives while a step is in flight joins the next launched step when its whole prompt fits
-    the budget left, prefix-cache hits included; a longer prompt sends the engine back to synchronous steps, which
-    chunk it. Either way: the synchronous engine's tokens and finish reasons."""
+    """A request that arrives while a step is in flight joins the next launched step, prefix-cache hits included,
+    with the synchronous engine's tokens and finish reasons."""
     shared = [(5 * j) % 250 + 4 for j in range(32)]  # eight blocks of 4: later prompts hit the prefix cache
     reqs = [EngineRequest(r.request_id, shared + r.prompt_token_ids, r.params) for r in requests(12)]
     configs = (({"block_size": 4}, 8), ({"block_size": 4, "max_num_batched_tokens": 64}, 1),
@@ -102,11 +105,42 @@ def test_logprobs_are_read_back_with_the_tokens(tiny_dir) -> None:
                     [v for row in b.top_logprobs for v in row], abs=1e-4), rid
 
 
-def test_preempted_and_resumed_requests_go_through_the_synchronous_path(tiny_dir) -> None:
+def counting_synchronous_steps(counts: dict[str, int]) -> Callable[[EngineCore], None]:
+    """A `drive` hook that counts the steps the engine executes synchronously in counts["sync"]."""
+
+    def prepare(core: EngineCore) -> None:
+        execute = core.runner.execute
+
+        def counted(out):
+            counts["sync"] += 1
+            return execute(out)
+
+        core.runner.execute = counted  # type: ignore[method-assign]
+
+    return prepare
+
+
+def test_prompts_longer_than_the_budget_are_chunked_in_launched_steps(tiny_dir) -> None:
+    """Prompts of 18 to 315 tokens under budgets of 32 and 64: each chunk after the first is launched while the one
+    before is in flight, starting past it, beside the decodes, its tokens from the host; the last one is sampled and
+    feeds the request's first decode row. No step runs synchronously, and the tokens and finish reasons are the
+    synchronous engine's."""
+    reqs = [EngineRequest(r.request_id, r.prompt_token_ids * 3, r.params) for r in requests(12)]
+    assert max(len(r.prompt_token_ids) for r in reqs) > 4 * 64
+    for kw in ({"max_num_batched_tokens": 32}, {"max_num_batched_tokens": 64, "max_num_seqs": 4}):
+        sync_tokens, sync_reasons, _, _ = drive("off", tiny_dir, reqs, block_size=4, **kw)
+        counts = {"sync": 0}
+        tokens, reasons, chained, _ = drive("on", tiny_dir, reqs, prepare=counting_synchronous_steps(counts),
+                                            block_size=4, **kw)  # fmt: skip
+        assert counts["sync"] == 0 and chained > 100, (kw, counts, chained)
+        assert tokens == sync_tokens and reasons == sync_reasons, kw
+
+
+def test_preempted_and_resumed_requests_are_recomputed_in_launched_steps(tiny_dir) -> None:
     """A request with outputs already (preempted, or resumed after an engine restart) computes its prompt and then its
-    outputs in separate steps, so no step can sample it after one chunk: the lookahead leaves it to the synchronous
-    path once it fits, and stays overlapped while it waits for blocks. No launch fails (drive checks), the tokens
-    are the synchronous engine's, and the overlap went on around the waits."""
+    outputs in separate chunks, in launched steps like any other. Memory that runs short sends the lookahead back to
+    the synchronous scheduler, which preempts; the step it schedules is launched too. The tokens are the synchronous
+    engine's, no step executes synchronously, and no launch fails (drive checks)."""
     prompt = lambda i: [(7 * j + i) % 250 + 4 for j in range(8)]  # noqa: E731
     greedy = lambda n: SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)  # noqa: E731
     reqs = [EngineRequest(f"r{i}", prompt(i), greedy(n)) for i, n in enumerate((20, 40, 40, 10))]
@@ -115,11 +149,46 @@ def test_preempted_and_resumed_requests_go_through_the_synchronous_path(tiny_dir
     for num_kv_blocks in (12, 16, 20):
         kw = {"max_model_len": 48, "num_kv_blocks": num_kv_blocks, "block_size": 4}
         sync_tokens, sync_reasons, _, _ = drive("off", tiny_dir, reqs, **kw)
-        tokens, reasons, chained, (preempted, _, _) = drive("on", tiny_dir, reqs, **kw)
-        assert preempted > 0, num_kv_blocks
+        counts = {"sync": 0}
+        prepare = counting_synchronous_steps(counts)
+        tokens, reasons, chained, (preempted, _, _) = drive("on", tiny_dir, reqs, prepare=prepare, **kw)
+        assert preempted > 0 and counts["sync"] == 0, (num_kv_blocks, counts)
         assert tokens == sync_tokens and reasons == sync_reasons, num_kv_blocks
         launches += chained
-    assert launches > 160  # 177; going synchronous whenever such a request heads the queue gives 144
+    assert launches > 185  # 196; 177 when such requests were left to synchronous steps
+
+
+def test_a_request_whose_cached_prefix_reaches_past_its_prompt_starts_with_decode_rows(tiny_dir) -> None:
+    """A resumed request whose prompt and first outputs are all in the prefix cache computes only its last outputs,
+    as decode rows. Admitted into a launched step after a fresh prompt, it goes before it: decode rows come first.
+    It goes on as the request that cached them did, and as in the synchronous engine."""
+    greedy = lambda n: SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)  # noqa: E731
+    prompt = [(7 * j) % 250 + 4 for j in range(8)]
+    results = {}
+    for mode in ("off", "on"):
+        core = EngineCore(EngineConfig(model=tiny_dir, dtype="float32", block_size=4, overlap_decode=mode))
+        first = step_until_done(core, [EngineRequest("first", prompt, greedy(20))])["first"]
+        core.add_request(EngineRequest("running", [9, 8, 7, 6, 5], greedy(30)))
+        early = [t for _ in range(2) for out in core.step() for t in out.new_token_ids]  # the overlap is in flight
+        resumed = EngineRequest("resumed", prompt, greedy(20), output_token_ids=first[:12])
+        results[mode] = step_until_done(core, [EngineRequest("fresh", [11, 12, 13], greedy(6)), resumed])
+        results[mode]["running"][:0] = early
+        assert results[mode]["resumed"] == first[12:], mode
+        assert core.kv.pool.num_free == core.kv.num_blocks
+        if mode == "on":
+            assert core.scheduler.prefix_hits == 16  # the resumed request's prompt and first outputs
+    assert results["on"] == results["off"]
+
+
+def step_until_done(core: EngineCore, reqs: list[EngineRequest]) -> dict[str, list[int]]:
+    tokens: dict[str, list[int]] = {r.request_id: [] for r in reqs}
+    for r in reqs:
+        core.add_request(r)
+    while core.has_work:
+        for out in core.step():
+            tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+        core.kv.check_integrity(list(core.scheduler.requests.values()))
+    return tokens
 
 
 def test_penalties_min_tokens_and_biases_run_beside_a_token_in_flight(tiny_dir) -> None:
