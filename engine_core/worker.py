@@ -69,7 +69,8 @@ def main() -> int:
 
     from common.model_source import resolve_model
     from engine_core import distributed, rendezvous
-    from engine_core.model_runner import ModelRunner, pick_device, pick_dtype
+    from engine_core.device import pick_device, pick_dtype
+    from engine_core.model_runner import ModelRunner
     from engine_core.tp_procs import layout
 
     shape = layout(config)

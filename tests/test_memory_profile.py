@@ -13,6 +13,7 @@ from common.config import EngineConfig
 from common.messages import EngineRequest, SamplingParams
 from engine_core import memory_profile
 from engine_core.core import EngineCore
+from engine_core.device import padded_size, step_token_budget
 from engine_core.memory_profile import (
     GiB,
     GpuMemory,
@@ -22,7 +23,6 @@ from engine_core.memory_profile import (
     gpu_kv_blocks,
     kv_budget,
 )
-from engine_core.model_runner import padded_size, step_token_budget
 from tests.conftest import Server
 from tests.engine_helpers import run_engine, tokens_of
 

@@ -9,7 +9,7 @@ from torch import nn
 
 from engine_core.core import EngineCore
 from engine_core.cpu_kernels import cpu_kernels
-from engine_core.model_runner import padded_size
+from engine_core.device import padded_size
 from engine_core.models.quant import Int8Linear, dequantize, prepare_linears, quantize_groups
 from tests.engine_helpers import fp32_config, greedy_request, mixed_prompts, run_engine
 

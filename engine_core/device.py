@@ -1,0 +1,70 @@
+"""Where and how the engine computes: the device, the dtype, the step budget, the CPU process's threads and heap, and
+the padded row counts of a step."""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import os
+from pathlib import Path
+
+import torch
+
+
+def padded_size(num_tokens: int, min_rows: int = 8) -> int:
+    """A step's token count rounded up, so that few distinct matmul shapes occur: oneDNN builds a kernel per
+    shape (about 1 ms per linear the first time), and with continuous batching the count changes every step.
+    Below 8, a power of two no smaller than min_rows (see prepare_linears): a single stream's decode reads the
+    weights for one or two rows, not eight. min_rows 1 means our CPU matmul kernels, which build nothing per
+    shape and cost the same per row at any count: no padding (it would only add rows, up to 63 of a prefill)."""
+    if min_rows == 1:
+        return num_tokens
+    if 0 < num_tokens < 8:
+        return max(min_rows, 1 << (num_tokens - 1).bit_length())
+    multiple = 8 if num_tokens <= 256 else 64
+    return -(-num_tokens // multiple) * multiple
+
+
+def pick_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def step_token_budget(configured: int | None, device: torch.device) -> int:
+    """--max-num-batched-tokens, or vLLM's server default: 8192 on a GPU of 70 GiB or more other than an A100 (fewer,
+    larger prefill steps; vLLM measured an A100 slower with them), 2048 elsewhere."""
+    if configured is not None:
+        return configured
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        if props.total_memory >= 70 * 2**30 and "a100" not in props.name.lower():
+            return 8192
+    return 2048
+
+
+def cpu_has_bf16() -> bool:
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def pick_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" or cpu_has_bf16() else torch.float32
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+
+
+def tune_cpu_process(num_threads: int | None) -> None:
+    # One thread per core we may run on; more would fight the socket threads for the same cores.
+    torch.set_num_threads(num_threads or len(os.sched_getaffinity(0)))
+    # Keep freed step-sized temporaries in the heap. By default glibc hands blocks above its mmap threshold back
+    # to the kernel, and every step page-faults them in again: a 2048-token prefill took 1.1 s instead of 0.8 s.
+    libc_name = ctypes.util.find_library("c")
+    libc = ctypes.CDLL(libc_name) if libc_name else None
+    if libc is not None and hasattr(libc, "mallopt"):  # glibc
+        m_trim_threshold, m_mmap_threshold = -1, -3
+        libc.mallopt(m_mmap_threshold, 32 * 2**20)  # glibc's largest allowed value
+        libc.mallopt(m_trim_threshold, 2**30)
