@@ -20,6 +20,8 @@
 #                    --no-mixed-step-graphs: steps with prompt tokens replayed from graphs against eager
 #   serve-penalty    serve-1b with Qwen2.5's repetition penalty 1.05 on every request (as its generation config
 #                    gives it), which now keeps the overlap: against serve-1b's figure
+#   serve-json       serve-1b with every request constrained to a JSON object (response_format json_object),
+#                    whose rows are sampled after the update of the step before: against serve-1b's figure
 #   parity-135m      fp32 greedy against HF generate with CUDA graphs on, seeded draws alone vs in batches
 #   gpu-tests        the test files that run on CUDA without the default model (no GGUF needed)
 #   tests-1, tests-2 the test suite in two halves (needs the default model: gguf-a and gguf-b first)
@@ -122,6 +124,7 @@ step() {
         offline-135m) model smollm2-135m && python3 -m bench.gpu --model "$MODELS/smollm2-135m" --num-prompts 512 \
                           $BOUND --hf-batch-sizes 256,512 --result-json "$OUT/gpu_smollm2-135m.json" ;;
         serve-penalty) TAG=-penalty SERVE_FLAGS='--override-generation-config {"repetition_penalty":1.05}' serve_1b ;;
+        serve-json) TAG=-json BENCH_FLAGS='--extra-body {"response_format":{"type":"json_object"}}' serve_1b ;;
         parity-135m) model smollm2-135m && python3 -m bench.gpu_parity --model "$MODELS/smollm2-135m" \
                          --result-json "$OUT/gpu_parity_smollm2-135m.json" ;;
         gpu-tests) python3 -m pytest -q -p no:cacheprovider -n 4 -k "not launch_prints" tests/test_triton_kernels.py \

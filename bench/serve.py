@@ -115,7 +115,7 @@ def request_body(args: argparse.Namespace, model: str, req: BenchRequest) -> dic
     for name in ("top_p", "top_k", "min_p"):  # as vLLM's client: sent only when given
         if getattr(args, name) is not None:
             body[name] = getattr(args, name)
-    return body
+    return {**body, **(args.extra_body or {})}
 
 
 async def send_request(session: aiohttp.ClientSession, url: str, body: dict[str, Any]) -> RequestResult:
@@ -274,6 +274,8 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     a("--num-warmups", type=int, default=1, help="unmeasured requests of the workload's shape before each run")
     a("--timeout", type=float, default=600.0, help="seconds per request")
     a("--seed", type=int, default=0)
+    a("--extra-body", type=json.loads, default=None,
+      help='JSON fields merged into every request, e.g. \'{"response_format": {"type": "json_object"}}\'')
     a("--disable-tqdm", action="store_true")
 
 

@@ -96,28 +96,30 @@ def _to_pinned(t: torch.Tensor | None) -> torch.Tensor | None:
 
 @dataclass
 class InFlight:
-    """A launched decode step whose tokens are still being computed (engine_core/overlap.py)."""
+    """A launched step whose tokens are still being computed (engine_core/overlap.py)."""
 
     sched: SchedulerOutput
-    tokens: torch.Tensor  # [n] sampled token ids, on the device
-    host: torch.Tensor  # their copy in pinned host memory, valid once `done` has passed
-    logprobs: LogprobRows | None  # the rows' logprobs, on the host as `host` is; None where no row asked
-    done: torch.cuda.Event | None  # None on the CPU, where the step ran synchronously
     started: float  # perf_counter at launch
+    # The sampled rows' logits while their sampling waits for the update of the step before (ModelRunner.sample_late)
+    logits: torch.Tensor | None = None
+    tokens: torch.Tensor | None = None  # [n] sampled token ids, on the device
+    host: torch.Tensor | None = None  # their copy in pinned host memory, valid once `done` has passed
+    logprobs: LogprobRows | None = None  # the rows' logprobs, on the host as `host` is; None where no row asked
+    done: torch.cuda.Event | None = None  # None on the CPU, where the step ran synchronously
 
-    @staticmethod
-    def start(sched: SchedulerOutput, tokens: torch.Tensor, logprobs: LogprobRows | None, started: float,
-              ) -> InFlight:  # fmt: skip
+    def record(self, tokens: torch.Tensor, logprobs: LogprobRows | None) -> None:
+        """Takes the sampled tokens: their copies to the host are queued, and an event marks when they are there."""
+        self.logits, self.tokens = None, tokens
         if tokens.device.type != "cuda":
-            return InFlight(sched, tokens, tokens, logprobs, None, started)
-        host, logprobs = _to_pinned(tokens), logprobs.to_host() if logprobs is not None else None
-        done = torch.cuda.Event()
-        done.record()
-        assert host is not None
-        return InFlight(sched, tokens, host, logprobs, done, started)
+            self.host, self.logprobs = tokens, logprobs
+            return
+        self.host, self.logprobs = _to_pinned(tokens), logprobs.to_host() if logprobs is not None else None
+        self.done = torch.cuda.Event()
+        self.done.record()
 
     def result(self) -> SampledTokens:
         """Waits for the step's tokens (the only wait of an overlapped step)."""
+        assert self.host is not None, "a step whose sampling never ran"
         if self.done is not None:
             self.done.synchronize()
         logprobs = self.logprobs.to_lists() if self.logprobs is not None else [None] * len(self.sched.requests)

@@ -108,10 +108,10 @@ class EngineCore:
             if not self.scheduler.has_work:
                 return outputs
             sched = self.scheduler.schedule()
-            outputs += self.scheduler.take_early_outputs()  # constrained requests whose grammar failed
             if not sched.requests or (self.pipeline is not None and self.pipeline.try_launch(sched)):
-                return outputs  # an overlapped step's tokens come with the next step
+                return outputs + self.scheduler.take_early_outputs()  # a launched step's tokens come with the next
             ran, failed = self._execute_isolating(sched)
+        outputs += self.scheduler.take_early_outputs()  # constrained requests whose grammar failed
         outputs += failed
         if before_update is not None:
             before_update()
@@ -125,6 +125,8 @@ class EngineCore:
                 log.exception("update failed")
                 made += self._fail(part.requests, f"engine update failed: {exc!r}", {o.request_id for o in made})
             outputs += made
+        if self.pipeline is not None:
+            self.pipeline.sample_late()
         self.last_step_time = time.perf_counter() - start
         return outputs
 

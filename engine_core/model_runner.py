@@ -23,7 +23,7 @@ from engine_core.models.cpu_decode import DecodeStack
 from engine_core.models.loader import load_model
 from engine_core.models.quant import prepare_linears
 from engine_core.prompt_logprobs import score_prompts, wants_prompt_logprobs
-from engine_core.sampler import Sampler, needs_processing
+from engine_core.sampler import Sampler, needs_processing, processes_beside_a_token_in_flight
 from engine_core.transfer import padded_rows, to_device
 
 
@@ -182,31 +182,45 @@ class ModelRunner:
     def launch(self, out: SchedulerOutput, prev: InFlight | None = None) -> InFlight:
         """A step of plain requests (engine_core/overlap.py), sampled on the device and not waited for. With prev,
         an entry whose input is prev's token for its request (SchedulerOutput.in_flight_input) takes it on the
-        device; prev need not have finished."""
+        device; prev need not have finished. Where a grammar or bad_words would read that token on the host, the
+        step's sampling waits for sample_late."""
         started = time.perf_counter()
         input_ids, positions, meta, sample_idx = self._prepare(out)
         firsts = list(itertools.accumulate(out.num_new_tokens[:-1], initial=0))  # each entry's first row
         fed = [i for i in range(len(out.requests)) if out.in_flight_input(i)]
         if fed:
-            assert prev is not None
+            assert prev is not None and prev.tokens is not None
             sampled_before = [id(r) for r, s in zip(prev.sched.requests, prev.sched.sample, strict=True) if s]
             source = {r: k for k, r in enumerate(sampled_before)}  # prev's tokens: one per sampled entry
             rows = to_device([firsts[i] for i in fed], self.device, torch.long)
             sources = to_device([source[id(out.requests[i])] for i in fed], self.device, torch.long)
             input_ids[rows] = prev.tokens[sources]
         hidden = self._forward(input_ids, positions, meta)
+        flight = InFlight(out, started)
         sampled_entries = [i for i, s in enumerate(out.sample) if s]
         if not sampled_entries:  # chunks of prompts only
-            return InFlight.start(out, torch.empty(0, dtype=torch.long, device=self.device), None, started)
+            flight.record(torch.empty(0, dtype=torch.long, device=self.device), None)
+            return flight
+        logits = self._logits(hidden, sample_idx)
+        if any(not processes_beside_a_token_in_flight(out.requests[i].params) for i in fed):
+            flight.logits = logits  # a grammar or bad_words reads prev's token on the host: sample_late
+            return flight
         requests = [out.requests[i] for i in sampled_entries]
         # Processors (penalties, min_tokens) count a token in flight as an output: each entry's first input id.
         processed = bool(fed) and any(needs_processing(r.params) for r in requests)
         first_rows = to_device([firsts[i] for i in sampled_entries], self.device, torch.long) if processed else None
         tokens_in_flight = input_ids[first_rows] if first_rows is not None else None
         offsets = [int(out.in_flight_input(i)) for i in sampled_entries]  # seeded draws: the output position
-        logits = self._logits(hidden, sample_idx)
-        sampled, logprobs = self.sampler.sample_on_device(logits, requests, offsets, tokens_in_flight)
-        return InFlight.start(out, sampled, logprobs, started)
+        flight.record(*self.sampler.sample_on_device(logits, requests, offsets, tokens_in_flight))
+        return flight
+
+    @torch.inference_mode()
+    def sample_late(self, flight: InFlight) -> None:
+        """Samples a launched step that waited for the update of the step before it: every request's tokens are on
+        the host now, as in a synchronous step."""
+        assert flight.logits is not None
+        requests = [r for r, s in zip(flight.sched.requests, flight.sched.sample, strict=True) if s]
+        flight.record(*self.sampler.sample_on_device(flight.logits, requests, [0] * len(requests)))
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> SampledTokens:

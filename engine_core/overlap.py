@@ -15,12 +15,13 @@ chunk cut to the budget left; a preempted or resumed request computes its prompt
 later steps the same way. Under continuous arrivals most steps admit someone, so this is what keeps serving
 overlapped.
 
-Only plain requests take this path: nothing that needs the sampled tokens on the host before the next step can
-be built (grammars, bad_words, prompt logprobs, drafts). Penalties and min_tokens take it (the sampler counts
-each row's token in flight as its last output, reading it on the device), and so do logprobs, read back with the
-tokens. A waiting request that is not plain, or KV blocks that run short (someone must be preempted), sends the
-engine back to synchronous steps; the pipeline starts again from the first synchronously scheduled step of plain
-requests only.
+Penalties and min_tokens run beside the token in flight (the sampler counts it as the row's last output, reading
+it on the device), and logprobs are read back with the tokens. A grammar's mask and bad_words need that token on
+the host: a step holding such a row is launched with its logits only, and sampled once the update of the step
+before has fed the token to the grammar (sample_late), so the host's bookkeeping still runs beside the forward.
+Prompt logprobs (read from a prompt's hidden states) and drafts keep a request off this path: a waiting request
+that asks for them, or KV blocks that run short (someone must be preempted), sends the engine back to synchronous
+steps; the pipeline starts again from the first synchronously scheduled step of plain requests only.
 """
 
 from __future__ import annotations
@@ -32,19 +33,15 @@ from common.config import EngineConfig
 from engine_core.batch import InFlight, SampledTokens, SchedulerOutput
 from engine_core.model_runner import ModelRunner
 from engine_core.request import Request
-from engine_core.sampler import processes_beside_a_token_in_flight
 from engine_core.scheduler import Scheduler
 
 log = logging.getLogger("roseinfer.overlap")
 
 
 def plain(req: Request) -> bool:
-    """Whose next step needs nothing of its sampled token but the token itself, on the device (penalties and
-    min_tokens read it there), and, for a prompt, nothing of its hidden states (prompt logprobs)."""
-    p = req.params
-    if req.grammar is not None or not processes_beside_a_token_in_flight(p):
-        return False
-    return req.decoding or p.prompt_logprobs is None
+    """Whose steps can be launched before the step before them is read back: all but a prompt that asks for its
+    prompt logprobs (the host accumulates them at each chunk). Drafts run synchronously too (DecodePipeline.build)."""
+    return req.decoding or req.params.prompt_logprobs is None
 
 
 class DecodePipeline:
@@ -88,13 +85,25 @@ class DecodePipeline:
         self.runner.last_forward_time = time.perf_counter() - prev.started
         return prev.sched, sampled
 
+    def sample_late(self) -> None:
+        """After the update of the step before: samples the step in flight if it waited for that (a grammar or
+        bad_words read the token the update appended)."""
+        flight = self.inflight
+        if flight is None or flight.logits is None:
+            return
+        try:
+            self.runner.sample_late(flight)
+        except Exception:  # its requests' state is untouched: the synchronous path runs them again
+            log.exception("sampling an overlapped step failed; going on synchronously")
+            self.inflight = None
+
     def _lookahead(self, prev: SchedulerOutput) -> SchedulerOutput | None:
         """Step N+1 from step N: N's requests that may go on, decode rows first, then the next chunks of prompts, each
         allocated past its tokens in flight; then the waiting requests it can admit. None: the synchronous path
         schedules the next step."""
         s = self.scheduler
-        if s.gated:  # constrained requests waiting for their grammar: the synchronous path releases them
-            return None
+        if s.gated:  # constrained requests whose grammar is ready join the queue (those that fail end at once)
+            s.release_gated()
         following = SchedulerOutput()
         budget = s.max_num_batched_tokens
         entries = list(zip(prev.requests, prev.num_new_tokens, prev.sample, strict=True))

@@ -83,7 +83,7 @@ class Scheduler:
         if self.speculator is not None:
             self.speculator.start_step(len(self.running))
         if self.gated:
-            self._release_gated()
+            self.release_gated()
         out = SchedulerOutput()
         if self.policy == "round-robin":
             self._schedule_round_robin(out)
@@ -92,7 +92,7 @@ class Scheduler:
         out.put_decodes_first()
         return out
 
-    def _release_gated(self) -> None:
+    def release_gated(self) -> None:
         """Constrained requests join the queue when their grammar is ready; nobody else waits for a compile."""
         ready, ended, self.gated = release(self.gated, wait=len(self.gated) == len(self.requests))
         for req in ready:

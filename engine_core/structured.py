@@ -158,9 +158,11 @@ _batch_matcher: Any = None
 
 
 def apply_masks(logits: torch.Tensor, raw: torch.Tensor, requests: list[Request]) -> None:
-    """Sets every token the grammar forbids to -inf, on the constrained rows only, all rows in one bitmask."""
+    """Sets every token the grammar forbids to -inf, on the constrained rows only, all rows in one bitmask. A request
+    that has finished (a step sampled after its last one's update: engine_core/overlap.py) is left alone: its
+    matcher may have terminated, and its token is dropped."""
     global _batch_matcher
-    rows = [i for i, r in enumerate(requests) if r.grammar is not None]
+    rows = [i for i, r in enumerate(requests) if r.grammar is not None and not r.finished]
     if not rows:
         return
     import xgrammar as xgr

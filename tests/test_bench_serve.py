@@ -126,6 +126,19 @@ def _is_number(x: object) -> bool:
     return isinstance(x, int | float) and not isinstance(x, bool) and math.isfinite(x)
 
 
+def test_request_body_takes_extra_fields() -> None:
+    """--extra-body merges its fields into every request, over the client's own (a constrained workload)."""
+    parser = argparse.ArgumentParser()
+    serve.add_args(parser)
+    fmt = {"type": "json_object"}
+    args = parser.parse_args(["--top-k", "5", "--extra-body", json.dumps({"response_format": fmt, "top_k": 7})])
+    body = serve.request_body(args, "m", serve.BenchRequest([1, 2, 3], 16))
+    assert body["response_format"] == fmt and body["top_k"] == 7 and body["prompt"] == [1, 2, 3]
+    assert body["max_tokens"] == 16 and body["stream"] is True
+    plain = serve.request_body(parser.parse_args([]), "m", serve.BenchRequest([1], 4))
+    assert "response_format" not in plain and "top_k" not in plain
+
+
 def test_serve_cli_sweep_json_and_plot(server_url: str, tmp_path: Path) -> None:
     out, png = tmp_path / "result.json", tmp_path / "plot.png"
     cmd = [sys.executable, "-m", "bench.serve", "--base-url", server_url, "--num-prompts", "8", "--input-len", "32",

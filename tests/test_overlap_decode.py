@@ -74,12 +74,35 @@ def test_length_limits_preemption_and_aborts(tiny_dir) -> None:
             assert tokens[rid] == want and reasons[rid] == sync_reasons[rid], rid
 
 
-def test_requests_that_need_their_tokens_on_the_host_run_synchronously(tiny_dir) -> None:
-    """bad_words needs the sampled token on the host before the next step can be built: no overlap."""
-    reqs = requests(6, bad_words=[[7, 9], [12]])
-    tokens, reasons, chained, _ = drive("on", tiny_dir, reqs)
-    assert chained == 0
-    assert (tokens, reasons) == drive("off", tiny_dir, reqs)[:2]
+def test_bad_words_read_the_token_in_flight_once_its_update_is_done(tiny_dir) -> None:
+    """bad_words ban a token after the outputs that end a word's head, which the host must know: a step whose row
+    follows a token in flight is launched with its logits only and sampled after the update of the step before
+    (ModelRunner.sample_late). Each request bans a bigram of its own output without the ban, so the ban changes it;
+    the tokens are the synchronous engine's, with the overlap taken."""
+    unbanned = requests(8, stops=False)
+    free_tokens = drive("off", tiny_dir, unbanned)[0]
+    reqs = []
+    for r in unbanned:
+        out = free_tokens[r.request_id]
+        words = [out[k : k + 2] for k in range(2, len(out) - 1, 6)]
+        reqs.append(EngineRequest(r.request_id, r.prompt_token_ids, msgspec.structs.replace(r.params, bad_words=words)))
+    sync_tokens, sync_reasons, _, _ = drive("off", tiny_dir, reqs)
+    late = {"samples": 0}
+
+    def count_late_samples(core: EngineCore) -> None:
+        sample_late = core.runner.sample_late
+
+        def counted(flight):
+            late["samples"] += 1
+            return sample_late(flight)
+
+        core.runner.sample_late = counted  # type: ignore[method-assign]
+
+    tokens, reasons, chained, _ = drive("on", tiny_dir, reqs, prepare=count_late_samples)
+    assert chained > 20 and late["samples"] > 20, (chained, late)
+    assert tokens == sync_tokens and reasons == sync_reasons
+    changed = [rid for rid, t in tokens.items() if len(free_tokens[rid]) > 3 and t != free_tokens[rid]]
+    assert len(changed) == sum(len(t) > 3 for t in free_tokens.values())
 
 
 def test_logprobs_are_read_back_with_the_tokens(tiny_dir) -> None:

@@ -10,7 +10,16 @@ import pytest
 from common.messages import EngineRequest, FinishReason, SamplingParams, StructuredOutput
 from common.structured import INVALID_CONSTRAINT
 from engine_core.core import EngineCore
-from tests.engine_helpers import fp32_config, greedy_request, mixed_prompts, run_engine, tokenizer, tokens_of
+from tests.engine_helpers import (
+    drive,
+    fp32_config,
+    greedy_request,
+    mixed_prompts,
+    model_dir,
+    run_engine,
+    tokenizer,
+    tokens_of,
+)
 
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 24},
                                            "tags": {"type": "array", "items": {"enum": ["a", "b", "c"]},
@@ -109,3 +118,33 @@ def test_preempted_requests_keep_their_grammar_state():
     for r in reqs:
         assert results[r.request_id][-1].finish_reason == FinishReason.STOP
         assert json.loads(text(tokens_of(results, [r.request_id])[0]))["tags"] is not None
+
+
+def test_overlapped_steps_sample_constrained_rows_after_the_update():
+    """With --overlap-decode on (CUDA's default), a constrained row that follows a token in flight is launched with
+    its logits only and sampled once the update has fed that token to its matcher (engine_core/overlap.py): the
+    tokens and finish reasons are the synchronous engine's, beside unconstrained requests, a constraint that fails
+    to compile while steps are in flight, and a KV pool small enough to preempt."""
+    choice = StructuredOutput("choice", json.dumps(["yes", "no", "maybe"]))
+    broken = StructuredOutput("regex", "a(b")
+    reqs = [sampled("c0", 0), greedy_request("g0", chat_ids("Name a colour."), 16), sampled("c1", 1, logprobs=2),
+            sampled("choice", 2, choice), sampled("broken", 3, broken), sampled("c2", 2, min_tokens=8),
+            greedy_request("g1", chat_ids("Count to five."), 24), sampled("c3", 3)]  # fmt: skip
+    late = {"samples": 0}
+
+    def count_late_samples(core: EngineCore) -> None:
+        sample_late = core.runner.sample_late
+
+        def counted(flight):
+            late["samples"] += 1
+            return sample_late(flight)
+
+        core.runner.sample_late = counted  # type: ignore[method-assign]
+
+    kw = {"num_kv_blocks": 14, "block_size": 16, "max_model_len": 224}
+    want, want_reasons, _, _ = drive("off", model_dir(), reqs, **kw)
+    tokens, reasons, chained, (preempted, _, _) = drive("on", model_dir(), reqs, prepare=count_late_samples, **kw)
+    assert chained > 25 and late["samples"] > 25 and preempted > 0, (chained, late, preempted)
+    assert tokens == want and reasons == want_reasons
+    assert reasons["broken"] == FinishReason.ERROR and reasons["c0"] == FinishReason.STOP
+    assert json.loads(text(tokens["c0"]))["tags"] is not None and text(tokens["choice"]) in ("yes", "no", "maybe")
