@@ -274,8 +274,7 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     a("--num-warmups", type=int, default=1, help="unmeasured requests of the workload's shape before each run")
     a("--timeout", type=float, default=600.0, help="seconds per request")
     a("--seed", type=int, default=0)
-    a("--extra-body", type=json.loads, default=None,
-      help='JSON fields merged into every request, e.g. \'{"response_format": {"type": "json_object"}}\'')
+    a("--extra-body", type=json.loads, default=None, help='fields for every request: \'{"top_k": 20}\'')
     a("--disable-tqdm", action="store_true")
 
 

@@ -13,7 +13,7 @@ import pytest
 from common.config import EngineConfig
 from common.messages import EngineRequest, SamplingParams
 from engine_core.core import EngineCore
-from tests.engine_helpers import drive, save_tiny_llama
+from tests.engine_helpers import GPU_TEST_KV, drive, save_tiny_llama
 
 STOPS = list(range(40, 70))  # frequent enough in a random model's output that many requests stop early
 
@@ -189,14 +189,16 @@ def test_a_request_whose_cached_prefix_reaches_past_its_prompt_starts_with_decod
     prompt = [(7 * j) % 250 + 4 for j in range(8)]
     results = {}
     for mode in ("off", "on"):
-        core = EngineCore(EngineConfig(model=tiny_dir, dtype="float32", block_size=4, overlap_decode=mode))
+        config = EngineConfig(model=tiny_dir, dtype="float32", block_size=4, overlap_decode=mode, **GPU_TEST_KV)
+        core = EngineCore(config)
         first = step_until_done(core, [EngineRequest("first", prompt, greedy(20))])["first"]
         core.add_request(EngineRequest("running", [9, 8, 7, 6, 5], greedy(30)))
         early = [t for _ in range(2) for out in core.step() for t in out.new_token_ids]  # the overlap is in flight
         resumed = EngineRequest("resumed", prompt, greedy(20), output_token_ids=first[:12])
         results[mode] = step_until_done(core, [EngineRequest("fresh", [11, 12, 13], greedy(6)), resumed])
         results[mode]["running"][:0] = early
-        assert results[mode]["resumed"] == first[12:], mode
+        if core.runner.device.type == "cpu":  # batch-invariant kernels: the same tokens beside other requests
+            assert results[mode]["resumed"] == first[12:], mode
         assert core.kv.pool.num_free == core.kv.num_blocks
         if mode == "on":
             assert core.scheduler.prefix_hits == 16  # the resumed request's prompt and first outputs
