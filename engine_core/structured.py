@@ -22,6 +22,7 @@ import torch
 
 from common.messages import FinishReason, StructuredOutput
 from common.structured import INVALID_CONSTRAINT, MAX_SPEC_CHARS, error_text, grammar_of
+from engine_core.transfer import to_device
 
 if TYPE_CHECKING:
     from engine_core.request import Request
@@ -169,15 +170,19 @@ def apply_masks(logits: torch.Tensor, raw: torch.Tensor, requests: list[Request]
 
     if _batch_matcher is None:
         _batch_matcher = xgr.BatchGrammarMatcher(max_threads=2)
-    bitmask = xgr.allocate_token_bitmask(len(requests), logits.shape[-1])
-    _batch_matcher.batch_fill_next_token_bitmask([requests[i].grammar.matcher for i in rows], bitmask, indices=rows)
-    bitmask = bitmask.to(logits.device, non_blocking=True)
+    host_mask = xgr.allocate_token_bitmask(len(requests), logits.shape[-1])
+    _batch_matcher.batch_fill_next_token_bitmask([requests[i].grammar.matcher for i in rows], host_mask, indices=rows)
+    bitmask = to_device(host_mask.numpy(), logits.device, torch.int32)
     xgr.apply_token_bitmask_inplace(logits, bitmask, indices=rows)
     # A processor may have banned every token the grammar allows (min_tokens holding back the EOS that is the
-    # grammar's only way on): the grammar wins, over the model's own logits.
-    index = torch.tensor(rows, device=logits.device)
-    dead = torch.isneginf(logits[index]).all(dim=-1)
-    if bool(dead.any()):
-        for i in index[dead].tolist():
-            logits[i] = raw[i]
-            xgr.apply_token_bitmask_inplace(logits, bitmask, indices=[i])
+    # grammar's only way on): the grammar wins, over the model's own logits. Found without reading the device, which
+    # would wait for the step's forward (engine_core/overlap.py samples a launched step so); on the host, where the
+    # check is free, only when some row needs it.
+    index = to_device(rows, logits.device, torch.long)
+    masked = logits[index]
+    dead = torch.isneginf(masked).all(dim=-1, keepdim=True)
+    if logits.device.type != "cuda" and not bool(dead.any()):
+        return
+    fallback = raw[index].to(logits.dtype)
+    xgr.apply_token_bitmask_inplace(fallback, bitmask[index])
+    logits[index] = torch.where(dead, fallback, masked)

@@ -110,6 +110,21 @@ def test_grammar_ends_the_request_despite_ignore_eos_and_min_tokens(core: Engine
     assert all(o.new_logprobs is not None for o in results["lp"])
 
 
+def test_the_grammar_wins_over_processors_that_ban_everything_it_allows(core: EngineCore):
+    """allowed_token_ids and bad_words that leave no token the grammar allows: the row falls back to the model's
+    own logits under the grammar's mask (engine_core/structured.apply_masks), so the request still answers inside
+    the grammar instead of drawing from nothing."""
+    choice = StructuredOutput("choice", json.dumps(["yes", "no"]))
+    hello = tokenizer()("hello", add_special_tokens=False)["input_ids"]
+    firsts = [tokenizer()(w, add_special_tokens=False)["input_ids"][0] for w in ("yes", "no")]
+    reqs = [sampled("allowed", 4, choice, allowed_token_ids=hello), sampled("bad", 5, choice,
+                                                                           bad_words=[[t] for t in firsts])]
+    results = run_engine(core, reqs)
+    for r in reqs:
+        assert text(tokens_of(results, [r.request_id])[0]) in ("yes", "no"), results[r.request_id]
+        assert results[r.request_id][-1].finish_reason == FinishReason.STOP
+
+
 def test_preempted_requests_keep_their_grammar_state():
     core = EngineCore(fp32_config(num_kv_blocks=24, block_size=16, max_model_len=384))  # too few blocks for 8 at once
     reqs = [sampled(f"r{i}", i) for i in range(8)]
