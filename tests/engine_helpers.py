@@ -184,3 +184,19 @@ def drive(mode: str, model: str, reqs: list[EngineRequest], abort_at: dict[int, 
     assert not failures, f"overlapped launches failed: {failures}"
     assert set(reasons) | set((abort_at or {}).values()) == set(tokens), "a request never finished"
     return tokens, reasons, chained, (core.scheduler.num_preempted, aborted_in_flight, admitted)
+
+
+def counting_calls(counts: dict[str, int], method: str) -> Callable[[EngineCore], None]:
+    """A `drive` hook that counts the calls of the model runner's `method` in counts[method] (the steps executed
+    synchronously: "execute"; the launched steps sampled after an update: "sample_late")."""
+
+    def prepare(core: EngineCore) -> None:
+        original = getattr(core.runner, method)
+
+        def counted(*args):
+            counts[method] += 1
+            return original(*args)
+
+        setattr(core.runner, method, counted)
+
+    return prepare

@@ -1,11 +1,10 @@
-"""Overlapped decode (engine_core/overlap.py): with --overlap-decode on, an engine produces the same tokens and finish
+"""Overlapped steps (engine_core/overlap.py): with --overlap-decode on, an engine produces the same tokens and finish
 reasons as without, step by step holds its KV invariant, and leaks nothing, through stops while the next step is in
-flight, aborts, length limits, preemption and requests that must run synchronously. On the CPU a launch runs at
-once, so these tests check the bookkeeping; the overlap itself pays on CUDA (bench/gpu.py)."""
+flight, aborts, length limits, preemption, prompts chunked over launched steps, recomputes, and bad_words sampled
+after the update of the step before. On the CPU a launch runs at once, so these tests check the bookkeeping; the
+overlap itself pays on CUDA (bench/gpu.py)."""
 
 from __future__ import annotations
-
-from collections.abc import Callable
 
 import msgspec
 import pytest
@@ -13,7 +12,7 @@ import pytest
 from common.config import EngineConfig
 from common.messages import EngineRequest, SamplingParams
 from engine_core.core import EngineCore
-from tests.engine_helpers import GPU_TEST_KV, drive, save_tiny_llama
+from tests.engine_helpers import GPU_TEST_KV, counting_calls, drive, save_tiny_llama
 
 STOPS = list(range(40, 70))  # frequent enough in a random model's output that many requests stop early
 
@@ -87,19 +86,9 @@ def test_bad_words_read_the_token_in_flight_once_its_update_is_done(tiny_dir) ->
         words = [out[k : k + 2] for k in range(2, len(out) - 1, 6)]
         reqs.append(EngineRequest(r.request_id, r.prompt_token_ids, msgspec.structs.replace(r.params, bad_words=words)))
     sync_tokens, sync_reasons, _, _ = drive("off", tiny_dir, reqs)
-    late = {"samples": 0}
-
-    def count_late_samples(core: EngineCore) -> None:
-        sample_late = core.runner.sample_late
-
-        def counted(flight):
-            late["samples"] += 1
-            return sample_late(flight)
-
-        core.runner.sample_late = counted  # type: ignore[method-assign]
-
-    tokens, reasons, chained, _ = drive("on", tiny_dir, reqs, prepare=count_late_samples)
-    assert chained > 20 and late["samples"] > 20, (chained, late)
+    late = {"sample_late": 0}
+    tokens, reasons, chained, _ = drive("on", tiny_dir, reqs, prepare=counting_calls(late, "sample_late"))
+    assert chained > 20 and late["sample_late"] > 20, (chained, late)
     assert tokens == sync_tokens and reasons == sync_reasons
     changed = [rid for rid, t in tokens.items() if len(free_tokens[rid]) > 3 and t != free_tokens[rid]]
     assert len(changed) == sum(len(t) > 3 for t in free_tokens.values())
@@ -128,21 +117,6 @@ def test_logprobs_are_read_back_with_the_tokens(tiny_dir) -> None:
                     [v for row in b.top_logprobs for v in row], abs=1e-4), rid
 
 
-def counting_synchronous_steps(counts: dict[str, int]) -> Callable[[EngineCore], None]:
-    """A `drive` hook that counts the steps the engine executes synchronously in counts["sync"]."""
-
-    def prepare(core: EngineCore) -> None:
-        execute = core.runner.execute
-
-        def counted(out):
-            counts["sync"] += 1
-            return execute(out)
-
-        core.runner.execute = counted  # type: ignore[method-assign]
-
-    return prepare
-
-
 def test_prompts_longer_than_the_budget_are_chunked_in_launched_steps(tiny_dir) -> None:
     """Prompts of 18 to 315 tokens under budgets of 32 and 64: each chunk after the first is launched while the one
     before is in flight, starting past it, beside the decodes, its tokens from the host; the last one is sampled and
@@ -152,10 +126,10 @@ def test_prompts_longer_than_the_budget_are_chunked_in_launched_steps(tiny_dir) 
     assert max(len(r.prompt_token_ids) for r in reqs) > 4 * 64
     for kw in ({"max_num_batched_tokens": 32}, {"max_num_batched_tokens": 64, "max_num_seqs": 4}):
         sync_tokens, sync_reasons, _, _ = drive("off", tiny_dir, reqs, block_size=4, **kw)
-        counts = {"sync": 0}
-        tokens, reasons, chained, _ = drive("on", tiny_dir, reqs, prepare=counting_synchronous_steps(counts),
+        counts = {"execute": 0}
+        tokens, reasons, chained, _ = drive("on", tiny_dir, reqs, prepare=counting_calls(counts, "execute"),
                                             block_size=4, **kw)  # fmt: skip
-        assert counts["sync"] == 0 and chained > 100, (kw, counts, chained)
+        assert counts["execute"] == 0 and chained > 100, (kw, counts, chained)
         assert tokens == sync_tokens and reasons == sync_reasons, kw
 
 
@@ -172,10 +146,10 @@ def test_preempted_and_resumed_requests_are_recomputed_in_launched_steps(tiny_di
     for num_kv_blocks in (12, 16, 20):
         kw = {"max_model_len": 48, "num_kv_blocks": num_kv_blocks, "block_size": 4}
         sync_tokens, sync_reasons, _, _ = drive("off", tiny_dir, reqs, **kw)
-        counts = {"sync": 0}
-        prepare = counting_synchronous_steps(counts)
+        counts = {"execute": 0}
+        prepare = counting_calls(counts, "execute")
         tokens, reasons, chained, (preempted, _, _) = drive("on", tiny_dir, reqs, prepare=prepare, **kw)
-        assert preempted > 0 and counts["sync"] == 0, (num_kv_blocks, counts)
+        assert preempted > 0 and counts["execute"] == 0, (num_kv_blocks, counts)
         assert tokens == sync_tokens and reasons == sync_reasons, num_kv_blocks
         launches += chained
     assert launches > 185  # 196; 177 when such requests were left to synchronous steps

@@ -11,6 +11,7 @@ from common.messages import EngineRequest, FinishReason, SamplingParams, Structu
 from common.structured import INVALID_CONSTRAINT
 from engine_core.core import EngineCore
 from tests.engine_helpers import (
+    counting_calls,
     drive,
     fp32_config,
     greedy_request,
@@ -145,21 +146,12 @@ def test_overlapped_steps_sample_constrained_rows_after_the_update():
     reqs = [sampled("c0", 0), greedy_request("g0", chat_ids("Name a colour."), 16), sampled("c1", 1, logprobs=2),
             sampled("choice", 2, choice), sampled("broken", 3, broken), sampled("c2", 2, min_tokens=8),
             greedy_request("g1", chat_ids("Count to five."), 24), sampled("c3", 3)]  # fmt: skip
-    late = {"samples": 0}
-
-    def count_late_samples(core: EngineCore) -> None:
-        sample_late = core.runner.sample_late
-
-        def counted(flight):
-            late["samples"] += 1
-            return sample_late(flight)
-
-        core.runner.sample_late = counted  # type: ignore[method-assign]
-
+    late = {"sample_late": 0}
     kw = {"num_kv_blocks": 14, "block_size": 16, "max_model_len": 224}
     want, want_reasons, _, _ = drive("off", model_dir(), reqs, **kw)
-    tokens, reasons, chained, (preempted, _, _) = drive("on", model_dir(), reqs, prepare=count_late_samples, **kw)
-    assert chained > 25 and late["samples"] > 25 and preempted > 0, (chained, late, preempted)
+    prepare = counting_calls(late, "sample_late")
+    tokens, reasons, chained, (preempted, _, _) = drive("on", model_dir(), reqs, prepare=prepare, **kw)
+    assert chained > 25 and late["sample_late"] > 25 and preempted > 0, (chained, late, preempted)
     assert tokens == want and reasons == want_reasons
     assert reasons["broken"] == FinishReason.ERROR and reasons["c0"] == FinishReason.STOP
     assert json.loads(text(tokens["c0"]))["tags"] is not None and text(tokens["choice"]) in ("yes", "no", "maybe")
