@@ -49,6 +49,11 @@ class SchedulerOutput:
         """Whether entry i's input is the token that the step in flight samples, on the device only."""
         return self.start(i) == self.requests[i].num_tokens
 
+    @property
+    def sampled_requests(self) -> list[Request]:
+        """The requests of the sampled entries, in order: one token row each (drafts aside)."""
+        return [r for r, s in zip(self.requests, self.sample, strict=True) if s]
+
     def part(self, rows: slice) -> SchedulerOutput:
         return SchedulerOutput(self.requests[rows], self.num_new_tokens[rows], self.sample[rows], self.ahead[rows])
 

@@ -190,8 +190,7 @@ class ModelRunner:
         fed = [i for i in range(len(out.requests)) if out.in_flight_input(i)]
         if fed:
             assert prev is not None and prev.tokens is not None
-            sampled_before = [id(r) for r, s in zip(prev.sched.requests, prev.sched.sample, strict=True) if s]
-            source = {r: k for k, r in enumerate(sampled_before)}  # prev's tokens: one per sampled entry
+            source = {id(r): k for k, r in enumerate(prev.sched.sampled_requests)}  # prev's tokens: one per entry
             rows = to_device([firsts[i] for i in fed], self.device, torch.long)
             sources = to_device([source[id(out.requests[i])] for i in fed], self.device, torch.long)
             input_ids[rows] = prev.tokens[sources]
@@ -205,7 +204,7 @@ class ModelRunner:
         if any(not processes_beside_a_token_in_flight(out.requests[i].params) for i in fed):
             flight.logits = logits  # a grammar or bad_words reads prev's token on the host: sample_late
             return flight
-        requests = [out.requests[i] for i in sampled_entries]
+        requests = out.sampled_requests
         # Processors (penalties, min_tokens) count a token in flight as an output: each entry's first input id.
         processed = bool(fed) and any(needs_processing(r.params) for r in requests)
         first_rows = to_device([firsts[i] for i in sampled_entries], self.device, torch.long) if processed else None
@@ -219,7 +218,7 @@ class ModelRunner:
         """Samples a launched step that waited for the update of the step before it: every request's tokens are on
         the host now, as in a synchronous step."""
         assert flight.logits is not None
-        requests = [r for r, s in zip(flight.sched.requests, flight.sched.sample, strict=True) if s]
+        requests = flight.sched.sampled_requests
         flight.record(*self.sampler.sample_on_device(flight.logits, requests, [0] * len(requests)))
 
     @torch.inference_mode()

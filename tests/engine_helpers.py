@@ -151,7 +151,7 @@ def drive(mode: str, model: str, reqs: list[EngineRequest], abort_at: dict[int, 
             nonlocal chained, admitted
             assert out.total_tokens <= core.scheduler.max_num_batched_tokens, "a launched step over the budget"
             chained += prev is not None
-            if prev is not None:  # whole prompts admitted into a step launched while another was in flight
+            if prev is not None:  # requests admitted into a step launched while another was in flight
                 admitted += len({id(r) for r in out.requests} - {id(r) for r in prev.sched.requests})
             try:
                 return launch(out, prev)
