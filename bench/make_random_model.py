@@ -1,7 +1,7 @@
 """Random-weight Llama models for GPU benchmarks: an HF directory (config.json, sharded bf16 safetensors, the
 default model's tokenizer and chat template) of a named shape. Speed depends on the shape, not on the values.
 
-python -m bench.make_random_model NAME OUT_DIR [--seed 0] [--base DIR]     NAME: smollm2-135m | llama-1b | llama-7b
+python -m bench.make_random_model NAME OUT_DIR [--seed 0] [--base DIR]   NAME: smollm2-135m | llama-1b | llama-7b | tiny
 
 --base: a directory holding the default model's config.json and tokenizer files (TOKENIZER_FILES), to use instead
 of the default model itself: 4 MB to bring to a GPU machine rather than its 93 MB GGUF package.
@@ -26,6 +26,9 @@ from common.model_source import resolve_model
 # Overrides of the default model's (SmolLM2-135M) config.json.
 SHAPES: dict[str, dict] = {
     "smollm2-135m": {},
+    # For tests that need the default tokenizer and chat template but not the model's words: steps cost nothing.
+    "tiny": {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+             "intermediate_size": 128, "head_dim": 16},
     "llama-1b": {"hidden_size": 2048, "num_hidden_layers": 16, "num_attention_heads": 32, "num_key_value_heads": 8,
                  "intermediate_size": 8192, "head_dim": 64, "vocab_size": 49152, "tie_word_embeddings": True},
     "llama-7b": {"hidden_size": 4096, "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 32,

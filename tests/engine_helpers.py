@@ -53,17 +53,17 @@ def mixed_prompts() -> list[list[int]]:
 
 
 def hf_greedy(prompts: list[list[int]], max_new: int) -> list[tuple[list[int], list[list[int]]]]:
-    """transformers' own greedy generate, one prompt at a time (no padding): tokens and top-2 per step."""
+    """transformers' own greedy generate, the prompts batched with left padding as HF users batch them (on this CPU
+    the same tokens as one prompt at a time, in a quarter of the time): tokens and top-2 per step."""
     model = AutoModelForCausalLM.from_pretrained(model_dir(), dtype=torch.float32).eval()
-    results = []
+    width = max(map(len, prompts))
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
     with torch.inference_mode():
-        for p in prompts:
-            out = model.generate(torch.tensor([p]), max_new_tokens=max_new, do_sample=False, min_new_tokens=max_new,
-                                 output_scores=True, return_dict_in_generate=True, pad_token_id=0)  # fmt: skip
-            tokens = out.sequences[0, len(p) :].tolist()
-            top2 = [s[0].topk(2).indices.tolist() for s in out.scores]
-            results.append((tokens, top2))
-    return results
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=max_new, do_sample=False, min_new_tokens=max_new,
+                             output_scores=True, return_dict_in_generate=True, pad_token_id=0)  # fmt: skip
+    top2 = torch.stack(out.scores, dim=1).topk(2).indices  # [prompt, step, 2]
+    return [(out.sequences[i, width:].tolist(), top2[i].tolist()) for i in range(len(prompts))]
 
 
 def assert_matches_hf(ours: list[list[int]], refs, max_flips: int = 1) -> None:

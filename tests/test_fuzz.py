@@ -13,8 +13,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from bench.make_random_model import write_model
 from tests.conftest import Server, engine_child
 from tests.fuzz_answers import problems, send_all
+from tests.fuzz_field_strategies import MODEL
 from tests.fuzz_request_strategies import SLOT, Req, encode, slot_key
 from tests.test_api_streaming import assert_engine_idle_within, metric
 
@@ -27,8 +29,12 @@ MIN_BODIES = 2000
 
 @pytest.fixture(scope="module")
 def fuzz_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    # A 96-token context: any accepted request is cheap, and long prompts and budgets fail fast.
-    server = Server(tmp_path_factory.mktemp("fuzz"), "--max-model-len", "96", "--num-kv-blocks", "128")
+    # The default tokenizer and chat template on a random model of two narrow layers: the schemas are what is
+    # fuzzed, and its steps cost next to nothing. A 96-token context: long prompts and budgets fail fast.
+    tmp = tmp_path_factory.mktemp("fuzz")
+    model = write_model("tiny", tmp / "model")
+    server = Server(tmp, "--model", str(model), "--served-model-name", MODEL, "--max-model-len", "96",
+                    "--num-kv-blocks", "128")  # fmt: skip
     yield server.wait_healthy()
     server.assert_clean_exit()
 

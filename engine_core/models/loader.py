@@ -8,6 +8,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 from transformers import AutoConfig
+from transformers.initialization import no_init_weights
 
 from engine_core.models.gpt2 import GPT2LMHeadModel
 from engine_core.models.llama import LlamaForCausalLM
@@ -28,11 +29,12 @@ def model_class(config) -> type[nn.Module]:
 
 
 def build_model(config, dtype: torch.dtype, device: torch.device, max_positions: int) -> nn.Module:
-    """An uninitialised model of the right class, in `dtype` on `device`, in eval mode."""
+    """An uninitialised model of the right class, in `dtype` on `device`, in eval mode. Its parameters are left
+    empty (the checkpoint fills them): drawing random ones took a second of every engine start."""
     default_dtype = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
-        with torch.device(device):
+        with torch.device(device), no_init_weights():
             model = model_class(config)(config, max_positions)
     finally:
         torch.set_default_dtype(default_dtype)
