@@ -129,7 +129,7 @@ def test_priority_orders_the_queue(priority_server: Server):
                 assert r.status_code == 200, r.text
                 done.append(name)
 
-            async with client.stream("POST", CHAT, json={**body, "max_tokens": 200, "stream": True}) as first:
+            async with client.stream("POST", CHAT, json={**body, "max_tokens": 64, "stream": True}) as first:
                 lines = first.aiter_lines()
                 while not (await anext(lines)).startswith("data: "):  # running: it holds the one slot
                     pass
