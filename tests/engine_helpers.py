@@ -97,7 +97,8 @@ def greedy_request(rid: str, prompt: list[int], max_tokens: int, **kw) -> Engine
 
 def run_engine(core: EngineCore, requests: list[EngineRequest], stagger: int = 0) -> dict[str, list[EngineOutput]]:
     """Steps an in-process engine until every request finished, checking the KV invariant after each step.
-    With stagger=k, requests arrive k at a time, one batch every 3 steps, while earlier ones decode."""
+    With stagger=k, requests arrive k at a time, one batch every 3 steps, while earlier ones decode. The outputs of
+    requests added to the engine before come back too."""
     pending = list(requests)
     results: dict[str, list[EngineOutput]] = {r.request_id: [] for r in requests}
     step = 0
@@ -107,7 +108,7 @@ def run_engine(core: EngineCore, requests: list[EngineRequest], stagger: int = 0
             for r in batch:
                 core.add_request(r)
         for out in core.step():
-            results[out.request_id].append(out)
+            results.setdefault(out.request_id, []).append(out)
         core.kv.check_integrity(list(core.scheduler.requests.values()))
         step += 1
     assert core.kv.num_used_blocks == 0

@@ -12,7 +12,7 @@ import pytest
 from common.config import EngineConfig
 from common.messages import EngineRequest, SamplingParams
 from engine_core.core import EngineCore
-from tests.engine_helpers import GPU_TEST_KV, counting_calls, drive, save_tiny_llama
+from tests.engine_helpers import GPU_TEST_KV, counting_calls, drive, run_engine, save_tiny_llama, tokens_of
 
 STOPS = list(range(40, 70))  # frequent enough in a random model's output that many requests stop early
 
@@ -165,11 +165,12 @@ def test_a_request_whose_cached_prefix_reaches_past_its_prompt_starts_with_decod
     for mode in ("off", "on"):
         config = EngineConfig(model=tiny_dir, dtype="float32", block_size=4, overlap_decode=mode, **GPU_TEST_KV)
         core = EngineCore(config)
-        first = step_until_done(core, [EngineRequest("first", prompt, greedy(20))])["first"]
+        first = tokens_of(run_engine(core, [EngineRequest("first", prompt, greedy(20))]), ["first"])[0]
         core.add_request(EngineRequest("running", [9, 8, 7, 6, 5], greedy(30)))
         early = [t for _ in range(2) for out in core.step() for t in out.new_token_ids]  # the overlap is in flight
         resumed = EngineRequest("resumed", prompt, greedy(20), output_token_ids=first[:12])
-        results[mode] = step_until_done(core, [EngineRequest("fresh", [11, 12, 13], greedy(6)), resumed])
+        outs = run_engine(core, [EngineRequest("fresh", [11, 12, 13], greedy(6)), resumed])
+        results[mode] = dict(zip(outs, tokens_of(outs, list(outs)), strict=True))
         results[mode]["running"][:0] = early
         if core.runner.device.type == "cpu":  # batch-invariant kernels: the same tokens beside other requests
             assert results[mode]["resumed"] == first[12:], mode
@@ -177,17 +178,6 @@ def test_a_request_whose_cached_prefix_reaches_past_its_prompt_starts_with_decod
         if mode == "on":
             assert core.scheduler.prefix_hits == 16  # the resumed request's prompt and first outputs
     assert results["on"] == results["off"]
-
-
-def step_until_done(core: EngineCore, reqs: list[EngineRequest]) -> dict[str, list[int]]:
-    tokens: dict[str, list[int]] = {r.request_id: [] for r in reqs}
-    for r in reqs:
-        core.add_request(r)
-    while core.has_work:
-        for out in core.step():
-            tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
-        core.kv.check_integrity(list(core.scheduler.requests.values()))
-    return tokens
 
 
 def test_penalties_min_tokens_and_biases_run_beside_a_token_in_flight(tiny_dir) -> None:
