@@ -175,9 +175,9 @@ def apply_masks(logits: torch.Tensor, raw: torch.Tensor, requests: list[Request]
     bitmask = to_device(host_mask.numpy(), logits.device, torch.int32)
     xgr.apply_token_bitmask_inplace(logits, bitmask, indices=rows)
     # A processor may have banned every token the grammar allows (allowed_token_ids or bad_words that leave none of
-    # them): the grammar wins, over the model's own logits. Found without reading the device, which
-    # would wait for the step's forward (engine_core/overlap.py samples a launched step so); on the host, where the
-    # check is free, only when some row needs it.
+    # them): the grammar wins, over the model's own logits. Found without reading the device, which would wait for
+    # the step's forward (engine_core/overlap.py samples a launched step so); on the host, where the check is free,
+    # only when some row needs it.
     index = to_device(rows, logits.device, torch.long)
     masked = logits[index]
     dead = torch.isneginf(masked).all(dim=-1, keepdim=True)
