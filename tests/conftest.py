@@ -116,6 +116,16 @@ def server(server_started: Server) -> Server:
     return server_started.wait_healthy()
 
 
+@pytest.fixture(scope="session")
+def tools_server(tmp_path_factory: pytest.TempPathFactory):
+    """For test_api_tools and test_api_responses: the hermes parser, and a template that writes earlier calls and
+    their results into the prompt."""
+    template = REPO / "tests" / "data" / "tool_template.jinja"
+    server = Server(tmp_path_factory.mktemp("tools"), "--tool-call-parser", "hermes", "--chat-template", str(template))
+    yield server.wait_healthy()
+    server.assert_clean_exit()
+
+
 def engine_children(server: Server) -> list[int]:
     """launch.py's engine-core children right now (a restart replaces one)."""
     pid = server.proc.pid

@@ -5,7 +5,6 @@ their results sent back, text.format JSON schemas, max_output_tokens, client dis
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from typing import Any
 
 import httpx
@@ -15,7 +14,6 @@ import pytest
 
 from tests.conftest import Server
 from tests.test_api_streaming import assert_engine_idle_within
-from tests.test_api_tools import TEMPLATE
 
 MODEL = "SmolLM2-135M-Instruct"
 WEATHER = {"type": "function", "name": "get_weather", "description": "The weather in a city", "strict": True,
@@ -30,11 +28,8 @@ TEXT_EVENTS = ["response.output_item.added", "response.content_part.added"]
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    """test_api_tools' server: its template writes earlier calls and their results into the prompt."""
-    s = Server(tmp_path_factory.mktemp("responses"), "--tool-call-parser", "hermes", "--chat-template", str(TEMPLATE))
-    yield s.wait_healthy()
-    s.assert_clean_exit()
+def server(tools_server: Server) -> Server:
+    return tools_server
 
 
 @pytest.fixture(scope="module")

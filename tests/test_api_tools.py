@@ -7,8 +7,6 @@ from __future__ import annotations
 import asyncio
 import json
 import re
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -20,7 +18,6 @@ from tests.conftest import Server
 from tests.test_api_streaming import assert_engine_idle_within
 
 MODEL = "SmolLM2-135M-Instruct"
-TEMPLATE = Path(__file__).parent / "data" / "tool_template.jinja"
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city",
            "parameters": {"type": "object", "properties": {"city": {"enum": ["Paris", "London", "Tokyo"]},
                           "days": {"type": "integer", "minimum": 1, "maximum": 7}},
@@ -34,10 +31,8 @@ HERMES = '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris", "day
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    s = Server(tmp_path_factory.mktemp("tools"), "--tool-call-parser", "hermes", "--chat-template", str(TEMPLATE))
-    yield s.wait_healthy()
-    s.assert_clean_exit()
+def server(tools_server: Server) -> Server:
+    return tools_server
 
 
 def check_calls(calls: list[dict[str, Any]], names: set[str]) -> None:
