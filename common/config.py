@@ -93,8 +93,13 @@ class ServerConfig:
         None, 'JSON laid over those defaults, in generation_config.json\'s names: \'{"temperature": 0.6}\'',
     )
     tool_call_parser: str | None = flag(
-        None, "read tool calls in the model's own format for tool_choice auto (hermes: <tool_call>{...}</tool_call>)",
-        choices=["hermes"],
+        None, "read tool calls in the model's own format for tool_choice auto (hermes: <tool_call>{...}</tool_call>, "
+        "Qwen2.5 and Hermes models; llama3_json: {\"name\": ..., \"parameters\": {...}}, Llama 3.1-3.3)",
+        choices=["hermes", "llama3_json"],
+    )
+    enable_auto_tool_choice: bool = flag(
+        False, "vLLM's switch for tool_choice auto, taken so that its command lines run: here --tool-call-parser "
+        "alone turns calls in the model's format on (this flag needs one)",
     )
     stream_merge_above: int = flag(16, "streams in flight up to which every token is its own SSE event; above, an "
                                    "event carries up to ceil(streams / N) tokens (fewer events: less CPU per token)")

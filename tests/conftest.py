@@ -117,13 +117,18 @@ def server(server_started: Server) -> Server:
 
 
 @pytest.fixture(scope="session")
-def tools_server(tmp_path_factory: pytest.TempPathFactory):
-    """For test_api_tools and test_api_responses: the hermes parser, and a template that writes earlier calls and
-    their results into the prompt."""
-    template = REPO / "tests" / "data" / "tool_template.jinja"
-    server = Server(tmp_path_factory.mktemp("tools"), "--tool-call-parser", "hermes", "--chat-template", str(template))
-    yield server.wait_healthy()
-    server.assert_clean_exit()
+def tool_servers(tmp_path_factory: pytest.TempPathFactory):
+    """For test_api_tools and test_api_responses, by --tool-call-parser (hermes, and llama3_json with vLLM's
+    --enable-auto-tool-choice), started together: a template that writes earlier calls and their results into the
+    prompt."""
+    template = str(REPO / "tests" / "data" / "tool_template.jinja")
+    servers = {"hermes": Server(tmp_path_factory.mktemp("tools"), "--tool-call-parser", "hermes",
+                                "--chat-template", template),
+               "llama3_json": Server(tmp_path_factory.mktemp("tools_llama3"), "--tool-call-parser", "llama3_json",
+                                     "--enable-auto-tool-choice", "--chat-template", template)}  # fmt: skip
+    yield {name: server.wait_healthy() for name, server in servers.items()}
+    for server in servers.values():
+        server.assert_clean_exit()
 
 
 def engine_children(server: Server) -> list[int]:

@@ -28,8 +28,8 @@ TEXT_EVENTS = ["response.output_item.added", "response.content_part.added"]
 
 
 @pytest.fixture(scope="module")
-def server(tools_server: Server) -> Server:
-    return tools_server
+def server(tool_servers: dict[str, Server]) -> Server:
+    return tool_servers["hermes"]
 
 
 @pytest.fixture(scope="module")

@@ -1,6 +1,7 @@
 """Tool calling end to end with the official openai client: forced calls (tool_choice "required" and a named
-function, through constrained decoding) streamed and not, tool results sent back, the hermes parser on a server
-started with --tool-call-parser hermes and a tool-aware --chat-template, and 400s for bad tool requests."""
+function, through constrained decoding) streamed and not, tool results sent back, the hermes and llama3_json
+parsers on servers started with --tool-call-parser and a tool-aware --chat-template, and 400s for bad tool
+requests."""
 
 from __future__ import annotations
 
@@ -31,8 +32,8 @@ HERMES = '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris", "day
 
 
 @pytest.fixture(scope="module")
-def server(tools_server: Server) -> Server:
-    return tools_server
+def server(tool_servers: dict[str, Server]) -> Server:
+    return tool_servers["hermes"]
 
 
 def check_calls(calls: list[dict[str, Any]], names: set[str]) -> None:
@@ -120,10 +121,16 @@ def test_conversation_with_calls_and_results(server: Server):
     check_calls([c.model_dump() for c in again.choices[0].message.tool_calls], {"get_time"})
 
 
-def test_hermes_parser_on_the_server(server: Server):
-    """tool_choice auto with the hermes parser: the model's output is held to a hermes-format text by a regex
-    (the small model would not write one itself), and goes through the parser like any model's would."""
-    regex = re.sub(r"([.{}\[\]])", r"\\\1", "Sure.\n" + HERMES)
+@pytest.mark.parametrize(("parser", "output", "content"), [
+    ("hermes", "Sure.\n" + HERMES, "Sure."),
+    ("llama3_json", '{"name": "get_weather", "parameters": {"city": "Paris", "days": 3}}', None),
+])  # fmt: skip
+def test_auto_tool_choice_parsers_on_the_server(tool_servers: dict[str, Server], parser, output, content):
+    """tool_choice auto with the server's --tool-call-parser (llama3_json's server started as vLLM's docs start one
+    for Llama 3, with --enable-auto-tool-choice): the model's output is held to the parser's format by a regex (the
+    small model would not write one itself), and goes through the parser like any model's would."""
+    server = tool_servers[parser]
+    regex = re.sub(r"([.{}\[\]])", r"\\\1", output)
     # Sampled at temperature 1, the forced text may come out in tokens as short as one character (88 of them).
     kw = {"model": MODEL, "messages": ASK, "tools": TOOLS, "max_tokens": 128, "extra_body": {"guided_regex": regex}}
 
@@ -136,14 +143,14 @@ def test_hermes_parser_on_the_server(server: Server):
 
     whole, chunks, plain = asyncio.run(run())
     msg = whole.choices[0].message
-    assert whole.choices[0].finish_reason == "tool_calls" and msg.content == "Sure."
+    assert whole.choices[0].finish_reason == "tool_calls" and msg.content == content
     assert [(c.function.name, json.loads(c.function.arguments)) for c in msg.tool_calls] == [
         ("get_weather", {"city": "Paris", "days": 3})]  # fmt: skip
-    content, calls, finish = from_stream(chunks)
-    assert (content, finish) == ("Sure.", "tool_calls")
+    streamed, calls, finish = from_stream(chunks)
+    assert (streamed, finish) == (content or "", "tool_calls")
     assert [c["function"] for c in calls] == [c.function.model_dump() for c in msg.tool_calls]
     # tool_choice none: the same text is content, as written.
-    assert plain.choices[0].message.content == "Sure.\n" + HERMES and plain.choices[0].message.tool_calls is None
+    assert plain.choices[0].message.content == output and plain.choices[0].message.tool_calls is None
     assert plain.choices[0].finish_reason == "stop"
     assert_engine_idle_within(server, 5.0)
 

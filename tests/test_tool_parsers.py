@@ -1,5 +1,6 @@
-"""Tool-call parsers on fixed model outputs: hermes tags (several calls, text around, malformed calls, streams split
-at every position), the JSON of forced calls, and OpenAI's streamed tool_calls delta shape."""
+"""Tool-call parsers on fixed model outputs: hermes tags and Llama 3's JSON calls (several calls, text around,
+malformed calls, streams split at every position), the JSON of forced calls, and OpenAI's streamed tool_calls delta
+shape."""
 
 from __future__ import annotations
 
@@ -13,7 +14,15 @@ from hypothesis import strategies as st
 from frontend.api.protocol import ChatCompletionRequest
 from frontend.tools.tool_calls import plan_tools
 from frontend.tools.tool_forced import ForcedCallsParser, NamedCallParser
-from frontend.tools.tool_parsers import Arguments, CallStart, Content, Event, HermesParser, ToolParser
+from frontend.tools.tool_parsers import (
+    Arguments,
+    CallStart,
+    Content,
+    Event,
+    HermesParser,
+    Llama3JsonParser,
+    ToolParser,
+)
 from frontend.tools.tool_stream import ToolStreams, finish_reason, message
 
 Result = tuple[str, list[tuple[str, str]], int]  # content, [(name, arguments)], complete calls
@@ -100,6 +109,53 @@ def test_hermes_content_streams_before_the_tag():
     assert [type(e) for e in events] == [CallStart, Arguments] and parser.calls == 1
 
 
+
+CITY = '{"city": "Paris", "unit": "celsius"}'
+LLAMA_WEATHER = '{"name": "get_weather", "parameters": ' + CITY + "}"
+LLAMA_TIME = '{"type": "function", "name": "get_time", "arguments": {"tz": "Europe/Paris"}}'  # Llama 3.2 adds a type
+PARIS, TZ = ("get_weather", CITY), ("get_time", '{"tz": "Europe/Paris"}')
+
+LLAMA_CASES = [
+    # (model output, content, calls, complete calls)
+    ("The capital is Paris.", "The capital is Paris.", [], 0),
+    (LLAMA_WEATHER, "", [PARIS], 1),
+    (f"\n<|python_tag|> {LLAMA_WEATHER}", "", [PARIS], 1),
+    (f"{LLAMA_WEATHER}; {LLAMA_TIME}", "", [PARIS, TZ], 2),
+    (f"{LLAMA_WEATHER}\n{LLAMA_TIME}\n\nI asked for both.", "I asked for both.", [PARIS, TZ], 2),
+    # Calls only where the answer begins: a JSON answer that is not a call is content, exactly as written.
+    (f"Sure: {LLAMA_WEATHER}", f"Sure: {LLAMA_WEATHER}", [], 0),
+    (' {"name": "Felix", "age": 4} and more', ' {"name": "Felix", "age": 4} and more', [], 0),
+    ('{"name": "f", "parameters": [1]}', '{"name": "f", "parameters": [1]}', [], 0),
+    ('{"parameters": {}}', '{"parameters": {}}', [], 0),
+    ('{"name": "f", "parameters": {"x": NaN}}', '{"name": "f", "parameters": {"x": NaN}}', [], 0),
+    (f"{LLAMA_WEATHER}; [1, 2]", "[1, 2]", [PARIS], 1),
+    (f'{LLAMA_WEATHER}; {{"note": 1}} x', '{"note": 1} x', [PARIS], 1),
+    # Cut off by the end: content as written.
+    ('{"name": "get_time", "parameters": {"tz": ', '{"name": "get_time", "parameters": {"tz": ', [], 0),
+    (f'{LLAMA_WEATHER}; {{"name": "get_ti', '{"name": "get_ti', [PARIS], 1),
+    ('{"name": "caf\\u00e9", "parameters": {}}', "", [("café", "{}")], 1),
+    ("<|py", "<|py", [], 0),
+    ("<|python_tag|>print(1)", "<|python_tag|>print(1)", [], 0),
+    ("  \n", "  \n", [], 0),
+]
+
+
+@pytest.mark.parametrize(("text", "content", "calls", "complete"), LLAMA_CASES, ids=[c[0][:30] for c in LLAMA_CASES])
+def test_llama3_json_outputs_split_anywhere(text, content, calls, complete):
+    assert same_everywhere(Llama3JsonParser, text) == (content, calls, complete)
+
+
+def test_llama3_json_streams_content_and_holds_calls():
+    parser = Llama3JsonParser()
+    assert parser.feed(" ") == [] and parser.feed("It is sunny") == [Content(" It is sunny")]
+    assert parser.feed(" {") == [Content(" {")]  # once content, always content
+    parser = Llama3JsonParser()
+    assert parser.feed(LLAMA_WEATHER[:-1]) == []  # a call is held until its object closes
+    events = parser.feed("}; ")
+    assert [type(e) for e in events] == [CallStart, Arguments] and parser.calls == 1
+    assert parser.feed("Done") == [Content("Done")]
+
+
 NAMED = '{"city": "Par\\"is}", "days": [1, 2, {"x": null}], "n": -1.5e3, "ok": true}'
 
 
@@ -158,32 +214,36 @@ def test_whole_message():
     assert finish_reason(HermesParser(), "stop") == "stop"
 
 
-def test_parallel_tool_calls_false_keeps_only_the_first_call():
+@pytest.mark.parametrize(("parser", "text", "content"), [
+    ("hermes", f"Let me check.\n<tool_call>\n{WEATHER}\n</tool_call>\n<tool_call>\n{TIME}\n</tool_call>\nDone.",
+     "Let me check.Done."),
+    ("llama3_json", f"{LLAMA_WEATHER}; {LLAMA_TIME}\n\nDone.", "Done."),
+])  # fmt: skip
+def test_parallel_tool_calls_false_keeps_only_the_first_call(parser, text, content):
     """OpenAI answers at most one call then: the chat stream, the whole message and /v1/responses all take their
-    parser from the plan, so each drops the later calls."""
-    text = f"Let me check.\n<tool_call>\n{WEATHER}\n</tool_call>\n<tool_call>\n{TIME}\n</tool_call>\nDone."
+    parser from the plan (the server's --tool-call-parser), so each drops the later calls."""
     tools = [{"type": "function", "function": {"name": n}} for n in ("get_weather", "get_time")]
 
     def make(**fields: object) -> Callable[[], ToolParser]:
         req = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "hi"}], "tools": tools,
                                                     **fields})  # fmt: skip
-        factory = plan_tools(req, "hermes").make_parser()
+        factory = plan_tools(req, parser).make_parser()
         assert factory is not None
         return factory
 
-    weather = ("get_weather", '{"city": "Paris", "unit": "celsius"}')
-    assert same_everywhere(make(parallel_tool_calls=False), text) == ("Let me check.Done.", [weather], 1)
-    assert same_everywhere(make(), text)[1] == [weather, ("get_time", '{"tz": "Europe/Paris"}')]
+    assert same_everywhere(make(parallel_tool_calls=False), text) == (content, [PARIS], 1)
+    assert same_everywhere(make(), text) == (content, [PARIS, TZ], 2)
     msg = message(make(parallel_tool_calls=False)(), text)
     assert [c["function"]["name"] for c in msg["tool_calls"]] == ["get_weather"]
 
 
 # Text made of the pieces parsers care about: tags (whole and cut), JSON punctuation, names, whitespace.
 PIECES = ["<tool_call>", "</tool_call>", "<tool_", "call>", "</tool", "<", ">", "{", "}", "[", "]", ",", ":", '"',
-          "\\", '\\"', '"name"', '"arguments"', '"get_time"', "{}", "1.5", "true", "null", " ", "\n", "hi",
-          "é"]  # fmt: skip
-TEXTS = st.lists(st.sampled_from(PIECES + [WEATHER, TIME, REQUIRED, NAMED]), max_size=12).map("".join)
-PARSERS = [HermesParser, ForcedCallsParser, lambda: NamedCallParser("f")]
+          "\\", '\\"', '"name"', '"arguments"', '"parameters"', '"get_time"', "{}", "1.5", "true", "null", " ", "\n",
+          "hi", "é", ";", "<|python_tag|>", "<|py"]  # fmt: skip
+TEXTS = st.lists(st.sampled_from(PIECES + [WEATHER, TIME, REQUIRED, NAMED, LLAMA_WEATHER, LLAMA_TIME]),
+                 max_size=12).map("".join)  # fmt: skip
+PARSERS = [HermesParser, ForcedCallsParser, lambda: NamedCallParser("f"), Llama3JsonParser]
 
 
 @settings(max_examples=300, derandomize=True, deadline=None, database=None)
@@ -195,5 +255,5 @@ def test_any_text_parses_the_same_however_split(text, cuts, which):
     pieces = [text[a:b] for a, b in zip(bounds, bounds[1:], strict=False)]
     whole = run(make, [text])
     assert run(make, pieces) == whole
-    if which == 0 and not whole[1]:  # hermes without a call: the text is all content, exactly
+    if which in (0, 3) and not whole[1]:  # hermes or llama3_json without a call: the text is all content, exactly
         assert whole[0] == text

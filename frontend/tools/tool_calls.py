@@ -25,9 +25,8 @@ from frontend.api.protocol import (
 )
 from frontend.errors import bad_request
 from frontend.tools.tool_forced import ForcedCallsParser, NamedCallParser
-from frontend.tools.tool_parsers import CLOSE, OPEN, HermesParser, ToolParser
+from frontend.tools.tool_parsers import CLOSE, OPEN, PARSERS, ToolParser
 
-TOOL_PARSERS = ("hermes",)  # --tool-call-parser choices
 _EMPTY_PARAMETERS = {"type": "object", "properties": {}}  # OpenAI: no parameters is a function without arguments
 
 Mode = Literal["none", "auto", "required", "named"]
@@ -51,9 +50,9 @@ class ToolPlan:
             return lambda: NamedCallParser(name)
         if self.mode == "required":
             return ForcedCallsParser
-        if self.mode == "auto" and self.parser == "hermes":
-            max_calls = None if self.parallel else 1
-            return lambda: HermesParser(max_calls)
+        if self.mode == "auto" and self.parser is not None:
+            parser, max_calls = PARSERS[self.parser], None if self.parallel else 1
+            return lambda: parser(max_calls)
         return None
 
 

@@ -1,4 +1,5 @@
-"""Tool-call parsers: generated text, fed in pieces, -> content and tool-call events; the hermes format.
+"""Tool-call parsers: generated text, fed in pieces, -> content and tool-call events; the hermes and Llama 3 JSON
+formats (--tool-call-parser).
 
 Every parser gives the same events however its text is split (all at once for a whole response, token by token
 for a stream), so the streamed content and arguments pieces concatenate to exactly the non-streamed ones.
@@ -8,8 +9,9 @@ from __future__ import annotations
 
 import json
 import secrets
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 
@@ -59,19 +61,28 @@ def no_constant(name: str) -> Any:
     raise ValueError(f"{name} is not JSON")
 
 
-def parse_call(text: str) -> tuple[str, str] | None:
-    """{"name": ..., "arguments": {...}} -> (name, arguments as JSON text), or None when it is not a call."""
+def call_of(obj: Any, arguments: Any) -> tuple[str, str] | None:
+    """A decoded call and its arguments -> (name, arguments as JSON text), or None when they are not a call."""
+    if not isinstance(obj, dict) or not isinstance(arguments, dict):
+        return None
+    name = obj.get("name")
+    if not isinstance(name, str) or not name:
+        return None
     try:
-        call = json.loads(text, parse_constant=no_constant)
-        if not isinstance(call, dict) or not isinstance(call.get("arguments", {}), dict):
-            return None
-        name, arguments = call.get("name"), json.dumps(call.get("arguments", {}), ensure_ascii=False)
-        if not isinstance(name, str) or not name:
-            return None
-        (name + arguments).encode()  # a lone surrogate spelled as an escape is not text
+        text = json.dumps(arguments, ensure_ascii=False)
+        (name + text).encode()  # a lone surrogate spelled as an escape is not text
     except (ValueError, RecursionError):
         return None
-    return name, arguments
+    return name, text
+
+
+def parse_call(text: str) -> tuple[str, str] | None:
+    """{"name": ..., "arguments": {...}} (no arguments: {}) -> (name, arguments as JSON text), or None."""
+    try:
+        call = json.loads(text, parse_constant=no_constant)
+    except (ValueError, RecursionError):
+        return None
+    return call_of(call, call.get("arguments", {}) if isinstance(call, dict) else None)
 
 
 def _partial_tag(text: str, tag: str) -> int:
@@ -165,3 +176,78 @@ class HermesParser:
             self._content(events, self.pending)
         self.pending = ""
         return events
+
+
+PYTHON_TAG = "<|python_tag|>"
+_DECODER = json.JSONDecoder(parse_constant=no_constant)
+
+
+class Llama3JsonParser:
+    """`{"name": ..., "parameters": {...}}`, as Llama 3.1-3.3 write calls under their JSON tool prompt: the answer
+    begins with the call (after whitespace and an optional <|python_tag|>), several are separated by ";", and
+    "arguments" is read where there are no "parameters" (vLLM's llama3_json reads the same).
+
+    An answer that begins otherwise is content, streamed as it comes. A call is held until its object closes, then
+    emitted whole. A first object that is not a call (a name and an object of parameters) makes the whole answer
+    content, exactly as written; what follows the calls is content, and so is an object cut off by the end. Calls
+    past `max_calls` are dropped.
+    """
+
+    def __init__(self, max_calls: int | None = None) -> None:
+        self.max_calls = max_calls
+        self.calls = 0
+        self.state: Literal["start", "calls", "content"] = "start"
+        self.held = ""  # start and calls: the text since the start, or since the last call
+
+    def feed(self, text: str) -> list[Event]:
+        if self.state == "content":
+            return [Content(text)]
+        self.held += text
+        if self.state == "start":
+            head = self._rest()
+            if not head or PYTHON_TAG.startswith(head):  # nothing but whitespace, or maybe the tag, so far
+                return []
+            if not head.startswith("{"):
+                return self._to_content(self.held)
+            self.state = "calls"
+        return self._calls(closing="}" in text)
+
+    def _rest(self) -> str:
+        """`held` without what leads to the next call: whitespace, the tag before the first, ";" between two."""
+        rest = self.held.lstrip()
+        lead = ";" if self.calls else PYTHON_TAG
+        return rest[len(lead) :].lstrip() if rest.startswith(lead) else rest
+
+    def _calls(self, closing: bool) -> list[Event]:
+        """Emits the calls that are whole in `held`; an object can only become whole on a "}" (`closing`)."""
+        events: list[Event] = []
+        while rest := self._rest():
+            if not rest.startswith("{"):
+                return events + self._to_content(rest)
+            if not closing:
+                return events
+            try:
+                obj, end = _DECODER.raw_decode(rest)
+            except (ValueError, RecursionError):
+                return events  # not whole yet (or never: finish() makes it content)
+            call = call_of(obj, obj.get("parameters", obj.get("arguments")) if isinstance(obj, dict) else None)
+            if call is None:
+                return events + self._to_content(rest if self.calls else self.held)
+            if self.max_calls is None or self.calls < self.max_calls:
+                events += [CallStart(self.calls, call_id(), call[0]), Arguments(self.calls, call[1])]
+                self.calls += 1
+            self.held = rest[end:]
+        return events
+
+    def _to_content(self, text: str) -> list[Event]:
+        self.state, self.held = "content", ""
+        return [Content(text)] if text else []
+
+    def finish(self) -> list[Event]:
+        if self.state == "content":
+            return []
+        return self._to_content(self._rest() if self.calls else self.held)
+
+
+# --tool-call-parser NAME -> the parser's class, called with max_calls
+PARSERS: dict[str, Callable[[int | None], ToolParser]] = {"hermes": HermesParser, "llama3_json": Llama3JsonParser}
