@@ -1,6 +1,6 @@
 """Decode-only CPU steps through the layer stack in one C call (engine_core/models/cpu_decode.py): bit for bit the
-logits of the Python layers, in bf16 and int8, with and without biases; taken only by decode-only steps; attached
-by the model runner where it can run, and nowhere else."""
+logits of the Python layers, in bf16 and int8, with and without biases, with Qwen3's q/k norms; taken only by
+decode-only steps; attached by the model runner where it can run, and nowhere else."""
 
 from __future__ import annotations
 
@@ -22,11 +22,13 @@ CPU = torch.device("cpu")
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU-only: the stack runs our CPU kernels")
 
 
-def tiny_llama(bias: bool, quantization: str | None) -> torch.nn.Module:
+def tiny_llama(bias: bool, quantization: str | None, qwen3: bool = False) -> torch.nn.Module:
+    """Llama (with q/k/v/o biases or none), or Qwen3 (q and k heads normed; head_dim * heads != hidden)."""
     torch.manual_seed(0)
-    config = transformers.LlamaConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=3, vocab_size=96,
-                                      num_attention_heads=4, num_key_value_heads=2, attention_bias=bias,
-                                      architectures=["LlamaForCausalLM"])  # fmt: skip
+    shape = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=3, vocab_size=96, num_attention_heads=4,
+                 num_key_value_heads=2)  # fmt: skip
+    config = (transformers.Qwen3Config(**shape, head_dim=64, architectures=["Qwen3ForCausalLM"]) if qwen3 else
+              transformers.LlamaConfig(**shape, attention_bias=bias, architectures=["LlamaForCausalLM"]))  # fmt: skip
     model = build_model(config, torch.bfloat16, CPU, 256)
     with torch.no_grad():
         for name, param in model.named_parameters():
@@ -73,10 +75,11 @@ class _Spy:
         return self.call(*args)
 
 
-@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize(("bias", "qwen3"), [(False, False), (True, False), (False, True)])
 @pytest.mark.parametrize("quantization", [None, "int8"])
-def test_stack_gives_the_layers_logits_bit_for_bit(bias: bool, quantization: str | None) -> None:
-    model = tiny_llama(bias, quantization)
+def test_stack_gives_the_layers_logits_bit_for_bit(bias: bool, qwen3: bool, quantization: str | None) -> None:
+    model = tiny_llama(bias, quantization, qwen3)
+    assert (model.layers[0].self_attn.q_norm is not None) == qwen3
     reference, none = steps(model, stack=False)
     ours, calls = steps(model, stack=True)
     assert none == 0 and calls == 15  # the 15 decode-only steps; never the prefills or the mixed step

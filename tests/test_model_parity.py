@@ -43,6 +43,14 @@ TINY_CONFIGS = {
         tie_word_embeddings=True,
         architectures=["Qwen2ForCausalLM"],
     ),
+    "qwen3": lambda: transformers.Qwen3Config(  # q/k norms per head, head_dim * heads != hidden, tied embeddings
+        **LLAMA_LIKE,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        tie_word_embeddings=True,
+        architectures=["Qwen3ForCausalLM"],
+    ),
     "mistral": lambda: transformers.MistralConfig(  # head_dim * heads != hidden, a single KV head
         **LLAMA_LIKE,
         num_attention_heads=4,
@@ -64,6 +72,7 @@ TINY_CONFIGS = {
 HF_CLASSES = {
     "llama3-rope": transformers.LlamaForCausalLM,
     "qwen2": transformers.Qwen2ForCausalLM,
+    "qwen3": transformers.Qwen3ForCausalLM,
     "mistral": transformers.MistralForCausalLM,
     "gpt2": transformers.GPT2LMHeadModel,
 }

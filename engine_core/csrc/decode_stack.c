@@ -26,6 +26,7 @@ typedef struct {
 
 typedef struct {
     const uint16_t *input_norm, *post_norm;
+    const uint16_t *q_norm, *k_norm;  // Qwen3's norms of each q and k head, or NULL
     PackedWeight qkv, o, gate_up, down;
     uint16_t *k_cache, *v_cache;  // [blocks, block_size, num_kv_heads, head_dim]
 } DecodeLayer;
@@ -62,6 +63,11 @@ void decode_stack_bf16(const DecodeLayer* layers, const StackShape* s, const uin
         if (i == 0) rms_norm_bf16(x, NULL, l->input_norm, normed, rows, (int)hidden, s->eps);
         else rms_norm_bf16(x, residual, l->input_norm, normed, rows, (int)hidden, s->eps);
         linear(normed, hidden, rows, l->qkv.packed, (int)l->qkv.q8, l->qkv.bias, qkv, qkv_size, qkv_size, hidden);
+        for (int64_t r = 0; l->q_norm && r < rows; r++) {  // in place: the kernel reads a row before writing it
+            uint16_t* row = qkv + r * qkv_size;
+            rms_norm_bf16(row, NULL, l->q_norm, row, s->num_q_heads, (int)hd, s->eps);
+            rms_norm_bf16(row + q_size, NULL, l->k_norm, row + q_size, s->num_kv_heads, (int)hd, s->eps);
+        }
         rotary_bf16(qkv, positions, cos, sin, rows, qkv_size, (int)(s->num_q_heads + s->num_kv_heads), (int)hd);
         for (int64_t r = 0; r < rows; r++) {  // the new token's K/V into its slot; q made contiguous
             const uint16_t* row = qkv + r * qkv_size;

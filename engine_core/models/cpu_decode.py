@@ -27,8 +27,9 @@ class _PackedWeight(ctypes.Structure):
 
 
 class _DecodeLayer(ctypes.Structure):
-    _fields_ = [("input_norm", _P), ("post_norm", _P), ("qkv", _PackedWeight), ("o", _PackedWeight),
-                ("gate_up", _PackedWeight), ("down", _PackedWeight), ("k_cache", _P), ("v_cache", _P)]  # fmt: skip
+    _fields_ = [("input_norm", _P), ("post_norm", _P), ("q_norm", _P), ("k_norm", _P), ("qkv", _PackedWeight),
+                ("o", _PackedWeight), ("gate_up", _PackedWeight), ("down", _PackedWeight), ("k_cache", _P),
+                ("v_cache", _P)]  # fmt: skip
 
 
 class _StackShape(ctypes.Structure):
@@ -87,8 +88,11 @@ class DecodeStack:
                 return None
             if not attn.v_cache.is_contiguous() or not kernels.supports_decode(q, attn.k_cache):
                 return None
+            if any(n is not None and n.eps != model.norm.eps for n in (attn.q_norm, attn.k_norm)):
+                return None  # the stack has one eps
+            qk_norms = [None if n is None else n.weight.data_ptr() for n in (attn.q_norm, attn.k_norm)]
             structs.append(_DecodeLayer(layer.input_layernorm.weight.data_ptr(),
-                                        layer.post_attention_layernorm.weight.data_ptr(), *weights,
+                                        layer.post_attention_layernorm.weight.data_ptr(), *qk_norms, *weights,
                                         attn.k_cache.data_ptr(), attn.v_cache.data_ptr()))  # fmt: skip
         return DecodeStack(model, kernels, structs)
 

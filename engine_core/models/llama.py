@@ -1,4 +1,4 @@
-"""The Llama family (Llama, SmolLM, Qwen2, Mistral): RMSNorm, RoPE, grouped-query attention, SwiGLU."""
+"""The Llama family (Llama, SmolLM, Qwen2, Qwen3, Mistral): RMSNorm, RoPE, grouped-query attention, SwiGLU."""
 
 from __future__ import annotations
 
@@ -45,14 +45,25 @@ class LlamaAttention(nn.Module):
         self.scale = self.head_dim**-0.5
         self.qkv_proj = MergedLinear(config.hidden_size, [self.q_size, self.kv_size, self.kv_size], qkv_bias)
         self.o_proj = RowParallelLinear(self.q_size, config.hidden_size, bias=o_bias)
+        # Qwen3: every head's q and k RMS-normed (one weight over head_dim for each) before the rotation.
+        self.q_norm = self.k_norm = None
+        if config.model_type == "qwen3":
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
         self.k_cache = self.v_cache = torch.empty(0)  # bound by the model runner, with its chosen backend
         self.attn_backend: AttentionBackend = TorchBackend()
 
     def forward(self, x: torch.Tensor, rope: StepRotary, meta: AttentionMetadata):
         qkv = self.qkv_proj(x)
         qk_size = self.q_size + self.kv_size
+        qk = qkv[:, :qk_size].view(-1, self.num_heads + self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:  # one head a row, as the CPU norm kernel takes
+            q = self.q_norm(qkv[:, : self.q_size].reshape(-1, self.head_dim))
+            k = self.k_norm(qkv[:, self.q_size : qk_size].reshape(-1, self.head_dim))
+            qk = torch.cat((q.view(-1, self.num_heads, self.head_dim), k.view(-1, self.num_kv_heads, self.head_dim)),
+                           dim=1)  # fmt: skip
         # q and k rotated together: one set of elementwise ops (or one kernel call) per layer instead of two.
-        qk = rope(qkv[:, :qk_size].view(-1, self.num_heads + self.num_kv_heads, self.head_dim))
+        qk = rope(qk)
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         v = qkv[:, qk_size:].view(-1, self.num_kv_heads, self.head_dim)
         out = self.attn_backend.forward(q, k, v, self.k_cache, self.v_cache, meta, self.scale)
@@ -121,7 +132,7 @@ class LlamaForCausalLM(nn.Module):
 
     @staticmethod
     def attention_biases(config) -> tuple[bool, bool]:
-        if config.model_type == "qwen2":  # Qwen2: biased q/k/v, unbiased output projection
+        if config.model_type == "qwen2":  # Qwen2: biased q/k/v, unbiased output projection (Qwen3: none)
             return True, False
         bias = bool(getattr(config, "attention_bias", False))
         return bias, bias
