@@ -11,7 +11,10 @@ import pytest
 import torch
 import transformers
 
+from common.config import EngineConfig
+from engine_core.core import EngineCore
 from engine_core.models.loader import build_model, load_model, load_weights
+from tests.engine_helpers import greedy_request, run_engine, tokens_of
 from tests.model_harness import PagedRun
 
 TOL = 1e-3
@@ -219,3 +222,18 @@ def test_smollm2_parity(smollm2):
     prefill_diff, decode_diff = prefill_then_decode(ours, hf, prompts, DECODE_STEPS)
     assert prefill_diff < TOL
     assert decode_diff < TOL
+
+
+def test_a_saved_qwen3_serves_transformers_greedy_tokens(tmp_path) -> None:
+    """A Qwen3 directory through the engine (the architecture check, the checkpoint's names, the q/k norms): the
+    greedy tokens of transformers' generate, for prompts of different lengths in one batch."""
+    hf = tiny_hf_model("qwen3")
+    hf.save_pretrained(tmp_path)
+    prompts = random_prompts([3, 17, 30], VOCAB, seed=2)
+    core = EngineCore(EngineConfig(model=str(tmp_path), dtype="float32", num_kv_blocks=64, max_model_len=MAX_POSITIONS))
+    requests = [greedy_request(f"q{i}", p, 12) for i, p in enumerate(prompts)]
+    ours = tokens_of(run_engine(core, requests), [r.request_id for r in requests])
+    with torch.inference_mode():
+        refs = [hf.generate(torch.tensor([p]), max_new_tokens=12, min_new_tokens=12, do_sample=False)[0, len(p) :]
+                for p in prompts]  # fmt: skip
+    assert ours == [r.tolist() for r in refs]
