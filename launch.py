@@ -179,6 +179,7 @@ class Launch:
             log.warning("sampling defaults from the generation config (--generation-config vllm: none): %s", overridden)
         ctx = ServingContext(self.client, tokenizer, model_name, ready.max_model_len, ready.vocab_size,
                              tool_call_parser=self.config.tool_call_parser,
+                             reasoning_parser=self.config.reasoning_parser,
                              priority_scheduling=self.engine_config.scheduling_policy == "priority",
                              sampling_defaults=defaults)  # fmt: skip
         app = create_app(ctx, self.config, metrics)

@@ -97,6 +97,11 @@ class ServerConfig:
         "Qwen2.5 and Hermes models; llama3_json: {\"name\": ..., \"parameters\": {...}}, Llama 3.1-3.3)",
         choices=["hermes", "llama3_json"],
     )
+    reasoning_parser: str | None = flag(
+        None, "return a thinking model's <think> part of chat answers as `reasoning` (vLLM's field): qwen3 (Qwen3's "
+        "hybrid models), deepseek_r1 (DeepSeek-R1 and its distills, QwQ, Qwen3's Thinking models)",
+        choices=["deepseek_r1", "qwen3"],
+    )
     enable_auto_tool_choice: bool = flag(
         False, "vLLM's switch for tool_choice auto, taken so that its command lines run: here --tool-call-parser "
         "alone turns calls in the model's format on (this flag needs one)",

@@ -255,3 +255,31 @@ def test_bad_tool_requests(server: Server, body, param, words):
     assert r.status_code == 400, r.text
     error = r.json()["error"]
     assert error["type"] == "invalid_request_error" and error["param"] == param and words in error["message"], error
+
+
+def test_reasoning_parser_on_the_server(tool_servers: dict[str, Server]):
+    """--reasoning-parser deepseek_r1: an answer that never closes its thinking (</think>) is all reasoning, so the
+    default model's greedy answer, which has no tags, comes back whole in `reasoning` (whole and streamed) with empty
+    content; a constrained answer is not split."""
+    plain, thinking = tool_servers["hermes"], tool_servers["llama3_json"]  # the same model and template
+    body = {"model": MODEL, "messages": ASK, "max_tokens": 24, "temperature": 0}
+    expected = httpx.post(plain.url + "/v1/chat/completions", json=body, timeout=300).json()
+    text = expected["choices"][0]["message"]["content"]
+    assert text and "reasoning" not in expected["choices"][0]["message"]
+
+    async def run() -> list[Any]:
+        async with openai.AsyncOpenAI(base_url=thinking.url + "/v1", api_key="x", max_retries=0, timeout=300) as c:
+            create = c.chat.completions.create
+            json_body = {**body, "response_format": {"type": "json_object"}}
+            whole, stream, constrained = await asyncio.gather(create(**body), create(**body, stream=True),
+                                                              create(**json_body))  # fmt: skip
+            return [whole, [x async for x in stream], constrained]
+
+    whole, chunks, constrained = asyncio.run(run())
+    msg = whole.choices[0].message
+    assert msg.model_extra["reasoning"] == text and msg.content == ""
+    deltas = [c.choices[0].delta for c in chunks if c.choices]
+    assert "".join((d.model_extra or {}).get("reasoning") or "" for d in deltas) == text
+    assert "".join(d.content or "" for d in deltas) == ""
+    assert constrained.choices[0].message.content.startswith("{")
+    assert "reasoning" not in (constrained.choices[0].message.model_extra or {})

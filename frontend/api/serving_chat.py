@@ -11,11 +11,12 @@ from fastapi.responses import Response
 from frontend.api.prompt_logprobs import check_stream, choice_prompt_logprobs, with_prompt_logprobs
 from frontend.api.protocol import ChatCompletionRequest, ChatMessage
 from frontend.api.serving import ServingContext, check_stream_options, clamp, off_loop, respond, token_namer
-from frontend.api.structured_request import check, with_structured_output
+from frontend.api.structured_request import check, requested, with_structured_output
 from frontend.engine.fanout import Choice, FanOut
 from frontend.engine.request_stream import Delta
 from frontend.errors import bad_request
 from frontend.text.tokenizer import TemplateKwargsError, TokenizerError
+from frontend.tools.reasoning import with_reasoning
 from frontend.tools.tool_calls import ToolPlan, calls_or_output, functions_as_tools, plan_tools
 from frontend.tools.tool_stream import ToolStreams, as_function_call, finish_reason, legacy_finish_reason, message
 
@@ -46,6 +47,8 @@ class ChatFormat:
         self.want_logprobs = req.logprobs
         self.name = token_namer(self.tok, req.return_tokens_as_token_ids)  # how logprobs name a token
         make_parser = tools.make_parser() if tools is not None else None
+        constrained = (tools is not None and tools.structured is not None) or requested(req) is not None
+        make_parser = with_reasoning(ctx.reasoning_parser, make_parser, constrained)
         self.tool_streams = ToolStreams(make_parser) if make_parser is not None else None  # None: plain content
         self.prompt_logprobs_k = req.prompt_logprobs
         self.legacy_functions = req.functions is not None  # calls are answered as function_call

@@ -22,6 +22,11 @@ class Content:
 
 
 @dataclass
+class Reasoning:
+    text: str  # a piece of a thinking model's reasoning (frontend/tools/reasoning.py)
+
+
+@dataclass
 class CallStart:
     index: int  # the call's position among this choice's calls
     id: str
@@ -34,7 +39,7 @@ class Arguments:
     text: str  # a piece of the call's arguments (JSON text)
 
 
-Event = Content | CallStart | Arguments
+Event = Content | Reasoning | CallStart | Arguments
 
 
 class ToolParser(Protocol):

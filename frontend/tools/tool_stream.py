@@ -1,4 +1,5 @@
-"""Tool calls in chat responses: parser events -> OpenAI's streamed `tool_calls` deltas, or a whole message.
+"""Tool calls (and reasoning) in chat responses: parser events -> OpenAI's streamed `tool_calls` deltas, or a whole
+message.
 
 One parser per choice. A stream's first delta for a call carries index, id, type, the name and empty arguments;
 the next ones carry pieces of the arguments. A choice that made a call and stopped finishes with "tool_calls".
@@ -9,19 +10,20 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from frontend.tools.tool_parsers import Arguments, CallStart, Content, Event, ToolParser, parser_events
+from frontend.tools.tool_parsers import Arguments, CallStart, Content, Event, Reasoning, ToolParser, parser_events
 
 
 def _deltas(events: list[Event]) -> list[dict[str, Any]]:
-    """Events -> delta objects; neighbouring content, and neighbouring pieces of one call's arguments, merge."""
+    """Events -> delta objects; neighbouring content, reasoning, and pieces of one call's arguments, merge."""
     out: list[dict[str, Any]] = []
     last: Event | None = None
     for e in events:
-        if isinstance(e, Content):
-            if isinstance(last, Content):
-                out[-1]["content"] += e.text
+        if isinstance(e, Content | Reasoning):
+            key = "content" if isinstance(e, Content) else "reasoning"
+            if type(last) is type(e):
+                out[-1][key] += e.text
             else:
-                out.append({"content": e.text})
+                out.append({key: e.text})
         elif isinstance(e, CallStart):
             out.append({"tool_calls": [{"index": e.index, "id": e.id, "type": "function",
                                         "function": {"name": e.name, "arguments": ""}}]})  # fmt: skip
@@ -39,9 +41,11 @@ def finish_reason(parser: ToolParser, reason: str | None) -> str | None:
 
 
 def message(parser: ToolParser, text: str) -> dict[str, Any]:
-    """The whole response's assistant message: content (null when there are calls and no other text) and calls."""
+    """The whole response's assistant message: content (null when there are calls and no other text), reasoning
+    (when the model wrote any) and calls."""
     events = parser_events(parser, text, True)
     content = "".join(e.text for e in events if isinstance(e, Content))
+    reasoning = "".join(e.text for e in events if isinstance(e, Reasoning))
     calls: list[dict[str, Any]] = []
     for e in events:
         if isinstance(e, CallStart):
@@ -49,6 +53,8 @@ def message(parser: ToolParser, text: str) -> dict[str, Any]:
         elif isinstance(e, Arguments):
             calls[e.index]["function"]["arguments"] += e.text
     out: dict[str, Any] = {"role": "assistant", "content": content or (None if calls else "")}
+    if reasoning:
+        out["reasoning"] = reasoning
     if calls:
         out["tool_calls"] = calls
     return out

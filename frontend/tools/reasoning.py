@@ -1,0 +1,89 @@
+"""Reasoning in chat answers (--reasoning-parser): what a thinking model writes inside <think>...</think> comes back
+as `reasoning` beside the content, as vLLM answers; the content after it goes on to the tool-call parser, if any.
+
+Two rules, as vLLM's parsers of those names:
+- qwen3 (Qwen3's hybrid models): an answer that begins with <think> thinks until </think>; one that does not (its
+  thinking turned off with `chat_template_kwargs: {"enable_thinking": false}`) is all content.
+- deepseek_r1 (DeepSeek-R1 and its distills, QwQ, Qwen3's Thinking models, whose templates open the <think> in the
+  prompt): the answer thinks until </think>, a leading <think> dropped; without one it is all reasoning.
+
+Like the tool-call parsers, it gives the same events however the text is split. Whitespace between </think> and the
+content is dropped.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Literal
+
+from frontend.tools.tool_parsers import Event, Reasoning, ToolParser, parser_events
+
+START, END = "<think>", "</think>"
+
+
+def _partial_end(text: str) -> int:
+    """Length of the longest suffix of `text` that is a proper prefix of END (the tag may be split there)."""
+    return next((k for k in range(min(len(END) - 1, len(text)), 0, -1) if text.endswith(END[:k])), 0)
+
+
+class ReasoningParser:
+    """The answer's reasoning as Reasoning events, then its content through `inner` (plain content without one)."""
+
+    def __init__(self, rule: str, inner: ToolParser | None) -> None:
+        self.rule, self.inner = rule, inner
+        self.state: Literal["start", "reasoning", "after", "content"] = "start"
+        self.held = ""  # start: the answer so far; reasoning: what may be the start of END
+
+    @property
+    def calls(self) -> int:
+        return self.inner.calls if self.inner is not None else 0
+
+    def feed(self, text: str) -> list[Event]:
+        if self.state == "start":
+            self.held += text
+            head = self.held.lstrip()
+            if START.startswith(head):  # nothing but whitespace, or maybe the tag, so far
+                return []
+            if head.startswith(START):
+                self.state, text = "reasoning", head[len(START) :]
+            else:
+                self.state, text = "content" if self.rule == "qwen3" else "reasoning", self.held
+            self.held = ""
+        if self.state == "reasoning":
+            return self._reasoning(text)
+        return self._content(text, final=False)
+
+    def _reasoning(self, text: str) -> list[Event]:
+        buf, self.held = self.held + text, ""
+        at = buf.find(END)
+        if at < 0:
+            keep = _partial_end(buf)
+            self.held = buf[len(buf) - keep :]
+            return [Reasoning(buf[: len(buf) - keep])] if len(buf) > keep else []
+        self.state = "after"
+        return ([Reasoning(buf[:at])] if at else []) + self._content(buf[at + len(END) :], final=False)
+
+    def _content(self, text: str, final: bool) -> list[Event]:
+        if self.state == "after":  # the whitespace between </think> and the content is dropped
+            text = text.lstrip()
+            if not text and not final:
+                return []
+            self.state = "content"
+        return parser_events(self.inner, text, final)
+
+    def finish(self) -> list[Event]:
+        text, self.held = self.held, ""
+        if self.state == "start":  # only whitespace, or a cut <think>: as if the answer went on without one
+            self.state = "content" if self.rule == "qwen3" else "reasoning"
+        if self.state == "reasoning":  # (or cut off while thinking)
+            return [Reasoning(text)] if text else []
+        return self._content(text, final=True)
+
+
+def with_reasoning(rule: str | None, make_parser: Callable[[], ToolParser] | None,
+                   constrained: bool) -> Callable[[], ToolParser] | None:  # fmt: skip
+    """A choice's parser factory with the reasoning split in front of `make_parser`'s; unchanged without a rule, or
+    when a grammar holds the answer from its first token (there is no thinking then, only the constrained text)."""
+    if rule is None or constrained:
+        return make_parser
+    return lambda: ReasoningParser(rule, make_parser() if make_parser is not None else None)

@@ -1,0 +1,117 @@
+"""--reasoning-parser on fixed model outputs: the qwen3 and deepseek_r1 rules split <think> reasoning from content
+(whole, and streams split at every position), in front of a tool-call parser, as OpenAI-shaped deltas and messages;
+constrained answers are not split."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from frontend.tools.reasoning import ReasoningParser, with_reasoning
+from frontend.tools.tool_parsers import Arguments, CallStart, Content, Event, HermesParser, Reasoning
+from frontend.tools.tool_stream import ToolStreams, message
+
+Result = tuple[str, str, list[tuple[str, str]]]  # reasoning, content, [(name, arguments)]
+
+
+def run(rule: str, pieces: list[str], tools: bool = False) -> Result:
+    parser = ReasoningParser(rule, HermesParser() if tools else None)
+    events: list[Event] = []
+    for piece in pieces:
+        events += parser.feed(piece)
+    events += parser.finish()
+    calls: list[list[str]] = []
+    for e in events:
+        if isinstance(e, CallStart):
+            calls.append([e.name, ""])
+        elif isinstance(e, Arguments):
+            calls[e.index][1] += e.text
+    reasoning = "".join(e.text for e in events if isinstance(e, Reasoning))
+    content = "".join(e.text for e in events if isinstance(e, Content))
+    assert parser.calls == len(calls)
+    return reasoning, content, [(n, a) for n, a in calls]
+
+
+def same_everywhere(rule: str, text: str, tools: bool = False) -> Result:
+    """The text whole, one character at a time, and cut in two at every position: one result."""
+    splits = [[text], list(text)] + [[text[:i], text[i:]] for i in range(1, len(text))]
+    results = {repr(run(rule, pieces, tools)) for pieces in splits}
+    assert len(results) == 1, results
+    return run(rule, [text], tools)
+
+
+CASES = [
+    # (rule, model output, reasoning, content)
+    ("qwen3", "<think>\nThe capital.\n</think>\n\nParis.", "\nThe capital.\n", "Paris."),
+    ("qwen3", "  <think>a</think>b </think> c", "a", "b </think> c"),
+    ("qwen3", "Paris.", "", "Paris."),  # thinking turned off: no <think>, all content
+    ("qwen3", "<think></think>\n\nHi", "", "Hi"),
+    ("qwen3", "<think>cut off while thinking </thi", "cut off while thinking </thi", ""),
+    ("qwen3", "<thi", "", "<thi"),
+    ("qwen3", "<b>bold</b>", "", "<b>bold</b>"),
+    ("qwen3", " \n", "", " \n"),
+    ("deepseek_r1", "The capital.\n</think>\n\nParis.", "The capital.\n", "Paris."),  # <think> was in the prompt
+    ("deepseek_r1", "<think>x</think>y", "x", "y"),
+    ("deepseek_r1", "still thinking", "still thinking", ""),
+    ("deepseek_r1", "<thi", "<thi", ""),
+    ("deepseek_r1", "</think>", "", ""),
+]
+
+
+@pytest.mark.parametrize(("rule", "text", "reasoning", "content"), CASES, ids=[f"{c[0]}:{c[1][:20]}" for c in CASES])
+def test_reasoning_split_anywhere(rule, text, reasoning, content):
+    assert same_everywhere(rule, text) == (reasoning, content, [])
+
+
+CALL = '<tool_call>{"name": "get_time", "arguments": {"tz": "UTC"}}</tool_call>'
+
+
+@pytest.mark.parametrize("rule", ["qwen3", "deepseek_r1"])
+def test_tool_calls_are_read_from_the_content_only(rule):
+    """A call written while thinking is reasoning; the one after </think> is a call."""
+    text = f"<think>Maybe {CALL}?</think>\n\nChecking.\n{CALL}"
+    assert same_everywhere(rule, text, tools=True) == (f"Maybe {CALL}?", "Checking.", [("get_time", '{"tz": "UTC"}')])
+
+
+def test_deltas_and_message_have_vllms_reasoning_field():
+    text = "<think>Let me think.</think>\n\nParis."
+    streams = ToolStreams(lambda: ReasoningParser("qwen3", None))
+    deltas = [d for i in range(0, len(text), 5) for d in streams.deltas(0, text[i : i + 5], i + 5 >= len(text))]
+    assert all(list(d) in (["reasoning"], ["content"]) for d in deltas)
+    assert "".join(d.get("reasoning", "") for d in deltas) == "Let me think."
+    assert "".join(d.get("content", "") for d in deltas) == "Paris."
+    assert streams.finish_reason(0, "stop") == "stop"
+    assert message(ReasoningParser("qwen3", None), text) == {"role": "assistant", "content": "Paris.",
+                                                             "reasoning": "Let me think."}  # fmt: skip
+    assert message(ReasoningParser("qwen3", None), "Paris.") == {"role": "assistant", "content": "Paris."}
+
+
+def test_constrained_or_unconfigured_answers_are_not_split():
+    def tools() -> HermesParser:
+        return HermesParser()
+
+    assert with_reasoning(None, tools, False) is tools and with_reasoning(None, None, False) is None
+    assert with_reasoning("qwen3", tools, True) is tools  # a grammar holds the answer: nothing to split off
+    parser = with_reasoning("deepseek_r1", None, False)
+    assert parser is not None and isinstance(parser(), ReasoningParser)
+
+
+PIECES = ["<think>", "</think>", "<thi", "</thi", "nk>", "<", ">", "/", " ", "\n", "a", "é", CALL, "<tool_call>"]
+
+
+@settings(max_examples=300, derandomize=True, deadline=None, database=None)
+@given(st.lists(st.sampled_from(PIECES), max_size=12).map("".join), st.lists(st.integers(0, 200), max_size=4),
+       st.sampled_from(["qwen3", "deepseek_r1"]), st.booleans())  # fmt: skip
+def test_any_text_splits_the_same_however_cut(text, cuts, rule, tools):
+    """Never raises; the same reasoning, content and calls whether the text comes whole or in pieces; without
+    tools, an answer that does not open with <think> is all content (qwen3) or all reasoning (deepseek_r1) until
+    any </think>."""
+    bounds = sorted({min(c, len(text)) for c in cuts} | {0, len(text)})
+    whole = run(rule, [text], tools)
+    assert run(rule, [text[a:b] for a, b in zip(bounds, bounds[1:], strict=False)], tools) == whole
+    if not tools and not text.lstrip().startswith("<think>"):
+        if rule == "qwen3":
+            assert whole == ("", text, [])
+        elif "</think>" not in text:
+            assert whole == (text, "", [])
