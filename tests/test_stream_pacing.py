@@ -120,7 +120,7 @@ TRICKY = ["plain", 'a "quoted" \\ back\nslash\t\r\x00\x1f\x7f', "é中文😀\u2
 
 @pytest.mark.parametrize("chat", [False, True])
 def test_text_chunks_are_byte_identical_to_the_general_path(tok, chat):
-    ctx = SimpleNamespace(tokenizer=tok)
+    ctx = SimpleNamespace(tokenizer=tok, reasoning_parser=None)  # a ServingContext's fields that ChatFormat reads
     if chat:
         fmt = ChatFormat(ctx, ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}]))  # type: ignore
     else:
