@@ -110,6 +110,36 @@ def test_item_list_input_equals_the_chat_request(server: Server, client: openai.
     assert plain.output_text == reference["choices"][0]["message"]["content"]
 
 
+def test_reasoning_items_with_a_reasoning_parser(client: openai.OpenAI, tool_servers: dict[str, Server]):
+    """--reasoning-parser deepseek_r1 (the llama3_json tool server): the default model's answer, which never closes a
+    <think>, is all reasoning, so it comes back as one `reasoning` item holding the plain server's text (whole and
+    streamed); sent back as input, that item stays out of the prompt."""
+    kw = {"model": MODEL, "input": "Write a haiku about the sea.", "max_output_tokens": 24, "temperature": 0}
+    text = client.responses.create(**kw).output_text
+    thinking = openai.OpenAI(base_url=tool_servers["llama3_json"].url + "/v1", api_key="x", max_retries=0,
+                             timeout=300)  # fmt: skip
+    whole = thinking.responses.create(**kw)
+    [item] = whole.output
+    assert item.type == "reasoning" and item.id.startswith("rs_") and item.status == "completed"
+    assert [(c.type, c.text) for c in item.content] == [("reasoning_text", text)] and item.summary == []
+    assert whole.output_text == ""
+
+    events = events_of(thinking.responses.create(**kw, stream=True))
+    deltas = [e for e in events if e.type == "response.reasoning_text.delta"]
+    assert [e.type for e in events] == ["response.created", "response.in_progress", "response.output_item.added",
+                                        *["response.reasoning_text.delta"] * len(deltas),
+                                        "response.reasoning_text.done", "response.output_item.done",
+                                        "response.completed"]  # fmt: skip
+    assert "".join(e.delta for e in deltas) == events[-3].text == text
+    assert events[-1].response.output[0].content[0].text == text
+
+    turn = [{"role": "user", "content": "Write a haiku about the sea."}, item.model_dump(exclude_none=True),
+            {"role": "user", "content": "Another one."}]  # fmt: skip
+    without = [turn[0], turn[2]]
+    sent = [thinking.responses.create(model=MODEL, input=i, max_output_tokens=1) for i in (turn, without)]
+    assert sent[0].usage.input_tokens == sent[1].usage.input_tokens
+
+
 def check_call(item: Any, names: set[str]) -> None:
     assert item.type == "function_call" and item.status == "completed" and item.name in names
     assert item.id.startswith("fc_") and item.call_id.startswith("call_")

@@ -28,7 +28,7 @@ from frontend.api.protocol import (
 from frontend.api.sampling_defaults import SamplingDefaults
 from frontend.errors import ApiError, bad_request, from_validation_errors
 
-ITEM_TYPES = ("message", "function_call", "function_call_output")
+ITEM_TYPES = ("message", "function_call", "function_call_output", "reasoning")
 PART_TYPES = ("input_text", "output_text")
 MAX_METADATA = 16  # OpenAI's bounds on metadata: pairs, key and value lengths
 MetadataKey = Annotated[Text, Field(max_length=64)]
@@ -90,13 +90,20 @@ class FunctionCallOutputItem(ApiModel):
     output: Content
 
 
+class ReasoningItem(ApiModel):
+    """The model's reasoning in an earlier turn, as --reasoning-parser returned it (a client sends the output back
+    whole). It stays out of the prompt: thinking models' templates leave earlier turns' thinking out too."""
+
+    type: Literal["reasoning"]
+
+
 def _item_tag(item: Any) -> str | None:
     return _type_of(item, "message") if isinstance(item, dict) else getattr(item, "type", None)
 
 
 InputItem = Annotated[
     Annotated[MessageItem, Tag("message")] | Annotated[FunctionCallItem, Tag("function_call")]
-    | Annotated[FunctionCallOutputItem, Tag("function_call_output")],
+    | Annotated[FunctionCallOutputItem, Tag("function_call_output")] | Annotated[ReasoningItem, Tag("reasoning")],
     Discriminator(_item_tag), _one_of(ITEM_TYPES, "input items", "message"),
 ]  # fmt: skip
 
@@ -194,7 +201,7 @@ def _messages(req: ResponsesRequest) -> list[ChatMessage]:
                 out[-1].tool_calls = [*(out[-1].tool_calls or []), call]
             else:
                 out.append(ChatMessage(role="assistant", content=None, tool_calls=[call]))
-        else:
+        elif isinstance(item, FunctionCallOutputItem):
             out.append(ChatMessage(role="tool", tool_call_id=item.call_id, content=_text(item.output)))
     if not out:
         raise bad_request("input is empty", "input")

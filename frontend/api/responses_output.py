@@ -1,5 +1,6 @@
-"""A response's output items, built from the tool parser's events (content text, call starts, argument pieces): a
-`message` item holds content, a `function_call` item each call, in the order the model wrote them. Every step also
+"""A response's output items, built from the parsers' events (reasoning and content text, call starts, argument
+pieces): a `reasoning` item holds the model's thinking, a `message` item content, a `function_call` item each call,
+in the order the model wrote them. Every step also
 returns the stream events OpenAI sends for it, so a streamed response and a whole one are built by the same code."""
 
 from __future__ import annotations
@@ -8,7 +9,7 @@ import secrets
 from dataclasses import dataclass
 from typing import Any
 
-from frontend.tools.tool_parsers import Arguments, CallStart, Content, Event
+from frontend.tools.tool_parsers import Arguments, CallStart, Content, Event, Reasoning
 
 
 def item_id(prefix: str) -> str:
@@ -16,16 +17,31 @@ def item_id(prefix: str) -> str:
 
 
 @dataclass
-class MessageOut:
+class TextOut:
+    """An item whose one content part grows with the text as it comes."""
+
     id: str
     text: str = ""
     status: str = "in_progress"
 
+
+class MessageOut(TextOut):
     def part(self) -> dict[str, Any]:
         return {"type": "output_text", "text": self.text, "annotations": []}
 
     def item(self, with_content: bool = True) -> dict[str, Any]:
         return {"id": self.id, "type": "message", "status": self.status, "role": "assistant",
+                "content": [self.part()] if with_content else []}  # fmt: skip
+
+
+class ReasoningOut(TextOut):
+    """--reasoning-parser: the model's <think> text, as OpenAI shapes a reasoning item's content."""
+
+    def part(self) -> dict[str, Any]:
+        return {"type": "reasoning_text", "text": self.text}
+
+    def item(self, with_content: bool = True) -> dict[str, Any]:
+        return {"id": self.id, "type": "reasoning", "status": self.status, "summary": [],
                 "content": [self.part()] if with_content else []}  # fmt: skip
 
 
@@ -47,9 +63,9 @@ class OutputBuilder:
     sequence numbers, which the stream adds)."""
 
     def __init__(self) -> None:
-        self.items: list[MessageOut | CallOut] = []
+        self.items: list[MessageOut | ReasoningOut | CallOut] = []
         self.calls: list[CallOut] = []  # by the parser's call index
-        self.open: MessageOut | CallOut | None = None
+        self.open: MessageOut | ReasoningOut | CallOut | None = None
 
     def output(self) -> list[dict[str, Any]]:
         return [i.item() for i in self.items]
@@ -60,6 +76,9 @@ class OutputBuilder:
             if isinstance(e, Content):
                 if e.text:
                     out += self._text(e.text)
+            elif isinstance(e, Reasoning):
+                if e.text:
+                    out += self._reasoning(e.text)
             elif isinstance(e, CallStart):
                 out += self._close("completed")
                 call = CallOut(item_id("fc"), e.id, e.name)
@@ -77,7 +96,7 @@ class OutputBuilder:
         out = [] if self.items else self._open_message()
         return out + self._close(status)
 
-    def _opened(self, item: MessageOut | CallOut, shown: dict[str, Any]) -> dict[str, Any]:
+    def _opened(self, item: MessageOut | ReasoningOut | CallOut, shown: dict[str, Any]) -> dict[str, Any]:
         self.items.append(item)
         self.open = item
         return {"type": "response.output_item.added", "output_index": len(self.items) - 1, "item": shown}
@@ -99,6 +118,19 @@ class OutputBuilder:
                     "content_index": 0, "delta": text, "logprobs": []})  # fmt: skip
         return out
 
+    def _reasoning(self, text: str) -> list[dict[str, Any]]:
+        out: list[dict[str, Any]] = []
+        if not isinstance(self.open, ReasoningOut):
+            out += self._close("completed")
+            reasoning = ReasoningOut(item_id("rs"))
+            out.append(self._opened(reasoning, reasoning.item(with_content=False)))
+        item = self.open
+        assert isinstance(item, ReasoningOut)
+        item.text += text
+        out.append({"type": "response.reasoning_text.delta", "item_id": item.id, "output_index": len(self.items) - 1,
+                    "content_index": 0, "delta": text})  # fmt: skip
+        return out
+
     def _close(self, status: str) -> list[dict[str, Any]]:
         item, self.open = self.open, None
         if item is None:
@@ -110,6 +142,8 @@ class OutputBuilder:
             events = [{"type": "response.output_text.done", **head, "content_index": 0, "text": item.text,
                        "logprobs": []},
                       {"type": "response.content_part.done", **head, "content_index": 0, "part": item.part()}]
+        elif isinstance(item, ReasoningOut):
+            events = [{"type": "response.reasoning_text.done", **head, "content_index": 0, "text": item.text}]
         else:
             events = [{"type": "response.function_call_arguments.done", **head, "name": item.name,
                        "arguments": item.arguments}]  # fmt: skip

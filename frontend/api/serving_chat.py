@@ -39,6 +39,11 @@ def chat_prompt(ctx: ServingContext, messages: list[ChatMessage], add_generation
     return ctx.check_prompt(ids, "messages", keep)
 
 
+def held_by_grammar(req: ChatCompletionRequest, tools: ToolPlan | None) -> bool:
+    """A grammar holds the answer from its first token (a forced call, a response format): no thinking to split."""
+    return (tools is not None and tools.structured is not None) or requested(req) is not None
+
+
 class ChatFormat:
     chunk_object = "chat.completion.chunk"
 
@@ -47,8 +52,7 @@ class ChatFormat:
         self.want_logprobs = req.logprobs
         self.name = token_namer(self.tok, req.return_tokens_as_token_ids)  # how logprobs name a token
         make_parser = tools.make_parser() if tools is not None else None
-        constrained = (tools is not None and tools.structured is not None) or requested(req) is not None
-        make_parser = with_reasoning(ctx.reasoning_parser, make_parser, constrained)
+        make_parser = with_reasoning(ctx.reasoning_parser, make_parser, held_by_grammar(req, tools))
         self.tool_streams = ToolStreams(make_parser) if make_parser is not None else None  # None: plain content
         self.prompt_logprobs_k = req.prompt_logprobs
         self.legacy_functions = req.functions is not None  # calls are answered as function_call

@@ -1,6 +1,7 @@
 """POST /v1/responses (OpenAI's Responses API) on the chat path: the request is translated into a chat request
 (protocol_responses.py), which start_chat checks, admits, renders and sends; the engine's text goes through the chat
-path's tool-call parser into output items (responses_output.py), returned whole or streamed as Responses events."""
+path's parsers (reasoning, tool calls) into output items (responses_output.py), returned whole or streamed as
+Responses events."""
 
 from __future__ import annotations
 
@@ -15,10 +16,11 @@ from fastapi.responses import JSONResponse, Response
 from frontend.api.protocol_responses import ResponsesRequest, chat_request, in_responses_terms
 from frontend.api.responses_output import OutputBuilder
 from frontend.api.serving import ClosingStreamingResponse, ServingContext, collect
-from frontend.api.serving_chat import start_chat
+from frontend.api.serving_chat import held_by_grammar, start_chat
 from frontend.api.sse import dumps
 from frontend.engine.fanout import FanOut
 from frontend.errors import ApiError
+from frontend.tools.reasoning import with_reasoning
 from frontend.tools.tool_parsers import ToolParser, parser_events
 
 
@@ -86,10 +88,11 @@ async def _events(ctx: ServingContext, fan: FanOut, parser: ToolParser | None,
 async def create_response(ctx: ServingContext, req: ResponsesRequest, raw: Request, request_id: str) -> Response:
     rid = f"resp_{request_id}"
     try:
-        fan, tools = await start_chat(ctx, chat_request(req), rid)
+        chat = chat_request(req)
+        fan, tools = await start_chat(ctx, chat, rid)
     except ApiError as exc:
         raise in_responses_terms(exc) from None
-    make_parser = tools.make_parser()
+    make_parser = with_reasoning(ctx.reasoning_parser, tools.make_parser(), held_by_grammar(chat, tools))
     parser = make_parser() if make_parser is not None else None
     envelope = Envelope(ctx, req, rid)
     if req.stream:
