@@ -1,6 +1,6 @@
-"""Tool-call parsers on fixed model outputs: hermes tags and Llama 3's JSON calls (several calls, text around,
-malformed calls, streams split at every position), the JSON of forced calls, and OpenAI's streamed tool_calls delta
-shape."""
+"""Tool-call parsers on fixed model outputs: hermes tags, Llama 3's JSON calls and pythonic lists of calls (several
+calls, text around, malformed calls, streams split at every position), the JSON of forced calls, and OpenAI's
+streamed tool_calls delta shape."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from frontend.api.protocol import ChatCompletionRequest
+from frontend.tools.pythonic_parser import PythonicParser
 from frontend.tools.tool_calls import plan_tools
 from frontend.tools.tool_forced import ForcedCallsParser, NamedCallParser
 from frontend.tools.tool_parsers import (
@@ -156,6 +157,35 @@ def test_llama3_json_streams_content_and_holds_calls():
     assert parser.feed("Done") == [Content("Done")]
 
 
+
+PYTHONIC = '[get_weather(city="Paris", unit="celsius"), get_time(tz="Europe/Paris")]'
+PYTHONIC_CASES = [
+    # (model output, content, calls)
+    ("The capital is Paris.", "The capital is Paris.", []),
+    (PYTHONIC, "", [PARIS, TZ]),
+    (f"\n {PYTHONIC}\n\nI asked for both.", "I asked for both.", [PARIS, TZ]),
+    ('[f(a=[1, {"b": None, "c": True}], s="x]y"), g()]', "", [("f", '{"a": [1, {"b": null, "c": true}], "s": "x]y"}'),
+                                                             ("g", "{}")]),
+    # Not a list of calls with literal keyword arguments: content, exactly as written.
+    ("Sure: [f()]", "Sure: [f()]", []),
+    ("[1, 2] is a list", "[1, 2] is a list", []),
+    ("[f(1)]", "[f(1)]", []),
+    ("[f(a=x)]", "[f(a=x)]", []),
+    ("[f(**kw)]", "[f(**kw)]", []),
+    ("[f(a={1, 2})]", "[f(a={1, 2})]", []),
+    ("[f(a=1e999)]", "[f(a=1e999)]", []),
+    ("[os.system(c='ls')]", "[os.system(c='ls')]", []),
+    ("[]", "[]", []),
+    ('[get_time(tz="UTC"', '[get_time(tz="UTC"', []),  # cut off by the end
+    ("  \n", "  \n", []),
+]
+
+
+@pytest.mark.parametrize(("text", "content", "calls"), PYTHONIC_CASES, ids=[c[0][:30] for c in PYTHONIC_CASES])
+def test_pythonic_outputs_split_anywhere(text, content, calls):
+    assert same_everywhere(PythonicParser, text) == (content, calls, len(calls))
+
+
 NAMED = '{"city": "Par\\"is}", "days": [1, 2, {"x": null}], "n": -1.5e3, "ok": true}'
 
 
@@ -218,6 +248,7 @@ def test_whole_message():
     ("hermes", f"Let me check.\n<tool_call>\n{WEATHER}\n</tool_call>\n<tool_call>\n{TIME}\n</tool_call>\nDone.",
      "Let me check.Done."),
     ("llama3_json", f"{LLAMA_WEATHER}; {LLAMA_TIME}\n\nDone.", "Done."),
+    ("pythonic", f"{PYTHONIC}\nDone.", "Done."),
 ])  # fmt: skip
 def test_parallel_tool_calls_false_keeps_only_the_first_call(parser, text, content):
     """OpenAI answers at most one call then: the chat stream, the whole message and /v1/responses all take their
@@ -241,9 +272,9 @@ def test_parallel_tool_calls_false_keeps_only_the_first_call(parser, text, conte
 PIECES = ["<tool_call>", "</tool_call>", "<tool_", "call>", "</tool", "<", ">", "{", "}", "[", "]", ",", ":", '"',
           "\\", '\\"', '"name"', '"arguments"', '"parameters"', '"get_time"', "{}", "1.5", "true", "null", " ", "\n",
           "hi", "é", ";", "<|python_tag|>", "<|py"]  # fmt: skip
-TEXTS = st.lists(st.sampled_from(PIECES + [WEATHER, TIME, REQUIRED, NAMED, LLAMA_WEATHER, LLAMA_TIME]),
-                 max_size=12).map("".join)  # fmt: skip
-PARSERS = [HermesParser, ForcedCallsParser, lambda: NamedCallParser("f"), Llama3JsonParser]
+TEXTS = st.lists(st.sampled_from(PIECES + ["(", ")", "=", "f", "x", "'", PYTHONIC, WEATHER, TIME, REQUIRED, NAMED,
+                                            LLAMA_WEATHER, LLAMA_TIME]), max_size=12).map("".join)  # fmt: skip
+PARSERS = [HermesParser, ForcedCallsParser, lambda: NamedCallParser("f"), Llama3JsonParser, PythonicParser]
 
 
 @settings(max_examples=300, derandomize=True, deadline=None, database=None)
@@ -255,5 +286,5 @@ def test_any_text_parses_the_same_however_split(text, cuts, which):
     pieces = [text[a:b] for a, b in zip(bounds, bounds[1:], strict=False)]
     whole = run(make, [text])
     assert run(make, pieces) == whole
-    if which in (0, 3) and not whole[1]:  # hermes or llama3_json without a call: the text is all content, exactly
+    if which in (0, 3, 4) and not whole[1]:  # hermes, llama3_json or pythonic without a call: all content, exactly
         assert whole[0] == text

@@ -24,9 +24,13 @@ from frontend.api.protocol import (
     ToolDefinition,
 )
 from frontend.errors import bad_request
+from frontend.tools.pythonic_parser import PythonicParser
 from frontend.tools.tool_forced import ForcedCallsParser, NamedCallParser
-from frontend.tools.tool_parsers import CLOSE, OPEN, PARSERS, ToolParser
+from frontend.tools.tool_parsers import CLOSE, OPEN, HermesParser, Llama3JsonParser, ToolParser
 
+# --tool-call-parser NAME -> the parser's class, called with max_calls
+PARSERS: dict[str, Callable[[int | None], ToolParser]] = {"hermes": HermesParser, "llama3_json": Llama3JsonParser,
+                                                          "pythonic": PythonicParser}  # fmt: skip
 _EMPTY_PARAMETERS = {"type": "object", "properties": {}}  # OpenAI: no parameters is a function without arguments
 
 Mode = Literal["none", "auto", "required", "named"]

@@ -1,5 +1,5 @@
 """Tool-call parsers: generated text, fed in pieces, -> content and tool-call events; the hermes and Llama 3 JSON
-formats (--tool-call-parser).
+formats (--tool-call-parser; pythonic in pythonic_parser.py).
 
 Every parser gives the same events however its text is split (all at once for a whole response, token by token
 for a stream), so the streamed content and arguments pieces concatenate to exactly the non-streamed ones.
@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import secrets
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
@@ -74,9 +73,9 @@ def call_of(obj: Any, arguments: Any) -> tuple[str, str] | None:
     if not isinstance(name, str) or not name:
         return None
     try:
-        text = json.dumps(arguments, ensure_ascii=False)
+        text = json.dumps(arguments, ensure_ascii=False, allow_nan=False)
         (name + text).encode()  # a lone surrogate spelled as an escape is not text
-    except (ValueError, RecursionError):
+    except (ValueError, TypeError, RecursionError):  # TypeError: not JSON's types (pythonic calls' sets, bytes)
         return None
     return name, text
 
@@ -252,7 +251,3 @@ class Llama3JsonParser:
         if self.state == "content":
             return []
         return self._to_content(self._rest() if self.calls else self.held)
-
-
-# --tool-call-parser NAME -> the parser's class, called with max_calls
-PARSERS: dict[str, Callable[[int | None], ToolParser]] = {"hermes": HermesParser, "llama3_json": Llama3JsonParser}
