@@ -1,6 +1,7 @@
 """POST /v1/responses request schema (OpenAI's Responses API) and its translation into a chat completions request,
 so that the chat path renders, admits, constrains and parses it. Only what that path can do is accepted: a field or
-item it cannot serve is a 400 naming it, never silently dropped."""
+item it cannot serve is a 400 naming it, never silently dropped. (Reasoning items are taken and left out of the
+prompt, as thinking models' templates leave earlier thinking out.)"""
 
 from __future__ import annotations
 

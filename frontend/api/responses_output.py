@@ -1,7 +1,7 @@
 """A response's output items, built from the parsers' events (reasoning and content text, call starts, argument
 pieces): a `reasoning` item holds the model's thinking, a `message` item content, a `function_call` item each call,
-in the order the model wrote them. Every step also
-returns the stream events OpenAI sends for it, so a streamed response and a whole one are built by the same code."""
+in the order the model wrote them. Every step also returns the stream events OpenAI sends for it, so a streamed
+response and a whole one are built by the same code."""
 
 from __future__ import annotations
 
