@@ -10,7 +10,7 @@ from __future__ import annotations
 import ast
 from typing import Literal
 
-from frontend.tools.tool_parsers import Arguments, CallStart, Content, Event, call_id, call_of
+from frontend.tools.tool_parsers import CallsUpTo, Content, Event, call_of
 
 
 def _expression(source: str) -> ast.expr | None:
@@ -39,15 +39,14 @@ def _calls(tree: ast.expr) -> list[tuple[str, str]] | None:
     return calls
 
 
-class PythonicParser:
+class PythonicParser(CallsUpTo):
     """An answer that begins with "[" (after whitespace) is held until a "]" closes a Python list of calls; then the
     calls are emitted whole and what follows is content. Anything else is content, exactly as written: an answer that
     begins otherwise (streamed as it comes), a list that is not all calls, a list the end cuts off. Calls past
     `max_calls` are dropped."""
 
     def __init__(self, max_calls: int | None = None) -> None:
-        self.max_calls = max_calls
-        self.calls = 0
+        super().__init__(max_calls)
         self.state: Literal["start", "list", "after", "content"] = "start"
         self.held = ""  # start and list: the answer so far
 
@@ -82,11 +81,7 @@ class PythonicParser:
             calls, rest = _calls(tree), self.held[at + 1 :]
             if calls is None:
                 return self._to_content(self.held)
-            events: list[Event] = []
-            for name, arguments in calls:
-                if self.max_calls is None or self.calls < self.max_calls:
-                    events += [CallStart(self.calls, call_id(), name), Arguments(self.calls, arguments)]
-                    self.calls += 1
+            events = [e for call in calls for e in self._call(*call)]
             self.state, self.held = "after", ""
             return events + self.feed(rest)
         return []

@@ -16,14 +16,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Literal
 
-from frontend.tools.tool_parsers import Event, Reasoning, ToolParser, parser_events
+from frontend.tools.tool_parsers import Event, Reasoning, ToolParser, parser_events, partial_tag
 
 START, END = "<think>", "</think>"
-
-
-def _partial_end(text: str) -> int:
-    """Length of the longest suffix of `text` that is a proper prefix of END (the tag may be split there)."""
-    return next((k for k in range(min(len(END) - 1, len(text)), 0, -1) if text.endswith(END[:k])), 0)
 
 
 class ReasoningParser:
@@ -57,7 +52,7 @@ class ReasoningParser:
         buf, self.held = self.held + text, ""
         at = buf.find(END)
         if at < 0:
-            keep = _partial_end(buf)
+            keep = partial_tag(buf, END)
             self.held = buf[len(buf) - keep :]
             return [Reasoning(buf[: len(buf) - keep])] if len(buf) > keep else []
         self.state = "after"

@@ -89,7 +89,7 @@ def parse_call(text: str) -> tuple[str, str] | None:
     return call_of(call, call.get("arguments", {}) if isinstance(call, dict) else None)
 
 
-def _partial_tag(text: str, tag: str) -> int:
+def partial_tag(text: str, tag: str) -> int:
     """Length of the longest suffix of `text` that is a proper prefix of `tag` (the tag may be split there)."""
     for k in range(min(len(tag) - 1, len(text)), 0, -1):
         if text.endswith(tag[:k]):
@@ -97,7 +97,23 @@ def _partial_tag(text: str, tag: str) -> int:
     return 0
 
 
-class HermesParser:
+class CallsUpTo:
+    """What the parsers of the model's own format share: the calls emitted so far, and none past `max_calls`
+    (parallel_tool_calls false: one)."""
+
+    def __init__(self, max_calls: int | None = None) -> None:
+        self.max_calls = max_calls
+        self.calls = 0
+
+    def _call(self, name: str, arguments: str) -> list[Event]:
+        """A whole call's events; none for a call past max_calls, which is dropped."""
+        if self.max_calls is not None and self.calls >= self.max_calls:
+            return []
+        self.calls += 1
+        return [CallStart(self.calls - 1, call_id(), name), Arguments(self.calls - 1, arguments)]
+
+
+class HermesParser(CallsUpTo):
     """`<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, as Hermes and Qwen2.5 models write calls.
 
     Text outside the tags is content; whitespace that only separates content from a call is dropped. A call is
@@ -107,8 +123,7 @@ class HermesParser:
     """
 
     def __init__(self, max_calls: int | None = None) -> None:
-        self.max_calls = max_calls
-        self.calls = 0
+        super().__init__(max_calls)
         self.pending = ""  # content held back: trailing whitespace and what may be the start of OPEN
         self.in_call = False
         self.call_text = ""  # inside OPEN so far
@@ -136,7 +151,7 @@ class HermesParser:
                 self.call_ws, self.in_call, self.call_text = before[len(body) :], True, ""
                 text = buf[at + len(OPEN) :]
                 continue
-            keep = _partial_tag(buf, OPEN)
+            keep = partial_tag(buf, OPEN)
             head = buf[: len(buf) - keep]
             body = head.rstrip()
             self._content(events, body)
@@ -160,10 +175,7 @@ class HermesParser:
         if call is None:
             self._content(events, self.call_ws + raw)
             return
-        name, arguments = call
-        if self.max_calls is None or self.calls < self.max_calls:
-            events += [CallStart(self.calls, call_id(), name), Arguments(self.calls, arguments)]
-            self.calls += 1
+        events += self._call(*call)
         self.after_call = True
 
     @staticmethod
@@ -186,7 +198,7 @@ PYTHON_TAG = "<|python_tag|>"
 _DECODER = json.JSONDecoder(parse_constant=no_constant)
 
 
-class Llama3JsonParser:
+class Llama3JsonParser(CallsUpTo):
     """`{"name": ..., "parameters": {...}}`, as Llama 3.1-3.3 write calls under their JSON tool prompt: the answer
     begins with the call (after whitespace and an optional <|python_tag|>), several are separated by ";", and
     "arguments" is read where there are no "parameters" (vLLM's llama3_json reads the same).
@@ -198,8 +210,7 @@ class Llama3JsonParser:
     """
 
     def __init__(self, max_calls: int | None = None) -> None:
-        self.max_calls = max_calls
-        self.calls = 0
+        super().__init__(max_calls)
         self.state: Literal["start", "calls", "content"] = "start"
         self.held = ""  # start and calls: the text since the start, or since the last call
 
@@ -237,9 +248,7 @@ class Llama3JsonParser:
             call = call_of(obj, obj.get("parameters", obj.get("arguments")) if isinstance(obj, dict) else None)
             if call is None:
                 return events + self._to_content(rest if self.calls else self.held)
-            if self.max_calls is None or self.calls < self.max_calls:
-                events += [CallStart(self.calls, call_id(), call[0]), Arguments(self.calls, call[1])]
-                self.calls += 1
+            events += self._call(*call)
             self.held = rest[end:]
         return events
 
