@@ -56,12 +56,13 @@ class LlamaAttention(nn.Module):
     def forward(self, x: torch.Tensor, rope: StepRotary, meta: AttentionMetadata):
         qkv = self.qkv_proj(x)
         qk_size = self.q_size + self.kv_size
-        qk = qkv[:, :qk_size].view(-1, self.num_heads + self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:  # one head a row, as the CPU norm kernel takes
             q = self.q_norm(qkv[:, : self.q_size].reshape(-1, self.head_dim))
             k = self.k_norm(qkv[:, self.q_size : qk_size].reshape(-1, self.head_dim))
             qk = torch.cat((q.view(-1, self.num_heads, self.head_dim), k.view(-1, self.num_kv_heads, self.head_dim)),
                            dim=1)  # fmt: skip
+        else:
+            qk = qkv[:, :qk_size].view(-1, self.num_heads + self.num_kv_heads, self.head_dim)
         # q and k rotated together: one set of elementwise ops (or one kernel call) per layer instead of two.
         qk = rope(qk)
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
