@@ -11,7 +11,7 @@ from fastapi.responses import Response
 from frontend.api.prompt_logprobs import check_stream, choice_prompt_logprobs, with_prompt_logprobs
 from frontend.api.protocol import ChatCompletionRequest, ChatMessage
 from frontend.api.serving import ServingContext, check_stream_options, clamp, off_loop, respond, token_namer
-from frontend.api.structured_request import check, requested, with_structured_output
+from frontend.api.structured_request import check, with_structured_output
 from frontend.engine.fanout import Choice, FanOut
 from frontend.engine.request_stream import Delta
 from frontend.errors import bad_request
@@ -39,20 +39,17 @@ def chat_prompt(ctx: ServingContext, messages: list[ChatMessage], add_generation
     return ctx.check_prompt(ids, "messages", keep)
 
 
-def held_by_grammar(req: ChatCompletionRequest, tools: ToolPlan | None) -> bool:
-    """A grammar holds the answer from its first token (a forced call, a response format): no thinking to split."""
-    return (tools is not None and tools.structured is not None) or requested(req) is not None
-
-
 class ChatFormat:
     chunk_object = "chat.completion.chunk"
 
-    def __init__(self, ctx: ServingContext, req: ChatCompletionRequest, tools: ToolPlan | None = None) -> None:
+    def __init__(self, ctx: ServingContext, req: ChatCompletionRequest, tools: ToolPlan | None = None,
+                 constrained: bool = False) -> None:  # fmt: skip
+        """`constrained`: a grammar holds the answer from its first token (a forced call, a response format)."""
         self.tok = ctx.tokenizer
         self.want_logprobs = req.logprobs
         self.name = token_namer(self.tok, req.return_tokens_as_token_ids)  # how logprobs name a token
         make_parser = tools.make_parser() if tools is not None else None
-        make_parser = with_reasoning(ctx.reasoning_parser, make_parser, held_by_grammar(req, tools))
+        make_parser = with_reasoning(ctx.reasoning_parser, make_parser, constrained)
         self.tool_streams = ToolStreams(make_parser) if make_parser is not None else None  # None: plain content
         self.prompt_logprobs_k = req.prompt_logprobs
         self.legacy_functions = req.functions is not None  # calls are answered as function_call
@@ -160,4 +157,4 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
                                  request_id: str) -> Response:  # fmt: skip
     rid = f"chatcmpl-{request_id}"
     fan, tools = await start_chat(ctx, req, rid)
-    return await respond(ctx, raw, fan, ChatFormat(ctx, req, tools), rid, req)
+    return await respond(ctx, raw, fan, ChatFormat(ctx, req, tools, fan.params.structured is not None), rid, req)

@@ -16,7 +16,7 @@ from fastapi.responses import JSONResponse, Response
 from frontend.api.protocol_responses import ResponsesRequest, chat_request, in_responses_terms
 from frontend.api.responses_output import OutputBuilder
 from frontend.api.serving import ClosingStreamingResponse, ServingContext, collect
-from frontend.api.serving_chat import held_by_grammar, start_chat
+from frontend.api.serving_chat import start_chat
 from frontend.api.sse import dumps
 from frontend.engine.fanout import FanOut
 from frontend.errors import ApiError
@@ -88,11 +88,10 @@ async def _events(ctx: ServingContext, fan: FanOut, parser: ToolParser | None,
 async def create_response(ctx: ServingContext, req: ResponsesRequest, raw: Request, request_id: str) -> Response:
     rid = f"resp_{request_id}"
     try:
-        chat = chat_request(req)
-        fan, tools = await start_chat(ctx, chat, rid)
+        fan, tools = await start_chat(ctx, chat_request(req), rid)
     except ApiError as exc:
         raise in_responses_terms(exc) from None
-    make_parser = with_reasoning(ctx.reasoning_parser, tools.make_parser(), held_by_grammar(chat, tools))
+    make_parser = with_reasoning(ctx.reasoning_parser, tools.make_parser(), fan.params.structured is not None)
     parser = make_parser() if make_parser is not None else None
     envelope = Envelope(ctx, req, rid)
     if req.stream:

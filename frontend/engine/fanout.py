@@ -32,6 +32,7 @@ class FanOut:
         client.check_capacity(len(prompts) * n)  # all or nothing: no half-admitted request
         self.client = client
         self.prompts = prompts
+        self.params = params  # what every choice was sent with (each with its own seed)
         self.choices: list[Choice] = []
         arrival = time.time()
         try:
