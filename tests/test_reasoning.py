@@ -9,34 +9,23 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from frontend.tools.reasoning import ReasoningParser, with_reasoning
-from frontend.tools.tool_parsers import Arguments, CallStart, Content, Event, HermesParser, Reasoning
+from frontend.tools.tool_parsers import HermesParser, Reasoning
 from frontend.tools.tool_stream import ToolStreams, message
+from tests.test_tool_parsers import events_of, splits
 
 Result = tuple[str, str, list[tuple[str, str]]]  # reasoning, content, [(name, arguments)]
 
 
 def run(rule: str, pieces: list[str], tools: bool = False) -> Result:
     parser = ReasoningParser(rule, HermesParser() if tools else None)
-    events: list[Event] = []
-    for piece in pieces:
-        events += parser.feed(piece)
-    events += parser.finish()
-    calls: list[list[str]] = []
-    for e in events:
-        if isinstance(e, CallStart):
-            calls.append([e.name, ""])
-        elif isinstance(e, Arguments):
-            calls[e.index][1] += e.text
-    reasoning = "".join(e.text for e in events if isinstance(e, Reasoning))
-    content = "".join(e.text for e in events if isinstance(e, Content))
+    events, content, calls = events_of(parser, pieces)
     assert parser.calls == len(calls)
-    return reasoning, content, [(n, a) for n, a in calls]
+    return "".join(e.text for e in events if isinstance(e, Reasoning)), content, calls
 
 
 def same_everywhere(rule: str, text: str, tools: bool = False) -> Result:
     """The text whole, one character at a time, and cut in two at every position: one result."""
-    splits = [[text], list(text)] + [[text[:i], text[i:]] for i in range(1, len(text))]
-    results = {repr(run(rule, pieces, tools)) for pieces in splits}
+    results = {repr(run(rule, pieces, tools)) for pieces in splits(text)}
     assert len(results) == 1, results
     return run(rule, [text], tools)
 

@@ -29,8 +29,8 @@ from frontend.tools.tool_stream import ToolStreams, finish_reason, message
 Result = tuple[str, list[tuple[str, str]], int]  # content, [(name, arguments)], complete calls
 
 
-def run(make: Callable[[], ToolParser], pieces: list[str]) -> Result:
-    parser = make()
+def events_of(parser: ToolParser, pieces: list[str]) -> tuple[list[Event], str, list[tuple[str, str]]]:
+    """The parser's events for the text in these pieces, its content, and its calls as (name, arguments)."""
     events: list[Event] = []
     for piece in pieces:
         events += parser.feed(piece)
@@ -43,7 +43,13 @@ def run(make: Callable[[], ToolParser], pieces: list[str]) -> Result:
             calls.append([e.name, ""])
         elif isinstance(e, Arguments):
             calls[e.index][1] += e.text
-    return content, [(n, a) for n, a in calls], parser.calls
+    return events, content, [(n, a) for n, a in calls]
+
+
+def run(make: Callable[[], ToolParser], pieces: list[str]) -> Result:
+    parser = make()
+    _, content, calls = events_of(parser, pieces)
+    return content, calls, parser.calls
 
 
 def splits(text: str) -> list[list[str]]:
