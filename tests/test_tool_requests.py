@@ -1,5 +1,6 @@
 """Tool calling, request side (no server): tools and tool_choice checked, the schemas that force calls, and the
-prompt a tool-aware chat template (--chat-template) makes of tools, earlier calls and tool results."""
+prompt a tool-aware chat template (--chat-template) makes of tools, earlier calls and tool results; and the start's
+refusal of --enable-auto-tool-choice without a parser."""
 
 from __future__ import annotations
 
@@ -258,3 +259,11 @@ def test_any_parameters_are_a_plan_or_a_400(parameters, tool_choice, parallel):
         jsonschema.Draft202012Validator.check_schema(json.loads(p.structured.spec))
         error = spec_error(p.structured)  # never raises: None, or why (the API's 400)
         assert error is None or (isinstance(error, str) and error)
+
+
+def test_launch_refuses_auto_tool_choice_without_a_parser(capsys) -> None:
+    """vLLM's --enable-auto-tool-choice is taken, but alone it is an error at start, before anything starts."""
+    import launch
+
+    assert launch.main(["--enable-auto-tool-choice"]) == 2
+    assert "--enable-auto-tool-choice needs --tool-call-parser" in capsys.readouterr().err
