@@ -132,7 +132,8 @@ step() {
                        tests/test_kv_cache.py tests/test_memory_profile.py tests/test_sampler.py \
                        tests/test_sampler_filters.py tests/test_scheduler.py tests/test_scheduler_policies.py \
                        tests/test_scheduler_preemption.py tests/test_speculative.py \
-                       tests/test_engine_update_failure.py tests/test_overlap_decode.py 2>&1 | tee "$OUT/gpu-tests.log" ;;
+                       tests/test_engine_update_failure.py tests/test_overlap_decode.py tests/test_engine_differential.py \
+                       tests/test_triton_compile.py 2>&1 | tee "$OUT/gpu-tests.log" ;;
         serve-1b) serve_1b ;;
         serve-ranged)  # output lengths vary (+-50%), so requests arrive all the time: steps with prompt tokens
             TAG=-ranged BENCH_FLAGS="--range-ratio 0.5" serve_1b
