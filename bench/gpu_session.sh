@@ -86,13 +86,16 @@ serve_1b() {
     python3 launch.py --model "$MODELS/llama-1b" --max-num-seqs 256 --port 8000 ${SERVE_FLAGS:-} \
         > "$OUT/serve-1b${TAG:-}-server.log" 2>&1 &
     local server=$!
-    python3 - <<'PY'
-import time, urllib.request
+    SERVER=$server python3 - <<'PY' || { echo "server died at start: see its log"; tail -20 "$OUT/serve-1b${TAG:-}-server.log"; return 1; }
+import os, pathlib, sys, time, urllib.request
+stat = pathlib.Path(f"/proc/{os.environ['SERVER']}/stat")
 for _ in range(300):
     try:
         urllib.request.urlopen("http://127.0.0.1:8000/health", timeout=2)
         break
     except OSError:
+        if not stat.exists() or stat.read_text().split(")")[-1].split()[0] == "Z":
+            sys.exit(1)  # the server exited: waiting on would spend device time for nothing
         time.sleep(1)
 PY
     # CPU seconds of each server process before and after the run, and the client's: which one was saturated
@@ -100,7 +103,7 @@ PY
     ps -o pid,etimes,times,args -p "$server" --ppid "$server" | cut -c1-160 > "$cpu"
     local TIMEFORMAT="client (bench.serve): %U s user, %S s system, %R s wall"
     # shellcheck disable=SC2086  # BENCH_FLAGS: e.g. "--range-ratio 0.5" (lengths vary: arrivals all the time)
-    { time python3 -m bench.serve --tokenizer "$MODELS/llama-1b" --max-concurrency 256 --num-prompts 1024 \
+    { time timeout 240 python3 -m bench.serve --tokenizer "$MODELS/llama-1b" --max-concurrency 256 --num-prompts 1024 \
         --input-len 512 --output-len 256 ${BENCH_FLAGS:-} --result-json "$OUT/gpu_serve_llama-1b${TAG:-}.json" 2>&1; \
     } 2>> "$cpu"
     ps -o pid,etimes,times,args -p "$server" --ppid "$server" | cut -c1-160 >> "$cpu"
