@@ -12,6 +12,7 @@ With `capture=False` the same buffers and buckets run eagerly, which is how the 
 
 from __future__ import annotations
 
+import gc
 import logging
 import time
 
@@ -110,10 +111,19 @@ class DecodeGraphs:
         start = time.perf_counter()
         free_before = torch.cuda.mem_get_info()[0] if self.capture else 0
         self.seq_lens.zero_()  # capture with padding rows only: nothing is read
-        for i, batch in enumerate(sorted(self.buckets, reverse=True), 1):
-            self.graphs[batch] = self._capture(batch)
-            if self.capture and (i % 8 == 0 or i == len(self.buckets)):
-                log.info("capturing CUDA graphs: %d/%d batch sizes", i, len(self.buckets))
+        # A graph that the collector frees mid-capture (an earlier engine's, in the same process) releases device
+        # memory, which invalidates the capture: collect first, then hold the collector off until the last graph.
+        collecting = gc.isenabled()
+        gc.collect()
+        gc.disable()
+        try:
+            for i, batch in enumerate(sorted(self.buckets, reverse=True), 1):
+                self.graphs[batch] = self._capture(batch)
+                if self.capture and (i % 8 == 0 or i == len(self.buckets)):
+                    log.info("capturing CUDA graphs: %d/%d batch sizes", i, len(self.buckets))
+        finally:
+            if collecting:
+                gc.enable()
         if self.capture:
             used, took = free_before - torch.cuda.mem_get_info()[0], time.perf_counter() - start
             log.info("captured %d CUDA graphs (batch sizes up to %d, table width %d) in %.1f s, %.0f MiB",

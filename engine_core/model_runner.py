@@ -62,6 +62,7 @@ class ModelRunner:
             config.attention_backend, self.device, self.dtype, attn.num_heads, attn.num_kv_heads, attn.head_dim,
             self.block_size,
         )
+        self.decode_graphs: DecodeGraphs | None = None  # captured once the KV cache exists; the profile runs eager
         # More blocks than max_num_seqs full-length requests need would only be idle prefix cache.
         most_useful = config.max_num_seqs * -(-max_model_len // self.block_size)
         self.num_blocks = config.num_kv_blocks or min(self._blocks_that_fit(start, max_model_len), most_useful)
@@ -70,7 +71,6 @@ class ModelRunner:
         self._allocate_kv_cache()
         if self.device.type == "cpu" and self.tp is None and hasattr(self.model, "decode_stack"):
             self.model.decode_stack = DecodeStack.build(self.model)  # decode-only steps in one C call
-        self.decode_graphs: DecodeGraphs | None = None
         # Graphs only where the attention's cost does not grow with their fixed full-width block tables.
         if self.device.type == "cuda" and not config.enforce_eager and self.tp is None and self.attn_backend.graphable:
             width = -(-max_model_len // self.block_size)

@@ -103,5 +103,6 @@ def test_abort_is_idempotent_and_frees_at_once(tiny_dir) -> None:
     core.step()
     assert core.kv.num_used_blocks > 0
     core.abort(["x", "x", "never-existed"])
-    assert core.kv.num_used_blocks == 0 and not core.has_work
-    assert core.step() == []
+    assert core.kv.num_used_blocks == 0
+    assert core.step() == []  # with the overlap (CUDA), this step collects the one in flight and says nothing of x
+    assert not core.has_work
