@@ -17,7 +17,7 @@
 #                    and the engine; untagged, then a second server on the same GPU, which must fail at start
 #                    with the memory error
 #   serve-ranged     serve-1b with output lengths +-50% (arrivals all the time), then the same with
-#                    --no-mixed-step-graphs: steps with prompt tokens replayed from graphs against eager
+#                    --mixed-step-graphs: steps with prompt tokens replayed from graphs against eager (the default)
 #   serve-penalty    serve-1b with Qwen2.5's repetition penalty 1.05 on every request (as its generation config
 #                    gives it), which now keeps the overlap: against serve-1b's figure
 #   serve-json       serve-1b with every request constrained to a JSON object (response_format json_object),
@@ -140,7 +140,7 @@ step() {
         serve-1b) serve_1b ;;
         serve-ranged)  # output lengths vary (+-50%), so requests arrive all the time: steps with prompt tokens
             TAG=-ranged BENCH_FLAGS="--range-ratio 0.5" serve_1b
-            TAG=-ranged-eager-mixed BENCH_FLAGS="--range-ratio 0.5" SERVE_FLAGS=--no-mixed-step-graphs serve_1b ;;
+            TAG=-ranged-mixed-graphs BENCH_FLAGS="--range-ratio 0.5" SERVE_FLAGS=--mixed-step-graphs serve_1b ;;
         tests-1|tests-2)
             local files half=${1#tests-}
             files=$(ls tests/test_*.py | awk -v h="$half" 'NR % 2 == h % 2')

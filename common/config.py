@@ -42,8 +42,9 @@ class EngineConfig:
     scheduling_policy: str = flag("fcfs", "fcfs | priority | round-robin", choices=["fcfs", "priority", "round-robin"])
     num_threads: int | None = flag(None, "torch CPU threads (default: the cores this process may use)")
     enforce_eager: bool = flag(False, "never capture CUDA graphs")
-    mixed_step_graphs: bool = flag(True, "CUDA: a step with prompt tokens that fits the largest graph (up to 1024 "
-                                   "tokens) replays one, its prompt tokens as decode rows, instead of running eagerly")
+    mixed_step_graphs: bool = flag(False, "CUDA: a step with prompt tokens that fits the largest graph (up to 1024 "
+                                   "tokens) replays one, its prompt tokens as decode rows, instead of running eagerly "
+                                   "(off: slower than eager in the one H100 serving run that compared them)")
     overlap_decode: str = flag(
         "auto", "auto | on | off: launch the next decode step before reading the last one's tokens back, so that the "
         "host's bookkeeping runs while the GPU computes (auto: on CUDA)", choices=["auto", "on", "off"],

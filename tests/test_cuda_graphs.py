@@ -97,9 +97,10 @@ def test_prompt_chunks_as_decode_rows_match_the_prefill_path(tiny_dir, backend, 
 
     device = "cpu" if backend == "cpu" else "auto"
     config = EngineConfig(model=tiny_dir, device=device, dtype="float32", max_num_seqs=4, block_size=4,
-                          num_kv_blocks=400, attention_backend=backend, max_num_batched_tokens=40)  # fmt: skip
-    assert graph_rows(config) == 40 and graph_rows(EngineConfig(max_num_batched_tokens=8192)) == 1024
-    assert graph_rows(EngineConfig(max_num_batched_tokens=8192, mixed_step_graphs=False)) == 128
+                          num_kv_blocks=400, attention_backend=backend, max_num_batched_tokens=40,
+                          mixed_step_graphs=True)  # fmt: skip
+    assert graph_rows(config) == 40 and graph_rows(EngineConfig(max_num_batched_tokens=8192)) == 128  # off: default
+    assert graph_rows(EngineConfig(max_num_batched_tokens=8192, mixed_step_graphs=True)) == 1024
     shared = [(7 * j) % 290 + 4 for j in range(16)]  # four blocks: later prompts hit the prefix cache
     requests = [
         EngineRequest(f"r{i}", shared + [(11 * i + 5 * j) % 290 + 4 for j in range(2 + 9 * i)],
