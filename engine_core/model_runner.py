@@ -118,7 +118,8 @@ class ModelRunner:
         """An entry whose input is a token still in flight (SchedulerOutput.in_flight_input) gets input id 0 here,
         for launch() to fill on the device.
 
-        A step that fits the largest decode graph puts prompt tokens in decode rows too: each attends to the keys
+        With --mixed-step-graphs, a step that fits the largest decode graph puts prompt tokens in decode rows too
+        (served slower than eager mixed steps on an H100, so off by default): each attends to the keys
         up to its own position, as a draft's row does, which is causal attention over the chunk and the cache
         (every row's K/V is stored before any row attends). One replay then replaces an eager forward, whose
         kernel launches alone keep a GPU's host busy for milliseconds however few the tokens (a 1B model's eager
