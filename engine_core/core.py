@@ -28,6 +28,7 @@ from common.messages import (
 from common.model_source import model_eos_ids, resolve_model
 from engine_core.batch import SampledTokens, SchedulerOutput
 from engine_core.kv_cache import KVCacheManager
+from engine_core.memory_profile import KvCacheSizeError
 from engine_core.model_runner import ModelRunner
 from engine_core.overlap import DecodePipeline
 from engine_core.request import Request
@@ -187,7 +188,8 @@ def run_engine(config: EngineConfig, addresses: ipc.Addresses) -> int:
     except KeyboardInterrupt:
         code = 0
     except BaseException as exc:  # fatal: tell the frontend before going away
-        log.error("engine core died: %s", traceback.format_exc())
+        # Memory that cannot hold the engine is the user's to fix, and the message says how: no traceback for it.
+        log.error("engine core died: %s", exc if isinstance(exc, KvCacheSizeError) else traceback.format_exc())
         outputs.put(EngineDead(epoch, f"{type(exc).__name__}: {exc}"))
         code = 1
     outputs.put(None)

@@ -109,13 +109,15 @@ class DecodeGraphs:
     def capture_all(self) -> None:
         """Every bucket, largest first: the smaller graphs then fit in the pool the largest one allocated."""
         start = time.perf_counter()
-        free_before = torch.cuda.mem_get_info()[0] if self.capture else 0
         self.seq_lens.zero_()  # capture with padding rows only: nothing is read
         # A graph that the collector frees mid-capture (an earlier engine's, in the same process) releases device
         # memory, which invalidates the capture: collect first, then hold the collector off until the last graph.
         collecting = gc.isenabled()
         gc.collect()
         gc.disable()
+        if self.capture:  # torch.cuda.graph empties the allocator cache anyway: first, to count the graphs alone
+            torch.cuda.empty_cache()
+        free_before = torch.cuda.mem_get_info()[0] if self.capture else 0
         try:
             for i, batch in enumerate(sorted(self.buckets, reverse=True), 1):
                 self.graphs[batch] = self._capture(batch)
