@@ -25,10 +25,16 @@ class StructuredOutput(_Msg, frozen=True):
     kind: "json_object" (any JSON object), "json_schema" (spec = the schema as JSON text), "regex" (spec = the
     pattern), "choice" (spec = a JSON list of the allowed strings), "grammar" (spec = EBNF text) or "json_or_calls"
     (spec = JSON: the JSON of "schema", or tagged calls: "begin", JSON of "calls", "end", by "separator").
+
+    A reasoning model's thinking is left free (--reasoning-parser): with `reasoning_end` (its </think> token) the
+    grammar holds the answer only after that token; with `reasoning_start` (<think>) too, only when the answer opens
+    with it, and from the first token otherwise.
     """
 
     kind: str
     spec: str = ""
+    reasoning_start: int | None = None
+    reasoning_end: int | None = None
 
 
 class SamplingParams(_Msg, frozen=True):

@@ -48,6 +48,8 @@ def _param_checks(p: SamplingParams, vocab_size: int, in_vocab) -> list[tuple[st
     """Every field, again. NaN fails every comparison."""
     bias = p.logit_bias
     bias_ok = len(bias) <= MAX_LOGIT_BIAS and in_vocab(bias) and all(-100 <= b <= 100 for b in bias.values())
+    so = p.structured
+    thinking = [t for t in (so.reasoning_start, so.reasoning_end) if t is not None] if so is not None else []
     return [
         ("max_tokens", p.max_tokens >= 0),  # 0: score the prompt (prompt_logprobs), generate nothing
         ("min_tokens", p.min_tokens >= 0),
@@ -65,4 +67,5 @@ def _param_checks(p: SamplingParams, vocab_size: int, in_vocab) -> list[tuple[st
         ("allowed_token_ids", len(p.allowed_token_ids) <= vocab_size and in_vocab(p.allowed_token_ids)),
         ("bad_words", len(p.bad_words) <= 2 * MAX_BAD_WORDS and all(
             0 < len(w) <= MAX_BAD_WORD_TOKENS and in_vocab(w) for w in p.bad_words)),
+        ("structured", in_vocab(thinking)),  # the reasoning tokens
     ]

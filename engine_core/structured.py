@@ -7,6 +7,10 @@ then replays any tokens it already streamed (a resume after an engine crash). Ea
 logits row to the tokens the grammar allows; after sampling, `RequestGrammar.advance` feeds the matcher the token
 and finishes the request with STOP as soon as the grammar allows nothing but the end (or its stop token came).
 Preemption keeps the matcher: only KV blocks are recomputed, the tokens and so the grammar state stay.
+
+A reasoning model thinks first (StructuredOutput.reasoning_end): its rows go unmasked, and its matcher takes no
+token, until the end of the thinking; where thinking is optional (reasoning_start), the first token may be the
+grammar's or the start of the thinking.
 """
 
 from __future__ import annotations
@@ -48,7 +52,7 @@ class GrammarService:
     def attach(self, req: Request) -> Request:
         so = req.params.structured
         if so is not None:
-            req.grammar = RequestGrammar(self._compiled(so), self)
+            req.grammar = RequestGrammar(self._compiled(so), self, so)
         return req
 
     def _compiled(self, so: StructuredOutput) -> cf.Future:
@@ -79,13 +83,21 @@ class GrammarService:
 class RequestGrammar:
     """One request's grammar: its compile (a future) until ready, then its matcher."""
 
-    __slots__ = ("future", "service", "matcher", "stop_ids")
+    __slots__ = ("future", "service", "matcher", "stop_ids", "phase", "think_start", "think_end")
 
-    def __init__(self, future: cf.Future, service: GrammarService) -> None:
+    def __init__(self, future: cf.Future, service: GrammarService, so: StructuredOutput) -> None:
         self.future = future
         self.service = service
         self.matcher: Any = None
         self.stop_ids: list[int] = []
+        self.think_start, self.think_end = so.reasoning_start, so.reasoning_end
+        # "held": the grammar masks every token; "thinking": none, until think_end; "open": the first token, which
+        # the grammar masks but may also be think_start
+        self.phase = "held" if self.think_end is None else "thinking" if self.think_start is None else "open"
+
+    @property
+    def masks(self) -> bool:
+        return self.phase != "thinking"
 
     def start(self, req: Request) -> Ending | None:
         """Makes the matcher once the grammar is compiled and replays the request's outputs so far. None: it
@@ -110,6 +122,11 @@ class RequestGrammar:
 
     def advance(self, token: int, reason: FinishReason | None) -> FinishReason | None:
         """The matcher takes the sampled token; returns the request's finish reason, given check_stop's."""
+        if self.phase != "held":
+            if self.phase == "thinking" or token == self.think_start:
+                self.phase = "held" if token == self.think_end else "thinking"
+                return reason
+            self.phase = "held"  # an answer that does not think: this token was the grammar's
         if not self.matcher.accept_token(token):
             return FinishReason.ERROR  # only when the mask was not applied: a bug, not the user's fault
         if self.matcher.is_terminated() or (self.matcher.is_completed() and self._only_stop_allowed()):
@@ -125,6 +142,11 @@ class RequestGrammar:
         allowed = _unpack(bitmask[0], self.service.vocab_size)
         allowed[self.stop_ids] = False
         return not bool(allowed.any())
+
+
+def _bit(n: int) -> int:
+    """Bit n of an int32 word, as the signed value torch stores it."""
+    return 1 << n if n < 31 else -(2**31)
 
 
 def _unpack(words: torch.Tensor, vocab_size: int) -> torch.Tensor:
@@ -163,7 +185,7 @@ def apply_masks(logits: torch.Tensor, raw: torch.Tensor, requests: list[Request]
     that has finished (a step sampled after its last one's update: engine_core/overlap.py) is left alone: its
     matcher may have terminated, and its token is dropped."""
     global _batch_matcher
-    rows = [i for i, r in enumerate(requests) if r.grammar is not None and not r.finished]
+    rows = [i for i, r in enumerate(requests) if r.grammar is not None and r.grammar.masks and not r.finished]
     if not rows:
         return
     import xgrammar as xgr
@@ -172,6 +194,9 @@ def apply_masks(logits: torch.Tensor, raw: torch.Tensor, requests: list[Request]
         _batch_matcher = xgr.BatchGrammarMatcher(max_threads=2)
     host_mask = xgr.allocate_token_bitmask(len(requests), logits.shape[-1])
     _batch_matcher.batch_fill_next_token_bitmask([requests[i].grammar.matcher for i in rows], host_mask, indices=rows)
+    for i in rows:  # an optional thinking may start instead
+        if (start := requests[i].grammar.think_start) is not None and requests[i].grammar.phase == "open":
+            host_mask[i, start // 32] |= _bit(start % 32)
     bitmask = to_device(host_mask.numpy(), logits.device, torch.int32)
     xgr.apply_token_bitmask_inplace(logits, bitmask, indices=rows)
     # A processor may have banned every token the grammar allows (allowed_token_ids or bad_words that leave none of

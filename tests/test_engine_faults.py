@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from common import ipc
-from common.messages import EngineRequest, FinishReason, Logprobs, SamplingParams
+from common.messages import EngineRequest, FinishReason, Logprobs, SamplingParams, StructuredOutput
 from engine_core.core import EngineCore
 from engine_core.request import Request
 from engine_core.sampler import Sampler
@@ -81,6 +81,7 @@ def test_engine_rejects_what_the_frontend_should_have(core: EngineCore) -> None:
         "stop-id": SamplingParams(stop_token_ids=[vocab]),
         "seed": SamplingParams(seed=2**63),
         "min-tokens": SamplingParams(min_tokens=-1),
+        "think-end": SamplingParams(structured=StructuredOutput("json_object", reasoning_end=vocab)),
     }
     prompt = mixed_prompts()[2]
     clamped = SamplingParams(max_tokens=MAX_TOKENS, top_k=10**6, seed=1, ignore_eos=True)  # valid, beyond the vocab
