@@ -36,6 +36,7 @@ from frontend.engine.spawn import EngineStartError
 from frontend.engine.supervisor import RestartBudget
 from frontend.metrics import Metrics
 from frontend.text.tokenizer import Tokenizer, TokenizerError
+from frontend.tools.reasoning import thinking_tokens
 
 log = logging.getLogger("roseinfer.launch")
 
@@ -177,9 +178,13 @@ class Launch:
                                           self.config.override_generation_config)  # fmt: skip
         if overridden := defaults.overridden():  # said at start, as vLLM does: not the API's usual defaults
             log.warning("sampling defaults from the generation config (--generation-config vllm: none): %s", overridden)
+        thinking = thinking_tokens(self.config.reasoning_parser, tokenizer)
+        if self.config.reasoning_parser and thinking is None:
+            log.warning("--reasoning-parser: <think> and </think> are not tokens of their own in this tokenizer, so a "
+                        "grammar (response format, forced call) holds a whole answer, which is not split")
         ctx = ServingContext(self.client, tokenizer, model_name, ready.max_model_len, ready.vocab_size,
                              tool_call_parser=self.config.tool_call_parser,
-                             reasoning_parser=self.config.reasoning_parser,
+                             reasoning_parser=self.config.reasoning_parser, thinking=thinking,
                              priority_scheduling=self.engine_config.scheduling_policy == "priority",
                              sampling_defaults=defaults)  # fmt: skip
         app = create_app(ctx, self.config, metrics)

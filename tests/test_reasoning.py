@@ -1,16 +1,22 @@
 """--reasoning-parser on fixed model outputs: the qwen3 and deepseek_r1 rules split <think> reasoning from content
 (whole, and streams split at every position), in front of a tool-call parser, as OpenAI-shaped deltas and messages;
-constrained answers are not split."""
+answers that a grammar holds whole are not split, and grammars wait for the thinking where its tags are tokens."""
 
 from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from frontend.tools.reasoning import ReasoningParser, with_reasoning
+from common.messages import StructuredOutput
+from frontend.text.tokenizer import Tokenizer
+from frontend.tools.reasoning import END, START, ReasoningParser, after_thinking, thinking_tokens, with_reasoning
 from frontend.tools.tool_parsers import HermesParser, Reasoning
 from frontend.tools.tool_stream import ToolStreams, message
+from tests.engine_helpers import model_dir
 from tests.test_tool_parsers import events_of, splits
 
 Result = tuple[str, str, list[tuple[str, str]]]  # reasoning, content, [(name, arguments)]
@@ -76,14 +82,29 @@ def test_deltas_and_message_have_vllms_reasoning_field():
     assert message(ReasoningParser("qwen3", None), "Paris.") == {"role": "assistant", "content": "Paris."}
 
 
-def test_constrained_or_unconfigured_answers_are_not_split():
+def test_answers_held_whole_by_a_grammar_or_unconfigured_are_not_split():
     def tools() -> HermesParser:
         return HermesParser()
 
-    assert with_reasoning(None, tools, False) is tools and with_reasoning(None, None, False) is None
-    assert with_reasoning("qwen3", tools, True) is tools  # a grammar holds the answer: nothing to split off
-    parser = with_reasoning("deepseek_r1", None, False)
-    assert parser is not None and isinstance(parser(), ReasoningParser)
+    whole, after = StructuredOutput("json_object"), StructuredOutput("json_object", reasoning_end=7)
+    assert with_reasoning(None, tools, None) is tools and with_reasoning(None, None, after) is None
+    assert with_reasoning("qwen3", tools, whole) is tools  # a grammar holds the answer: nothing to split off
+    for structured in (None, after):  # free, or a grammar that waits for the thinking's end
+        parser = with_reasoning("deepseek_r1", None, structured)
+        assert parser is not None and isinstance(parser(), ReasoningParser)
+
+
+def test_grammars_wait_for_the_thinking_only_where_its_tags_are_tokens():
+    """The default model's tokenizer writes <think> in several tokens; a tokenizer.json with the tags as tokens of
+    their own (as Qwen3's and DeepSeek-R1's are) gives their ids."""
+    plain = Tokenizer(model_dir())
+    assert thinking_tokens("qwen3", plain) is None and thinking_tokens("deepseek_r1", plain) is None
+    tagged: Any = SimpleNamespace(single_token={START: 11, END: 12}.get)
+    assert thinking_tokens("qwen3", tagged) == (11, 12) and thinking_tokens("deepseek_r1", tagged) == (None, 12)
+    assert thinking_tokens(None, tagged) is None
+    so = StructuredOutput("regex", "a+")
+    assert after_thinking(so, None) is so
+    assert after_thinking(so, (11, 12)) == StructuredOutput("regex", "a+", reasoning_start=11, reasoning_end=12)
 
 
 PIECES = ["<think>", "</think>", "<thi", "</thi", "nk>", "<", ">", "/", " ", "\n", "a", "é", CALL, "<tool_call>"]

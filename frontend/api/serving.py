@@ -36,6 +36,7 @@ class ServingContext:
     vocab_size: int
     tool_call_parser: str | None = None  # --tool-call-parser: reads calls in the model's own format (tool_choice auto)
     reasoning_parser: str | None = None  # --reasoning-parser: chat answers' <think> part comes back as `reasoning`
+    thinking: tuple[int | None, int] | None = None  # its tag tokens, which grammars wait on (reasoning.thinking_tokens)
     priority_scheduling: bool = False  # --scheduling-policy priority: requests' `priority` orders the engine's queue
     sampling_defaults: SamplingDefaults = SamplingDefaults()  # --generation-config: what requests leave out
 

@@ -8,6 +8,7 @@ import msgspec
 from fastapi import Request
 from fastapi.responses import Response
 
+from common.messages import StructuredOutput
 from frontend.api.prompt_logprobs import check_stream, choice_prompt_logprobs, with_prompt_logprobs
 from frontend.api.protocol import ChatCompletionRequest, ChatMessage
 from frontend.api.serving import ServingContext, check_stream_options, clamp, off_loop, respond, token_namer
@@ -16,7 +17,7 @@ from frontend.engine.fanout import Choice, FanOut
 from frontend.engine.request_stream import Delta
 from frontend.errors import bad_request
 from frontend.text.tokenizer import TemplateKwargsError, TokenizerError
-from frontend.tools.reasoning import with_reasoning
+from frontend.tools.reasoning import after_thinking, with_reasoning
 from frontend.tools.tool_calls import ToolPlan, calls_or_output, functions_as_tools, plan_tools
 from frontend.tools.tool_stream import ToolStreams, as_function_call, finish_reason, legacy_finish_reason, message
 
@@ -43,13 +44,13 @@ class ChatFormat:
     chunk_object = "chat.completion.chunk"
 
     def __init__(self, ctx: ServingContext, req: ChatCompletionRequest, tools: ToolPlan | None = None,
-                 constrained: bool = False) -> None:  # fmt: skip
-        """`constrained`: a grammar holds the answer from its first token (a forced call, a response format)."""
+                 structured: StructuredOutput | None = None) -> None:  # fmt: skip
+        """`structured`: the grammar that holds the answer (a forced call, a response format), if any."""
         self.tok = ctx.tokenizer
         self.want_logprobs = req.logprobs
         self.name = token_namer(self.tok, req.return_tokens_as_token_ids)  # how logprobs name a token
         make_parser = tools.make_parser() if tools is not None else None
-        make_parser = with_reasoning(ctx.reasoning_parser, make_parser, constrained)
+        make_parser = with_reasoning(ctx.reasoning_parser, make_parser, structured)
         self.tool_streams = ToolStreams(make_parser) if make_parser is not None else None  # None: plain content
         self.prompt_logprobs_k = req.prompt_logprobs
         self.legacy_functions = req.functions is not None  # calls are answered as function_call
@@ -150,6 +151,8 @@ async def start_chat(ctx: ServingContext, req: ChatCompletionRequest, rid: str) 
     if structured is not None:  # a forced tool call (it wins over a format), or the format's JSON or tool calls
         await check(structured, "tools")
         params = msgspec.structs.replace(params, structured=structured)
+    if params.structured is not None:  # a reasoning model thinks first, where its tags are tokens
+        params = msgspec.structs.replace(params, structured=after_thinking(params.structured, ctx.thinking))
     return await ctx.fan_out(rid, [prompt], req, params), tools
 
 
@@ -157,4 +160,4 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
                                  request_id: str) -> Response:  # fmt: skip
     rid = f"chatcmpl-{request_id}"
     fan, tools = await start_chat(ctx, req, rid)
-    return await respond(ctx, raw, fan, ChatFormat(ctx, req, tools, fan.params.structured is not None), rid, req)
+    return await respond(ctx, raw, fan, ChatFormat(ctx, req, tools, fan.params.structured), rid, req)

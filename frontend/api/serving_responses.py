@@ -91,7 +91,7 @@ async def create_response(ctx: ServingContext, req: ResponsesRequest, raw: Reque
         fan, tools = await start_chat(ctx, chat_request(req), rid)
     except ApiError as exc:
         raise in_responses_terms(exc) from None
-    make_parser = with_reasoning(ctx.reasoning_parser, tools.make_parser(), fan.params.structured is not None)
+    make_parser = with_reasoning(ctx.reasoning_parser, tools.make_parser(), fan.params.structured)
     parser = make_parser() if make_parser is not None else None
     envelope = Envelope(ctx, req, rid)
     if req.stream:

@@ -107,6 +107,11 @@ class Tokenizer:
         # stalls the event loop; for a short text the two cost the same.
         return self._tok.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
+    def single_token(self, text: str) -> int | None:
+        """The id of the one token that `text` encodes to, or None where it takes several (or none)."""
+        ids = self.encode(text, add_special_tokens=False)
+        return ids[0] if len(ids) == 1 else None
+
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
 

@@ -9,14 +9,23 @@ Two rules, as vLLM's parsers of those names:
 
 Like the tool-call parsers, it gives the same events however the text is split. Whitespace between </think> and the
 content is dropped.
+
+A constrained answer (a response format, a forced call) thinks freely too, as in vLLM: the grammar holds what
+follows </think> (`after_thinking`), where the tags are tokens of their own, as in the models these rules are for.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
+import msgspec
+
+from common.messages import StructuredOutput
 from frontend.tools.tool_parsers import Event, Reasoning, ToolParser, parser_events, partial_tag
+
+if TYPE_CHECKING:
+    from frontend.text.tokenizer import Tokenizer
 
 START, END = "<think>", "</think>"
 
@@ -75,10 +84,29 @@ class ReasoningParser:
         return self._content(text, final=True)
 
 
+def thinking_tokens(rule: str | None, tokenizer: Tokenizer) -> tuple[int | None, int] | None:
+    """The tokens a grammar waits on (StructuredOutput.reasoning_start, reasoning_end): </think>, and for qwen3,
+    whose thinking is optional, <think>. None where a tag is not one token of its own: a grammar then holds the whole
+    answer, which is not split."""
+    if rule is None:
+        return None
+    start, end = tokenizer.single_token(START), tokenizer.single_token(END)
+    if end is None or (rule == "qwen3" and start is None):
+        return None
+    return start if rule == "qwen3" else None, end
+
+
+def after_thinking(structured: StructuredOutput, thinking: tuple[int | None, int] | None) -> StructuredOutput:
+    """The constraint, held only after the thinking (`thinking_tokens`), where there are tokens to wait on."""
+    if thinking is None:
+        return structured
+    return msgspec.structs.replace(structured, reasoning_start=thinking[0], reasoning_end=thinking[1])
+
+
 def with_reasoning(rule: str | None, make_parser: Callable[[], ToolParser] | None,
-                   constrained: bool) -> Callable[[], ToolParser] | None:  # fmt: skip
+                   structured: StructuredOutput | None) -> Callable[[], ToolParser] | None:  # fmt: skip
     """A choice's parser factory with the reasoning split in front of `make_parser`'s; unchanged without a rule, or
     when a grammar holds the answer from its first token (there is no thinking then, only the constrained text)."""
-    if rule is None or constrained:
+    if rule is None or (structured is not None and structured.reasoning_end is None):
         return make_parser
     return lambda: ReasoningParser(rule, make_parser() if make_parser is not None else None)
