@@ -24,7 +24,9 @@
 #                    whose rows are sampled after the update of the step before: against serve-1b's figure
 #   parity-135m      fp32 greedy against HF generate with CUDA graphs on, seeded draws alone vs in batches
 #   gpu-tests        the test files that run on CUDA without the default model (no GGUF needed)
-#   tests-1, tests-2 the test suite in two halves (needs the default model: gguf-a and gguf-b first)
+#   tests            the whole test suite, $TEST_WORKERS (8) pytest-xdist workers beside each other on the one GPU
+#                    (the tests size their own KV caches; needs the default model: gguf-a and gguf-b first)
+#   tests-1, tests-2 the same in two halves, for calls too short for the whole
 set -euo pipefail
 cd "$(dirname "$0")/.."
 SITE=/tmp/site MODELS=/tmp/models OUT=${OUT:-/tmp/out}
@@ -141,11 +143,11 @@ step() {
         serve-ranged)  # output lengths vary (+-50%), so requests arrive all the time: steps with prompt tokens
             TAG=-ranged BENCH_FLAGS="--range-ratio 0.5" serve_1b
             TAG=-ranged-mixed-graphs BENCH_FLAGS="--range-ratio 0.5" SERVE_FLAGS=--mixed-step-graphs serve_1b ;;
-        tests-1|tests-2)
+        tests|tests-1|tests-2)
             local files half=${1#tests-}
-            files=$(ls tests/test_*.py | awk -v h="$half" 'NR % 2 == h % 2')
+            files=$(ls tests/test_*.py | awk -v h="$half" '"tests" == h || NR % 2 == h % 2')
             # shellcheck disable=SC2086
-            python3 -m pytest -q -p no:cacheprovider $files 2>&1 | tee "$OUT/$1.log" ;;
+            python3 -m pytest -q -p no:cacheprovider -n "${TEST_WORKERS:-8}" $files 2>&1 | tee "$OUT/$1.log" ;;
         *) echo "unknown step $1" >&2; return 2 ;;
     esac
 }
