@@ -122,11 +122,15 @@ class RequestGrammar:
 
     def advance(self, token: int, reason: FinishReason | None) -> FinishReason | None:
         """The matcher takes the sampled token; returns the request's finish reason, given check_stop's."""
-        if self.phase != "held":
-            if self.phase == "thinking" or token == self.think_start:
-                self.phase = "held" if token == self.think_end else "thinking"
+        if self.phase == "thinking":
+            if token == self.think_end:
+                self.phase = "held"
+            return reason
+        if self.phase == "open":  # the answer's first token: the start of its thinking, or the grammar's
+            if token == self.think_start:
+                self.phase = "thinking"
                 return reason
-            self.phase = "held"  # an answer that does not think: this token was the grammar's
+            self.phase = "held"
         if not self.matcher.accept_token(token):
             return FinishReason.ERROR  # only when the mask was not applied: a bug, not the user's fault
         if self.matcher.is_terminated() or (self.matcher.is_completed() and self._only_stop_allowed()):
