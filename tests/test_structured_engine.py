@@ -143,11 +143,15 @@ def test_overlapped_steps_sample_constrained_rows_after_the_update():
     to compile while steps are in flight, and a KV pool small enough to preempt."""
     choice = StructuredOutput("choice", json.dumps(["yes", "no", "maybe"]))
     broken = StructuredOutput("regex", "a(b")
-    reqs = [sampled("c0", 0), greedy_request("g0", chat_ids("Name a colour."), 16), sampled("c1", 1, logprobs=2),
+    # The two greedy rows arrive together and end at 98 tokens, 7 blocks each of which 2 are their shared chat
+    # prefix: 12 blocks that a pool of 10 cannot hold, so it preempts however short the sampled answers run on this
+    # machine's arithmetic (CI's drew shorter answers and, with the greedy rows apart, never preempted).
+    reqs = [sampled("c0", 0), greedy_request("g0", chat_ids("Name a colour."), 64),
+            greedy_request("g1", chat_ids("Count to five."), 64), sampled("c1", 1, logprobs=2),
             sampled("choice", 2, choice), sampled("broken", 3, broken), sampled("c2", 2, min_tokens=8),
-            greedy_request("g1", chat_ids("Count to five."), 24), sampled("c3", 3)]  # fmt: skip
+            sampled("c3", 3)]  # fmt: skip
     late = {"sample_late": 0}
-    kw = {"num_kv_blocks": 14, "block_size": 16, "max_model_len": 224}
+    kw = {"num_kv_blocks": 10, "block_size": 16, "max_model_len": 160}
     want, want_reasons, _, _ = drive("off", model_dir(), reqs, **kw)
     prepare = counting_calls(late, "sample_late")
     tokens, reasons, chained, (preempted, _, _) = drive("on", model_dir(), reqs, prepare=prepare, **kw)
