@@ -36,7 +36,7 @@ from frontend.engine.spawn import EngineStartError
 from frontend.engine.supervisor import RestartBudget
 from frontend.metrics import Metrics
 from frontend.text.tokenizer import Tokenizer, TokenizerError
-from frontend.tools.reasoning import thinking_tokens
+from frontend.tools.reasoning import ReasoningTokens, thinking_tokens
 
 log = logging.getLogger("roseinfer.launch")
 
@@ -185,6 +185,7 @@ class Launch:
         ctx = ServingContext(self.client, tokenizer, model_name, ready.max_model_len, ready.vocab_size,
                              tool_call_parser=self.config.tool_call_parser,
                              reasoning_parser=self.config.reasoning_parser, thinking=thinking,
+                             reasoning_tokens=ReasoningTokens.of(self.config.reasoning_parser, tokenizer),
                              priority_scheduling=self.engine_config.scheduling_policy == "priority",
                              sampling_defaults=defaults)  # fmt: skip
         app = create_app(ctx, self.config, metrics)

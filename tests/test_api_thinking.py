@@ -39,11 +39,16 @@ def tag_thinking(model: Path) -> None:
         path.write_text(json.dumps(data))
 
 
-@pytest.fixture(scope="module")
-def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = write_model("tiny", tmp_path_factory.mktemp("thinking") / "model")
+def tagged_model(path: Path) -> Path:
+    """A tiny random model whose tokenizer has <think> and </think> as tokens of their own."""
+    write_model("tiny", path)
     tag_thinking(path)
     return path
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tagged_model(tmp_path_factory.mktemp("thinking") / "model")
 
 
 @pytest.fixture(scope="module")
@@ -71,14 +76,33 @@ def test_the_thinking_is_free_and_the_grammar_holds_what_follows(server: Server,
                 "temperature": 0, "response_format": {"type": "json_object"}, "logit_bias": {str(bias): 100}, **extra}
         r = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=120)
         assert r.status_code == 200, r.text
-        return r.json()["choices"][0]
+        return r.json()
 
     # Pushed to write "Hello": it thinks it all (no </think> came), which a grammar from the first token forbids.
-    thinking = chat(hello)
+    body = chat(hello)
+    thinking = body["choices"][0]
     assert thinking["message"]["reasoning"] == "Hello" * 8 and not thinking["message"]["content"]
     assert thinking["finish_reason"] == "length"
+    assert body["usage"]["completion_tokens_details"] == {"reasoning_tokens": 8}
     # Pushed to write </think>: it ends the thinking at once, and the JSON grammar holds every token after it.
-    answer = chat(end, logprobs=True)
+    body = chat(end, logprobs=True)
+    answer = body["choices"][0]
+    assert body["usage"]["completion_tokens_details"] == {"reasoning_tokens": 0}
     tokens = [entry["token"] for entry in answer["logprobs"]["content"]]
     assert tokens[0] == END and tokens[1:] and not answer["message"].get("reasoning")
     assert answer["message"]["content"] == "".join(tokens[1:]).lstrip() and answer["message"]["content"][0] == "{"
+
+
+def test_usage_counts_the_thinking_of_every_choice_in_a_stream(server: Server, model: Path) -> None:
+    """The final usage chunk's reasoning_tokens, as vLLM reports it: each choice's tokens before its </think>."""
+    tok = Tokenizer(model)
+    hello = tok.single_token("Hello")
+    body = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 5, "temperature": 0, "n": 2,
+            "logit_bias": {str(hello): 100}, "stream": True, "stream_options": {"include_usage": True}}
+    with httpx.stream("POST", server.url + "/v1/chat/completions", json=body, timeout=120) as r:
+        assert r.status_code == 200
+        chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    usage = chunks[-1]["usage"]
+    assert usage["completion_tokens"] == 10 and usage["completion_tokens_details"] == {"reasoning_tokens": 10}
+    reasoning = "".join(c["choices"][0]["delta"].get("reasoning") or "" for c in chunks[:-1])
+    assert reasoning == "Hello" * 10

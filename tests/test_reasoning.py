@@ -1,9 +1,11 @@
 """--reasoning-parser on fixed model outputs: the qwen3 and deepseek_r1 rules split <think> reasoning from content
 (whole, and streams split at every position), in front of a tool-call parser, as OpenAI-shaped deltas and messages;
-answers that a grammar holds whole are not split, and grammars wait for the thinking where its tags are tokens."""
+answers that a grammar holds whole are not split, and grammars wait for the thinking where its tags are tokens;
+usage counts the thinking's tokens."""
 
 from __future__ import annotations
 
+import re
 from types import SimpleNamespace
 from typing import Any
 
@@ -13,10 +15,12 @@ from hypothesis import strategies as st
 
 from common.messages import StructuredOutput
 from frontend.text.tokenizer import Tokenizer
-from frontend.tools.reasoning import END, START, ReasoningParser, after_thinking, thinking_tokens, with_reasoning
+from frontend.tools.reasoning import (END, START, ReasoningParser, ReasoningTokens, after_thinking, thinking_tokens,
+                                      with_reasoning)  # fmt: skip
 from frontend.tools.tool_parsers import HermesParser, Reasoning
 from frontend.tools.tool_stream import ToolStreams, message
 from tests.engine_helpers import model_dir
+from tests.test_api_thinking import tagged_model
 from tests.test_tool_parsers import events_of, splits
 
 Result = tuple[str, str, list[tuple[str, str]]]  # reasoning, content, [(name, arguments)]
@@ -125,3 +129,31 @@ def test_any_text_splits_the_same_however_cut(text, cuts, rule, tools):
             assert whole == ("", text, [])
         elif "</think>" not in text:
             assert whole == (text, "", [])
+
+
+@pytest.fixture(scope="module")
+def tagged(tmp_path_factory: pytest.TempPathFactory) -> Tokenizer:
+    return Tokenizer(tagged_model(tmp_path_factory.mktemp("tagged") / "model"))
+
+
+WORDS = [START, END, " ", "\n", "a", "b"]  # each one token of the tagged tokenizer
+
+
+@settings(max_examples=300, derandomize=True, deadline=None, database=None)
+@given(st.lists(st.sampled_from(WORDS), max_size=10), st.sampled_from(["qwen3", "deepseek_r1"]))
+def test_reasoning_tokens_are_the_tokens_of_the_reasoning(tagged: Tokenizer, words: list[str], rule: str):
+    """usage's reasoning_tokens, counted on the ids, is the number of tokens in the reasoning that the parser reads
+    from their text: tags inside the thinking count, the tags around it and whitespace before <think> do not."""
+    ids = [tagged.single_token(w) for w in words]
+    assert None not in ids
+    count = ReasoningTokens.of(rule, tagged)
+    assert count is not None
+    reasoning, _, _ = run(rule, [tagged.decode(ids)])  # type: ignore[arg-type]
+    in_reasoning = len(re.findall(r"</think>|<think>|.", reasoning, re.S))
+    assert count(ids) == in_reasoning  # type: ignore[arg-type]
+
+
+def test_reasoning_tokens_need_the_tags_as_tokens(tagged: Tokenizer):
+    assert ReasoningTokens.of("qwen3", Tokenizer(model_dir())) is None and ReasoningTokens.of(None, tagged) is None
+    count = ReasoningTokens.of("deepseek_r1", tagged)
+    assert count is not None and count.start == tagged.single_token(START)

@@ -23,6 +23,7 @@ from frontend.engine.recovery import ENGINE_GONE, POISON
 from frontend.errors import ApiError, bad_request
 from frontend.text.detokenizer import IncrementalDetokenizer
 from frontend.text.tokenizer import Tokenizer
+from frontend.tools.reasoning import ReasoningTokens
 
 T = TypeVar("T")
 
@@ -37,6 +38,7 @@ class ServingContext:
     tool_call_parser: str | None = None  # --tool-call-parser: reads calls in the model's own format (tool_choice auto)
     reasoning_parser: str | None = None  # --reasoning-parser: chat answers' <think> part comes back as `reasoning`
     thinking: tuple[int | None, int] | None = None  # its tag tokens, which grammars wait on (reasoning.thinking_tokens)
+    reasoning_tokens: ReasoningTokens | None = None  # counts the thinking for usage (where `thinking` is known)
     priority_scheduling: bool = False  # --scheduling-policy priority: requests' `priority` orders the engine's queue
     sampling_defaults: SamplingDefaults = SamplingDefaults()  # --generation-config: what requests leave out
 

@@ -107,7 +107,7 @@ class ChatFormat:
         return {"index": index, "delta": {}, "logprobs": None, "finish_reason": reason,
                 "stop_reason": delta.stop_reason}  # fmt: skip
 
-    def response(self, choices: list[Choice], usage: dict[str, int]) -> dict[str, Any]:
+    def response(self, choices: list[Choice], usage: dict[str, Any]) -> dict[str, Any]:
         out = []
         for c in choices:
             msg, reason = {"role": "assistant", "content": c.result.text}, c.result.finish_reason
@@ -153,7 +153,9 @@ async def start_chat(ctx: ServingContext, req: ChatCompletionRequest, rid: str) 
         params = msgspec.structs.replace(params, structured=structured)
     if params.structured is not None:  # a reasoning model thinks first, where its tags are tokens
         params = msgspec.structs.replace(params, structured=after_thinking(params.structured, ctx.thinking))
-    return await ctx.fan_out(rid, [prompt], req, params), tools
+    fan = await ctx.fan_out(rid, [prompt], req, params)
+    fan.count_reasoning = ctx.reasoning_tokens
+    return fan, tools
 
 
 async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest, raw: Request,

@@ -98,7 +98,7 @@ class CompletionFormat:
         return {"index": index, "text": "", "logprobs": None, "finish_reason": delta.finish_reason,
                 "stop_reason": delta.stop_reason}  # fmt: skip
 
-    def response(self, choices: list[Choice], usage: dict[str, int]) -> dict[str, Any]:
+    def response(self, choices: list[Choice], usage: dict[str, Any]) -> dict[str, Any]:
         out = []
         for c in choices:
             text, logprobs = c.result.text, None

@@ -6,6 +6,7 @@ import asyncio
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import msgspec
 
@@ -34,6 +35,7 @@ class FanOut:
         self.prompts = prompts
         self.params = params  # what every choice was sent with (each with its own seed)
         self.choices: list[Choice] = []
+        self.count_reasoning: Callable[[list[int]], int] | None = None  # a choice's thinking tokens, for usage
         arrival = time.time()
         try:
             for prompt_index, prompt in enumerate(prompts):
@@ -58,9 +60,14 @@ class FanOut:
     def num_completion_tokens(self) -> int:
         return sum(len(c.stream.output_token_ids) for c in self.choices)
 
-    def usage(self) -> dict[str, int]:
+    def usage(self) -> dict[str, Any]:
         prompt, completion = self.num_prompt_tokens, self.num_completion_tokens
-        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+        usage: dict[str, Any] = {"prompt_tokens": prompt, "completion_tokens": completion,
+                                 "total_tokens": prompt + completion}  # fmt: skip
+        if self.count_reasoning is not None:
+            reasoning = sum(self.count_reasoning(c.stream.output_token_ids) for c in self.choices)
+            usage["completion_tokens_details"] = {"reasoning_tokens": reasoning}
+        return usage
 
     def abort(self) -> None:
         """Aborts every choice still running (a disconnect, an error in a sibling, a cancelled handler)."""

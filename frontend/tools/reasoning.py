@@ -12,6 +12,7 @@ content is dropped.
 
 A constrained answer (a response format, a forced call) thinks freely too, as in vLLM: the grammar holds what
 follows </think> (`after_thinking`), where the tags are tokens of their own, as in the models these rules are for.
+There too, usage counts the thinking's tokens (`ReasoningTokens`).
 """
 
 from __future__ import annotations
@@ -94,6 +95,40 @@ def thinking_tokens(rule: str | None, tokenizer: Tokenizer) -> tuple[int | None,
     if end is None or (rule == "qwen3" and start is None):
         return None
     return start if rule == "qwen3" else None, end
+
+
+class ReasoningTokens:
+    """usage.completion_tokens_details.reasoning_tokens as vLLM counts them: an answer's tokens between <think> and
+    </think>, the tags left out, by the rules above. Counted on the token ids, so only where </think> (and for qwen3,
+    whose thinking is optional, <think>) is one token of its own: `of` gives None elsewhere."""
+
+    def __init__(self, rule: str, start: int | None, end: int, tokenizer: Tokenizer) -> None:
+        self.rule, self.start, self.end, self.tokenizer = rule, start, end, tokenizer
+
+    @classmethod
+    def of(cls, rule: str | None, tokenizer: Tokenizer) -> ReasoningTokens | None:
+        thinking = thinking_tokens(rule, tokenizer)
+        if rule is None or thinking is None:
+            return None
+        return cls(rule, tokenizer.single_token(START), thinking[1], tokenizer)
+
+    def __call__(self, ids: list[int]) -> int:
+        first = self._after_start(ids)
+        if first is None:  # no leading <think>: qwen3's answer is all content, deepseek_r1's thinks from the start
+            if self.rule == "qwen3":
+                return 0
+            first = 0
+        try:
+            return ids.index(self.end, first) - first
+        except ValueError:  # cut off while thinking: all of it
+            return len(ids) - first
+
+    def _after_start(self, ids: list[int]) -> int | None:
+        """Where the thinking begins after a leading <think> (whitespace before it allowed, as the parser does)."""
+        if self.start is None or self.start not in ids:
+            return None
+        at = ids.index(self.start)
+        return at + 1 if not self.tokenizer.decode(ids[:at], skip_special_tokens=False).strip() else None
 
 
 def after_thinking(structured: StructuredOutput, thinking: tuple[int | None, int] | None) -> StructuredOutput:
