@@ -218,7 +218,8 @@ def main(argv: list[str] | None = None) -> int:
         gen = "vllm" if config.generation_config == "auto" else config.generation_config
         load_sampling_defaults(Path(), gen, config.override_generation_config)
         if config.enable_auto_tool_choice and config.tool_call_parser is None:  # vLLM refuses this too
-            raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (hermes, llama3_json or pythonic)")
+            raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (hermes, llama3_json, pythonic, "
+                             "mistral)")
         if engine_config.nnodes > 1 and config.data_parallel_size > 1:  # the engine cores would share one port
             raise ValueError("--data-parallel-size > 1 with --nnodes > 1 is not supported")
     except ValueError as exc:

@@ -124,6 +124,7 @@ def test_conversation_with_calls_and_results(server: Server):
 @pytest.mark.parametrize(("parser", "output", "content"), [
     ("hermes", "Sure.\n" + HERMES, "Sure."),
     ("llama3_json", '{"name": "get_weather", "parameters": {"city": "Paris", "days": 3}}', None),
+    ("mistral", 'Sure. [TOOL_CALLS]get_weather[ARGS]{"city": "Paris", "days": 3}', "Sure."),
 ])  # fmt: skip
 def test_auto_tool_choice_parsers_on_the_server(tool_servers: dict[str, Server], parser, output, content):
     """tool_choice auto with the server's --tool-call-parser (llama3_json's server started as vLLM's docs start one
@@ -146,6 +147,8 @@ def test_auto_tool_choice_parsers_on_the_server(tool_servers: dict[str, Server],
     assert whole.choices[0].finish_reason == "tool_calls" and msg.content == content
     assert [(c.function.name, json.loads(c.function.arguments)) for c in msg.tool_calls] == [
         ("get_weather", {"city": "Paris", "days": 3})]  # fmt: skip
+    ids = [c.id for c in msg.tool_calls]
+    assert all(re.fullmatch(r"[A-Za-z0-9]{9}" if parser == "mistral" else r"call_\w+", i) for i in ids), ids
     streamed, calls, finish = from_stream(chunks)
     assert (streamed, finish) == (content or "", "tool_calls")
     assert [c["function"] for c in calls] == [c.function.model_dump() for c in msg.tool_calls]

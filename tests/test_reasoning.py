@@ -15,8 +15,15 @@ from hypothesis import strategies as st
 
 from common.messages import StructuredOutput
 from frontend.text.tokenizer import Tokenizer
-from frontend.tools.reasoning import (END, START, ReasoningParser, ReasoningTokens, after_thinking, thinking_tokens,
-                                      with_reasoning)  # fmt: skip
+from frontend.tools.reasoning import (
+    END,
+    START,
+    ReasoningParser,
+    ReasoningTokens,
+    after_thinking,
+    thinking_tokens,
+    with_reasoning,
+)
 from frontend.tools.tool_parsers import HermesParser, Reasoning
 from frontend.tools.tool_stream import ToolStreams, message
 from tests.engine_helpers import model_dir

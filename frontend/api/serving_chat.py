@@ -137,6 +137,8 @@ async def start_chat(ctx: ServingContext, req: ChatCompletionRequest, rid: str) 
     req = functions_as_tools(req)
     # Tool schemas are checked off the event loop: a large one takes a while.
     tools = await off_loop(plan_tools, req, ctx.tool_call_parser) if req.tools else plan_tools(req, None)
+    if tools.keeps_special_tokens:
+        req = req.model_copy(update={"skip_special_tokens": False})
     await ctx.admit(req.n)
     prompt = await off_loop(chat_prompt, ctx, req.messages, req.add_generation_prompt, tools.template_tools,
                             req.continue_final_message, req.chat_template_kwargs, req.truncate_prompt_tokens,

@@ -24,13 +24,15 @@ from frontend.api.protocol import (
     ToolDefinition,
 )
 from frontend.errors import bad_request
+from frontend.tools.mistral_parser import MistralParser
 from frontend.tools.pythonic_parser import PythonicParser
 from frontend.tools.tool_forced import ForcedCallsParser, NamedCallParser
 from frontend.tools.tool_parsers import CLOSE, OPEN, HermesParser, Llama3JsonParser, ToolParser
 
 # --tool-call-parser NAME -> the parser's class, called with max_calls
 PARSERS: dict[str, Callable[[int | None], ToolParser]] = {"hermes": HermesParser, "llama3_json": Llama3JsonParser,
-                                                          "pythonic": PythonicParser}  # fmt: skip
+                                                          "pythonic": PythonicParser,
+                                                          "mistral": MistralParser}  # fmt: skip
 _EMPTY_PARAMETERS = {"type": "object", "properties": {}}  # OpenAI: no parameters is a function without arguments
 
 Mode = Literal["none", "auto", "required", "named"]
@@ -46,6 +48,11 @@ class ToolPlan:
     named: str | None = None  # the function a named tool_choice forces
     parser: str | None = None  # "auto": the model's own format, parsed when the server has a parser
     parallel: bool = True  # "auto": False keeps only the model's first call, as OpenAI answers
+
+    @property
+    def keeps_special_tokens(self) -> bool:
+        """Mistral's tags are special tokens: its parser reads them only where the text keeps them (as in vLLM)."""
+        return self.mode == "auto" and self.parser == "mistral"
 
     def make_parser(self) -> Callable[[], ToolParser] | None:
         """A factory for one choice's parser, or None when the output is plain content."""

@@ -101,6 +101,8 @@ class CallsUpTo:
     """What the parsers of the model's own format share: the calls emitted so far, and none past `max_calls`
     (parallel_tool_calls false: one)."""
 
+    new_id = staticmethod(call_id)  # a call's id (Mistral's templates take only their own kind)
+
     def __init__(self, max_calls: int | None = None) -> None:
         self.max_calls = max_calls
         self.calls = 0
@@ -110,7 +112,7 @@ class CallsUpTo:
         if self.max_calls is not None and self.calls >= self.max_calls:
             return []
         self.calls += 1
-        return [CallStart(self.calls - 1, call_id(), name), Arguments(self.calls - 1, arguments)]
+        return [CallStart(self.calls - 1, self.new_id(), name), Arguments(self.calls - 1, arguments)]
 
 
 class HermesParser(CallsUpTo):
