@@ -8,6 +8,7 @@ import torch
 
 from engine_core.attention import AttentionMetadata, CpuKernelBackend, PrefillChunk, TorchBackend
 from engine_core.cpu_kernels import cpu_kernels
+from tests.cpu_features import needs_prefill_kernel
 
 
 # head_dim 24 takes the portable path; multiples of 16 the vector path where the CPU has AVX-512; bf16 with
@@ -44,6 +45,7 @@ def test_kernel_matches_torch_path(dtype, tol, q_heads, kv_heads, head_dim, bloc
 
 # bf16 with head_dim % 32 == 0 takes the 16-keys-at-a-time tile (csrc/attend_bf16.c); block size 32 makes it
 # split blocks into slices, 8 leaves it to the key-at-a-time path.
+@needs_prefill_kernel
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 @pytest.mark.parametrize("q_heads,kv_heads,head_dim", [(9, 3, 64), (4, 4, 32), (8, 1, 16), (6, 2, 128)])
 @pytest.mark.parametrize("block_size", [16, 32, 8])

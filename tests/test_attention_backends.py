@@ -29,6 +29,7 @@ from engine_core.attention import (  # noqa: E402
 from engine_core.attention.triton_backend import TritonBackend  # noqa: E402
 from engine_core.cpu_kernels import cpu_kernels  # noqa: E402
 from engine_core.models.loader import build_model  # noqa: E402
+from tests.cpu_features import HAS_PREFILL  # noqa: E402
 from tests.model_harness import BLOCK_SIZE, PagedRun  # noqa: E402
 
 if not ON_CUDA and not isinstance(triton_kernels._decode_kernel, InterpretedFunction):
@@ -71,7 +72,7 @@ def backends() -> dict[str, object]:
     kernels = cpu_kernels()
     assert kernels is not None, "the C compiler is part of the supported setup; the kernels must build"
     triton = OnCuda() if ON_CUDA else TritonBackend()
-    return {"torch": TorchBackend(), "cpu": CpuKernelBackend(kernels, kernel_prefill=True), "triton": triton}
+    return {"torch": TorchBackend(), "cpu": CpuKernelBackend(kernels, kernel_prefill=HAS_PREFILL), "triton": triton}
 
 
 def three_steps(model, backend) -> list[torch.Tensor]:
@@ -125,7 +126,7 @@ def test_select_backend(monkeypatch) -> None:
         return select_backend(choice, device, dtype, *heads, 16)
 
     auto = pick("auto")
-    assert isinstance(auto, CpuKernelBackend) and auto.kernel_prefill
+    assert isinstance(auto, CpuKernelBackend) and auto.kernel_prefill == HAS_PREFILL  # AVX512F: see cpu_features
     assert isinstance(pick("auto", torch.bfloat16), CpuKernelBackend)
     # head_dim 24: the decode kernel takes it, the prefill kernel (multiples of 16) does not
     odd = pick("auto", heads=(6, 2, 24))

@@ -11,6 +11,7 @@ from transformers import LlamaConfig
 from engine_core.cpu_kernels import cpu_kernels
 from engine_core.models import layers
 from engine_core.models.layers import RMSNorm, RotaryEmbedding, StepRotary, silu_and_mul
+from tests.cpu_features import needs_linear_kernels
 
 DTYPES = [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)]
 
@@ -73,6 +74,7 @@ def test_rotary_rotates_q_and_k_heads_in_place_inside_qkv(torch_path, dtype, tol
     assert torch.equal(out[0], original[0, : 12 * 64].view(12, 64))  # position 0 is the identity rotation
 
 
+@needs_linear_kernels
 def test_packed_linears_match_the_float_matmul_and_onednn_packing_is_exact(torch_path) -> None:
     """bf16 on CPU: every linear of a model swapped for its packed form. Our kernel's bf16 outputs round fp32 sums
     of the same products; where it is not built, the oneDNN-packed form gives the plain layer's bits."""
@@ -94,6 +96,7 @@ def test_packed_linears_match_the_float_matmul_and_onednn_packing_is_exact(torch
             assert close(model(x), ref32.to(torch.bfloat16), 2e-2)
 
 
+@needs_linear_kernels
 @pytest.mark.parametrize("out_features,in_features", [(96, 64), (33, 2), (1000, 576), (48, 1536), (100, 34), (20, 64)])
 @pytest.mark.parametrize("bias", [False, True])
 def test_bf16_linear_matches_fp32_and_each_row_is_computed_alone(out_features, in_features, bias) -> None:

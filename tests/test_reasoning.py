@@ -62,6 +62,7 @@ CASES = [
     ("deepseek_r1", "still thinking", "still thinking", ""),
     ("deepseek_r1", "<thi", "<thi", ""),
     ("deepseek_r1", "</think>", "", ""),
+    ("deepseek_r1", "<think>", "", ""),  # cut off right after the tag: no reasoning yet
 ]
 
 

@@ -145,6 +145,13 @@ class PackedLinear(nn.Module):
         return self._matmul(x, self.bias)
 
 
+def can_pack_bf16() -> bool:
+    """Whether PackedLinear runs on this CPU: our kernel (AVX512-BF16) or oneDNN's bf16 path, which needs AVX512BW/
+    VL/DQ or AVX-NE-CONVERT (on AVX2 alone its reorder raises; a plain bf16 linear still runs there, emulated)."""
+    kernels = cpu_kernels()
+    return (kernels is not None and kernels.has_linear) or bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
 def pack_linears(model: nn.Module) -> int:
     """Replaces every linear layer of a loaded CPU bf16 model by a PackedLinear; returns how many. Tied weights
     stay usable: the embedding keeps the plain tensor, the head gets its packed copy."""

@@ -47,7 +47,7 @@ class ReasoningParser:
         if self.state == "start":
             self.held += text
             head = self.held.lstrip()
-            if START.startswith(head):  # nothing but whitespace, or maybe the tag, so far
+            if START.startswith(head) and head != START:  # nothing but whitespace, or maybe the tag, so far
                 return []
             if head.startswith(START):
                 self.state, text = "reasoning", head[len(START) :]

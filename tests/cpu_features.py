@@ -1,0 +1,17 @@
+"""Which of our C kernels this CPU runs. The bf16/int8 linears and the decode stack need AVX512-BF16, the prefill
+attention AVX512F; on a CPU without them (AVX2 only) the engine runs torch there, so tests of those kernels skip,
+as the CUDA-only tests skip on CPU, and tests of the engine expect the torch path instead."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine_core.cpu_kernels import cpu_kernels
+
+_KERNELS = cpu_kernels()
+HAS_LINEAR = _KERNELS is not None and _KERNELS.has_linear
+HAS_PREFILL = _KERNELS is not None and _KERNELS.has_prefill
+
+needs_linear_kernels = pytest.mark.skipif(not HAS_LINEAR, reason="our linear kernels need AVX512-BF16 (csrc/linear.c)")
+needs_prefill_kernel = pytest.mark.skipif(not HAS_PREFILL,
+                                          reason="the prefill kernel needs AVX512F (csrc/paged_prefill.c)")  # fmt: skip
