@@ -10,6 +10,7 @@ from torch import nn
 from engine_core.core import EngineCore
 from engine_core.cpu_kernels import cpu_kernels
 from engine_core.device import padded_size
+from engine_core.models import quant
 from engine_core.models.quant import Int8Linear, dequantize, prepare_linears, quantize_groups
 from tests.cpu_features import HAS_LINEAR
 from tests.engine_helpers import fp32_config, greedy_request, mixed_prompts, run_engine
@@ -76,6 +77,19 @@ def test_rows_padded_to_min_rows_do_not_depend_on_their_neighbours(quantization,
                 for rows in range(1, 8):
                     alone = layer(x[: padded_size(rows, min_rows)])[:rows]
                     assert torch.equal(alone, batch[:rows])
+
+
+def test_bf16_linears_stay_plain_where_the_cpu_cannot_pack_them(monkeypatch, caplog) -> None:
+    """On an AVX2-only CPU neither our kernel nor oneDNN's bf16 path runs (its reorder raises there): the layers
+    stay torch's, which emulates bf16, and the server says that float32 is faster."""
+    monkeypatch.setattr(quant, "can_pack_bf16", lambda: False)
+    model = nn.Sequential(nn.Linear(64, 32)).to(torch.bfloat16)
+    x = torch.randn(3, 64, dtype=torch.bfloat16)
+    with torch.inference_mode():
+        expected = model(x)
+        assert prepare_linears(model, "none", torch.device("cpu"), torch.bfloat16) == 8
+        assert type(model[0]) is nn.Linear and torch.equal(model(x), expected)
+    assert "--dtype float32" in caplog.text
 
 
 def _greedy(quantization: str) -> list[tuple[list[int], list[float], list[int]]]:
