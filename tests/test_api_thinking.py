@@ -106,3 +106,15 @@ def test_usage_counts_the_thinking_of_every_choice_in_a_stream(server: Server, m
     assert usage["completion_tokens"] == 10 and usage["completion_tokens_details"] == {"reasoning_tokens": 10}
     reasoning = "".join(c["choices"][0]["delta"].get("reasoning") or "" for c in chunks[:-1])
     assert reasoning == "Hello" * 10
+
+
+def test_responses_report_the_thinking_in_output_tokens_details(server: Server) -> None:
+    """/v1/responses takes the same count: under deepseek_r1 an answer without </think> thinks throughout, so the
+    random model's greedy answer is all reasoning."""
+    body = {"input": "Hi", "max_output_tokens": 6, "temperature": 0}
+    r = httpx.post(server.url + "/v1/responses", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    out = r.json()
+    assert [item["type"] for item in out["output"]][:1] == ["reasoning"]
+    usage = out["usage"]
+    assert usage["output_tokens"] == 6 and usage["output_tokens_details"]["reasoning_tokens"] == 6
