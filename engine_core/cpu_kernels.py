@@ -83,7 +83,9 @@ class CpuKernels:
                 func = getattr(lib, f"{name}_{suffix}")
                 func.argtypes = argtypes
                 self._funcs[name, dtype] = func
+        # bf16 panels with AVX512-BF16, or with AVX2 + FMA (csrc/linear_avx2.c); int8 panels with AVX512-BF16 only.
         self.has_linear, self.panel_cols = bool(lib.linear_kernels_available()), lib.linear_panel_cols()
+        self.has_int8_linear = bool(lib.linear_int8_available())
         self._linear = lib.linear
         self._linear.argtypes = [_P, _I64, _I64, _P, _I, _P, _P, _I64, _I64, _I64]
 
@@ -176,7 +178,7 @@ class CpuKernels:
         return self.has_linear and in_features % 2 == 0
 
     def supports_int8_linear(self, in_features: int) -> bool:
-        return self.has_linear and in_features % 32 == 0
+        return self.has_int8_linear and in_features % 32 == 0
 
     def _panels(self, rows: int):
         """(first row, row count) of each panel of a weight with `rows` rows rounded up to 16."""

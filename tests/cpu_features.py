@@ -1,6 +1,6 @@
-"""Which of our C kernels this CPU runs. The bf16/int8 linears and the decode stack need AVX512-BF16, the prefill
-attention AVX512F; on a CPU without them (AVX2 only) the engine runs torch there, so tests of those kernels skip,
-as the CUDA-only tests skip on CPU, and tests of the engine expect the torch path instead."""
+"""Which of our C kernels this CPU runs. The bf16 linears and the decode stack need AVX512-BF16 or AVX2 with FMA,
+the int8 linears AVX512-BF16, the prefill attention AVX512F; on a CPU without them the engine runs torch there, so
+tests of those kernels skip, as the CUDA-only tests skip on CPU, and tests of the engine expect the torch path."""
 
 from __future__ import annotations
 
@@ -10,8 +10,11 @@ from engine_core.cpu_kernels import cpu_kernels
 
 _KERNELS = cpu_kernels()
 HAS_LINEAR = _KERNELS is not None and _KERNELS.has_linear
+HAS_INT8_LINEAR = _KERNELS is not None and _KERNELS.has_int8_linear
 HAS_PREFILL = _KERNELS is not None and _KERNELS.has_prefill
 
-needs_linear_kernels = pytest.mark.skipif(not HAS_LINEAR, reason="our linear kernels need AVX512-BF16 (csrc/linear.c)")
+needs_linear_kernels = pytest.mark.skipif(not HAS_LINEAR,
+                                          reason="our linear kernels need AVX512-BF16 or AVX2 + FMA")  # fmt: skip
 needs_prefill_kernel = pytest.mark.skipif(not HAS_PREFILL,
                                           reason="the prefill kernel needs AVX512F (csrc/paged_prefill.c)")  # fmt: skip
+needs_int8_kernels = pytest.mark.skipif(not HAS_INT8_LINEAR, reason="our int8 linear kernels need AVX512-BF16")

@@ -14,6 +14,7 @@ from engine_core.models.layers import RMSNorm, RotaryEmbedding, StepRotary, silu
 from tests.cpu_features import needs_linear_kernels
 
 DTYPES = [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)]
+ONEDNN_BF16 = bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
 @pytest.fixture
@@ -77,7 +78,8 @@ def test_rotary_rotates_q_and_k_heads_in_place_inside_qkv(torch_path, dtype, tol
 @needs_linear_kernels
 def test_packed_linears_match_the_float_matmul_and_onednn_packing_is_exact(torch_path) -> None:
     """bf16 on CPU: every linear of a model swapped for its packed form. Our kernel's bf16 outputs round fp32 sums
-    of the same products; where it is not built, the oneDNN-packed form gives the plain layer's bits."""
+    of the same products; where it is not built, the oneDNN-packed form (or the plain weight, where oneDNN has no
+    bf16 path) gives the plain layer's bits."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(64, 96), torch.nn.GELU(), torch.nn.Linear(96, 32, bias=False))
     model = model.to(torch.bfloat16)
@@ -91,6 +93,8 @@ def test_packed_linears_match_the_float_matmul_and_onednn_packing_is_exact(torch
         assert layers.pack_linears(model) == 2
         assert not any(isinstance(m, torch.nn.Linear) for m in model.modules())
         assert all(m.kernels is not None for m in model.modules() if isinstance(m, layers.PackedLinear))
+        # Without oneDNN's bf16 path (AVX2 CPUs) the fallback keeps the plain weight: the same bits either way.
+        assert all(m.onednn == ONEDNN_BF16 for m in onednn.modules() if isinstance(m, layers.PackedLinear))
         for x, ref, ref32 in zip(inputs, expected, in_fp32, strict=True):
             assert torch.equal(onednn(x), ref)
             assert close(model(x), ref32.to(torch.bfloat16), 2e-2)

@@ -14,7 +14,7 @@ from engine_core.core import EngineCore
 from engine_core.models.cpu_decode import DecodeStack
 from engine_core.models.loader import build_model
 from engine_core.models.quant import prepare_linears
-from tests.cpu_features import HAS_LINEAR, needs_linear_kernels
+from tests.cpu_features import HAS_LINEAR, needs_int8_kernels, needs_linear_kernels
 from tests.engine_helpers import greedy_request, run_engine, save_tiny_llama, tokens_of
 from tests.model_harness import PagedRun
 
@@ -78,7 +78,7 @@ class _Spy:
 
 @needs_linear_kernels
 @pytest.mark.parametrize(("bias", "qwen3"), [(False, False), (True, False), (False, True)])
-@pytest.mark.parametrize("quantization", [None, "int8"])
+@pytest.mark.parametrize("quantization", [None, pytest.param("int8", marks=needs_int8_kernels)])
 def test_stack_gives_the_layers_logits_bit_for_bit(bias: bool, qwen3: bool, quantization: str | None) -> None:
     model = tiny_llama(bias, quantization, qwen3)
     assert (model.layers[0].self_attn.q_norm is not None) == qwen3
@@ -93,7 +93,7 @@ def test_build_declines_what_it_cannot_run() -> None:
     model = tiny_llama(False, None)
     assert DecodeStack.build(model) is None  # no KV cache bound yet: the layers attend with the torch reference
     PagedRun(model, 1, 16, dtype=torch.bfloat16)
-    assert (DecodeStack.build(model) is not None) == HAS_LINEAR  # needs our packed bf16 linears (AVX512-BF16)
+    assert (DecodeStack.build(model) is not None) == HAS_LINEAR  # needs our packed bf16 linears
     PagedRun(model, 1, 16, dtype=torch.bfloat16, backend=TorchBackend())
     assert DecodeStack.build(model) is None  # torch attention backend
     fp32 = build_model(model.config, torch.float32, CPU, 256)
@@ -109,7 +109,7 @@ def tiny_dir(tmp_path_factory) -> str:
 def test_engine_attaches_the_stack_on_cpu_bf16_with_the_same_tokens(tiny_dir: str) -> None:
     config = EngineConfig(model=tiny_dir, dtype="bfloat16", kv_cache_memory=0.05, max_num_seqs=8)
     with_stack, without = EngineCore(config), EngineCore(config)
-    assert (with_stack.runner.model.decode_stack is not None) == HAS_LINEAR  # not on AVX2: see cpu_features
+    assert (with_stack.runner.model.decode_stack is not None) == HAS_LINEAR  # see cpu_features
     without.runner.model.decode_stack = None
     prompts = [[5 + i, 17, 42 + 3 * i, 99, 7][: 2 + i] for i in range(5)]
     requests = [greedy_request(f"r{i}", p, 24) for i, p in enumerate(prompts)]

@@ -76,13 +76,13 @@ def test_bfloat16_fast_path_tracks_fp32(references) -> None:
     torch path: 39 and 2, this path: 36 and 1 on 2026-11-25). A wrong kernel diverges at once, everywhere."""
     core, ours = run(fp32_config(dtype="bfloat16", max_num_batched_tokens=256))
     assert core.runner.dtype == torch.bfloat16
-    # Linears are packed on a CPU that runs bf16 matmuls (AVX512), for our kernel or oneDNN; on CUDA the plain ones
-    # run on cuBLAS, and on an AVX2 CPU on torch's emulation.
+    # Linears are packed on a CPU that runs bf16 matmuls (our kernels: AVX512-BF16 or AVX2 + FMA; or oneDNN's
+    # AVX512); on CUDA the plain ones run on cuBLAS, and on an older CPU on torch's emulation.
     packs = core.runner.device.type == "cpu" and can_pack_bf16()
     assert isinstance(core.runner.model.lm_head, PackedLinear) == packs
     diverged = [next((j for j, (a, b) in enumerate(zip(t, r, strict=True)) if a != b), None)
                 for t, (r, _) in zip(ours, references, strict=True)]  # fmt: skip
     far = [i for i, j in enumerate(diverged) if j is not None and ours[i][j] != references[i][1][j][1]]
     agreed = [MAX_NEW if j is None else j for j in diverged]
-    # Torch's emulated bf16 matmuls (AVX2 CPUs, no packed linears) left the top-2 in 3 prompts of 16 (2026-11-26).
+    # Torch's emulated bf16 matmuls (no packed linears) left the top-2 in 3 prompts of 16 (2026-11-26).
     assert len(far) <= (3 if not packs else 2) and sum(agreed) / len(agreed) >= 16, (far, agreed)

@@ -12,7 +12,7 @@ from engine_core.cpu_kernels import cpu_kernels
 from engine_core.device import padded_size
 from engine_core.models import quant
 from engine_core.models.quant import Int8Linear, dequantize, prepare_linears, quantize_groups
-from tests.cpu_features import HAS_LINEAR
+from tests.cpu_features import HAS_INT8_LINEAR, HAS_LINEAR
 from tests.engine_helpers import fp32_config, greedy_request, mixed_prompts, run_engine
 
 MAX_NEW = 32
@@ -44,7 +44,7 @@ def test_int8_linear_matches_float_matmul(rows, out_features, in_features, bias)
     torch.manual_seed(rows)
     linear = nn.Linear(in_features, out_features, bias=bias).to(torch.bfloat16)
     layer = Int8Linear(linear)
-    assert (layer.kernels is not None) == (HAS_LINEAR and in_features % 32 == 0)
+    assert (layer.kernels is not None) == (HAS_INT8_LINEAR and in_features % 32 == 0)
     x = torch.randn(rows, in_features, dtype=torch.bfloat16)
     exact = x.float() @ dequantize(*quantize_groups(linear.weight.detach())).T
     if bias:
@@ -69,7 +69,8 @@ def test_rows_padded_to_min_rows_do_not_depend_on_their_neighbours(quantization,
     model = nn.Sequential(nn.Linear(1536, 576, bias=False), nn.Linear(576, 1536)).to(dtype)
     with torch.inference_mode():
         min_rows = prepare_linears(model, quantization, torch.device("cpu"), dtype)
-        assert min_rows == (1 if HAS_LINEAR and dtype == torch.bfloat16 else 8)  # our kernels do each row alone
+        kernel = HAS_INT8_LINEAR if quantization == "int8" else HAS_LINEAR
+        assert min_rows == (1 if kernel and dtype == torch.bfloat16 else 8)  # our kernels do each row alone
         for layer, width in ((model[0], 1536), (model[1], 576)):
             for _ in range(40):
                 x = torch.randn(8, width, dtype=dtype) * torch.rand(8, 1, dtype=dtype) * 3
@@ -80,8 +81,8 @@ def test_rows_padded_to_min_rows_do_not_depend_on_their_neighbours(quantization,
 
 
 def test_bf16_linears_stay_plain_where_the_cpu_cannot_pack_them(monkeypatch, caplog) -> None:
-    """On an AVX2-only CPU neither our kernel nor oneDNN's bf16 path runs (its reorder raises there): the layers
-    stay torch's, which emulates bf16, and the server says that float32 is faster."""
+    """On a CPU without AVX512 and without AVX2 + FMA neither our kernels nor oneDNN's bf16 path runs (its reorder
+    raises there): the layers stay torch's, which emulates bf16, and the server says that float32 is faster."""
     monkeypatch.setattr(quant, "can_pack_bf16", lambda: False)
     model = nn.Sequential(nn.Linear(64, 32)).to(torch.bfloat16)
     x = torch.randn(3, 64, dtype=torch.bfloat16)

@@ -144,9 +144,14 @@ static void panel_linear(const uint16_t* x, int64_t ldx, int64_t m_len, const vo
 }
 
 int linear_kernels_available(void) { return 1; }
+int linear_int8_available(void) { return 1; }
 #else
-int linear_kernels_available(void) { return 0; }
+int linear_avx2_available(void);  // csrc/linear_avx2.c: bf16 panels only
+int linear_kernels_available(void) { return linear_avx2_available(); }
+int linear_int8_available(void) { return 0; }
 #endif
+void linear_avx2(const uint16_t* x, int64_t ldx, int64_t m_len, const uint16_t* packed, const uint16_t* bias,
+                 uint16_t* out, int64_t ldo, int64_t n_len, int64_t k_len);
 
 int linear_panel_cols(void) { return PANEL_COLS; }
 
@@ -160,7 +165,7 @@ void linear(const uint16_t* x, int64_t ldx, int64_t m_len, const void* packed, i
 #if defined(__AVX512BF16__)
     panel_linear(x, ldx, m_len, packed, q8, bias, out, ldo, n_len, k_len);
 #else
-    (void)x, (void)ldx, (void)m_len, (void)packed, (void)q8, (void)bias, (void)out, (void)ldo, (void)n_len,
-        (void)k_len;
+    (void)q8;  // never int8 here: linear_int8_available() is 0
+    linear_avx2(x, ldx, m_len, packed, bias, out, ldo, n_len, k_len);
 #endif
 }

@@ -114,8 +114,9 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 
 class PackedLinear(nn.Module):
     """A CPU bf16 linear layer whose weight is packed once at load for the matmul that runs it: our kernel
-    (csrc/linear.c) where it was built, else oneDNN's blocked layout (a plain bf16 linear on CPU reorders its
-    weight inside every call: at 64 decode rows that reorder took about 40% of the matmul). Ours reads the
+    (csrc/linear.c; csrc/linear_avx2.c on AVX2) where it was built, else oneDNN's blocked layout (a plain bf16
+    linear on CPU reorders its weight inside every call: at 64 decode rows that reorder took about 40% of the
+    matmul). Ours reads the
     weights at memory speed for a few decode rows (SmolLM2 at 16 rows: 7 ms a step, oneDNN 10.4), keeps up
     with oneDNN up to prefill sizes, and gives every row the same bits whatever runs beside it."""
 
@@ -125,17 +126,21 @@ class PackedLinear(nn.Module):
         kernels = cpu_kernels()
         self.kernels = kernels if kernels is not None and kernels.supports_bf16_linear(self.in_features) else None
         weight = linear.weight.detach()
+        # Neither (an odd in_features on a CPU without oneDNN's bf16 path): the plain weight, torch's emulation.
+        self.onednn = self.kernels is None and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
         if self.kernels is not None:
             self.packed_weight = self.kernels.pack_bf16_linear(weight)
         else:
-            self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight, 64)  # 64: a row hint
+            self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight, 64) if self.onednn else weight
         self.bias = linear.bias
         # Row-parallel: the partial products are summed over the ranks, and the bias added once, after.
         self.all_reduce = isinstance(linear, RowParallelLinear) and distributed.tp_size() > 1
 
     def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        if self.kernels is None:
+        if self.onednn:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, bias, "none", [], "")
+        if self.kernels is None:
+            return F.linear(x, self.packed_weight, bias)
         return self.kernels.linear(x, self.packed_weight, bias, self.out_features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -146,8 +151,9 @@ class PackedLinear(nn.Module):
 
 
 def can_pack_bf16() -> bool:
-    """Whether PackedLinear runs on this CPU: our kernel (AVX512-BF16) or oneDNN's bf16 path, which needs AVX512BW/
-    VL/DQ or AVX-NE-CONVERT (on AVX2 alone its reorder raises; a plain bf16 linear still runs there, emulated)."""
+    """Whether PackedLinear runs on this CPU: our kernels (AVX512-BF16, or AVX2 + FMA) or oneDNN's bf16 path,
+    which needs AVX512BW/VL/DQ or AVX-NE-CONVERT (elsewhere its reorder raises; a plain bf16 linear still runs,
+    emulated)."""
     kernels = cpu_kernels()
     return (kernels is not None and kernels.has_linear) or bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 

@@ -98,15 +98,15 @@ def prepare_linears(model: nn.Module, quantization: str, device: torch.device, d
     if quantization == "int8":
         quantize_linears(model)
         kernels = cpu_kernels()
-        if device.type != "cpu" or dtype != torch.bfloat16 or kernels is None or not kernels.has_linear:
+        if device.type != "cpu" or dtype != torch.bfloat16 or kernels is None or not kernels.has_int8_linear:
             log.warning("int8 weights on %s %s have no kernel: dequantized in every call (slow)", device, dtype)
             return 8
         # A layer the kernel cannot take (in_features not a multiple of 32) goes through torch's matmul.
         return 1 if all(m.kernels is not None for m in model.modules() if isinstance(m, Int8Linear)) else 8
     elif device.type == "cpu" and dtype == torch.bfloat16 and torch.backends.mkldnn.is_available():
         if not can_pack_bf16():
-            log.warning("bf16 on a CPU without AVX512: torch emulates its matmuls (slow); --dtype float32, the "
-                        "default here, is faster")
+            log.warning("bf16 on a CPU without AVX512 or AVX2 + FMA: torch emulates its matmuls (slow); --dtype "
+                        "float32, the default here, is faster")
             return 8
         pack_linears(model)
         # Our bf16 kernel does each row alone; oneDNN (where it could not be built) needs 2 rows.
