@@ -17,6 +17,7 @@
 #define PANEL_COLS 48  // csrc/linear.c's panel width: the packing is shared
 #define TILE_ROWS 4
 #define TILE_VECS 3  // 8-column vectors per tile: half a panel
+#define UNROLLED _Pragma("GCC unroll 4")
 
 // mr rows of xf (fp32, row stride k_len) x nv vectors starting at vector v0 of a panel whose k pairs are
 // pair_u16 bf16 apart; writes bf16 out (+ bias) for the first `cols` columns of the panel.
@@ -24,32 +25,31 @@ static inline __attribute__((always_inline)) void tile(const float* xf, int64_t 
                                                        int64_t pair_u16, int v0, int nv, const uint16_t* bias,
                                                        uint16_t* out, int64_t ldo, int64_t cols) {
     __m256 acc[TILE_ROWS][TILE_VECS];
-    for (int i = 0; i < mr; i++)
-        for (int j = 0; j < nv; j++) acc[i][j] = _mm256_setzero_ps();
+    UNROLLED for (int i = 0; i < mr; i++)
+        UNROLLED for (int j = 0; j < nv; j++) acc[i][j] = _mm256_setzero_ps();
     const __m256i high = _mm256_set1_epi32((int)0xFFFF0000u);
     const int64_t pairs = k_len / 2;
     for (int64_t p = 0; p < pairs; p++) {
         const uint16_t* w = panel + p * pair_u16 + 16 * v0;
-        for (int j = 0; j < nv; j++) {
+        UNROLLED for (int j = 0; j < nv; j++) {
             const __m256i lanes = _mm256_loadu_si256((const __m256i*)(w + 16 * j));
             const __m256 even = _mm256_castsi256_ps(_mm256_slli_epi32(lanes, 16));
             const __m256 odd = _mm256_castsi256_ps(_mm256_and_si256(lanes, high));
-            for (int i = 0; i < mr; i++) {
+            UNROLLED for (int i = 0; i < mr; i++) {
                 acc[i][j] = _mm256_fmadd_ps(_mm256_broadcast_ss(xf + i * k_len + 2 * p), even, acc[i][j]);
                 acc[i][j] = _mm256_fmadd_ps(_mm256_broadcast_ss(xf + i * k_len + 2 * p + 1), odd, acc[i][j]);
             }
         }
     }
-    for (int j = 0; j < nv; j++) {
-        const int64_t c0 = 8 * (v0 + j);
-        const int n = cols - c0 < 8 ? (int)(cols - c0) : 8;
-        float sums[8];
-        for (int i = 0; i < mr; i++) {
-            _mm256_storeu_ps(sums, acc[i][j]);
-            for (int c = 0; c < n; c++)
-                out[i * ldo + c0 + c] = bf16_store(sums[c] + (bias ? bf16_load(bias[c0 + c]) : 0.f));
-        }
-    }
+    // Out of registers in unrolled loops only: a variable index would keep the sums in memory inside the k loop.
+    float sums[TILE_ROWS][8 * TILE_VECS];
+    UNROLLED for (int i = 0; i < mr; i++)
+        UNROLLED for (int j = 0; j < nv; j++) _mm256_storeu_ps(sums[i] + 8 * j, acc[i][j]);
+    const int64_t c0 = 8 * v0;
+    const int n = cols - c0 < 8 * nv ? (int)(cols - c0) : 8 * nv;
+    for (int i = 0; i < mr; i++)
+        for (int c = 0; c < n; c++)
+            out[i * ldo + c0 + c] = bf16_store(sums[i][c] + (bias ? bf16_load(bias[c0 + c]) : 0.f));
 }
 
 #define TILE_CASE(MR, NV) tile(xf, k_len, MR, panel, pair_u16, v0, NV, bias, out, ldo, cols)
