@@ -4,7 +4,9 @@
 //
 // A 32-bit lane of a packed panel holds one column's weights for k = 2p (low half) and 2p + 1 (high half), so
 // `lane << 16` and `lane & 0xFFFF0000` are the two fp32 weights: no shuffles. A tile of up to 4 input rows
-// (x widened to fp32 once per call) x 24 columns keeps 12 accumulators in registers. Every output adds its k
+// (x widened to fp32 once per call) x 24 columns keeps 12 accumulators in registers; 1 or 2 rows take the whole
+// 48-column panel in one pass (the LM head at one row: 10 -> 5 ms, torch's fp32 17 ms). Widening a panel to fp32
+// once for many rows, as csrc/linear.c does for int8, made prefill slower here (231 -> 197 tok/s). Every output adds its k
 // products one after the other in k order whatever the number of rows: a row's result never depends on its
 // neighbours.
 #include <stdlib.h>
@@ -16,7 +18,8 @@
 
 #define PANEL_COLS 48  // csrc/linear.c's panel width: the packing is shared
 #define TILE_ROWS 4
-#define TILE_VECS 3  // 8-column vectors per tile: half a panel
+#define TILE_VECS 3  // 8-column vectors per tile: half a panel, or the whole panel for 1 or 2 rows
+#define WIDE_VECS 6
 #define UNROLLED _Pragma("GCC unroll 4")
 
 // mr rows of xf (fp32, row stride k_len) x nv vectors starting at vector v0 of a panel whose k pairs are
@@ -24,7 +27,7 @@
 static inline __attribute__((always_inline)) void tile(const float* xf, int64_t k_len, int mr, const uint16_t* panel,
                                                        int64_t pair_u16, int v0, int nv, const uint16_t* bias,
                                                        uint16_t* out, int64_t ldo, int64_t cols) {
-    __m256 acc[TILE_ROWS][TILE_VECS];
+    __m256 acc[TILE_ROWS][WIDE_VECS];
     UNROLLED for (int i = 0; i < mr; i++)
         UNROLLED for (int j = 0; j < nv; j++) acc[i][j] = _mm256_setzero_ps();
     const __m256i high = _mm256_set1_epi32((int)0xFFFF0000u);
@@ -42,7 +45,7 @@ static inline __attribute__((always_inline)) void tile(const float* xf, int64_t 
         }
     }
     // Out of registers in unrolled loops only: a variable index would keep the sums in memory inside the k loop.
-    float sums[TILE_ROWS][8 * TILE_VECS];
+    float sums[TILE_ROWS][8 * WIDE_VECS];
     UNROLLED for (int i = 0; i < mr; i++)
         UNROLLED for (int j = 0; j < nv; j++) _mm256_storeu_ps(sums[i] + 8 * j, acc[i][j]);
     const int64_t c0 = 8 * v0;
@@ -56,7 +59,9 @@ static inline __attribute__((always_inline)) void tile(const float* xf, int64_t 
 static void any_tile(const float* xf, int64_t k_len, int mr, const uint16_t* panel, int64_t pair_u16, int v0, int nv,
                      const uint16_t* bias, uint16_t* out, int64_t ldo, int64_t cols) {
     // mr and nv as constants, so that the accumulators live in registers
-    if (nv == 3) {
+    if (nv == 6 && mr == 2) TILE_CASE(2, 6);
+    else if (nv == 6) TILE_CASE(1, 6);
+    else if (nv == 3) {
         switch (mr) {
             case 4: TILE_CASE(4, 3); break;
             case 3: TILE_CASE(3, 3); break;
@@ -90,8 +95,9 @@ void linear_avx2(const uint16_t* x, int64_t ldx, int64_t m_len, const uint16_t* 
             for (int64_t t = 0; t < tiles; t++) {
                 const int64_t m0 = t * TILE_ROWS;
                 const int mr = m_len - m0 < TILE_ROWS ? (int)(m_len - m0) : TILE_ROWS;
-                for (int v0 = 0; v0 < vecs; v0 += TILE_VECS) {
-                    const int nv = vecs - v0 < TILE_VECS ? vecs - v0 : TILE_VECS;
+                const int step = mr <= 2 && vecs == WIDE_VECS ? WIDE_VECS : TILE_VECS;  // one pass over the panel
+                for (int v0 = 0; v0 < vecs; v0 += step) {
+                    const int nv = vecs - v0 < step ? vecs - v0 : step;
                     any_tile(xf + m0 * k_len, k_len, mr, panel, 2 * padded, v0, nv, bias ? bias + n0 : NULL,
                              out + m0 * ldo + n0, ldo, cols);
                 }
