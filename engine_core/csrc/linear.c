@@ -8,7 +8,8 @@
 // order whatever the number of rows, so a row's result never depends on its neighbours. The next panel is
 // prefetched while this one is worked on. An int8 panel holds, per group of 32 k, the int8 weights in the same
 // pair layout and then each lane's scale; a tile widens them to bf16(q * scale) as it goes, or, for more rows
-// than one tile, the panel is widened once into a bf16 panel first.
+// than one tile, the panel is widened once into a bf16 panel first. Without AVX512-BF16, csrc/linear_avx2.c reads
+// the bf16 panels with fp32 FMAs (AVX2); int8 then has no kernel.
 #include <stdlib.h>
 
 #include "kernel_common.h"

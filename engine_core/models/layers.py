@@ -116,9 +116,9 @@ class PackedLinear(nn.Module):
     """A CPU bf16 linear layer whose weight is packed once at load for the matmul that runs it: our kernel
     (csrc/linear.c; csrc/linear_avx2.c on AVX2) where it was built, else oneDNN's blocked layout (a plain bf16
     linear on CPU reorders its weight inside every call: at 64 decode rows that reorder took about 40% of the
-    matmul). Ours reads the
-    weights at memory speed for a few decode rows (SmolLM2 at 16 rows: 7 ms a step, oneDNN 10.4), keeps up
-    with oneDNN up to prefill sizes, and gives every row the same bits whatever runs beside it."""
+    matmul). Ours reads the weights at memory speed for a few decode rows (SmolLM2 at 16 rows: 7 ms a step,
+    oneDNN 10.4), keeps up with oneDNN up to prefill sizes, and gives every row the same bits whatever runs
+    beside it."""
 
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
