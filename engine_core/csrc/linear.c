@@ -14,8 +14,8 @@
 
 #include "kernel_common.h"
 
-#define PANEL_VECS 3  // 16-column vectors per panel
-#define PANEL_COLS (16 * PANEL_VECS)
+#define PANEL_COLS LINEAR_PANEL_COLS  // see kernel_common.h
+#define PANEL_VECS (PANEL_COLS / 16)  // 16-column vectors per panel
 #define TILE_ROWS 8
 #define GROUP 32                           // int8: weights per scale
 #define GROUP_PAIRS (GROUP / 2)            // k pairs per group
@@ -147,12 +147,9 @@ static void panel_linear(const uint16_t* x, int64_t ldx, int64_t m_len, const vo
 int linear_kernels_available(void) { return 1; }
 int linear_int8_available(void) { return 1; }
 #else
-int linear_avx2_available(void);  // csrc/linear_avx2.c: bf16 panels only
-int linear_kernels_available(void) { return linear_avx2_available(); }
+int linear_kernels_available(void) { return linear_avx2_available(); }  // bf16 panels only
 int linear_int8_available(void) { return 0; }
 #endif
-void linear_avx2(const uint16_t* x, int64_t ldx, int64_t m_len, const uint16_t* packed, const uint16_t* bias,
-                 uint16_t* out, int64_t ldo, int64_t n_len, int64_t k_len);
 
 int linear_panel_cols(void) { return PANEL_COLS; }
 

@@ -5,10 +5,10 @@
 // A 32-bit lane of a packed panel holds one column's weights for k = 2p (low half) and 2p + 1 (high half), so
 // `lane << 16` and `lane & 0xFFFF0000` are the two fp32 weights: no shuffles. A tile of up to 4 input rows
 // (x widened to fp32 once per call) x 24 columns keeps 12 accumulators in registers; 1 or 2 rows take the whole
-// 48-column panel in one pass (the LM head at one row: 10 -> 5 ms, torch's fp32 17 ms). Widening a panel to fp32
-// once for many rows, as csrc/linear.c does for int8, made prefill slower here (231 -> 197 tok/s). Every output adds its k
-// products one after the other in k order whatever the number of rows: a row's result never depends on its
-// neighbours.
+// 48-column panel in one pass (the LM head at one row: 10 -> 5 ms, torch's fp32 17 ms). Widening a panel to
+// fp32 once for many rows, as csrc/linear.c does for int8, made prefill slower here (231 -> 197 tok/s). Every
+// output adds its k products one after the other in k order whatever the number of rows: a row's result never
+// depends on its neighbours.
 #include <stdlib.h>
 
 #include "kernel_common.h"
@@ -16,10 +16,10 @@
 #if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512BF16__)
 #include <immintrin.h>
 
-#define PANEL_COLS 48  // csrc/linear.c's panel width: the packing is shared
+#define PANEL_COLS LINEAR_PANEL_COLS  // csrc/linear.c's panels: the packing is shared
 #define TILE_ROWS 4
 #define TILE_VECS 3  // 8-column vectors per tile: half a panel, or the whole panel for 1 or 2 rows
-#define WIDE_VECS 6
+#define WIDE_VECS (PANEL_COLS / 8)
 #define UNROLLED _Pragma("GCC unroll 4")
 
 // mr rows of xf (fp32, row stride k_len) x nv vectors starting at vector v0 of a panel whose k pairs are
