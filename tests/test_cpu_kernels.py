@@ -105,8 +105,9 @@ def test_packed_linears_match_the_float_matmul_and_onednn_packing_is_exact(torch
 @pytest.mark.parametrize("bias", [False, True])
 def test_bf16_linear_matches_fp32_and_each_row_is_computed_alone(out_features, in_features, bias) -> None:
     """csrc/linear.c in bf16 against the fp32 matmul, for output widths off its 48-column panels and 16-column
-    vectors, row counts across its 8-row tiles, and strided input rows; and every row bit for bit the same
-    alone as inside any batch: what makes seeded sampling independent of the batch (see prepare_linears)."""
+    vectors, row counts across its tiles (8 rows with AVX512-BF16; 1-2 rows, then 6 at a time with AVX2), and
+    strided input rows; and every row bit for bit the same alone as inside any batch: what makes seeded sampling
+    independent of the batch (see prepare_linears)."""
     kernels = cpu_kernels()
     assert kernels is not None and kernels.supports_bf16_linear(in_features)
     torch.manual_seed(0)
@@ -120,7 +121,7 @@ def test_bf16_linear_matches_fp32_and_each_row_is_computed_alone(out_features, i
     assert out.shape == (23, out_features)
     assert torch.allclose(out.float(), ref, atol=0.02 * float(ref.abs().max()), rtol=1e-2)
     assert float((out.float() - ref).abs().max()) <= 2 * float(ref.abs().max()) * 2**-8 + 1e-3
-    for rows in (1, 2, 7, 8, 9, 16, 17):
+    for rows in (1, 2, 3, 4, 7, 8, 9, 16, 17):
         for start in (0, 23 - rows):
             alone = kernels.linear(x[start : start + rows], packed, b, out_features)
             assert torch.equal(alone, out[start : start + rows])

@@ -3,12 +3,15 @@
 // few rows are bound by reading them, and torch's bf16 matmul emulates it at a quarter of fp32's speed here.
 //
 // A 32-bit lane of a packed panel holds one column's weights for k = 2p (low half) and 2p + 1 (high half), so
-// `lane << 16` and `lane & 0xFFFF0000` are the two fp32 weights: no shuffles. A tile of up to 4 input rows
-// (x widened to fp32 once per call) x 24 columns keeps 12 accumulators in registers; 1 or 2 rows take the whole
-// 48-column panel in one pass (the LM head at one row: 10 -> 5 ms, torch's fp32 17 ms). Widening a panel to
-// fp32 once for many rows, as csrc/linear.c does for int8, made prefill slower here (231 -> 197 tok/s). Every
-// output adds its k products one after the other in k order whatever the number of rows: a row's result never
-// depends on its neighbours.
+// `lane << 16` and `lane & 0xFFFF0000` are the two fp32 weights: no shuffles. x is widened to fp32 once per call.
+// - 1 or 2 rows take the whole 48-column panel in one pass, 6 (or 12) accumulators: the weights are read once
+//   (the LM head at one row: 10 -> 5 ms, torch's fp32 17 ms).
+// - 3 rows or more go through the panel in strips of 16 columns, 6 rows at a time: 12 accumulators, and each
+//   k's two weight vectors are used by all 6 rows as soon as they are made, so that accumulators, weights and
+//   the broadcast row value fit AVX2's 16 registers. A 4 x 24 tile needed 8 broadcasts live at once and spilled
+//   them to the stack: 80-85 GFLOP/s at many rows against 120-135 for the strips (MKL's fp32 here: 110-150).
+// Every output adds its k products one after the other in k order whatever the number of rows: a row's result
+// never depends on its neighbours.
 #include <stdlib.h>
 
 #include "kernel_common.h"
@@ -17,23 +20,28 @@
 #include <immintrin.h>
 
 #define PANEL_COLS LINEAR_PANEL_COLS  // csrc/linear.c's panels: the packing is shared
-#define TILE_ROWS 4
-#define TILE_VECS 3  // 8-column vectors per tile: half a panel, or the whole panel for 1 or 2 rows
-#define WIDE_VECS (PANEL_COLS / 8)
-#define UNROLLED _Pragma("GCC unroll 4")
+#define PANEL_VECS (PANEL_COLS / 8)   // 8-column vectors per panel
+#define STRIP_ROWS 6
+#define UNROLLED _Pragma("GCC unroll 6")  // every row and vector: a partly unrolled loop keeps sums in memory
 
-// mr rows of xf (fp32, row stride k_len) x nv vectors starting at vector v0 of a panel whose k pairs are
-// pair_u16 bf16 apart; writes bf16 out (+ bias) for the first `cols` columns of the panel.
-static inline __attribute__((always_inline)) void tile(const float* xf, int64_t k_len, int mr, const uint16_t* panel,
-                                                       int64_t pair_u16, int v0, int nv, const uint16_t* bias,
-                                                       uint16_t* out, int64_t ldo, int64_t cols) {
-    __m256 acc[TILE_ROWS][WIDE_VECS];
+static inline __attribute__((always_inline)) void store_rows(const float* sums, int stride, int mr, int n,
+                                                             const uint16_t* bias, uint16_t* out, int64_t ldo) {
+    for (int i = 0; i < mr; i++)
+        for (int c = 0; c < n; c++)
+            out[i * ldo + c] = bf16_store(sums[i * stride + c] + (bias ? bf16_load(bias[c]) : 0.f));
+}
+
+// mr (1 or 2) rows of xf (fp32, row stride k_len) x nv vectors of a panel whose k pairs are pair_u16 bf16 apart;
+// writes the first n columns, bf16 (+ bias).
+static inline __attribute__((always_inline)) void wide_tile(const float* xf, int64_t k_len, int mr,
+                                                            const uint16_t* panel, int64_t pair_u16, int nv,
+                                                            const uint16_t* bias, uint16_t* out, int64_t ldo, int n) {
+    __m256 acc[2][PANEL_VECS];
     UNROLLED for (int i = 0; i < mr; i++)
         UNROLLED for (int j = 0; j < nv; j++) acc[i][j] = _mm256_setzero_ps();
     const __m256i high = _mm256_set1_epi32((int)0xFFFF0000u);
-    const int64_t pairs = k_len / 2;
-    for (int64_t p = 0; p < pairs; p++) {
-        const uint16_t* w = panel + p * pair_u16 + 16 * v0;
+    for (int64_t p = 0; p < k_len / 2; p++) {
+        const uint16_t* w = panel + p * pair_u16;
         UNROLLED for (int j = 0; j < nv; j++) {
             const __m256i lanes = _mm256_loadu_si256((const __m256i*)(w + 16 * j));
             const __m256 even = _mm256_castsi256_ps(_mm256_slli_epi32(lanes, 16));
@@ -44,35 +52,76 @@ static inline __attribute__((always_inline)) void tile(const float* xf, int64_t 
             }
         }
     }
-    // Out of registers in unrolled loops only: a variable index would keep the sums in memory inside the k loop.
-    float sums[TILE_ROWS][8 * WIDE_VECS];
+    float sums[2][PANEL_COLS];
     UNROLLED for (int i = 0; i < mr; i++)
         UNROLLED for (int j = 0; j < nv; j++) _mm256_storeu_ps(sums[i] + 8 * j, acc[i][j]);
-    const int64_t c0 = 8 * v0;
-    const int n = cols - c0 < 8 * nv ? (int)(cols - c0) : 8 * nv;
-    for (int i = 0; i < mr; i++)
-        for (int c = 0; c < n; c++)
-            out[i * ldo + c0 + c] = bf16_store(sums[i][c] + (bias ? bf16_load(bias[c0 + c]) : 0.f));
+    store_rows(sums[0], PANEL_COLS, mr, n, bias, out, ldo);
 }
 
-#define TILE_CASE(MR, NV) tile(xf, k_len, MR, panel, pair_u16, v0, NV, bias, out, ldo, cols)
-static void any_tile(const float* xf, int64_t k_len, int mr, const uint16_t* panel, int64_t pair_u16, int v0, int nv,
-                     const uint16_t* bias, uint16_t* out, int64_t ldo, int64_t cols) {
-    // mr and nv as constants, so that the accumulators live in registers
-    if (nv == 6 && mr == 2) TILE_CASE(2, 6);
-    else if (nv == 6) TILE_CASE(1, 6);
-    else if (nv == 3) {
-        switch (mr) {
-            case 4: TILE_CASE(4, 3); break;
-            case 3: TILE_CASE(3, 3); break;
-            case 2: TILE_CASE(2, 3); break;
-            default: TILE_CASE(1, 3); break;
+// mr (up to 6) rows x one strip of 16 columns (two vectors) starting at `strip`; the rest as wide_tile.
+static inline __attribute__((always_inline)) void strip_tile(const float* xf, int64_t k_len, int mr,
+                                                             const uint16_t* strip, int64_t pair_u16,
+                                                             const uint16_t* bias, uint16_t* out, int64_t ldo, int n) {
+    __m256 acc[STRIP_ROWS][2];
+    UNROLLED for (int i = 0; i < mr; i++) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
+    const __m256i high = _mm256_set1_epi32((int)0xFFFF0000u);
+    for (int64_t p = 0; p < k_len / 2; p++) {
+        const __m256i lanes0 = _mm256_loadu_si256((const __m256i*)(strip + p * pair_u16));
+        const __m256i lanes1 = _mm256_loadu_si256((const __m256i*)(strip + p * pair_u16 + 16));
+        __m256 w0 = _mm256_castsi256_ps(_mm256_slli_epi32(lanes0, 16));  // k = 2p
+        __m256 w1 = _mm256_castsi256_ps(_mm256_slli_epi32(lanes1, 16));
+        UNROLLED for (int i = 0; i < mr; i++) {
+            const __m256 xi = _mm256_broadcast_ss(xf + i * k_len + 2 * p);
+            acc[i][0] = _mm256_fmadd_ps(xi, w0, acc[i][0]);
+            acc[i][1] = _mm256_fmadd_ps(xi, w1, acc[i][1]);
         }
-    } else {
-        for (int i = 0; i < mr; i++) {  // the last vectors of a weight whose rows are not a multiple of 48
-            if (nv == 2) tile(xf + i * k_len, k_len, 1, panel, pair_u16, v0, 2, bias, out + i * ldo, ldo, cols);
-            else tile(xf + i * k_len, k_len, 1, panel, pair_u16, v0, 1, bias, out + i * ldo, ldo, cols);
+        w0 = _mm256_castsi256_ps(_mm256_and_si256(lanes0, high));  // k = 2p + 1
+        w1 = _mm256_castsi256_ps(_mm256_and_si256(lanes1, high));
+        UNROLLED for (int i = 0; i < mr; i++) {
+            const __m256 xi = _mm256_broadcast_ss(xf + i * k_len + 2 * p + 1);
+            acc[i][0] = _mm256_fmadd_ps(xi, w0, acc[i][0]);
+            acc[i][1] = _mm256_fmadd_ps(xi, w1, acc[i][1]);
         }
+    }
+    float sums[STRIP_ROWS][16];
+    UNROLLED for (int i = 0; i < mr; i++) {
+        _mm256_storeu_ps(sums[i], acc[i][0]);
+        _mm256_storeu_ps(sums[i] + 8, acc[i][1]);
+    }
+    store_rows(sums[0], 16, mr, n, bias, out, ldo);
+}
+
+// 3 rows or more: mr reaches strip_tile as a constant, so that its accumulators live in registers. Not inlined:
+// inlined into the loops over the panel, the tile's registers spilled (70 against 125 GFLOP/s).
+static __attribute__((noinline)) void strip_rows(const float* xf, int64_t k_len, int mr, const uint16_t* strip,
+                                                 int64_t pair_u16, const uint16_t* bias, uint16_t* out, int64_t ldo,
+                                                 int n) {
+#define STRIP(MR) strip_tile(xf, k_len, MR, strip, pair_u16, bias, out, ldo, n); break
+    switch (mr) {
+        case 6: STRIP(6);
+        case 5: STRIP(5);
+        case 4: STRIP(4);
+        case 3: STRIP(3);
+        case 2: STRIP(2);
+        default: STRIP(1);
+    }
+#undef STRIP
+}
+
+// 1 or 2 rows: the whole panel in one pass, or, in the last panel of a weight whose rows are not a multiple of
+// 48, one vector at a time.
+static void wide_rows(const float* xf, int64_t k_len, int mr, const uint16_t* panel, int64_t pair_u16,
+                      const uint16_t* bias, uint16_t* out, int64_t ldo, int n) {
+    if (n == PANEL_COLS) {
+        if (mr == 2) wide_tile(xf, k_len, 2, panel, pair_u16, PANEL_VECS, bias, out, ldo, n);
+        else wide_tile(xf, k_len, 1, panel, pair_u16, PANEL_VECS, bias, out, ldo, n);
+        return;
+    }
+    for (int c0 = 0; c0 < n; c0 += 8) {
+        const int cols = n - c0 < 8 ? n - c0 : 8;
+        const uint16_t* b = bias ? bias + c0 : NULL;
+        if (mr == 2) wide_tile(xf, k_len, 2, panel + 2 * c0, pair_u16, 1, b, out + c0, ldo, cols);
+        else wide_tile(xf, k_len, 1, panel + 2 * c0, pair_u16, 1, b, out + c0, ldo, cols);
     }
 }
 
@@ -80,7 +129,7 @@ static void any_tile(const float* xf, int64_t k_len, int mr, const uint16_t* pan
 void linear_avx2(const uint16_t* x, int64_t ldx, int64_t m_len, const uint16_t* packed, const uint16_t* bias,
                  uint16_t* out, int64_t ldo, int64_t n_len, int64_t k_len) {
     if (m_len <= 0) return;
-    const int64_t panels = (n_len + PANEL_COLS - 1) / PANEL_COLS, tiles = (m_len + TILE_ROWS - 1) / TILE_ROWS;
+    const int64_t panels = (n_len + PANEL_COLS - 1) / PANEL_COLS;
     float* xf = malloc(m_len * k_len * sizeof(float));  // x widened once, read by every panel
     const int parallel = n_len * k_len >= 1 << 16;
     _Pragma("omp parallel if (parallel)") {
@@ -88,20 +137,19 @@ void linear_avx2(const uint16_t* x, int64_t ldx, int64_t m_len, const uint16_t* 
             for (int64_t k = 0; k < k_len; k++) xf[i * k_len + k] = bf16_load(x[i * ldx + k]);
         _Pragma("omp for schedule(static)") for (int64_t b = 0; b < panels; b++) {
             const int64_t n0 = b * PANEL_COLS;
-            const int64_t cols = n_len - n0 < PANEL_COLS ? n_len - n0 : PANEL_COLS;
-            const int64_t padded = (cols + 15) / 16 * 16;  // the panel's columns as packed
+            const int cols = n_len - n0 < PANEL_COLS ? (int)(n_len - n0) : PANEL_COLS;
+            const int64_t pair_u16 = 2 * ((cols + 15) / 16 * 16);  // the panel's columns as packed, x 2
             const uint16_t* panel = packed + n0 * k_len;
-            const int vecs = (int)((cols + 7) / 8);
-            for (int64_t t = 0; t < tiles; t++) {
-                const int64_t m0 = t * TILE_ROWS;
-                const int mr = m_len - m0 < TILE_ROWS ? (int)(m_len - m0) : TILE_ROWS;
-                const int step = mr <= 2 && vecs == WIDE_VECS ? WIDE_VECS : TILE_VECS;  // one pass over the panel
-                for (int v0 = 0; v0 < vecs; v0 += step) {
-                    const int nv = vecs - v0 < step ? vecs - v0 : step;
-                    any_tile(xf + m0 * k_len, k_len, mr, panel, 2 * padded, v0, nv, bias ? bias + n0 : NULL,
-                             out + m0 * ldo + n0, ldo, cols);
-                }
+            const uint16_t* b = bias ? bias + n0 : NULL;
+            if (m_len <= 2) {
+                wide_rows(xf, k_len, (int)m_len, panel, pair_u16, b, out + n0, ldo, cols);
+                continue;
             }
+            for (int c0 = 0; c0 < cols; c0 += 16)
+                for (int64_t m0 = 0; m0 < m_len; m0 += STRIP_ROWS)
+                    strip_rows(xf + m0 * k_len, k_len, m_len - m0 < STRIP_ROWS ? (int)(m_len - m0) : STRIP_ROWS,
+                               panel + 2 * c0, pair_u16, b ? b + c0 : NULL, out + m0 * ldo + n0 + c0, ldo,
+                               cols - c0 < 16 ? cols - c0 : 16);
         }
     }
     free(xf);
