@@ -1,6 +1,7 @@
-"""Which of our C kernels this CPU runs. The bf16 linears and the decode stack need AVX512-BF16 or AVX2 with FMA,
-the int8 linears AVX512-BF16, the prefill attention AVX512F; on a CPU without them the engine runs torch there, so
-tests of those kernels skip, as the CUDA-only tests skip on CPU, and tests of the engine expect the torch path."""
+"""Which of our C kernels this CPU runs. The bf16 linears, the decode stack and the prefill attention need AVX-512
+(AVX512-BF16 for the linears) or AVX2 with FMA, the int8 linears AVX512-BF16; on a CPU without them the engine runs
+torch there, so tests of those kernels skip, as the CUDA-only tests skip on CPU, and tests of the engine expect the
+torch path."""
 
 from __future__ import annotations
 
@@ -16,5 +17,5 @@ HAS_PREFILL = _KERNELS is not None and _KERNELS.has_prefill
 needs_linear_kernels = pytest.mark.skipif(not HAS_LINEAR,
                                           reason="our linear kernels need AVX512-BF16 or AVX2 + FMA")  # fmt: skip
 needs_prefill_kernel = pytest.mark.skipif(not HAS_PREFILL,
-                                          reason="the prefill kernel needs AVX512F (csrc/paged_prefill.c)")  # fmt: skip
+                                          reason="the prefill kernel needs AVX512F or AVX2 + FMA")  # fmt: skip
 needs_int8_kernels = pytest.mark.skipif(not HAS_INT8_LINEAR, reason="our int8 linear kernels need AVX512-BF16")

@@ -43,12 +43,13 @@ def test_kernel_matches_torch_path(dtype, tol, q_heads, kv_heads, head_dim, bloc
     assert torch.allclose(fast[0].float(), first, atol=tol)
 
 
-# bf16 with head_dim % 32 == 0 takes the 16-keys-at-a-time tile (csrc/attend_bf16.c); block size 32 makes it
-# split blocks into slices, 8 leaves it to the key-at-a-time path.
+# The many-keys tiles: with AVX512-BF16, bf16 with head_dim % 32 == 0 takes 16 keys at a time (csrc/attend_bf16.c;
+# block size 32 makes it split blocks into slices, 8 leaves it to the key-at-a-time path); with AVX2, both dtypes
+# take 8 at a time (csrc/attend_avx2.c). Block size 4 is left to the key-at-a-time path everywhere.
 @needs_prefill_kernel
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 @pytest.mark.parametrize("q_heads,kv_heads,head_dim", [(9, 3, 64), (4, 4, 32), (8, 1, 16), (6, 2, 128)])
-@pytest.mark.parametrize("block_size", [16, 32, 8])
+@pytest.mark.parametrize("block_size", [16, 32, 8, 4])
 def test_prefill_kernel_matches_torch_path(dtype, tol, q_heads, kv_heads, head_dim, block_size) -> None:
     """A mixed step: 3 decodes, then prefill chunks with no prefix, after a cached prefix, and a one-block
     chunk; q is a strided view into a qkv projection, as in the model. Padding rows must stay zero."""

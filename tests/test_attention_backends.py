@@ -126,7 +126,7 @@ def test_select_backend(monkeypatch) -> None:
         return select_backend(choice, device, dtype, *heads, 16)
 
     auto = pick("auto")
-    assert isinstance(auto, CpuKernelBackend) and auto.kernel_prefill == HAS_PREFILL  # AVX512F: see cpu_features
+    assert isinstance(auto, CpuKernelBackend) and auto.kernel_prefill == HAS_PREFILL  # see cpu_features
     assert isinstance(pick("auto", torch.bfloat16), CpuKernelBackend)
     # head_dim 24: the decode kernel takes it, the prefill kernel (multiples of 16) does not
     odd = pick("auto", heads=(6, 2, 24))

@@ -4,7 +4,7 @@ The decode and prefill kernels sum a score's products in another order; with Smo
 kernels (the production CPU path), computing a position in the other kernel moved its logprob by up to 0.08 and
 changed the greedy text of some prompts. That happened to the lone prompt position a prefix-cache hit leaves
 one token past a block boundary (it ran as a decode), and to every output position recomputed after a preemption
-or a restart (they ran as prefill). Bit for bit where the prefill kernel runs (AVX512F, tests/cpu_features.py).
+or a restart (they ran as prefill). Bit for bit where the prefill kernel runs (AVX512F or AVX2, tests/cpu_features.py).
 """
 
 from __future__ import annotations
@@ -68,7 +68,7 @@ def test_a_prefix_cache_hit_gives_the_cold_runs_tokens_and_logprobs() -> None:
         assert warm_cached == (n - 1) // BLOCK * BLOCK, f"{n} tokens: the hit should cover every full block"
         if HAS_PREFILL:
             assert (warm_tokens, warm_logprobs) == (tokens, logprobs), f"{n} tokens, {warm_cached} from the cache"
-        else:  # torch's prefill (no AVX512F) sums one query row in another order than a chunk of many: bf16's
+        else:  # torch's prefill (no kernel) sums one query row in another order than a chunk of many: bf16's
             # rounding then moves a logprob (by 0.11 at most on 2026-11-26), a wrong hit would move the tokens
             drift = max(abs(a - b) for a, b in zip(warm_logprobs, logprobs, strict=True))
             assert warm_tokens == tokens and drift < 0.25, (n, drift)

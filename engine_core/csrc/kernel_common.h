@@ -103,6 +103,19 @@ static inline __m512 softmax16(__m512 s, int visible, float* m, __m512* l, float
 }
 #endif
 
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+#include <immintrin.h>
+static inline __m256 vload_bf16(const uint16_t* p) {  // 8 bf16 values widened to fp32
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
+}
+static inline __m256 vload_f32(const float* p) { return _mm256_loadu_ps(p); }
+static inline float hsum8(__m256 v) {  // lanes added pairwise, the same order every time
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+#endif
+
 #if defined(__AVX512BF16__)
 // The values side of the bf16 attention kernels (csrc/decode_bf16.c, csrc/attend_bf16.c): the value rows of keys
 // 2k and 2k + 1 interleaved into the pairs of vdpbf16ps, so that one instruction adds both keys' weighted values.
@@ -154,14 +167,23 @@ static inline void store_unpaired_bf16(__m512 lo, __m512 hi, __m512 scale, uint1
 }
 
 // csrc/attend_bf16.c: a tile of query rows attending over paged bf16 K/V, 16 keys at a time (see there).
-#define ATTEND_MAX_ROWS 8
-#define ATTEND_MAX_GROUP 16
-#define ATTEND_MAX_DIM 256
 int attend_bf16_takes(int head_dim, int block_size);
 void attend_bf16_tile(const uint16_t* q, int64_t q_row_stride, const uint16_t* k_cache, const uint16_t* v_cache,
                       const int64_t* table, int64_t first_pos, int rows, uint16_t* out, int num_q_heads,
                       int num_kv_heads, int head_dim, int block_size, float scale);
 #endif
+
+// The tile kernels of prefill attention: csrc/attend_bf16.c (AVX512-BF16), csrc/attend_avx2.c (AVX2 + FMA).
+#define ATTEND_MAX_ROWS 8
+#define ATTEND_MAX_GROUP 16
+#define ATTEND_MAX_DIM 256
+int attend_avx2_takes(int head_dim, int block_size);  // 0 where the CPU has AVX-512 or no AVX2 + FMA
+#define DECLARE_ATTEND_TILE(NAME, T)                                                                                 \
+    void NAME(const T* q, int64_t q_row_stride, const T* k_cache, const T* v_cache, const int64_t* table,            \
+              int64_t first_pos, int rows, T* out, int num_q_heads, int num_kv_heads, int head_dim, int block_size, \
+              float scale)
+DECLARE_ATTEND_TILE(attend_avx2_tile_bf16, uint16_t);
+DECLARE_ATTEND_TILE(attend_avx2_tile_f32, float);
 
 // csrc/linear.c's packed bf16 panels: 48 weight rows each, in the pair layout of the AVX512-BF16 dot instruction.
 // csrc/linear_avx2.c reads the same panels where the CPU has AVX2 + FMA and no AVX512-BF16 (1 from

@@ -2,7 +2,8 @@
 // cache up to their own position (a cached prefix, earlier chunks, and this chunk, already written there).
 // No gathered copy of the context, no mask tensor, no expanded KV heads: keys and values are read from
 // their blocks, once per tile of query rows, for all the query heads that share them.
-// AVX-512 only (head_dim % 16 == 0); elsewhere the caller takes the torch path.
+// AVX-512 or AVX2 + FMA (head_dim % 16 == 0); elsewhere the caller takes the torch path. Each query row is
+// computed alone, whatever the rest of its tile or chunk: a prefix-cache hit leaves its logprobs bit for bit.
 #include "kernel_common.h"
 
 #define PREFILL_TILE 8  // query rows per work item: each key row loaded is used TILE * group times
@@ -12,20 +13,40 @@
 #define PREFILL_MAX_HEAD_ELEMS 8192  // num_q_heads * head_dim: a tile's state (2 x 8 x 32 KiB) lives on the stack
 
 #if defined(__AVX512F__)
+typedef __m512 vec;  // the head dimension, LANES at a time
+#define LANES 16
+#define vec_mul _mm512_mul_ps
+#define vec_fmadd _mm512_fmadd_ps
+#define vec_set1 _mm512_set1_ps
+#define vec_zero _mm512_setzero_ps
+#define vec_sum _mm512_reduce_add_ps
+#define vec_store _mm512_storeu_ps
+#elif defined(__AVX2__) && defined(__FMA__)
+typedef __m256 vec;
+#define LANES 8
+#define vec_mul _mm256_mul_ps
+#define vec_fmadd _mm256_fmadd_ps
+#define vec_set1 _mm256_set1_ps
+#define vec_zero _mm256_setzero_ps
+#define vec_sum hsum8
+#define vec_store _mm256_storeu_ps
+#endif
+
+#if defined(LANES)
 // One tile: query rows [row0, row0 + rows) of a chunk whose first row sits at position first_pos.
 #define DEFINE_PREFILL_TILE(NAME, T, VLOAD, STORE)                                                        \
 static void NAME(const T* q, int64_t q_row_stride, const T* k_cache, const T* v_cache, const int64_t* table, \
                  int64_t first_pos, int rows, T* out, int num_q_heads, int num_kv_heads, int head_dim,   \
                  int block_size, float scale) {                                                          \
-    const int group = num_q_heads / num_kv_heads, nv = head_dim / 16;                                    \
+    const int group = num_q_heads / num_kv_heads, nv = head_dim / LANES;                                    \
     const int64_t stride = (int64_t)num_kv_heads * head_dim, block_elems = block_size * stride;         \
-    __m512 qv[rows][num_q_heads][nv], acc[rows][num_q_heads][nv], row[PREFILL_MAX_DIM / 16];            \
+    vec qv[rows][num_q_heads][nv], acc[rows][num_q_heads][nv], row[PREFILL_MAX_DIM / LANES];            \
     float m[rows][num_q_heads], l[rows][num_q_heads], scores[rows][PREFILL_MAX_GROUP][PREFILL_MAX_BLOCK]; \
     for (int r = 0; r < rows; r++)                                                                       \
         for (int i = 0; i < num_q_heads; i++) {                                                          \
             for (int j = 0; j < nv; j++) {                                                               \
-                qv[r][i][j] = _mm512_mul_ps(VLOAD(q + r * q_row_stride + i * head_dim + 16 * j), _mm512_set1_ps(scale)); \
-                acc[r][i][j] = _mm512_setzero_ps();                                                      \
+                qv[r][i][j] = vec_mul(VLOAD(q + r * q_row_stride + i * head_dim + LANES * j), vec_set1(scale)); \
+                acc[r][i][j] = vec_zero();                                                      \
             }                                                                                            \
             m[r][i] = NO_SCORE; l[r][i] = 0.f;                                                           \
         }                                                                                                \
@@ -42,14 +63,14 @@ static void NAME(const T* q, int64_t q_row_stride, const T* k_cache, const T* v_
         }                                                                                                \
         for (int h = 0; h < num_kv_heads; h++) {                                                         \
             for (int t = 0; t < n; t++) {                                                                \
-                for (int j = 0; j < nv; j++) row[j] = VLOAD(kb + t * stride + h * head_dim + 16 * j);    \
+                for (int j = 0; j < nv; j++) row[j] = VLOAD(kb + t * stride + h * head_dim + LANES * j);    \
                 for (int r = 0; r < rows; r++) {                                                         \
                     if (t >= visible[r]) continue;                                                       \
                     for (int g = 0; g < group; g++) {                                                    \
-                        const __m512* qg = qv[r][h * group + g];                                         \
-                        __m512 dot = _mm512_mul_ps(qg[0], row[0]);                                       \
-                        for (int j = 1; j < nv; j++) dot = _mm512_fmadd_ps(qg[j], row[j], dot);          \
-                        scores[r][g][t] = _mm512_reduce_add_ps(dot);                                     \
+                        const vec* qg = qv[r][h * group + g];                                         \
+                        vec dot = vec_mul(qg[0], row[0]);                                       \
+                        for (int j = 1; j < nv; j++) dot = vec_fmadd(qg[j], row[j], dot);          \
+                        scores[r][g][t] = vec_sum(dot);                                     \
                     }                                                                                    \
                 }                                                                                        \
             }                                                                                            \
@@ -57,18 +78,18 @@ static void NAME(const T* q, int64_t q_row_stride, const T* k_cache, const T* v_
                 if (!visible[r]) continue;                                                               \
                 for (int g = 0; g < group; g++) {                                                        \
                     const int i = h * group + g;                                                         \
-                    const __m512 c = _mm512_set1_ps(softmax_update(scores[r][g], visible[r], &m[r][i], &l[r][i])); \
-                    for (int j = 0; j < nv; j++) acc[r][i][j] = _mm512_mul_ps(acc[r][i][j], c);          \
+                    const vec c = vec_set1(softmax_update(scores[r][g], visible[r], &m[r][i], &l[r][i])); \
+                    for (int j = 0; j < nv; j++) acc[r][i][j] = vec_mul(acc[r][i][j], c);          \
                 }                                                                                        \
             }                                                                                            \
             for (int t = 0; t < n; t++) {                                                                \
-                for (int j = 0; j < nv; j++) row[j] = VLOAD(vb + t * stride + h * head_dim + 16 * j);    \
+                for (int j = 0; j < nv; j++) row[j] = VLOAD(vb + t * stride + h * head_dim + LANES * j);    \
                 for (int r = 0; r < rows; r++) {                                                         \
                     if (t >= visible[r]) continue;                                                       \
                     for (int g = 0; g < group; g++) {                                                    \
                         const int i = h * group + g;                                                     \
-                        const __m512 p = _mm512_set1_ps(scores[r][g][t]);                                \
-                        for (int j = 0; j < nv; j++) acc[r][i][j] = _mm512_fmadd_ps(p, row[j], acc[r][i][j]); \
+                        const vec p = vec_set1(scores[r][g][t]);                                \
+                        for (int j = 0; j < nv; j++) acc[r][i][j] = vec_fmadd(p, row[j], acc[r][i][j]); \
                     }                                                                                    \
                 }                                                                                        \
             }                                                                                            \
@@ -77,30 +98,36 @@ static void NAME(const T* q, int64_t q_row_stride, const T* k_cache, const T* v_
     for (int r = 0; r < rows; r++)                                                                       \
         for (int i = 0; i < num_q_heads; i++) {                                                          \
             T* o = out + ((int64_t)r * num_q_heads + i) * head_dim;                                      \
-            const __m512 inv = _mm512_set1_ps(l[r][i] > 0.f ? 1.f / l[r][i] : 0.f);                      \
-            float lanes[16];                                                                             \
+            const vec inv = vec_set1(l[r][i] > 0.f ? 1.f / l[r][i] : 0.f);                      \
+            float lanes[LANES];                                                                             \
             for (int j = 0; j < nv; j++) {                                                               \
-                _mm512_storeu_ps(lanes, _mm512_mul_ps(acc[r][i][j], inv));                               \
-                for (int d = 0; d < 16; d++) o[16 * j + d] = STORE(lanes[d]);                            \
+                vec_store(lanes, vec_mul(acc[r][i][j], inv));                               \
+                for (int d = 0; d < LANES; d++) o[LANES * j + d] = STORE(lanes[d]);                            \
             }                                                                                            \
         }                                                                                                \
 }
 
 DEFINE_PREFILL_TILE(prefill_rows_bf16, uint16_t, vload_bf16, bf16_store)
-DEFINE_PREFILL_TILE(prefill_tile_f32, float, vload_f32, F32_STORE)
+DEFINE_PREFILL_TILE(prefill_rows_f32, float, vload_f32, F32_STORE)
 
-// bf16: 16 keys at a time where the shapes allow (csrc/attend_bf16.c), else a key at a time.
-static void prefill_tile_bf16(const uint16_t* q, int64_t q_row_stride, const uint16_t* k_cache,
-                              const uint16_t* v_cache, const int64_t* table, int64_t first_pos, int rows,
-                              uint16_t* out, int num_q_heads, int num_kv_heads, int head_dim, int block_size,
-                              float scale) {
-    void (*tile)(const uint16_t*, int64_t, const uint16_t*, const uint16_t*, const int64_t*, int64_t, int, uint16_t*,
-                 int, int, int, int, float) = prefill_rows_bf16;
+_Static_assert(PREFILL_TILE <= ATTEND_MAX_ROWS && PREFILL_MAX_GROUP <= ATTEND_MAX_GROUP,
+               "a prefill tile the tile kernels cannot hold");
+
+// Many keys at a time where the CPU and shapes allow: 16 (csrc/attend_bf16.c, AVX512-BF16) or 8
+// (csrc/attend_avx2.c, AVX2); else a key at a time.
+static DECLARE_ATTEND_TILE(prefill_tile_bf16, uint16_t) {
+    DECLARE_ATTEND_TILE((*tile), uint16_t) = prefill_rows_bf16;
 #if defined(__AVX512BF16__)
-    _Static_assert(PREFILL_TILE <= ATTEND_MAX_ROWS && PREFILL_MAX_GROUP <= ATTEND_MAX_GROUP,
-                   "a prefill tile the bf16 tile kernel cannot hold");
     if (attend_bf16_takes(head_dim, block_size)) tile = attend_bf16_tile;
 #endif
+    if (attend_avx2_takes(head_dim, block_size)) tile = attend_avx2_tile_bf16;
+    tile(q, q_row_stride, k_cache, v_cache, table, first_pos, rows, out, num_q_heads, num_kv_heads, head_dim,
+         block_size, scale);
+}
+
+static DECLARE_ATTEND_TILE(prefill_tile_f32, float) {
+    DECLARE_ATTEND_TILE((*tile), float) = attend_avx2_takes(head_dim, block_size) ? attend_avx2_tile_f32
+                                                                                   : prefill_rows_f32;
     tile(q, q_row_stride, k_cache, v_cache, table, first_pos, rows, out, num_q_heads, num_kv_heads, head_dim,
          block_size, scale);
 }
