@@ -21,7 +21,7 @@ def flag(default: Any, help: str, **kw: Any) -> Any:
 @dataclass
 class EngineConfig:
     model: str | None = flag(None, "HF model dir, .gguf file, or empty for the default SmolLM2-135M-Instruct")
-    dtype: str = flag("auto", "auto | float32 | bfloat16 | float16 (auto: bf16 on CUDA and AVX512-BF16 CPUs)")
+    dtype: str = flag("auto", "auto | float32 | bfloat16 | float16 (auto: bf16 on CUDA, AVX512-BF16 or AVX2 CPUs)")
     quantization: str = flag(
         "none", "none | int8: weight-only int8 linears and LM head (CPU bf16; faster at small batches)",
         choices=["none", "int8"],

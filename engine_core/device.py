@@ -10,6 +10,8 @@ from pathlib import Path
 
 import torch
 
+from engine_core.cpu_kernels import cpu_kernels
+
 
 def padded_size(num_tokens: int, min_rows: int = 8) -> int:
     """A step's token count rounded up, so that few distinct matmul shapes occur: oneDNN builds a kernel per
@@ -43,17 +45,22 @@ def step_token_budget(configured: int | None, device: torch.device) -> int:
     return 2048
 
 
-def cpu_has_bf16() -> bool:
+def cpu_has_fast_bf16() -> bool:
+    """bf16 matmuls at least as fast as fp32's: AVX512-BF16 or AMX, or our bf16 linears for AVX2 + FMA
+    (csrc/linear_avx2.c), which beat torch's fp32 matmul there in prefill and decode alike, at half the bytes."""
     try:
         flags = Path("/proc/cpuinfo").read_text()
     except OSError:
         return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
+    if "avx512_bf16" in flags or "amx_bf16" in flags:
+        return True
+    kernels = cpu_kernels()
+    return kernels is not None and kernels.has_linear
 
 
 def pick_dtype(name: str, device: torch.device) -> torch.dtype:
     if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" or cpu_has_bf16() else torch.float32
+        return torch.bfloat16 if device.type == "cuda" or cpu_has_fast_bf16() else torch.float32
     return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
 
 
