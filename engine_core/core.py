@@ -182,7 +182,10 @@ def run_engine(config: EngineConfig, addresses: ipc.Addresses) -> int:
     try:
         core = EngineCore(config)
         outputs.put(core.ready_message())
-        log.info("engine core ready: %s, %d KV blocks", core.model_name, core.runner.num_blocks)
+        runner = core.runner
+        dtype = str(runner.dtype).removeprefix("torch.")
+        log.info("engine core ready: %s, %s on %s, %d KV blocks", core.model_name, dtype, runner.device.type,
+                 runner.num_blocks)  # fmt: skip
         _busy_loop(core, inputs, outputs, epoch)
         code = 0
     except KeyboardInterrupt:
