@@ -42,6 +42,11 @@ def _cpu_flags() -> str:
         return platform.processor()
 
 
+def compile_command(cc: str, march: str, out: str) -> list[str]:
+    return [cc, "-O3", f"-march={march}", "-ffast-math", "-fopenmp", "-shared", "-fPIC", *map(str, SOURCES), "-lm",
+            "-o", out]  # fmt: skip
+
+
 def _build() -> ctypes.CDLL | None:
     cc = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
     if cc is None or os.environ.get("ROSEINFER_NO_KERNELS"):
@@ -55,16 +60,18 @@ def _build() -> ctypes.CDLL | None:
         cache.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=cache)
         os.close(fd)
-        flags = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-shared", "-fPIC"]
         try:
-            subprocess.run([cc, *flags, *map(str, SOURCES), "-lm", "-o", tmp], check=True, capture_output=True,
-                           timeout=180)  # fmt: skip
+            subprocess.run(compile_command(cc, "native", tmp), check=True, capture_output=True, timeout=180)
             os.replace(tmp, lib)  # atomic: concurrent builders never load a half-written file
         except (subprocess.SubprocessError, OSError) as exc:
             log.warning("CPU kernels not built (%s); using the torch paths", exc)
             Path(tmp).unlink(missing_ok=True)
             return None
-    return ctypes.CDLL(str(lib))
+    try:
+        return ctypes.CDLL(str(lib))  # every symbol resolved now (RTLD_NOW), not at the first call
+    except OSError as exc:
+        log.warning("CPU kernels not loaded (%s); using the torch paths", exc)
+        return None
 
 
 class CpuKernels:

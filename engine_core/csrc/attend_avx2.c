@@ -105,13 +105,9 @@ void NAME(const T* q, int64_t q_row_stride, const T* k_cache, const T* v_cache, 
     }                                                                                                            \
     for (int r = 0; r < rows; r++)                                                                               \
         for (int i = 0; i < num_q_heads; i++) {                                                                  \
+            const float inv = l[r][i] > 0.f ? 1.f / l[r][i] : 0.f, *sums = (const float*)acc[r][i];              \
             T* o = out + ((int64_t)r * num_q_heads + i) * head_dim;                                              \
-            const __m256 inv = _mm256_set1_ps(l[r][i] > 0.f ? 1.f / l[r][i] : 0.f);                              \
-            float lanes[8];                                                                                      \
-            for (int j = 0; j < nv; j++) {                                                                       \
-                _mm256_storeu_ps(lanes, _mm256_mul_ps(acc[r][i][j], inv));                                       \
-                for (int d = 0; d < 8; d++) o[8 * j + d] = STORE_AS_##T(lanes[d]);                               \
-            }                                                                                                    \
+            for (int d = 0; d < head_dim; d++) o[d] = STORE_AS_##T(sums[d] * inv);                               \
         }                                                                                                        \
 }
 

@@ -178,6 +178,7 @@ void attend_bf16_tile(const uint16_t* q, int64_t q_row_stride, const uint16_t* k
 #define ATTEND_MAX_GROUP 16
 #define ATTEND_MAX_DIM 256
 int attend_avx2_takes(int head_dim, int block_size);  // 0 where the CPU has AVX-512 or no AVX2 + FMA
+// The tiles are defined where attend_avx2_takes can answer 1 only: callers name them under the same #if.
 #define DECLARE_ATTEND_TILE(NAME, T)                                                                                 \
     void NAME(const T* q, int64_t q_row_stride, const T* k_cache, const T* v_cache, const int64_t* table,            \
               int64_t first_pos, int rows, T* out, int num_q_heads, int num_kv_heads, int head_dim, int block_size, \

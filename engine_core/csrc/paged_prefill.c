@@ -34,77 +34,77 @@ typedef __m256 vec;
 
 #if defined(LANES)
 // One tile: query rows [row0, row0 + rows) of a chunk whose first row sits at position first_pos.
-#define DEFINE_PREFILL_TILE(NAME, T, VLOAD, STORE)                                                        \
-static void NAME(const T* q, int64_t q_row_stride, const T* k_cache, const T* v_cache, const int64_t* table, \
-                 int64_t first_pos, int rows, T* out, int num_q_heads, int num_kv_heads, int head_dim,   \
-                 int block_size, float scale) {                                                          \
-    const int group = num_q_heads / num_kv_heads, nv = head_dim / LANES;                                    \
-    const int64_t stride = (int64_t)num_kv_heads * head_dim, block_elems = block_size * stride;         \
-    vec qv[rows][num_q_heads][nv], acc[rows][num_q_heads][nv], row[PREFILL_MAX_DIM / LANES];            \
-    float m[rows][num_q_heads], l[rows][num_q_heads], scores[rows][PREFILL_MAX_GROUP][PREFILL_MAX_BLOCK]; \
-    for (int r = 0; r < rows; r++)                                                                       \
-        for (int i = 0; i < num_q_heads; i++) {                                                          \
-            for (int j = 0; j < nv; j++) {                                                               \
+#define DEFINE_PREFILL_TILE(NAME, T, VLOAD, STORE)                                                              \
+static void NAME(const T* q, int64_t q_row_stride, const T* k_cache, const T* v_cache, const int64_t* table,    \
+                 int64_t first_pos, int rows, T* out, int num_q_heads, int num_kv_heads, int head_dim,          \
+                 int block_size, float scale) {                                                                 \
+    const int group = num_q_heads / num_kv_heads, nv = head_dim / LANES;                                        \
+    const int64_t stride = (int64_t)num_kv_heads * head_dim, block_elems = block_size * stride;                 \
+    vec qv[rows][num_q_heads][nv], acc[rows][num_q_heads][nv], row[PREFILL_MAX_DIM / LANES];                    \
+    float m[rows][num_q_heads], l[rows][num_q_heads], scores[rows][PREFILL_MAX_GROUP][PREFILL_MAX_BLOCK];       \
+    for (int r = 0; r < rows; r++)                                                                              \
+        for (int i = 0; i < num_q_heads; i++) {                                                                 \
+            for (int j = 0; j < nv; j++) {                                                                      \
                 qv[r][i][j] = vec_mul(VLOAD(q + r * q_row_stride + i * head_dim + LANES * j), vec_set1(scale)); \
-                acc[r][i][j] = vec_zero();                                                      \
-            }                                                                                            \
-            m[r][i] = NO_SCORE; l[r][i] = 0.f;                                                           \
-        }                                                                                                \
-    const int64_t context = first_pos + rows;  /* keys the last row of the tile sees */                  \
-    for (int64_t start = 0; start < context; start += block_size) {                                     \
-        const T* kb = k_cache + table[start / block_size] * block_elems;                                 \
-        const T* vb = v_cache + table[start / block_size] * block_elems;                                 \
-        int visible[rows];  /* keys of this block row r may see: a prefix of it */                       \
-        int n = 0;                                                                                       \
-        for (int r = 0; r < rows; r++) {                                                                 \
-            int64_t v = first_pos + r + 1 - start;                                                       \
-            visible[r] = (int)(v < 0 ? 0 : v > block_size ? block_size : v);                             \
-            n = visible[r] > n ? visible[r] : n;                                                         \
-        }                                                                                                \
-        for (int h = 0; h < num_kv_heads; h++) {                                                         \
-            for (int t = 0; t < n; t++) {                                                                \
-                for (int j = 0; j < nv; j++) row[j] = VLOAD(kb + t * stride + h * head_dim + LANES * j);    \
-                for (int r = 0; r < rows; r++) {                                                         \
-                    if (t >= visible[r]) continue;                                                       \
-                    for (int g = 0; g < group; g++) {                                                    \
-                        const vec* qg = qv[r][h * group + g];                                         \
-                        vec dot = vec_mul(qg[0], row[0]);                                       \
-                        for (int j = 1; j < nv; j++) dot = vec_fmadd(qg[j], row[j], dot);          \
-                        scores[r][g][t] = vec_sum(dot);                                     \
-                    }                                                                                    \
-                }                                                                                        \
-            }                                                                                            \
-            for (int r = 0; r < rows; r++) {                                                             \
-                if (!visible[r]) continue;                                                               \
-                for (int g = 0; g < group; g++) {                                                        \
-                    const int i = h * group + g;                                                         \
-                    const vec c = vec_set1(softmax_update(scores[r][g], visible[r], &m[r][i], &l[r][i])); \
-                    for (int j = 0; j < nv; j++) acc[r][i][j] = vec_mul(acc[r][i][j], c);          \
-                }                                                                                        \
-            }                                                                                            \
-            for (int t = 0; t < n; t++) {                                                                \
-                for (int j = 0; j < nv; j++) row[j] = VLOAD(vb + t * stride + h * head_dim + LANES * j);    \
-                for (int r = 0; r < rows; r++) {                                                         \
-                    if (t >= visible[r]) continue;                                                       \
-                    for (int g = 0; g < group; g++) {                                                    \
-                        const int i = h * group + g;                                                     \
-                        const vec p = vec_set1(scores[r][g][t]);                                \
-                        for (int j = 0; j < nv; j++) acc[r][i][j] = vec_fmadd(p, row[j], acc[r][i][j]); \
-                    }                                                                                    \
-                }                                                                                        \
-            }                                                                                            \
-        }                                                                                                \
-    }                                                                                                    \
-    for (int r = 0; r < rows; r++)                                                                       \
-        for (int i = 0; i < num_q_heads; i++) {                                                          \
-            T* o = out + ((int64_t)r * num_q_heads + i) * head_dim;                                      \
-            const vec inv = vec_set1(l[r][i] > 0.f ? 1.f / l[r][i] : 0.f);                      \
-            float lanes[LANES];                                                                             \
-            for (int j = 0; j < nv; j++) {                                                               \
-                vec_store(lanes, vec_mul(acc[r][i][j], inv));                               \
-                for (int d = 0; d < LANES; d++) o[LANES * j + d] = STORE(lanes[d]);                            \
-            }                                                                                            \
-        }                                                                                                \
+                acc[r][i][j] = vec_zero();                                                                      \
+            }                                                                                                   \
+            m[r][i] = NO_SCORE; l[r][i] = 0.f;                                                                  \
+        }                                                                                                       \
+    const int64_t context = first_pos + rows;  /* keys the last row of the tile sees */                         \
+    for (int64_t start = 0; start < context; start += block_size) {                                             \
+        const T* kb = k_cache + table[start / block_size] * block_elems;                                        \
+        const T* vb = v_cache + table[start / block_size] * block_elems;                                        \
+        int visible[rows];  /* keys of this block row r may see: a prefix of it */                              \
+        int n = 0;                                                                                              \
+        for (int r = 0; r < rows; r++) {                                                                        \
+            int64_t v = first_pos + r + 1 - start;                                                              \
+            visible[r] = (int)(v < 0 ? 0 : v > block_size ? block_size : v);                                    \
+            n = visible[r] > n ? visible[r] : n;                                                                \
+        }                                                                                                       \
+        for (int h = 0; h < num_kv_heads; h++) {                                                                \
+            for (int t = 0; t < n; t++) {                                                                       \
+                for (int j = 0; j < nv; j++) row[j] = VLOAD(kb + t * stride + h * head_dim + LANES * j);        \
+                for (int r = 0; r < rows; r++) {                                                                \
+                    if (t >= visible[r]) continue;                                                              \
+                    for (int g = 0; g < group; g++) {                                                           \
+                        const vec* qg = qv[r][h * group + g];                                                   \
+                        vec dot = vec_mul(qg[0], row[0]);                                                       \
+                        for (int j = 1; j < nv; j++) dot = vec_fmadd(qg[j], row[j], dot);                       \
+                        scores[r][g][t] = vec_sum(dot);                                                         \
+                    }                                                                                           \
+                }                                                                                               \
+            }                                                                                                   \
+            for (int r = 0; r < rows; r++) {                                                                    \
+                if (!visible[r]) continue;                                                                      \
+                for (int g = 0; g < group; g++) {                                                               \
+                    const int i = h * group + g;                                                                \
+                    const vec c = vec_set1(softmax_update(scores[r][g], visible[r], &m[r][i], &l[r][i]));       \
+                    for (int j = 0; j < nv; j++) acc[r][i][j] = vec_mul(acc[r][i][j], c);                       \
+                }                                                                                               \
+            }                                                                                                   \
+            for (int t = 0; t < n; t++) {                                                                       \
+                for (int j = 0; j < nv; j++) row[j] = VLOAD(vb + t * stride + h * head_dim + LANES * j);        \
+                for (int r = 0; r < rows; r++) {                                                                \
+                    if (t >= visible[r]) continue;                                                              \
+                    for (int g = 0; g < group; g++) {                                                           \
+                        const int i = h * group + g;                                                            \
+                        const vec p = vec_set1(scores[r][g][t]);                                                \
+                        for (int j = 0; j < nv; j++) acc[r][i][j] = vec_fmadd(p, row[j], acc[r][i][j]);         \
+                    }                                                                                           \
+                }                                                                                               \
+            }                                                                                                   \
+        }                                                                                                       \
+    }                                                                                                           \
+    for (int r = 0; r < rows; r++)                                                                              \
+        for (int i = 0; i < num_q_heads; i++) {                                                                 \
+            T* o = out + ((int64_t)r * num_q_heads + i) * head_dim;                                             \
+            const vec inv = vec_set1(l[r][i] > 0.f ? 1.f / l[r][i] : 0.f);                                      \
+            float lanes[LANES];                                                                                 \
+            for (int j = 0; j < nv; j++) {                                                                      \
+                vec_store(lanes, vec_mul(acc[r][i][j], inv));                                                   \
+                for (int d = 0; d < LANES; d++) o[LANES * j + d] = STORE(lanes[d]);                             \
+            }                                                                                                   \
+        }                                                                                                       \
 }
 
 DEFINE_PREFILL_TILE(prefill_rows_bf16, uint16_t, vload_bf16, bf16_store)
@@ -119,15 +119,18 @@ static DECLARE_ATTEND_TILE(prefill_tile_bf16, uint16_t) {
     DECLARE_ATTEND_TILE((*tile), uint16_t) = prefill_rows_bf16;
 #if defined(__AVX512BF16__)
     if (attend_bf16_takes(head_dim, block_size)) tile = attend_bf16_tile;
-#endif
+#elif !defined(__AVX512F__)  // AVX2 + FMA (LANES 8)
     if (attend_avx2_takes(head_dim, block_size)) tile = attend_avx2_tile_bf16;
+#endif
     tile(q, q_row_stride, k_cache, v_cache, table, first_pos, rows, out, num_q_heads, num_kv_heads, head_dim,
          block_size, scale);
 }
 
 static DECLARE_ATTEND_TILE(prefill_tile_f32, float) {
-    DECLARE_ATTEND_TILE((*tile), float) = attend_avx2_takes(head_dim, block_size) ? attend_avx2_tile_f32
-                                                                                   : prefill_rows_f32;
+    DECLARE_ATTEND_TILE((*tile), float) = prefill_rows_f32;
+#if !defined(__AVX512F__)
+    if (attend_avx2_takes(head_dim, block_size)) tile = attend_avx2_tile_f32;
+#endif
     tile(q, q_row_stride, k_cache, v_cache, table, first_pos, rows, out, num_q_heads, num_kv_heads, head_dim,
          block_size, scale);
 }
