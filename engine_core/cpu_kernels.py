@@ -35,7 +35,8 @@ _SIGNATURES = {
 }
 
 
-def _cpu_flags() -> str:
+def cpu_flags() -> str:
+    """/proc/cpuinfo's flags line (or the processor's name where there is none)."""
     try:
         return next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
     except (OSError, StopIteration):
@@ -53,7 +54,7 @@ def _build() -> ctypes.CDLL | None:
         return None
     # -march=native: the binary is keyed by the CPU's flags, so a different machine compiles its own.
     files = sorted([*SOURCES, *CSRC.glob("*.h")])
-    key = hashlib.sha256(b"".join(f.read_bytes() for f in files) + _cpu_flags().encode()).hexdigest()[:16]
+    key = hashlib.sha256(b"".join(f.read_bytes() for f in files) + cpu_flags().encode()).hexdigest()[:16]
     cache = Path(os.environ.get("ROSEINFER_CACHE_DIR", Path.home() / ".cache" / "roseinfer")) / "kernels"
     lib = cache / f"roseinfer_kernels-{key}.so"
     if not lib.exists():

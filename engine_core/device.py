@@ -6,11 +6,10 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import os
-from pathlib import Path
 
 import torch
 
-from engine_core.cpu_kernels import cpu_kernels
+from engine_core.cpu_kernels import cpu_flags, cpu_kernels
 
 
 def padded_size(num_tokens: int, min_rows: int = 8) -> int:
@@ -48,10 +47,7 @@ def step_token_budget(configured: int | None, device: torch.device) -> int:
 def cpu_has_fast_bf16() -> bool:
     """bf16 matmuls at least as fast as fp32's: AVX512-BF16 or AMX, or our bf16 linears for AVX2 + FMA
     (csrc/linear_avx2.c), which beat torch's fp32 matmul there in prefill and decode alike, at half the bytes."""
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
+    flags = cpu_flags()
     if "avx512_bf16" in flags or "amx_bf16" in flags:
         return True
     kernels = cpu_kernels()
