@@ -11,12 +11,14 @@ from engine_core.cpu_kernels import cpu_kernels
 from tests.cpu_features import needs_prefill_kernel
 
 
-# head_dim 24 takes the portable path; multiples of 16 the vector path where the CPU has AVX-512; bf16 with
-# multiples of 32 the 16-keys-at-a-time path where it has AVX512-BF16 (csrc/decode_bf16.c), which block size 8
-# makes take partial slices, and 32 two slices per block.
+# head_dim 12 takes the portable path; multiples of 16 (AVX-512) or 8 (AVX2) the key-at-a-time vector path; bf16
+# with multiples of 32 the 16-keys-at-a-time path where the CPU has AVX512-BF16 (csrc/decode_bf16.c), which block
+# size 8 makes take partial slices, and 32 two slices per block; with AVX2, block sizes that are multiples of 8 the
+# 8-keys-at-a-time path (csrc/decode_avx2.c), 4 the key-at-a-time one.
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
-@pytest.mark.parametrize("q_heads,kv_heads,head_dim", [(9, 3, 64), (4, 4, 32), (8, 1, 16), (6, 2, 24), (6, 2, 128)])
-@pytest.mark.parametrize("block_size", [16, 8, 32])
+@pytest.mark.parametrize("q_heads,kv_heads,head_dim",
+                         [(9, 3, 64), (4, 4, 32), (8, 1, 16), (6, 2, 24), (6, 2, 128), (6, 2, 12)])  # fmt: skip
+@pytest.mark.parametrize("block_size", [16, 8, 32, 4])
 def test_kernel_matches_torch_path(dtype, tol, q_heads, kv_heads, head_dim, block_size) -> None:
     assert cpu_kernels() is not None, "the C compiler is part of the supported setup; the kernel must build"
     torch.manual_seed(0)

@@ -14,43 +14,6 @@
 
 #define KEYS 8
 
-// e^x in 8 lanes, to fp32 rounding: e^x = 2^k e^r with k = round(x / ln 2), |r| <= ln 2 / 2, e^r by the Cephes
-// polynomial (kernel_common.h's exp16). Inputs below -87 give e^-87 (2^k must stay a normal float): the callers
-// zero the lanes that must be 0, and a weight of 1e-38 beside the slice's largest, 1, adds nothing.
-static inline __m256 exp8(__m256 x) {
-    x = _mm256_max_ps(x, _mm256_set1_ps(-87.f));
-    const __m256 k = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504f)),
-                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m256 r = _mm256_fnmadd_ps(k, _mm256_set1_ps(0.693359375f), x);
-    r = _mm256_fnmadd_ps(k, _mm256_set1_ps(-2.12194440e-4f), r);
-    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
-    const __m256 y = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.f)));
-    const __m256i two_k = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(k), _mm256_set1_epi32(127)), 23);
-    return _mm256_mul_ps(y, _mm256_castsi256_ps(two_k));
-}
-
-// Folds 8 scores, the first `visible` real, into a head's running max m and sum l; writes the weights
-// e^(s - max) (0 past `visible`) to w and returns the factor the head's accumulator must be scaled by.
-static inline float softmax8(__m256 s, int visible, float* m, float* l, float* w) {
-    const __m256 real = _mm256_castsi256_ps(
-        _mm256_cmpgt_epi32(_mm256_set1_epi32(visible), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)));
-    float lanes[KEYS];
-    _mm256_storeu_ps(lanes, s);
-    float new_max = *m;
-    for (int t = 0; t < visible; t++) new_max = lanes[t] > new_max ? lanes[t] : new_max;
-    const __m256 p = _mm256_and_ps(real, exp8(_mm256_sub_ps(s, _mm256_set1_ps(new_max))));
-    const float correction = new_max == *m ? 1.f : expf(*m - new_max);  // e^0 is exactly 1
-    *l = *l * correction + hsum8(p);
-    *m = new_max;
-    _mm256_storeu_ps(w, p);
-    return correction;
-}
-
 #define DEFINE_ATTEND(NAME, T, LOAD)                                                                              \
 void NAME(const T* q, int64_t q_row_stride, const T* k_cache, const T* v_cache, const int64_t* table,         \
           int64_t first_pos, int rows, T* out, int num_q_heads, int num_kv_heads, int head_dim, int block_size,  \

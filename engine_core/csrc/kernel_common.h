@@ -1,4 +1,4 @@
-// Helpers shared by our CPU kernels: bf16 <-> fp32, the online-softmax fold, AVX-512 row loads.
+// Helpers shared by our CPU kernels: bf16 <-> fp32, the online-softmax fold, AVX-512 and AVX2 row loads.
 #pragma once
 #include <math.h>
 #include <stdint.h>
@@ -114,6 +114,65 @@ static inline float hsum8(__m256 v) {  // lanes added pairwise, the same order e
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
     return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
 }
+
+// e^x in 8 lanes, to fp32 rounding: e^x = 2^k e^r with k = round(x / ln 2), |r| <= ln 2 / 2, e^r by the Cephes
+// polynomial (exp16 above). Inputs below -87 give e^-87 (2^k must stay a normal float): the callers
+// zero the lanes that must be 0, and a weight of 1e-38 beside the slice's largest, 1, adds nothing.
+static inline __m256 exp8(__m256 x) {
+    x = _mm256_max_ps(x, _mm256_set1_ps(-87.f));
+    const __m256 k = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(k, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(k, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    const __m256 y = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.f)));
+    const __m256i two_k = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(k), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(y, _mm256_castsi256_ps(two_k));
+}
+
+// Folds 8 scores, the first `visible` real, into a head's running max m and sum l; writes the weights
+// e^(s - max) (0 past `visible`) to w and returns the factor the head's accumulator must be scaled by.
+static inline float softmax8(__m256 s, int visible, float* m, float* l, float* w) {
+    const __m256 real = _mm256_castsi256_ps(
+        _mm256_cmpgt_epi32(_mm256_set1_epi32(visible), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)));
+    float lanes[8];
+    _mm256_storeu_ps(lanes, s);
+    float new_max = *m;
+    for (int t = 0; t < visible; t++) new_max = lanes[t] > new_max ? lanes[t] : new_max;
+    const __m256 p = _mm256_and_ps(real, exp8(_mm256_sub_ps(s, _mm256_set1_ps(new_max))));
+    const float correction = new_max == *m ? 1.f : expf(*m - new_max);  // e^0 is exactly 1
+    *l = *l * correction + hsum8(p);
+    *m = new_max;
+    _mm256_storeu_ps(w, p);
+    return correction;
+}
+#endif
+
+// The row-at-a-time attention kernels (csrc/paged_decode.c, csrc/paged_prefill.c) hold the head dimension in
+// registers of LANES fp32 lanes: AVX-512's 16 or AVX2's 8. LANES is undefined where neither is there.
+#if defined(__AVX512F__)
+typedef __m512 vec;
+#define LANES 16
+#define vec_mul _mm512_mul_ps
+#define vec_fmadd _mm512_fmadd_ps
+#define vec_set1 _mm512_set1_ps
+#define vec_zero _mm512_setzero_ps
+#define vec_sum _mm512_reduce_add_ps
+#define vec_store _mm512_storeu_ps
+#elif defined(__AVX2__) && defined(__FMA__)
+typedef __m256 vec;
+#define LANES 8
+#define vec_mul _mm256_mul_ps
+#define vec_fmadd _mm256_fmadd_ps
+#define vec_set1 _mm256_set1_ps
+#define vec_zero _mm256_setzero_ps
+#define vec_sum hsum8
+#define vec_store _mm256_storeu_ps
 #endif
 
 #if defined(__AVX512BF16__)
@@ -201,3 +260,11 @@ void linear_avx2(const uint16_t* x, int64_t ldx, int64_t m_len, const uint16_t* 
 int decode_bf16(const uint16_t* q, const uint16_t* k_cache, const uint16_t* v_cache, const int64_t* block_tables,
                 const int64_t* seq_lens, uint16_t* out, int num_seqs, int num_q_heads, int num_kv_heads, int head_dim,
                 int block_size, int max_blocks, float scale);
+// csrc/decode_avx2.c: the same, 8 keys at a time, where the CPU has AVX2 + FMA and no AVX-512, head_dim % 8 == 0
+// and block_size % 8 == 0.
+#define DECLARE_DECODE_AVX2(NAME, T)                                                                                 \
+    int NAME(const T* q, const T* k_cache, const T* v_cache, const int64_t* block_tables, const int64_t* seq_lens,   \
+             T* out, int num_seqs, int num_q_heads, int num_kv_heads, int head_dim, int block_size, int max_blocks, \
+             float scale)
+DECLARE_DECODE_AVX2(decode_avx2_bf16, uint16_t);
+DECLARE_DECODE_AVX2(decode_avx2_f32, float);

@@ -12,26 +12,6 @@
 #define PREFILL_MAX_DIM 256
 #define PREFILL_MAX_HEAD_ELEMS 8192  // num_q_heads * head_dim: a tile's state (2 x 8 x 32 KiB) lives on the stack
 
-#if defined(__AVX512F__)
-typedef __m512 vec;  // the head dimension, LANES at a time
-#define LANES 16
-#define vec_mul _mm512_mul_ps
-#define vec_fmadd _mm512_fmadd_ps
-#define vec_set1 _mm512_set1_ps
-#define vec_zero _mm512_setzero_ps
-#define vec_sum _mm512_reduce_add_ps
-#define vec_store _mm512_storeu_ps
-#elif defined(__AVX2__) && defined(__FMA__)
-typedef __m256 vec;
-#define LANES 8
-#define vec_mul _mm256_mul_ps
-#define vec_fmadd _mm256_fmadd_ps
-#define vec_set1 _mm256_set1_ps
-#define vec_zero _mm256_setzero_ps
-#define vec_sum hsum8
-#define vec_store _mm256_storeu_ps
-#endif
-
 #if defined(LANES)
 // One tile: query rows [row0, row0 + rows) of a chunk whose first row sits at position first_pos.
 #define DEFINE_PREFILL_TILE(NAME, T, VLOAD, STORE)                                                              \
