@@ -1,5 +1,6 @@
-"""Decode attention alone: the compiled CPU kernel (csrc/decode_bf16.c through CpuKernels.paged_decode) over 30
-layers of SmolLM2's heads (9 query / 3 KV heads of 64, bf16, blocks of 16), for batches shaped like the engine's:
+"""Decode attention alone: the compiled CPU kernel (csrc/decode_bf16.c with AVX512-BF16, csrc/decode_avx2.c with
+AVX2, through CpuKernels.paged_decode) over 30 layers of SmolLM2's heads (9 query / 3 KV heads of 64, bf16, blocks
+of 16), for batches shaped like the engine's:
 
 - distinct sequences (an ordinary decode step);
 - consecutive rows of one sequence, each one key longer than the last: the outputs a recompute replays after a

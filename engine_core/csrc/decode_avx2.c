@@ -8,8 +8,8 @@
 //     instructions and a dependent chain;
 //   - an 8-lane online-softmax step (softmax8), then the 8 keys' weighted values.
 // SmolLM2's 30 layers (9/3 heads of 64) at batch 64, against the key-at-a-time portable path it replaces here:
-// 36 -> 22 ms with every block in L2; from memory, each sequence's blocks scattered as in a running engine, 56 -> 45
-// ms at 200 keys and 271 -> 234 ms at 1000 (about 6 GB/s, where only reading the same blocks reaches 12).
+// 36 -> 22 ms with every block in L2; from memory, each sequence's blocks scattered as in a running engine, 57 -> 32
+// ms at 200 keys and 272 -> 135 ms at 1000 (11 GB/s, where only reading the same blocks reaches 12).
 // Each sequence is computed alone, in the same order whatever the batch.
 #include <omp.h>
 
@@ -18,10 +18,11 @@
 #if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
 
 #define KEYS 8
-// Each slice prefetches the one L1_AHEAD keys on into L1 and the one L2_AHEAD keys on into L2 (through the block
-// table: a sequence's blocks lie anywhere). Farther than 2 blocks into L1, or 8 into L2, was no better.
-#define L1_AHEAD 16
-#define L2_AHEAD 64
+// Each slice's work prefetches the slice AHEAD keys on into L1 (through the block table: a sequence's blocks lie
+// anywhere), a share of its rows before each query head's arithmetic. All of them at the slice's start held up
+// the demand loads waiting on the same miss buffers: 1000 keys below took 238 ms against 135. 8, 24 or 32 keys
+// ahead, or a second prefetch into L2 further on, were no better.
+#define AHEAD 16
 // Where the slice of keys from `pos` on starts in the caches (0 past the context: a prefetch no one makes).
 #define SLICE_AT(pos) ((pos) < len ? table[(pos) / block_size] * block_elems + (pos) % block_size * stride : 0)
 
@@ -48,13 +49,8 @@ static void NAME(const T* q, const T* k_cache, const T* v_cache, const int64_t* 
         m[i] = NO_SCORE, l[i] = 0.f;                                                                            \
     }                                                                                                           \
     for (int64_t start = 0; start < len; start += KEYS) {                                                       \
-        const int64_t at = SLICE_AT(start), l1 = SLICE_AT(start + L1_AHEAD), l2 = SLICE_AT(start + L2_AHEAD);       \
+        const int64_t at = SLICE_AT(start), ahead = SLICE_AT(start + AHEAD);                                    \
         const int n = (int)(len - start < KEYS ? len - start : KEYS);                                           \
-        for (int t = 0; t < KEYS; t++) {                                                                        \
-            const int64_t row = t * stride, bytes = stride * (int64_t)sizeof(T);                                \
-            if (start + L1_AHEAD < len) prefetch_rows(k_cache + l1 + row, v_cache + l1 + row, bytes);           \
-            if (start + L2_AHEAD < len) prefetch_rows_l2(k_cache + l2 + row, v_cache + l2 + row, bytes);        \
-        }                                                                                                       \
         for (int h = 0; h < num_kv_heads; h++) {                                                                \
             for (int t = 0; t < KEYS; t++) /* zeros past the last key: 0 x 0, never 0 x garbage */              \
                 for (int j = 0; j < nv; j++) {                                                                  \
@@ -64,6 +60,9 @@ static void NAME(const T* q, const T* k_cache, const T* v_cache, const int64_t* 
                 }                                                                                               \
             for (int g = 0; g < group; g++) {                                                                   \
                 const int i = h * group + g;                                                                    \
+                for (int t = i * KEYS / num_q_heads; start + AHEAD < len && t < (i + 1) * KEYS / num_q_heads; t++) \
+                    prefetch_rows(k_cache + ahead + t * stride, v_cache + ahead + t * stride,                   \
+                                  stride * (int64_t)sizeof(T));                                                 \
                 __m256 part[KEYS];                                                                              \
                 for (int t = 0; t < KEYS; t++) part[t] = _mm256_mul_ps(qv[i][0], kf[t][0]);                     \
                 for (int j = 1; j < nv; j++)                                                                    \
