@@ -98,24 +98,26 @@ def test_prefill_kernel_matches_torch_path(dtype, tol, q_heads, kv_heads, head_d
     assert not fast[row:].any()
 
 
+@pytest.mark.parametrize("dtype,tol", [(torch.bfloat16, 2e-2), (torch.float32, 1e-5)])
 @pytest.mark.parametrize("block_size", [16, 48])
-def test_long_decodes_attended_in_parts_match_and_do_not_depend_on_the_batch(block_size) -> None:
-    """bf16 sequences longer than csrc/decode_bf16.c's part (512 keys) are attended in parts by any thread and
-    combined; parts have a fixed size, so each sequence's output is bit for bit the same alone as in a batch."""
+def test_long_decodes_attended_in_parts_match_and_do_not_depend_on_the_batch(block_size, dtype, tol) -> None:
+    """Sequences longer than a part (512 keys) are attended in parts by any thread and combined (csrc/decode_bf16.c
+    in bf16 with AVX512-BF16, csrc/decode_avx2.c in both dtypes with AVX2); parts have a fixed size, so each
+    sequence's output is bit for bit the same alone as in a batch."""
     torch.manual_seed(0)
     q_heads, kv_heads, head_dim = 9, 3, 64
     lens = torch.tensor([1500, 3, 600, 2049, 512, 513])
     width = -(-2049 // block_size)
     num_blocks = len(lens) * width
-    k_cache = torch.randn(num_blocks + 1, block_size, kv_heads, head_dim, dtype=torch.bfloat16)
-    v_cache = torch.randn(num_blocks + 1, block_size, kv_heads, head_dim, dtype=torch.bfloat16)
+    k_cache = torch.randn(num_blocks + 1, block_size, kv_heads, head_dim, dtype=dtype)
+    v_cache = torch.randn(num_blocks + 1, block_size, kv_heads, head_dim, dtype=dtype)
     tables = torch.randperm(num_blocks).view(len(lens), width)
-    q = torch.randn(len(lens), q_heads, head_dim, dtype=torch.bfloat16) * 3  # peaked weights: parts' maxima differ
+    q = torch.randn(len(lens), q_heads, head_dim, dtype=dtype) * 3  # peaked weights: parts' maxima differ
     cpu, ref = CpuKernelBackend(cpu_kernels(), kernel_prefill=True), TorchBackend()
     meta = AttentionMetadata.build(torch.full((len(lens),), num_blocks * block_size), tables, lens, [], block_size)
     batch = cpu.decode(q, k_cache, v_cache, meta, 0.125)
     reference = ref.decode(q, k_cache, v_cache, meta, 0.125)
-    assert torch.allclose(batch.float(), reference.float(), atol=2e-2, rtol=2e-2)
+    assert torch.allclose(batch.float(), reference.float(), atol=tol, rtol=tol)
     for s in range(len(lens)):
         alone = AttentionMetadata.build(meta.slot_mapping[s : s + 1], tables[s : s + 1], lens[s : s + 1], [],
                                         block_size)  # fmt: skip

@@ -192,25 +192,6 @@ static void run_rows(const Row* rows, int count, const uint16_t* k_cache, const 
 #undef ATTEND
 }
 
-// The output of a sequence attended in parts: their states rescaled to the largest max and summed.
-static void combine(const float* parts, int64_t count, int num_q_heads, int head_dim, uint16_t* out) {
-    const int64_t state = (int64_t)num_q_heads * (head_dim + 2);
-    float acc[DECODE_MAX_DIM];
-    for (int i = 0; i < num_q_heads; i++) {
-        float m = NO_SCORE, sum = 0.f;
-        for (int64_t p = 0; p < count; p++) m = fmaxf(m, parts[p * state + i * (head_dim + 2)]);
-        for (int d = 0; d < head_dim; d++) acc[d] = 0.f;
-        for (int64_t p = 0; p < count; p++) {
-            const float* st = parts + p * state + i * (head_dim + 2);
-            const float w = expf(st[0] - m);
-            sum += st[1] * w;
-            for (int d = 0; d < head_dim; d++) acc[d] += st[2 + d] * w;
-        }
-        const float inv = sum > 0.f ? 1.f / sum : 0.f;
-        for (int d = 0; d < head_dim; d++) out[i * head_dim + d] = bf16_store(acc[d] * inv);
-    }
-}
-
 // A work item: rows [first, first + count), consecutive in the batch, over the keys of one part from k0, read
 // through the block table of table_row (the rows agree with it on every block they use in the part).
 typedef struct {
@@ -287,7 +268,7 @@ int decode_bf16(const uint16_t* q, const uint16_t* k_cache, const uint16_t* v_ca
         }
         _Pragma("omp for schedule(dynamic, 1)") for (int s = 0; s < num_seqs; s++) {
             const int64_t count = first_part[s + 1] - first_part[s];
-            if (count > 1) combine(parts + first_part[s] * state, count, num_q_heads, head_dim, out + s * row);
+            if (count > 1) combine_parts_bf16(parts + first_part[s] * state, count, num_q_heads, head_dim, out + s * row);
         }
     }
     free(parts), free(first_part), free(item);

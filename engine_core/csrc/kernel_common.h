@@ -37,6 +37,30 @@ static inline float softmax_update(float* scores, int n, float* m, float* l) {
     return correction;
 }
 
+// The output of a decode row attended in parts (csrc/decode_bf16.c, csrc/decode_avx2.c). Each part's state, per
+// query head: its running max, its sum of weights, its unnormalized output (head_dim + 2 floats). The states are
+// rescaled to the largest max and summed in part order, so a row's result depends only on where its parts end.
+#define DEFINE_COMBINE_PARTS(NAME, T, STORE)                                                                          \
+static inline void NAME(const float* parts, int64_t count, int num_q_heads, int head_dim, T* out) {                  \
+    const int64_t state = (int64_t)num_q_heads * (head_dim + 2);                                                    \
+    float acc[head_dim];                                                                                            \
+    for (int i = 0; i < num_q_heads; i++) {                                                                         \
+        float m = NO_SCORE, sum = 0.f;                                                                              \
+        for (int64_t p = 0; p < count; p++) m = fmaxf(m, parts[p * state + i * (head_dim + 2)]);                    \
+        for (int d = 0; d < head_dim; d++) acc[d] = 0.f;                                                            \
+        for (int64_t p = 0; p < count; p++) {                                                                       \
+            const float* st = parts + p * state + i * (head_dim + 2);                                               \
+            const float w = expf(st[0] - m);                                                                        \
+            sum += st[1] * w;                                                                                       \
+            for (int d = 0; d < head_dim; d++) acc[d] += st[2 + d] * w;                                             \
+        }                                                                                                           \
+        const float inv = sum > 0.f ? 1.f / sum : 0.f;                                                              \
+        for (int d = 0; d < head_dim; d++) out[i * head_dim + d] = STORE(acc[d] * inv);                             \
+    }                                                                                                               \
+}
+DEFINE_COMBINE_PARTS(combine_parts_bf16, uint16_t, bf16_store)
+DEFINE_COMBINE_PARTS(combine_parts_f32, float, F32_STORE)
+
 // The prefetch helpers are always inlined: GCC deems a function that only prefetches free of side effects and
 // deletes the calls it does not inline (csrc/decode_bf16.c lost every prefetch that way, and read at half speed).
 // Called once per token row of the current block, for the same row of the next block: spread out like this,
