@@ -91,7 +91,7 @@ class CpuKernels:
                 func = getattr(lib, f"{name}_{suffix}")
                 func.argtypes = argtypes
                 self._funcs[name, dtype] = func
-        # bf16 panels with AVX512-BF16, or with AVX2 + FMA (csrc/linear_avx2.c); int8 panels with AVX512-BF16 only.
+        # bf16 and int8 panels with AVX512-BF16, or with AVX2 + FMA (csrc/linear_avx2.c).
         self.has_linear, self.panel_cols = bool(lib.linear_kernels_available()), lib.linear_panel_cols()
         self.has_int8_linear = bool(lib.linear_int8_available())
         self._linear = lib.linear

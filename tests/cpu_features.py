@@ -1,7 +1,6 @@
-"""Which of our C kernels this CPU runs. The bf16 linears, the decode stack and the prefill attention need AVX-512
-(AVX512-BF16 for the linears) or AVX2 with FMA, the int8 linears AVX512-BF16; on a CPU without them the engine runs
-torch there, so tests of those kernels skip, as the CUDA-only tests skip on CPU, and tests of the engine expect the
-torch path."""
+"""Which of our C kernels this CPU runs. The bf16 and int8 linears, the decode stack and the prefill attention need
+AVX-512 (AVX512-BF16 for the linears) or AVX2 with FMA; on a CPU without them the engine runs torch there, so tests
+of those kernels skip, as the CUDA-only tests skip on CPU, and tests of the engine expect the torch path."""
 
 from __future__ import annotations
 
@@ -18,4 +17,5 @@ needs_linear_kernels = pytest.mark.skipif(not HAS_LINEAR,
                                           reason="our linear kernels need AVX512-BF16 or AVX2 + FMA")  # fmt: skip
 needs_prefill_kernel = pytest.mark.skipif(not HAS_PREFILL,
                                           reason="the prefill kernel needs AVX512F or AVX2 + FMA")  # fmt: skip
-needs_int8_kernels = pytest.mark.skipif(not HAS_INT8_LINEAR, reason="our int8 linear kernels need AVX512-BF16")
+needs_int8_kernels = pytest.mark.skipif(not HAS_INT8_LINEAR,
+                                        reason="our int8 linear kernels need AVX512-BF16 or AVX2 + FMA")  # fmt: skip

@@ -37,9 +37,10 @@ def test_quantize_groups_round_trip() -> None:
 )
 def test_int8_linear_matches_float_matmul(rows, out_features, in_features, bias) -> None:
     """130, 20 and 100 rows: the kernel's last panel of weight rows is partial (3, 2 and 1 vectors); in_features
-    40 (not a multiple of 32), or a CPU without AVX512-BF16: the torch path. The kernel rounds each dequantized
-    weight to bf16, then sums in fp32: within bf16 of fp32. 13 and 64 rows: more than one 8-row tile, so each panel
-    is widened to bf16 once; fewer rows widen as they go."""
+    40 (not a multiple of 32), or a CPU without AVX512-BF16 or AVX2 + FMA: the torch path. The kernel rounds each
+    dequantized weight to bf16, then sums in fp32: within bf16 of fp32. With AVX512-BF16, 13 and 64 rows are more
+    than one 8-row tile, so each panel is widened to bf16 once, and fewer rows widen as they go; with AVX2 every
+    panel is widened once."""
     assert cpu_kernels() is not None
     torch.manual_seed(rows)
     linear = nn.Linear(in_features, out_features, bias=bias).to(torch.bfloat16)

@@ -269,12 +269,12 @@ int attend_avx2_takes(int head_dim, int block_size);  // 0 where the CPU has AVX
 DECLARE_ATTEND_TILE(attend_avx2_tile_bf16, uint16_t);
 DECLARE_ATTEND_TILE(attend_avx2_tile_f32, float);
 
-// csrc/linear.c's packed bf16 panels: 48 weight rows each, in the pair layout of the AVX512-BF16 dot instruction.
-// csrc/linear_avx2.c reads the same panels where the CPU has AVX2 + FMA and no AVX512-BF16 (1 from
+// csrc/linear.c's packed panels: 48 weight rows each, in the pair layout of the AVX512-BF16 dot instruction, bf16
+// or int8. csrc/linear_avx2.c reads the same panels where the CPU has AVX2 + FMA and no AVX512-BF16 (1 from
 // linear_avx2_available()); elsewhere linear_avx2 does nothing.
 #define LINEAR_PANEL_COLS 48
 int linear_avx2_available(void);
-void linear_avx2(const uint16_t* x, int64_t ldx, int64_t m_len, const uint16_t* packed, const uint16_t* bias,
+void linear_avx2(const uint16_t* x, int64_t ldx, int64_t m_len, const void* packed, int q8, const uint16_t* bias,
                  uint16_t* out, int64_t ldo, int64_t n_len, int64_t k_len);
 
 // csrc/decode_bf16.c: paged_decode_bf16's work 16 keys at a time where the CPU has AVX512-BF16 and head_dim % 32

@@ -9,7 +9,7 @@
 // prefetched while this one is worked on. An int8 panel holds, per group of 32 k, the int8 weights in the same
 // pair layout and then each lane's scale; a tile widens them to bf16(q * scale) as it goes, or, for more rows
 // than one tile, the panel is widened once into a bf16 panel first. Without AVX512-BF16, csrc/linear_avx2.c reads
-// the bf16 panels with fp32 FMAs (AVX2); int8 then has no kernel.
+// the same panels with fp32 FMAs (AVX2), widening each int8 panel to bf16 first.
 #include <stdlib.h>
 
 #include "kernel_common.h"
@@ -147,8 +147,8 @@ static void panel_linear(const uint16_t* x, int64_t ldx, int64_t m_len, const vo
 int linear_kernels_available(void) { return 1; }
 int linear_int8_available(void) { return 1; }
 #else
-int linear_kernels_available(void) { return linear_avx2_available(); }  // bf16 panels only
-int linear_int8_available(void) { return 0; }
+int linear_kernels_available(void) { return linear_avx2_available(); }
+int linear_int8_available(void) { return linear_avx2_available(); }
 #endif
 
 int linear_panel_cols(void) { return PANEL_COLS; }
@@ -163,7 +163,6 @@ void linear(const uint16_t* x, int64_t ldx, int64_t m_len, const void* packed, i
 #if defined(__AVX512BF16__)
     panel_linear(x, ldx, m_len, packed, q8, bias, out, ldo, n_len, k_len);
 #else
-    (void)q8;  // never int8 here: linear_int8_available() is 0
-    linear_avx2(x, ldx, m_len, packed, bias, out, ldo, n_len, k_len);
+    linear_avx2(x, ldx, m_len, packed, q8, bias, out, ldo, n_len, k_len);
 #endif
 }

@@ -10,6 +10,9 @@
 //   k's two weight vectors are used by all 6 rows as soon as they are made, so that accumulators, weights and
 //   the broadcast row value fit AVX2's 16 registers. A 4 x 24 tile needed 8 broadcasts live at once and spilled
 //   them to the stack: 80-85 GFLOP/s at many rows against 120-135 for the strips (MKL's fp32 here: 110-150).
+// - int8 panels (--quantization int8) are widened, a panel at a time, to the bf16 panel of bf16(q * scale) that
+//   AVX512-BF16 widens them to, then read as above. A one-row decode step of SmolLM2 took 26-30 ms against plain
+//   bf16's 17-19: 8 instructions of widening per 8 weights cost more here than the bytes they save.
 // Every output adds its k products one after the other in k order whatever the number of rows: a row's result
 // never depends on its neighbours.
 #include <stdlib.h>
@@ -22,6 +25,9 @@
 #define PANEL_COLS LINEAR_PANEL_COLS  // csrc/linear.c's panels: the packing is shared
 #define PANEL_VECS (PANEL_COLS / 8)   // 8-column vectors per panel
 #define STRIP_ROWS 6
+#define GROUP 32  // int8 panels: weights per scale (csrc/linear.c)
+#define GROUP_PAIRS (GROUP / 2)
+#define GROUP_VEC_BYTES (GROUP_PAIRS * 32 + 32 * 4)  // per group and 16-column vector: int8 pairs, 32 lane scales
 #define UNROLLED _Pragma("GCC unroll 6")  // every row and vector: a partly unrolled loop keeps sums in memory
 
 static inline __attribute__((always_inline)) void store_rows(const float* sums, int stride, int mr, int n,
@@ -125,21 +131,53 @@ static void wide_rows(const float* xf, int64_t k_len, int mr, const uint16_t* pa
     }
 }
 
-// csrc/linear.c's linear() for bf16 panels on this CPU; the arguments are that function's.
-void linear_avx2(const uint16_t* x, int64_t ldx, int64_t m_len, const uint16_t* packed, const uint16_t* bias,
+// An int8 panel of csrc/linear.c (nv vectors of 16 columns, k_len / 32 groups: per group the int8 weights in pair
+// layout, then each lane's fp32 scale) as the bf16 panel of bf16(q * scale) that AVX512-BF16 widens it to, with the
+// same rounding: every row count then reads the same weights, and a row's result never depends on its neighbours.
+static void widen_int8_panel(const int8_t* panel, int nv, int64_t k_len, uint16_t* to) {
+    const int64_t group_bytes = (int64_t)nv * GROUP_VEC_BYTES, lanes = nv * 32;
+    for (int64_t g = 0; g < k_len / GROUP; g++) {
+        const int8_t* q = panel + g * group_bytes;
+        const float* scales = (const float*)(q + GROUP_PAIRS * lanes);
+        for (int p = 0; p < GROUP_PAIRS; p++)
+            for (int64_t e = 0; e < lanes; e += 16) {  // 16 lanes of vector e / 32: its scales at (e % 32)
+                const int8_t* w = q + p * lanes + e;
+                const float* s = scales + e / 32 * 32 + e % 32;
+                __m256i lo = _mm256_castps_si256(_mm256_mul_ps(
+                    _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)w))), _mm256_loadu_ps(s)));
+                __m256i hi = _mm256_castps_si256(_mm256_mul_ps(
+                    _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(w + 8)))),
+                    _mm256_loadu_ps(s + 8)));
+                // round to nearest even (bf16_store): + 0x7FFF + the kept half's lowest bit, then the high half
+                const __m256i one = _mm256_set1_epi32(1), half = _mm256_set1_epi32(0x7FFF);
+                lo = _mm256_srli_epi32(_mm256_add_epi32(lo, _mm256_add_epi32(half, _mm256_and_si256(_mm256_srli_epi32(lo, 16), one))), 16);
+                hi = _mm256_srli_epi32(_mm256_add_epi32(hi, _mm256_add_epi32(half, _mm256_and_si256(_mm256_srli_epi32(hi, 16), one))), 16);
+                // packus interleaves the 128-bit halves: lo 0-3, hi 0-3, lo 4-7, hi 4-7; the permute restores order
+                _mm256_storeu_si256((__m256i*)(to + (g * GROUP_PAIRS + p) * lanes + e),
+                                    _mm256_permute4x64_epi64(_mm256_packus_epi32(lo, hi), _MM_SHUFFLE(3, 1, 2, 0)));
+            }
+    }
+}
+
+// csrc/linear.c's linear() on this CPU; the arguments are that function's.
+void linear_avx2(const uint16_t* x, int64_t ldx, int64_t m_len, const void* packed, int q8, const uint16_t* bias,
                  uint16_t* out, int64_t ldo, int64_t n_len, int64_t k_len) {
     if (m_len <= 0) return;
     const int64_t panels = (n_len + PANEL_COLS - 1) / PANEL_COLS;
+    // the packed bytes of one weight row: 2 per k in bf16; in int8 40 per 32 k (the weights, their scale twice)
+    const int64_t bytes_per_col = q8 ? k_len / GROUP * GROUP_VEC_BYTES / 16 : 2 * k_len;
     float* xf = malloc(m_len * k_len * sizeof(float));  // x widened once, read by every panel
     const int parallel = n_len * k_len >= 1 << 16;
     _Pragma("omp parallel if (parallel)") {
+        uint16_t* wide = q8 ? malloc(PANEL_COLS * k_len * sizeof(uint16_t)) : NULL;  // an int8 panel, widened
         _Pragma("omp for schedule(static)") for (int64_t i = 0; i < m_len; i++)
             for (int64_t k = 0; k < k_len; k++) xf[i * k_len + k] = bf16_load(x[i * ldx + k]);
         _Pragma("omp for schedule(static)") for (int64_t b = 0; b < panels; b++) {
             const int64_t n0 = b * PANEL_COLS;
             const int cols = n_len - n0 < PANEL_COLS ? (int)(n_len - n0) : PANEL_COLS;
             const int64_t pair_u16 = 2 * ((cols + 15) / 16 * 16);  // the panel's columns as packed, x 2
-            const uint16_t* panel = packed + n0 * k_len;
+            const uint16_t* panel = (const uint16_t*)((const char*)packed + n0 * bytes_per_col);
+            if (wide) widen_int8_panel((const int8_t*)panel, (cols + 15) / 16, k_len, wide), panel = wide;
             const uint16_t* b = bias ? bias + n0 : NULL;
             if (m_len <= 2) {
                 wide_rows(xf, k_len, (int)m_len, panel, pair_u16, b, out + n0, ldo, cols);
@@ -151,15 +189,16 @@ void linear_avx2(const uint16_t* x, int64_t ldx, int64_t m_len, const uint16_t* 
                                panel + 2 * c0, pair_u16, b ? b + c0 : NULL, out + m0 * ldo + n0 + c0, ldo,
                                cols - c0 < 16 ? cols - c0 : 16);
         }
+        free(wide);
     }
     free(xf);
 }
 
 int linear_avx2_available(void) { return 1; }
 #else
-void linear_avx2(const uint16_t* x, int64_t ldx, int64_t m_len, const uint16_t* packed, const uint16_t* bias,
+void linear_avx2(const uint16_t* x, int64_t ldx, int64_t m_len, const void* packed, int q8, const uint16_t* bias,
                  uint16_t* out, int64_t ldo, int64_t n_len, int64_t k_len) {
-    (void)x, (void)ldx, (void)m_len, (void)packed, (void)bias, (void)out, (void)ldo, (void)n_len, (void)k_len;
+    (void)x, (void)ldx, (void)m_len, (void)packed, (void)q8, (void)bias, (void)out, (void)ldo, (void)n_len, (void)k_len;
 }
 int linear_avx2_available(void) { return 0; }
 #endif
