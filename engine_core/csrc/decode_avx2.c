@@ -10,7 +10,7 @@
 // SmolLM2's 30 layers (9/3 heads of 64) at batch 64, against the key-at-a-time portable path it replaces here:
 // 36 -> 22 ms with every block in L2; from memory, each sequence's blocks scattered as in a running engine, 57 -> 32
 // ms at 200 keys and 272 -> 135 ms at 1000 (11 GB/s, where only reading the same blocks reaches 12).
-// Each sequence is computed alone, in the same order whatever the batch.
+// Each sequence, or part of one (SPLIT_KEYS), is computed alone, in the same order whatever the batch.
 #include <omp.h>
 #include <stdlib.h>
 
@@ -21,7 +21,7 @@
 #define KEYS 8
 // Each slice's work prefetches the slice AHEAD keys on into L1 (through the block table: a sequence's blocks lie
 // anywhere), a share of its rows before each query head's arithmetic. All of them at the slice's start held up
-// the demand loads waiting on the same miss buffers: 1000 keys below took 238 ms against 135. 8, 24 or 32 keys
+// the demand loads waiting on the same miss buffers: 1000 keys above took 238 ms against 135. 8, 24 or 32 keys
 // ahead, or a second prefetch into L2 further on, were no better.
 #define AHEAD 16
 // Where the slice of keys from `pos` on starts in the caches (0 past the context: a prefetch no one makes).
