@@ -64,11 +64,11 @@ static void NAME(const T* q, const T* k_cache, const T* v_cache, const int64_t* 
                 for (int t = i * KEYS / num_q_heads; start + AHEAD < len && t < (i + 1) * KEYS / num_q_heads; t++) \
                     prefetch_rows(k_cache + ahead + t * stride, v_cache + ahead + t * stride,                   \
                                   stride * (int64_t)sizeof(T));                                                 \
-                __m256 part[KEYS];                                                                              \
-                for (int t = 0; t < KEYS; t++) part[t] = _mm256_mul_ps(qv[i][0], kf[t][0]);                     \
+                __m256 dots[KEYS]; /* per key: its products' partial sums */                                   \
+                for (int t = 0; t < KEYS; t++) dots[t] = _mm256_mul_ps(qv[i][0], kf[t][0]);                     \
                 for (int j = 1; j < nv; j++)                                                                    \
-                    for (int t = 0; t < KEYS; t++) part[t] = _mm256_fmadd_ps(qv[i][j], kf[t][j], part[t]);      \
-                const __m256 c = _mm256_set1_ps(softmax8(sum_lanes8(part), n, &m[i], &l[i], w));               \
+                    for (int t = 0; t < KEYS; t++) dots[t] = _mm256_fmadd_ps(qv[i][j], kf[t][j], dots[t]);      \
+                const __m256 c = _mm256_set1_ps(softmax8(sum_lanes8(dots), n, &m[i], &l[i], w));               \
                 for (int j = 0; j < nv; j++) {                                                                  \
                     __m256 a = _mm256_mul_ps(acc[i][j], c);                                                     \
                     for (int t = 0; t < KEYS; t++) a = _mm256_fmadd_ps(_mm256_set1_ps(w[t]), vf[t][j], a);      \
