@@ -113,7 +113,7 @@ class ServerConfig:
                                    "event carries up to ceil(streams / N) tokens (fewer events: less CPU per token)")
     stream_max_hold: float = flag(0.5, "seconds a streamed token may wait to go out with later ones (above)")
     engine_ready_timeout: float = flag(600.0, "seconds to wait for the engine core to start")
-    engine_ping_timeout: float = flag(30.0, "seconds without an answer before the engine counts as hung (> a step)")
+    engine_ping_timeout: float = flag(30.0, "seconds without an answer or a pulse before the engine counts as hung")
     drain_timeout: float = flag(30.0, "seconds in-flight requests may run on after SIGINT/SIGTERM")
     max_engine_restarts: int = flag(5, "engine restarts allowed within --engine-restart-window")
     engine_restart_window: float = flag(600.0, "seconds over which engine restarts are counted")

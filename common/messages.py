@@ -173,4 +173,10 @@ class EngineDead(_Msg, tag="dead"):
     error: str
 
 
-EngineMessage = EngineOutputs | UtilityResult | EngineReady | EngineDead
+class EnginePulse(_Msg, tag="pulse"):
+    """The step in progress is still moving (engine_core/pulse.py): a health check it holds up is not a hang."""
+
+    epoch: int
+
+
+EngineMessage = EngineOutputs | UtilityResult | EngineReady | EngineDead | EnginePulse

@@ -31,6 +31,7 @@ from engine_core.kv_cache import KVCacheManager
 from engine_core.memory_profile import KvCacheSizeError
 from engine_core.model_runner import ModelRunner
 from engine_core.overlap import DecodePipeline
+from engine_core.pulse import start_pulses
 from engine_core.request import Request
 from engine_core.request_checks import invalid_request
 from engine_core.scheduler import Scheduler
@@ -182,6 +183,7 @@ def run_engine(config: EngineConfig, addresses: ipc.Addresses) -> int:
     try:
         core = EngineCore(config)
         outputs.put(core.ready_message())
+        start_pulses(core.runner.progress, outputs, epoch, stop)
         runner = core.runner
         dtype = str(runner.dtype).removeprefix("torch.")
         log.info("engine core ready: %s, %s on %s, %d KV blocks", core.model_name, dtype, runner.device.type,
@@ -237,6 +239,11 @@ def _utility(core: EngineCore, call: UtilityCall) -> UtilityResult:
         core.kv.reset_prefix_cache()
     elif call.method == "sleep":  # debug: stop stepping for a while, as a hung engine would
         time.sleep(call.arg)
+    elif call.method == "busy":  # debug: a step that takes a while but moves, as a long prefill does
+        end = time.monotonic() + call.arg
+        while time.monotonic() < end:
+            time.sleep(0.05)
+            core.runner.progress.tick()
     elif call.method not in ("health", "stats"):
         return UtilityResult(call.call_id, ok=False, error=f"unknown method {call.method!r}")
     return UtilityResult(call.call_id, stats=core.stats())

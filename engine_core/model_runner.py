@@ -23,6 +23,7 @@ from engine_core.models.cpu_decode import DecodeStack
 from engine_core.models.loader import load_model
 from engine_core.models.quant import prepare_linears
 from engine_core.prompt_logprobs import score_prompts, wants_prompt_logprobs
+from engine_core.pulse import Progress
 from engine_core.sampler import Sampler, needs_processing, processes_beside_a_token_in_flight
 from engine_core.transfer import padded_rows, to_device
 
@@ -54,6 +55,8 @@ class ModelRunner:
         profiling = self.device.type == "cuda" and not config.num_kv_blocks
         start = memory_profile.snapshot_at_start(self.device, config.gpu_memory_utilization) if profiling else None
         self.model = load_model(model_path, self.dtype, self.device, max_positions=max_model_len)
+        self.progress = Progress()  # ticked by each attention layer: liveness inside long steps (engine_core/pulse.py)
+        self.progress.watch(self.model)
         # int8, or packed bf16 on CPU; min_rows keeps a row's result independent of the rows beside it.
         self.min_rows = prepare_linears(self.model, config.quantization, self.device, self.dtype)
         self.vocab_size = self.model.config.vocab_size

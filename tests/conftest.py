@@ -21,7 +21,8 @@ if not torch.cuda.is_available():
     # and again at launch, so it is set before any test module is imported, for the whole session.
     os.environ.setdefault("TRITON_INTERPRET", "1")
 # Small KV cache and context: quick to allocate; still room for 64 concurrent requests. A generous ping
-# timeout: on a busy 2-core machine one engine step can take many seconds, and that is not a hang.
+# timeout: the parts of a step that tick no attention layer (engine_core/pulse.py: sampling, the one-call decode
+# stack) can take seconds on a busy 2-core machine, and that is not a hang.
 SERVER_ARGS = ["--dtype", "float32", "--num-kv-blocks", "512", "--max-model-len", "2048", "--log-level", "warning",
                "--engine-ping-timeout", "120"]  # fmt: skip
 # ROSEINFER_TEST_DP=2 runs the shared server (and test_api_client's direct client) with two data-parallel engines:

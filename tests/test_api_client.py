@@ -1,4 +1,5 @@
-"""AsyncEngineClient as the asyncio direct client (no HTTP): streams, merged deltas, aborts, hung-engine detection."""
+"""AsyncEngineClient as the asyncio direct client (no HTTP): streams, merged deltas, aborts, hung-engine detection
+(and a long step that still moves, which is no hang)."""
 
 from __future__ import annotations
 
@@ -78,6 +79,30 @@ def test_stop_string_and_early_exit_abort_in_the_engine(env):
             async for _ in gen:
                 break  # a consumer that leaves early aborts its request
         assert await running(client) == 0
+
+    runner.run(scenario())
+
+
+def test_a_long_step_that_moves_is_not_a_hang(env):
+    """A step past the ping timeout that still ticks (engine_core/pulse.py) keeps its engine and its requests: a
+    2048-token chunk at the end of an 8k context took 32 s on a 2-core CPU, where the ping timeout is 30 s, and its
+    engine was killed as hung after every restart."""
+    runner, client, tok = env
+
+    async def scenario():
+        client.ping_timeout = 1.5
+        try:
+            stream = client.add(request(tok, "long-step", 24, ignore_eos=True))
+            engine = client.engine_of(stream)
+            assert engine is not None
+            delta, restarts = await stream.get(), engine.restarts
+            result = await client.call("busy", 5.0, timeout=20, engine=engine.index)  # three ping timeouts
+            assert result.ok and engine.healthy and engine.restarts == restarts
+            while delta.finish_reason is None:
+                delta = await stream.get()
+            assert delta.finish_reason == "length" and delta.error is None
+        finally:
+            client.ping_timeout = 30.0
 
     runner.run(scenario())
 

@@ -22,7 +22,7 @@ from tests.test_api_streaming import metric
 
 MODEL = "SmolLM2-135M-Instruct"
 POISON_TOKEN = 12345  # ROSEINFER_DEBUG_CRASH_ON_TOKEN: the engine process exits on a prompt holding it
-PING_TIMEOUT = 10.0  # above the slowest step on a busy 2-core machine, or a slow engine counts as hung
+PING_TIMEOUT = 10.0  # above what a step spends between attention layers (engine_core/pulse.py) on a busy machine
 MAX_TOKENS = 32
 TOPICS = ["whales", "volcanoes", "the moon", "bread", "trains", "owls", "glaciers", "chess", "honey", "lighthouses",
           "comets", "tea", "bicycles", "coral reefs", "clocks", "maps"]  # fmt: skip

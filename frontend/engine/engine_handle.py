@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import Callable, Coroutine
 from typing import Any
 
@@ -18,6 +19,7 @@ from common.messages import (
     AbortRequest,
     EngineDead,
     EngineOutputs,
+    EnginePulse,
     EngineReady,
     EngineRequest,
     UtilityCall,
@@ -45,6 +47,7 @@ class EngineHandle:
         self._send = send
         self.process = process
         self.ping_timeout = ping_timeout
+        self.last_pulse = 0.0  # time.monotonic() of this epoch's last EnginePulse: its step was still moving
         self.metrics: Metrics | None = None
         self.budget: RestartBudget | None = None  # set by whoever supervises (launch.py)
         self.restarts = 0
@@ -174,6 +177,9 @@ class EngineHandle:
                 self.metrics.observe_stats(msg.stats, self.index)
         elif isinstance(msg, EngineReady):
             self.life.on_ready(msg)
+        elif isinstance(msg, EnginePulse):
+            if msg.epoch == self.epoch:
+                self.last_pulse = time.monotonic()
         elif isinstance(msg, EngineDead):
             self.engine_down(f"{self.label} (epoch {msg.epoch}) died: {msg.error}" if self.ready else
                              f"{self.label} failed to start: {msg.error}", msg.epoch)  # fmt: skip

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import signal
+import time
 from collections.abc import Coroutine
 from typing import Any, Protocol
 
@@ -17,6 +19,7 @@ from frontend.errors import EngineUnavailable
 
 PROCESS_POLL_S = 0.1  # how soon a vanished engine process is noticed when no disconnect says so first
 PING_INTERVAL_S = 1.0
+WAIT_CHECK_S = 0.25  # how often an unanswered health call checks for pulses and its timeout
 # Outputs the engine pushed just before it went (an EngineDead saying why) are read before the down is declared.
 LAST_WORDS_S = 0.05
 
@@ -38,6 +41,7 @@ class Watched(Protocol):
     ready: EngineReady | None
     process: EngineSupervisor | None
     ping_timeout: float
+    last_pulse: float  # time.monotonic() of the current epoch's last EnginePulse
 
     @property
     def healthy(self) -> bool: ...
@@ -91,17 +95,24 @@ class EngineWatch:
             self.engine.engine_down(f"{self.engine.label} (epoch {epoch}) {describe_exit(code)} {what}", epoch)
 
     async def ping(self) -> None:
-        """A hung engine (alive, connected, not stepping) answers no health call: it is as dead as a gone one."""
+        """A hung engine (alive, connected, not stepping) answers no health call: it is as dead as a gone one. One
+        in a long step answers only after it, but sends pulses meanwhile (engine_core/pulse.py): the engine is hung
+        when neither an answer nor a pulse came within the timeout."""
         engine = self.engine
         while True:
             await asyncio.sleep(PING_INTERVAL_S)
             if not engine.healthy:
                 continue
-            epoch = engine.epoch
+            epoch, sent = engine.epoch, time.monotonic()
+            call = asyncio.ensure_future(engine.call("health"))
             try:
-                await engine.call("health", timeout=engine.ping_timeout)
-            except TimeoutError:
-                engine.engine_down(f"{self.engine.label} (epoch {epoch}) did not answer a health check within "
-                                   f"{engine.ping_timeout:g} s", epoch, crashed=False)  # fmt: skip
-            except EngineUnavailable:
-                continue
+                while not call.done():
+                    await asyncio.wait([call], timeout=WAIT_CHECK_S)
+                    if not call.done() and time.monotonic() - max(sent, engine.last_pulse) > engine.ping_timeout:
+                        call.cancel()
+                        engine.engine_down(f"{self.engine.label} (epoch {epoch}) did not answer a health check "
+                                           f"within {engine.ping_timeout:g} s", epoch, crashed=False)  # fmt: skip
+            finally:
+                call.cancel()  # a no-op once it is done; this task's own cancellation leaves no call behind
+            with contextlib.suppress(asyncio.CancelledError, EngineUnavailable):
+                call.result()
