@@ -108,6 +108,14 @@ def test_stop_reason_is_null_on_eos_and_the_id_on_a_stop_token(server: Server):
     assert stopped["finish_reason"] == "stop" and stopped["stop_reason"] == ids[-1], stopped
 
 
+def test_tokenize_returns_the_vocabulary_pieces_when_asked(server: Server):
+    plain = post(server, "/tokenize", {"prompt": "Hello world", "add_special_tokens": False}).json()
+    assert "token_strs" not in plain
+    asked = post(server, "/tokenize", {"prompt": "Hello world", "add_special_tokens": False,
+                                       "return_token_strs": True}).json()  # fmt: skip
+    assert asked["tokens"] == plain["tokens"] and asked["token_strs"] == ["Hello", "Ġworld"], asked
+
+
 def test_suffix_is_refused_as_vllm_does(server: Server):
     r = post(server, CMPL, {"prompt": "def add(a, b):", "suffix": "\n\nprint(add(1, 2))", "max_tokens": 2})
     assert r.status_code == 400 and r.json()["error"]["param"] == "suffix", r.text

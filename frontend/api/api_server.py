@@ -102,7 +102,8 @@ def create_app(ctx: ServingContext, config: ServerConfig, metrics: Metrics) -> F
         else:
             add = req.add_special_tokens is not False
             ids = await off_loop(ctx.tokenizer.encode, req.prompt or "", add)
-        return {"tokens": ids, "count": len(ids), "max_model_len": ctx.max_model_len}
+        body = {"tokens": ids, "count": len(ids), "max_model_len": ctx.max_model_len}
+        return {**body, "token_strs": ctx.tokenizer.pieces(ids)} if req.return_token_strs else body
 
     @app.post("/detokenize")
     async def detokenize(req: DetokenizeRequest) -> dict:

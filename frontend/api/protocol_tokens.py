@@ -22,6 +22,7 @@ class TokenizeRequest(ApiModel):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: TemplateKwargs | None = None
+    return_token_strs: bool = False  # vLLM's: each id's piece of the vocabulary, as the tokenizer writes it
 
 
 class DetokenizeRequest(ApiModel):

@@ -115,6 +115,10 @@ class Tokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
 
+    def pieces(self, ids: list[int]) -> list[str]:
+        """Each id's entry in the vocabulary as written there (byte-level: "Ġthe"), as HF's convert_ids_to_tokens."""
+        return [self._tok.id_to_token(i) or "" for i in ids]
+
     def _token_text(self, token_id: int) -> str:
         """One token's text for logprobs (may be a partial UTF-8 character, shown as U+FFFD)."""
         return self._tok.decode([token_id], skip_special_tokens=False)
