@@ -131,6 +131,13 @@ static void wide_rows(const float* xf, int64_t k_len, int mr, const uint16_t* pa
     }
 }
 
+// fp32 bits -> bf16 bits in the low half of each lane, rounded to nearest even as bf16_store: + 0x7FFF + the kept
+// half's lowest bit, then the high half.
+static inline __m256i bf16_bits(__m256i f) {
+    const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(f, 16), _mm256_set1_epi32(1));
+    return _mm256_srli_epi32(_mm256_add_epi32(f, _mm256_add_epi32(_mm256_set1_epi32(0x7FFF), odd)), 16);
+}
+
 // An int8 panel of csrc/linear.c (nv vectors of 16 columns, k_len / 32 groups: per group the int8 weights in pair
 // layout, then each lane's fp32 scale) as the bf16 panel of bf16(q * scale) that AVX512-BF16 widens it to, with the
 // same rounding: every row count then reads the same weights, and a row's result never depends on its neighbours.
@@ -143,15 +150,11 @@ static void widen_int8_panel(const int8_t* panel, int nv, int64_t k_len, uint16_
             for (int64_t e = 0; e < lanes; e += 16) {  // 16 lanes of vector e / 32: its scales at (e % 32)
                 const int8_t* w = q + p * lanes + e;
                 const float* s = scales + e / 32 * 32 + e % 32;
-                __m256i lo = _mm256_castps_si256(_mm256_mul_ps(
-                    _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)w))), _mm256_loadu_ps(s)));
-                __m256i hi = _mm256_castps_si256(_mm256_mul_ps(
+                const __m256i lo = bf16_bits(_mm256_castps_si256(_mm256_mul_ps(
+                    _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)w))), _mm256_loadu_ps(s))));
+                const __m256i hi = bf16_bits(_mm256_castps_si256(_mm256_mul_ps(
                     _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(w + 8)))),
-                    _mm256_loadu_ps(s + 8)));
-                // round to nearest even (bf16_store): + 0x7FFF + the kept half's lowest bit, then the high half
-                const __m256i one = _mm256_set1_epi32(1), half = _mm256_set1_epi32(0x7FFF);
-                lo = _mm256_srli_epi32(_mm256_add_epi32(lo, _mm256_add_epi32(half, _mm256_and_si256(_mm256_srli_epi32(lo, 16), one))), 16);
-                hi = _mm256_srli_epi32(_mm256_add_epi32(hi, _mm256_add_epi32(half, _mm256_and_si256(_mm256_srli_epi32(hi, 16), one))), 16);
+                    _mm256_loadu_ps(s + 8))));
                 // packus interleaves the 128-bit halves: lo 0-3, hi 0-3, lo 4-7, hi 4-7; the permute restores order
                 _mm256_storeu_si256((__m256i*)(to + (g * GROUP_PAIRS + p) * lanes + e),
                                     _mm256_permute4x64_epi64(_mm256_packus_epi32(lo, hi), _MM_SHUFFLE(3, 1, 2, 0)));
