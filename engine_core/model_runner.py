@@ -55,10 +55,10 @@ class ModelRunner:
         profiling = self.device.type == "cuda" and not config.num_kv_blocks
         start = memory_profile.snapshot_at_start(self.device, config.gpu_memory_utilization) if profiling else None
         self.model = load_model(model_path, self.dtype, self.device, max_positions=max_model_len)
-        self.progress = Progress()  # ticked by each attention layer: liveness inside long steps (engine_core/pulse.py)
-        self.progress.watch(self.model)
         # int8, or packed bf16 on CPU; min_rows keeps a row's result independent of the rows beside it.
         self.min_rows = prepare_linears(self.model, config.quantization, self.device, self.dtype)
+        self.progress = Progress()  # liveness inside long steps (engine_core/pulse.py); the LM head is now final
+        self.progress.watch(self.model)
         self.vocab_size = self.model.config.vocab_size
         attn = self.model.attention_layers()[0]  # this rank's heads
         self.attn_backend: AttentionBackend = select_backend(

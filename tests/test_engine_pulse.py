@@ -1,5 +1,6 @@
-"""Liveness inside a step (engine_core/pulse.py): every attention layer ticks, and pulses go out only while the
-ticks move. The API side, a long step that moves kept alive and a stuck one replaced: tests/test_api_client.py."""
+"""Liveness inside a step (engine_core/pulse.py): every attention layer and LM head call ticks, and pulses go out
+only while the ticks move. The API side, a long step that moves kept alive and a stuck one replaced:
+tests/test_api_client.py."""
 
 from __future__ import annotations
 
@@ -14,15 +15,21 @@ from engine_core.pulse import PULSE_INTERVAL_S, Progress, start_pulses
 from tests.engine_helpers import GPU_TEST_KV, save_tiny_llama
 
 
-def test_each_attention_layer_ticks(tmp_path) -> None:
+def test_each_attention_layer_and_lm_head_call_ticks(tmp_path) -> None:
     core = EngineCore(EngineConfig(model=save_tiny_llama(tmp_path, 256, 0.2), dtype="float32", **GPU_TEST_KV))
     layers = len(core.runner.model.attention_layers())
     assert layers == 2
-    before = core.runner.progress.ticks
-    core.add_request(EngineRequest("r", list(range(4, 40)), SamplingParams(max_tokens=1, temperature=0.0)))
-    outputs = core.step()  # the prompt's one step samples the request's only token
-    assert [o.finished for o in outputs] == [True]
-    assert core.runner.progress.ticks - before == layers
+
+    def ticks_of_one_step(params: SamplingParams) -> int:
+        before = core.runner.progress.ticks
+        core.add_request(EngineRequest(f"r{before}", list(range(4, 40)), params))
+        outputs = core.step()  # the prompt's one step samples the request's only token
+        assert [o.finished for o in outputs] == [True]
+        return core.runner.progress.ticks - before
+
+    assert ticks_of_one_step(SamplingParams(max_tokens=1, temperature=0.0)) == layers + 1  # the sampled row's logits
+    # Prompt logprobs run the head over the prompt's positions as well, after the layers: seconds for a long prompt.
+    assert ticks_of_one_step(SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=2)) == layers + 2
 
 
 def test_pulses_only_while_the_ticks_move() -> None:
