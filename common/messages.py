@@ -179,4 +179,12 @@ class EnginePulse(_Msg, tag="pulse"):
     epoch: int
 
 
-EngineMessage = EngineOutputs | UtilityResult | EngineReady | EngineDead | EnginePulse
+class EngineStarted(_Msg, tag="started"):
+    """Requests this engine admits for the first time, sent before their first step runs: after a crash, the API
+    blames only requests the engine had started, never those still queued (frontend/engine/request_stream.py)."""
+
+    epoch: int
+    request_ids: list[str]
+
+
+EngineMessage = EngineOutputs | UtilityResult | EngineReady | EngineDead | EnginePulse | EngineStarted

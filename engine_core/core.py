@@ -21,6 +21,7 @@ from common.messages import (
     EngineOutputs,
     EngineReady,
     EngineRequest,
+    EngineStarted,
     FinishReason,
     UtilityCall,
     UtilityResult,
@@ -80,7 +81,13 @@ class EngineCore:
         if not msg.eos_token_ids:
             msg.eos_token_ids = self.eos_token_ids
         self._seq_no += 1
-        self.scheduler.add(self.grammars.attach(Request(msg, self._seq_no)))
+        try:
+            request = self.grammars.attach(Request(msg, self._seq_no))
+        except Exception as exc:  # the request fails alone: it never started, so a crash would blame nobody
+            log.exception("request %s could not be added", msg.request_id)
+            self._rejected.append(EngineOutput(msg.request_id, [], FinishReason.ERROR, error=f"{exc!r}"))
+            return
+        self.scheduler.add(request)
 
     def abort(self, request_ids: list[str]) -> None:
         self.scheduler.abort(request_ids)
@@ -170,7 +177,8 @@ class EngineCore:
 
 
 def run_engine(config: EngineConfig, addresses: ipc.Addresses) -> int:
-    """The engine-core process: socket threads around a busy loop that only touches queues."""
+    """The engine-core process: socket threads around a busy loop that touches queues, and a socket of its own for
+    the one message that cannot wait for the sender thread (EngineStarted)."""
     ctx = zmq.Context()
     inputs: queue.Queue = queue.Queue()
     outputs: queue.Queue = queue.Queue()
@@ -179,6 +187,7 @@ def run_engine(config: EngineConfig, addresses: ipc.Addresses) -> int:
                      daemon=True).start()  # fmt: skip
     sender = threading.Thread(target=_send_loop, args=(ctx, addresses.output, outputs), daemon=True)
     sender.start()
+    notices = ipc.make_socket(ctx, zmq.PUSH, addresses.output, bind=False)  # the busy loop's own, for EngineStarted
     epoch = config.epoch
     try:
         core = EngineCore(config)
@@ -188,7 +197,7 @@ def run_engine(config: EngineConfig, addresses: ipc.Addresses) -> int:
         dtype = str(runner.dtype).removeprefix("torch.")
         log.info("engine core ready: %s, %s on %s, %d KV blocks", core.model_name, dtype, runner.device.type,
                  runner.num_blocks)  # fmt: skip
-        _busy_loop(core, inputs, outputs, epoch)
+        _busy_loop(core, inputs, outputs, notices, epoch)
         code = 0
     except KeyboardInterrupt:
         code = 0
@@ -199,15 +208,28 @@ def run_engine(config: EngineConfig, addresses: ipc.Addresses) -> int:
         code = 1
     outputs.put(None)
     sender.join(timeout=5)
+    notices.close()
     stop.set()
     ctx.term()  # the recv thread's blocking recv fails with ETERM and closes its socket; destroy() would race it
     return code
 
 
-def _busy_loop(core: EngineCore, inputs: queue.Queue, outputs: queue.Queue, epoch: int) -> None:
-    # Debug, opt-in (crash tests): a request whose prompt holds this token id kills the process, as a poison would.
+def _busy_loop(core: EngineCore, inputs: queue.Queue, outputs: queue.Queue, notices: zmq.Socket, epoch: int) -> None:
+    # Debug, opt-in (crash tests): a request whose prompt holds this token id kills the process when its first
+    # step starts, as a poison would.
     crash_on = os.environ.get("ROSEINFER_DEBUG_CRASH_ON_TOKEN")
     crash_on_id = int(crash_on) if crash_on else None
+    poisoned: set[str] = set()
+
+    def announce_started(request_id: str) -> None:
+        # From this thread on its own socket (5 us), not through the sender's queue (a thread handoff, 100 us):
+        # out before the request's first step runs, so that a crash in that step can be blamed on it.
+        notices.send(ipc.encode(EngineStarted(epoch, [request_id])), copy=False)
+        if request_id in poisoned:
+            time.sleep(0.05)  # a poison crashes in its step, not in the same microsecond
+            os._exit(1)
+
+    core.scheduler.on_start = announce_started
 
     def drain(block: bool) -> None:
         while True:
@@ -218,7 +240,7 @@ def _busy_loop(core: EngineCore, inputs: queue.Queue, outputs: queue.Queue, epoc
             block = False
             if isinstance(msg, EngineRequest):
                 if crash_on_id is not None and crash_on_id in msg.prompt_token_ids:
-                    os._exit(1)
+                    poisoned.add(msg.request_id)
                 core.add_request(msg)
             elif isinstance(msg, AbortRequest):
                 core.abort(msg.request_ids)

@@ -38,6 +38,7 @@ class Scheduler:
         self.prefix_queries = self.prefix_hits = self.num_preempted = 0
         self.gated: list[Request] = []  # constrained requests whose grammar is still compiling
         self.early_outputs: list[EngineOutput] = []  # requests that ended before running (a grammar error)
+        self.on_start: Callable[[str], None] | None = None  # told of each request's first admission (EngineStarted)
 
     # ---- requests in and out ----
 
@@ -67,10 +68,8 @@ class Scheduler:
         del self.requests[req.request_id]
 
     def abort(self, request_ids: list[str]) -> None:
-        for rid in request_ids:  # unknown or finished ids are fine: aborts are idempotent
-            req = self.requests.get(rid)
-            if req is not None:
-                self.finish(req, FinishReason.ABORT)
+        for req in filter(None, map(self.requests.get, request_ids)):  # unknown or finished ids: aborts are idempotent
+            self.finish(req, FinishReason.ABORT)
 
     @property
     def has_work(self) -> bool:
@@ -193,6 +192,8 @@ class Scheduler:
             self.prefix_queries += req.num_tokens
             self.prefix_hits += len(hits) * self.kv.block_size
         req.status = RequestStatus.RUNNING
+        if req.num_preemptions == 0 and self.on_start is not None:  # before its first step runs
+            self.on_start(req.request_id)
         return n
 
     def _allocate_running(self, req: Request, budget: int, protected: set[int]) -> int:

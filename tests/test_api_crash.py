@@ -14,9 +14,6 @@ from pathlib import Path
 import httpx
 import pytest
 
-from common.messages import EngineOutput, EngineRequest, SamplingParams
-from frontend.engine.request_stream import RequestStream
-from frontend.engine.supervisor import RestartBudget
 from tests.conftest import Server, engine_child
 from tests.test_api_streaming import metric
 
@@ -30,16 +27,19 @@ TOPICS = ["whales", "volcanoes", "the moon", "bread", "trains", "owls", "glacier
 
 @pytest.fixture(scope="module")
 def servers(tmp_path_factory: pytest.TempPathFactory):
-    """`crashy` (10 restarts, 10 s ping timeout) and `fragile` (1 restart, new requests wait 0.5 s for an engine).
-    crashy decodes overlapped (engine_core/overlap.py, CUDA's default), so crash resume is checked on that path too;
-    the other test servers take the synchronous one, the CPU's default."""
+    """`crashy` (10 restarts, 10 s ping timeout), `fragile` (1 restart, new requests wait 0.5 s for an engine) and
+    `serial` (one request at a time, so that the others queue in the engine). crashy decodes overlapped
+    (engine_core/overlap.py, CUDA's default), so crash resume is checked on that path too; the other test servers
+    take the synchronous one, the CPU's default."""
     with pytest.MonkeyPatch.context() as env:
         env.setenv("ROSEINFER_DEBUG_CRASH_ON_TOKEN", str(POISON_TOKEN))  # inherited by each engine core
         crashy = Server(tmp_path_factory.mktemp("crashy"), "--max-engine-restarts", "10", "--engine-ping-timeout",
                         str(PING_TIMEOUT), "--max-num-batched-tokens", "512", "--overlap-decode", "on")  # fmt: skip
         fragile = Server(tmp_path_factory.mktemp("fragile"), "--max-engine-restarts", "1", "--engine-restart-timeout",
                          "0.5", "--num-kv-blocks", "128")  # fmt: skip
-    yield crashy.wait_healthy(), fragile.wait_healthy()
+        serial = Server(tmp_path_factory.mktemp("serial"), "--max-num-seqs", "1", "--num-kv-blocks", "128")
+    yield crashy.wait_healthy(), fragile.wait_healthy(), serial.wait_healthy()
+    serial.stop()
     if fragile.proc.poll() is None:
         fragile.stop()
     crashy.engine_pid = engine_child(crashy)
@@ -208,6 +208,33 @@ def test_poison_request_fails_alone(servers):
     asyncio.run(scenario())
 
 
+def test_requests_queued_at_two_crashes_are_not_blamed(servers):
+    """Behind --max-num-seqs 1, requests the engine never started are bystanders of a poison's two crashes however
+    long they queue: they resume, and only the poison fails (EngineStarted tells the API who ran)."""
+    server = servers[2]
+    bodies = [body(i) for i in range(3)]
+
+    async def scenario() -> None:
+        async with httpx.AsyncClient(base_url=server.url, timeout=300) as client:
+            poison = {"model": MODEL, "prompt": await poison_prompt(client), "max_tokens": 8}
+            reference = [await stream(client, b) for b in bodies]
+            before = await restarts(client)
+            runs = [Run() for _ in bodies]
+            first = asyncio.create_task(stream(client, bodies[0], runs[0]))
+            await wait_progress(runs[:1], 1)
+            # Queued in the engine behind the first: the poison, then two more; the poison starts when the first
+            # ends, and again first on the new engine.
+            failed = asyncio.create_task(stream(client, poison))
+            await asyncio.sleep(0.2)
+            rest = [asyncio.create_task(stream(client, b, r)) for b, r in zip(bodies[1:], runs[1:], strict=True)]
+            failed_run = await failed
+            assert failed_run.error is not None and failed_run.error["code"] == "request_crashed_engine", failed_run
+            assert_same([await first, *await asyncio.gather(*rest)], reference)
+            assert await restarts(client) == before + 2
+
+    asyncio.run(scenario())
+
+
 def test_poison_response_stream_ends_with_response_failed(servers):
     """/v1/responses: a failure after the stream started is a response.failed event, and the stream ends."""
     server = servers[0]
@@ -259,31 +286,3 @@ def _mentions(proc: Path, text: str) -> bool:
         return text in (proc / "cmdline").read_bytes().decode(errors="replace")
     except OSError:
         return False
-
-
-def test_restart_budget_counts_within_the_window():
-    budget = RestartBudget(2, window=10.0)
-    assert budget.take(0.0) and budget.take(1.0)
-    assert not budget.take(5.0)  # a third within 10 s
-    assert budget.take(10.5) and not budget.take(10.6)  # the first has aged out, the second not yet
-    assert not RestartBudget(0, 10.0).take(0.0)
-
-
-def test_only_a_request_without_progress_at_two_crashes_running_is_poison():
-    def stream() -> RequestStream:
-        return RequestStream(EngineRequest("r", [1, 2], SamplingParams(max_tokens=10)), None)
-
-    def token(s: RequestStream, t: int) -> None:
-        s.on_output(EngineOutput("r", [t]))
-
-    innocent, poison, newcomer = stream(), stream(), stream()
-    innocent.mark_sent()
-    token(innocent, 5)
-    poison.mark_sent()
-    assert not innocent.on_crash() and not poison.on_crash()  # crash 1: only the poison is implicated
-    resent = innocent.mark_sent()
-    assert resent.output_token_ids == [5] and resent.params.max_tokens == 10  # resumes after what it streamed
-    poison.mark_sent()
-    newcomer.mark_sent()
-    assert not innocent.on_crash() and not newcomer.on_crash()  # crash 2 at once: implicated only once
-    assert poison.on_crash()

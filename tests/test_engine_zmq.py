@@ -10,7 +10,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from common.config import EngineConfig
-from common.messages import AbortRequest, EngineRequest, FinishReason, SamplingParams
+from common.messages import AbortRequest, EngineRequest, EngineStarted, FinishReason, SamplingParams
 from frontend.offline.engine_link import EngineClient, token_ids
 from tests.engine_helpers import GPU_TEST_KV, mixed_prompts
 
@@ -143,3 +143,26 @@ def test_churn_leaves_nothing_behind(tiny_model_dir) -> None:
         after = EngineRequest("after", [5, 6, 7], SamplingParams(max_tokens=3, ignore_eos=True))
         out = engine.generate([after])["after"]
         assert len(token_ids(out)) == 3
+
+
+def test_the_engine_announces_each_request_when_it_starts(tiny_model_dir) -> None:
+    """EngineStarted: once per request, when it first enters a step, before that step's outputs. One queued behind
+    --max-num-seqs 1 is announced only when it starts: after a crash the API blames only started requests."""
+    config = EngineConfig(model=str(tiny_model_dir), max_num_seqs=1, **GPU_TEST_KV)
+    with EngineClient(config) as engine:
+        params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+        for rid in ("a", "b"):
+            engine.send(EngineRequest(rid, [5, 6, 7, 8], params))
+        events: list[tuple[str, str]] = []
+        while sum(kind == "finished" for kind, _ in events) < 2:
+            msg = engine.recv(timeout=60)
+            assert msg is not None, events
+            if isinstance(msg, EngineStarted):
+                events += [("started", rid) for rid in msg.request_ids]
+            for out in getattr(msg, "outputs", []):
+                events.append(("finished" if out.finished else "token", out.request_id))
+    assert [e for e in events if e[0] == "started"] == [("started", "a"), ("started", "b")]
+    first = events.index
+    assert first(("started", "a")) < first(("token", "a")) < first(("finished", "a"))
+    # b waited while a decoded (the notice comes on its own socket, so it may pass a's last output on the way)
+    assert first(("token", "a")) < first(("started", "b")) < first(("token", "b"))

@@ -59,6 +59,7 @@ class RequestStream:
         self.last_token_time: float | None = None
         self.sent_at: int | None = None  # len(output_token_ids) when last sent to an engine; None: in none
         self.suspect = False  # implicated in the last engine crash
+        self.started = False  # the engine it was last sent to has admitted it into a step (EngineStarted)
         self.prompt_logprobs_seen = False  # a resumed request's engine sends none; at most once either way
         self.pacing = pacing  # None: the consumer is woken for every output
         self.hold_to_end = False  # a consumer that only wants the whole result (non-streaming) is woken once
@@ -123,16 +124,17 @@ class RequestStream:
     def mark_sent(self) -> EngineRequest:
         """The request to (re)send. After a restart it carries the tokens already streamed, after which the
         engine continues exactly (max_tokens stays the total: the engine counts them)."""
-        self.sent_at = len(self.output_token_ids)
+        self.sent_at, self.started = len(self.output_token_ids), False
         if not self.output_token_ids:
             return self.request
         return msgspec.structs.replace(self.request, output_token_ids=list(self.output_token_ids))
 
     def on_crash(self) -> bool:
         """Records an engine crash; True when this request is implicated in two crashes running (poison).
-        Implicated: in the engine, and no token since it was sent. One that made progress did not crash the
-        engine on sight, and blaming every bystander would fail all in-flight requests after any two crashes."""
-        implicated = self.sent_at is not None and len(self.output_token_ids) == self.sent_at
+        Implicated: started by the engine, and no token since it was sent. One that made progress did not crash
+        the engine on sight, one still queued never ran, and blaming every bystander would fail all in-flight
+        requests after any two crashes (the OOM killer twice under load)."""
+        implicated = self.started and self.sent_at is not None and len(self.output_token_ids) == self.sent_at
         poison = implicated and self.suspect
         self.suspect, self.sent_at = implicated, None
         return poison
