@@ -45,9 +45,10 @@ def test_kernel_matches_torch_path(dtype, tol, q_heads, kv_heads, head_dim, bloc
     assert torch.allclose(fast[0].float(), first, atol=tol)
 
 
-# The many-keys tiles: with AVX512-BF16, bf16 with head_dim % 32 == 0 takes 16 keys at a time (csrc/attend_bf16.c;
+# The tile kernels: with AVX512-BF16, bf16 with head_dim % 32 == 0 takes 16 keys at a time (csrc/attend_bf16.c;
 # block size 32 makes it split blocks into slices, 8 leaves it to the key-at-a-time path); with AVX2, both dtypes
-# take 8 at a time (csrc/attend_avx2.c). Block size 4 is left to the key-at-a-time path everywhere.
+# take the tile's rows in the lanes, 16 keys a softmax step (csrc/attend_avx2.c; blocks of 8 split those steps).
+# Block size 4 is left to the key-at-a-time path everywhere.
 @needs_prefill_kernel
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 @pytest.mark.parametrize("q_heads,kv_heads,head_dim", [(9, 3, 64), (4, 4, 32), (8, 1, 16), (6, 2, 128)])
@@ -96,6 +97,35 @@ def test_prefill_kernel_matches_torch_path(dtype, tol, q_heads, kv_heads, head_d
     reference = run(TorchBackend())
     assert torch.allclose(fast.float(), reference.float(), atol=tol, rtol=tol)
     assert not fast[row:].any()
+
+
+@needs_prefill_kernel
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("block_size", [16, 8])
+def test_prefill_rows_do_not_depend_on_their_chunk(dtype, block_size) -> None:
+    """A prompt's last rows attended as one chunk after cached prefixes of 0 to 19 tokens (so tiles start at every
+    offset) and beside other chunks: each row's output is bit for bit the same, as a prefix-cache hit needs."""
+    torch.manual_seed(0)
+    q_heads, kv_heads, head_dim, context = 9, 3, 64, 150
+    blocks = -(-context // block_size)
+    k_cache = torch.randn(2 * blocks + 1, block_size, kv_heads, head_dim, dtype=dtype)
+    v_cache = torch.randn(2 * blocks + 1, block_size, kv_heads, head_dim, dtype=dtype)
+    table = torch.randperm(2 * blocks)[:blocks]
+    q = torch.randn(context, q_heads, head_dim, dtype=dtype) * 2
+    kernels = cpu_kernels()
+    assert kernels is not None and kernels.supports_prefill(q, k_cache)
+    backend = CpuKernelBackend(kernels, kernel_prefill=True)
+    outputs = []
+    for cached in range(20):
+        other = PrefillChunk(0, 13, 13, table[:1])  # another request's chunk first: the prompt's rows move
+        chunk = PrefillChunk(13, context - cached, context, table)
+        rows = torch.cat([q[:13], q[cached:]])
+        meta = AttentionMetadata.build(torch.full((len(rows),), 2 * blocks * block_size), None, None, [other, chunk],
+                                       block_size)  # fmt: skip
+        outputs.append(backend.forward(rows, rows[:, :kv_heads], rows[:, :kv_heads], k_cache, v_cache, meta,
+                                       0.125)[13:][19 - cached :])  # fmt: skip
+    for cached, out in enumerate(outputs):
+        assert torch.equal(out, outputs[0]), cached
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.bfloat16, 2e-2), (torch.float32, 1e-5)])

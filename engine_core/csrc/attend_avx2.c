@@ -1,86 +1,127 @@
 // Paged attention of a tile of prefill query rows (up to 8) on CPUs with AVX2 + FMA and no AVX-512, over bf16 or
-// fp32 K/V, scoring 8 keys at a time: csrc/attend_bf16.c's plan with fp32 FMAs.
-// For each 8-key slice of a block and each KV head:
-//   - the keys are transposed once, widened to fp32 (lane t of kt[d] holds key t's dim d), so that a query head
-//     scores all 8 keys with one broadcast FMA per dim and no horizontal sum per key (the row-at-a-time kernel of
-//     csrc/paged_prefill.c took 15 ms a layer for 512 rows, torch's flash attention 8);
-//   - an 8-lane online-softmax step, then each row and query head of the tile adds the 8 keys' weighted values.
-// Every query row is computed alone, in the same order whatever else is in its tile: keys its row may not see
-// get a weight of exactly 0. Needs head_dim % 8 == 0 and block_size % 8 == 0 (attend_avx2_takes).
+// fp32 K/V. The tile's rows lie in the 8 fp32 lanes: lane r of every vector belongs to query row r, so nothing is
+// ever summed across lanes.
+// For each KV head, and each slice of KEYS keys of the context:
+//   - the slice's key and value rows are widened to fp32 once, for the tile's rows and the group's query heads;
+//   - a query head's scores: for each dim, the rows' query values (one vector) times the key's value (one
+//     broadcast), 8 keys at a time in 8 independent FMA chains: a vector of 8 rows' scores per key;
+//   - the online softmax of KEYS keys: maxima, sums and the rescaling factor are lane-wise vector operations;
+//   - the weighted values: per dim, the keys' weights (one vector per key) times the value (one broadcast).
+// csrc/attend_bf16.c's plan, with the keys in the lanes, ran here before: it transposed each slice's keys and took a
+// horizontal max, a horizontal sum and a scalar exp per 8 keys and query head. The last 2048-row chunk of an 8k
+// prompt (SmolLM2's heads, both cores): 38-44 -> 79-96 GFLOP/s, of about 128 at peak (bench.prefill_kernel).
+// Every query row is computed alone, in the same order whatever else is in its tile: slices start at key 0, and
+// keys its row may not see get a weight of exactly 0. Needs head_dim % 8 == 0 and block_size % 8 == 0
+// (attend_avx2_takes).
 #include "kernel_common.h"
 
 #if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
 #include <immintrin.h>
 
-#define KEYS 8
+#define KEYS 16  // keys per softmax step; a multiple of 8, so that each 8-key part lies in one block
 
-#define DEFINE_ATTEND(NAME, T, LOAD)                                                                              \
-void NAME(const T* q, int64_t q_row_stride, const T* k_cache, const T* v_cache, const int64_t* table,         \
-          int64_t first_pos, int rows, T* out, int num_q_heads, int num_kv_heads, int head_dim, int block_size,  \
-          float scale) {                                                                                         \
-    const int group = num_q_heads / num_kv_heads, nv = head_dim / 8;                                             \
-    const int64_t stride = (int64_t)num_kv_heads * head_dim, block_elems = block_size * stride;                 \
-    float qs[rows][num_q_heads][head_dim], m[rows][num_q_heads], l[rows][num_q_heads], w[KEYS];                 \
-    __m256 acc[rows][num_q_heads][nv], kt[ATTEND_MAX_DIM], vs[KEYS][ATTEND_MAX_DIM / 8];                        \
-    for (int r = 0; r < rows; r++)                                                                               \
-        for (int i = 0; i < num_q_heads; i++) {                                                                  \
-            for (int d = 0; d < head_dim; d++) qs[r][i][d] = LOAD(q[r * q_row_stride + i * head_dim + d]) * scale; \
-            for (int j = 0; j < nv; j++) acc[r][i][j] = _mm256_setzero_ps();                                     \
-            m[r][i] = NO_SCORE, l[r][i] = 0.f;                                                                   \
-        }                                                                                                        \
-    const int64_t context = first_pos + rows; /* keys the last row of the tile sees */                           \
-    for (int64_t start = 0; start < context; start += KEYS) {                                                    \
-        const int64_t at = table[start / block_size] * block_elems + start % block_size * stride;               \
-        const int n = (int)(context - start < KEYS ? context - start : KEYS);                                    \
-        int visible[rows]; /* keys of this slice row r may see: a prefix of it */                                \
-        for (int r = 0; r < rows; r++) {                                                                         \
-            const int64_t v = first_pos + r + 1 - start;                                                         \
-            visible[r] = (int)(v < 0 ? 0 : v > KEYS ? KEYS : v);                                                 \
-        }                                                                                                        \
-        for (int h = 0; h < num_kv_heads; h++) {                                                                 \
-            float* keys = (float*)kt;                                                                            \
-            float* values = (float*)vs;                                                                          \
-            for (int t = 0; t < KEYS; t++) { /* zeros past the last key: 0 x 0, never 0 x garbage */             \
-                const T* k = k_cache + at + t * stride + h * head_dim;                                           \
-                const T* v = v_cache + at + t * stride + h * head_dim;                                           \
-                for (int d = 0; d < head_dim; d++) keys[d * KEYS + t] = t < n ? LOAD(k[d]) : 0.f;                \
-                for (int d = 0; d < head_dim; d++) values[t * (ATTEND_MAX_DIM) + d] = t < n ? LOAD(v[d]) : 0.f;  \
-            }                                                                                                    \
-            for (int r = 0; r < rows; r++)                                                                       \
-                for (int g = 0; g < (visible[r] ? group : 0); g++) {                                             \
-                    const int i = h * group + g;                                                                 \
-                    const float* qh = qs[r][i];                                                                  \
-                    __m256 s[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(),                \
-                                   _mm256_setzero_ps()};                                                         \
-                    for (int d = 0; d < head_dim; d += 4) /* four chains: an FMA takes four cycles */            \
-                        for (int c = 0; c < 4; c++) s[c] = _mm256_fmadd_ps(_mm256_set1_ps(qh[d + c]), kt[d + c], s[c]); \
-                    const __m256 scores = _mm256_add_ps(_mm256_add_ps(s[0], s[1]), _mm256_add_ps(s[2], s[3]));   \
-                    const __m256 c = _mm256_set1_ps(softmax8(scores, visible[r], &m[r][i], &l[r][i], w));        \
-                    __m256 wt[KEYS];                                                                             \
-                    for (int t = 0; t < KEYS; t++) wt[t] = _mm256_set1_ps(w[t]);                                 \
-                    for (int j = 0; j < nv; j++) {                                                               \
-                        __m256 a = _mm256_mul_ps(acc[r][i][j], c);                                               \
-                        for (int t = 0; t < KEYS; t++) a = _mm256_fmadd_ps(wt[t], vs[t][j], a);                  \
-                        acc[r][i][j] = a;                                                                        \
-                    }                                                                                            \
-                }                                                                                                \
-        }                                                                                                        \
-    }                                                                                                            \
-    for (int r = 0; r < rows; r++)                                                                               \
-        for (int i = 0; i < num_q_heads; i++) {                                                                  \
-            const float inv = l[r][i] > 0.f ? 1.f / l[r][i] : 0.f, *sums = (const float*)acc[r][i];              \
-            T* o = out + ((int64_t)r * num_q_heads + i) * head_dim;                                              \
-            for (int d = 0; d < head_dim; d++) o[d] = STORE_AS_##T(sums[d] * inv);                               \
-        }                                                                                                        \
+static inline __m256 widen_uint16_t(const uint16_t* p) { return vload_bf16(p); }
+static inline __m256 widen_float(const float* p) { return _mm256_loadu_ps(p); }
+
+// Scores of 8 keys (rows of keys[], head_dim apart) for the rows whose query values are qt[d]: s[t] = q . key t.
+static inline __attribute__((always_inline)) void score8(const __m256* qt, const float* keys, int head_dim,
+                                                         __m256* s) {
+    __m256 a[8];
+    for (int t = 0; t < 8; t++) a[t] = _mm256_setzero_ps();
+    for (int d = 0; d < head_dim; d++) {
+        const __m256 qd = qt[d];
+        for (int t = 0; t < 8; t++) a[t] = _mm256_fmadd_ps(qd, _mm256_broadcast_ss(keys + t * head_dim + d), a[t]);
+    }
+    for (int t = 0; t < 8; t++) s[t] = a[t];
 }
 
-#define STORE_AS_uint16_t bf16_store
-#define STORE_AS_float F32_STORE
-DEFINE_ATTEND(attend_avx2_tile_bf16, uint16_t, bf16_load)
-DEFINE_ATTEND(attend_avx2_tile_f32, float, F32_LOAD)
+// acc[d] = acc[d] * c + sum over n keys of p[t] * values[t][d], 8 dims at a time.
+static inline __attribute__((always_inline)) void add_values(__m256* acc, __m256 c, const __m256* p,
+                                                             const float* values, int n, int head_dim) {
+    for (int d0 = 0; d0 < head_dim; d0 += 8) {
+        __m256 a[8];
+        for (int j = 0; j < 8; j++) a[j] = _mm256_mul_ps(acc[d0 + j], c);
+        for (int t = 0; t < n; t++)
+            for (int j = 0; j < 8; j++) a[j] = _mm256_fmadd_ps(p[t], _mm256_broadcast_ss(values + t * head_dim + d0 + j), a[j]);
+        for (int j = 0; j < 8; j++) acc[d0 + j] = a[j];
+    }
+}
+
+#define DEFINE_ATTEND(NAME, T, LOAD, STORE)                                                                        \
+void NAME(const T* q, int64_t q_row_stride, const T* k_cache, const T* v_cache, const int64_t* table,          \
+          int64_t first_pos, int rows, T* out, int num_q_heads, int num_kv_heads, int head_dim, int block_size,   \
+          float scale) {                                                                                          \
+    const int group = num_q_heads / num_kv_heads;                                                                 \
+    const int64_t stride = (int64_t)num_kv_heads * head_dim, block_elems = block_size * stride;                  \
+    const int64_t context = first_pos + rows; /* keys the last row of the tile sees */                            \
+    __m256 qt[group][head_dim], acc[group][head_dim], m[group], l[group], s[KEYS];                              \
+    __attribute__((aligned(32))) float keys[KEYS * head_dim], values[KEYS * head_dim];                           \
+    /* the last key each lane may see; lanes past the tile's rows see the whole context (their q is 0) */        \
+    int32_t last[8];                                                                                              \
+    for (int r = 0; r < 8; r++) last[r] = (int32_t)(r < rows ? first_pos + r : context - 1);                     \
+    const __m256i last_key = _mm256_loadu_si256((const __m256i*)last);                                            \
+    for (int h = 0; h < num_kv_heads; h++) {                                                                      \
+        for (int g = 0; g < group; g++) {                                                                         \
+            float* lanes = (float*)qt[g];                                                                         \
+            for (int d = 0; d < head_dim; d++)                                                                    \
+                for (int r = 0; r < 8; r++)                                                                       \
+                    lanes[d * 8 + r] = r < rows ? LOAD(q[r * q_row_stride + (h * group + g) * head_dim + d]) * scale : 0.f; \
+            for (int d = 0; d < head_dim; d++) acc[g][d] = _mm256_setzero_ps();                                   \
+            m[g] = _mm256_set1_ps(NO_SCORE), l[g] = _mm256_setzero_ps();                                         \
+        }                                                                                                         \
+        for (int64_t start = 0; start < context; start += KEYS) {                                                 \
+            const int n = (int)(context - start < KEYS ? context - start : KEYS), n8 = (n + 7) & ~7;              \
+            for (int t = 0; t < n8; t += 8) { /* zeros past the last key: 0 x 0, never 0 x garbage */           \
+                const int64_t at = table[(start + t) / block_size] * block_elems + (start + t) % block_size * stride \
+                                   + h * head_dim;                                                                \
+                for (int u = t; u < t + 8; u++)                                                                   \
+                    for (int d = 0; d < head_dim; d += 8) {                                                       \
+                        const __m256 k = u < n ? widen_##T(k_cache + at + (u - t) * stride + d) : _mm256_setzero_ps(); \
+                        const __m256 v = u < n ? widen_##T(v_cache + at + (u - t) * stride + d) : _mm256_setzero_ps(); \
+                        _mm256_store_ps(keys + u * head_dim + d, k), _mm256_store_ps(values + u * head_dim + d, v); \
+                    }                                                                                             \
+            }                                                                                                     \
+            /* visible[t]: the lanes that may see key start + t (all of them in every slice but the last few) */ \
+            const int masked = start + KEYS - 1 > first_pos;                                                      \
+            __m256 visible[KEYS];                                                                                 \
+            for (int t = 0; masked && t < n8; t++)                                                                \
+                visible[t] = _mm256_castsi256_ps(_mm256_cmpgt_epi32(                                              \
+                    _mm256_add_epi32(last_key, _mm256_set1_epi32(1)), _mm256_set1_epi32((int32_t)(start + t)))); \
+            for (int g = 0; g < group; g++) {                                                                     \
+                for (int t = 0; t < n8; t += 8) score8(qt[g], keys + t * head_dim, head_dim, s + t);             \
+                __m256 top = m[g];                                                                                \
+                for (int t = 0; t < n8; t++) {                                                                    \
+                    if (masked) s[t] = _mm256_blendv_ps(_mm256_set1_ps(NO_SCORE), s[t], visible[t]);              \
+                    top = _mm256_max_ps(top, s[t]);                                                               \
+                }                                                                                                 \
+                const __m256 c = exp8(_mm256_sub_ps(m[g], top)); /* exactly 1 where the max stayed */             \
+                __m256 sum = _mm256_setzero_ps();                                                                 \
+                for (int t = 0; t < n8; t++) {                                                                    \
+                    s[t] = exp8(_mm256_sub_ps(s[t], top));                                                        \
+                    if (masked) s[t] = _mm256_and_ps(s[t], visible[t]);                                           \
+                    sum = _mm256_add_ps(sum, s[t]);                                                               \
+                }                                                                                                 \
+                l[g] = _mm256_add_ps(_mm256_mul_ps(l[g], c), sum), m[g] = top;                                    \
+                add_values(acc[g], c, s, values, n8, head_dim);                                                   \
+            }                                                                                                     \
+        }                                                                                                         \
+        for (int g = 0; g < group; g++) {                                                                         \
+            const float* sums = (const float*)acc[g];                                                             \
+            float inv[8];                                                                                         \
+            _mm256_storeu_ps(inv, _mm256_div_ps(_mm256_set1_ps(1.f), l[g])); /* l >= 1: the max's own weight */   \
+            for (int r = 0; r < rows; r++) {                                                                      \
+                T* o = out + ((int64_t)r * num_q_heads + h * group + g) * head_dim;                               \
+                for (int d = 0; d < head_dim; d++) o[d] = STORE(sums[d * 8 + r] * inv[r]);                        \
+            }                                                                                                     \
+        }                                                                                                         \
+    }                                                                                                             \
+}
+
+DEFINE_ATTEND(attend_avx2_tile_bf16, uint16_t, bf16_load, bf16_store)
+DEFINE_ATTEND(attend_avx2_tile_f32, float, F32_LOAD, F32_STORE)
 
 int attend_avx2_takes(int head_dim, int block_size) {
-    return head_dim % 8 == 0 && head_dim <= ATTEND_MAX_DIM && block_size % KEYS == 0;
+    return head_dim % 8 == 0 && head_dim <= ATTEND_MAX_DIM && block_size % 8 == 0;
 }
 #else
 int attend_avx2_takes(int head_dim, int block_size) { (void)head_dim; (void)block_size; return 0; }
