@@ -180,11 +180,11 @@ class EnginePulse(_Msg, tag="pulse"):
 
 
 class EngineStarted(_Msg, tag="started"):
-    """Requests this engine admits for the first time, sent before their first step runs: after a crash, the API
+    """A request this engine admits for the first time, sent before its first step runs: after a crash, the API
     blames only requests the engine had started, never those still queued (frontend/engine/request_stream.py)."""
 
     epoch: int
-    request_ids: list[str]
+    request_id: str
 
 
 EngineMessage = EngineOutputs | UtilityResult | EngineReady | EngineDead | EnginePulse | EngineStarted

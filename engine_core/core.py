@@ -224,7 +224,7 @@ def _busy_loop(core: EngineCore, inputs: queue.Queue, outputs: queue.Queue, noti
     def announce_started(request_id: str) -> None:
         # From this thread on its own socket (5 us), not through the sender's queue (a thread handoff, 100 us):
         # out before the request's first step runs, so that a crash in that step can be blamed on it.
-        notices.send(ipc.encode(EngineStarted(epoch, [request_id])), copy=False)
+        notices.send(ipc.encode(EngineStarted(epoch, request_id)), copy=False)
         if request_id in poisoned:
             time.sleep(0.05)  # a poison crashes in its step, not in the same microsecond
             os._exit(1)

@@ -158,7 +158,7 @@ def test_the_engine_announces_each_request_when_it_starts(tiny_model_dir) -> Non
             msg = engine.recv(timeout=60)
             assert msg is not None, events
             if isinstance(msg, EngineStarted):
-                events += [("started", rid) for rid in msg.request_ids]
+                events.append(("started", msg.request_id))
             for out in getattr(msg, "outputs", []):
                 events.append(("finished" if out.finished else "token", out.request_id))
     assert [e for e in events if e[0] == "started"] == [("started", "a"), ("started", "b")]

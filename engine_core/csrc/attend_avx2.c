@@ -20,9 +20,6 @@
 
 #define KEYS 16  // keys per softmax step; a multiple of 8, so that each 8-key part lies in one block
 
-static inline __m256 widen_uint16_t(const uint16_t* p) { return vload_bf16(p); }
-static inline __m256 widen_float(const float* p) { return _mm256_loadu_ps(p); }
-
 // Scores of 8 keys (rows of keys[], head_dim apart) for the rows whose query values are qt[d]: s[t] = q . key t.
 static inline __attribute__((always_inline)) void score8(const __m256* qt, const float* keys, int head_dim,
                                                          __m256* s) {
@@ -47,19 +44,19 @@ static inline __attribute__((always_inline)) void add_values(__m256* acc, __m256
     }
 }
 
-#define DEFINE_ATTEND(NAME, T, LOAD, STORE)                                                                        \
-void NAME(const T* q, int64_t q_row_stride, const T* k_cache, const T* v_cache, const int64_t* table,          \
+#define DEFINE_ATTEND(NAME, T, LOAD, VLOAD, STORE)                                                                 \
+void NAME(const T* q, int64_t q_row_stride, const T* k_cache, const T* v_cache, const int64_t* table,             \
           int64_t first_pos, int rows, T* out, int num_q_heads, int num_kv_heads, int head_dim, int block_size,   \
           float scale) {                                                                                          \
     const int group = num_q_heads / num_kv_heads;                                                                 \
-    const int64_t stride = (int64_t)num_kv_heads * head_dim, block_elems = block_size * stride;                  \
+    const int64_t stride = (int64_t)num_kv_heads * head_dim, block_elems = block_size * stride;                   \
     const int64_t context = first_pos + rows; /* keys the last row of the tile sees */                            \
-    __m256 qt[group][head_dim], acc[group][head_dim], m[group], l[group], s[KEYS];                              \
-    __attribute__((aligned(32))) float keys[KEYS * head_dim], values[KEYS * head_dim];                           \
-    /* the last key each lane may see; lanes past the tile's rows see the whole context (their q is 0) */        \
-    int32_t last[8];                                                                                              \
-    for (int r = 0; r < 8; r++) last[r] = (int32_t)(r < rows ? first_pos + r : context - 1);                     \
-    const __m256i last_key = _mm256_loadu_si256((const __m256i*)last);                                            \
+    __m256 qt[group][head_dim], acc[group][head_dim], m[group], l[group], s[KEYS];                                \
+    __attribute__((aligned(32))) float keys[KEYS * head_dim], values[KEYS * head_dim];                            \
+    /* keys each lane may see; lanes past the tile's rows see the whole context (their q is 0) */                 \
+    int32_t seen[8];                                                                                              \
+    for (int r = 0; r < 8; r++) seen[r] = (int32_t)(r < rows ? first_pos + r + 1 : context);                      \
+    const __m256i seen_end = _mm256_loadu_si256((const __m256i*)seen);                                            \
     for (int h = 0; h < num_kv_heads; h++) {                                                                      \
         for (int g = 0; g < group; g++) {                                                                         \
             float* lanes = (float*)qt[g];                                                                         \
@@ -67,28 +64,27 @@ void NAME(const T* q, int64_t q_row_stride, const T* k_cache, const T* v_cache, 
                 for (int r = 0; r < 8; r++)                                                                       \
                     lanes[d * 8 + r] = r < rows ? LOAD(q[r * q_row_stride + (h * group + g) * head_dim + d]) * scale : 0.f; \
             for (int d = 0; d < head_dim; d++) acc[g][d] = _mm256_setzero_ps();                                   \
-            m[g] = _mm256_set1_ps(NO_SCORE), l[g] = _mm256_setzero_ps();                                         \
+            m[g] = _mm256_set1_ps(NO_SCORE), l[g] = _mm256_setzero_ps();                                          \
         }                                                                                                         \
         for (int64_t start = 0; start < context; start += KEYS) {                                                 \
             const int n = (int)(context - start < KEYS ? context - start : KEYS), n8 = (n + 7) & ~7;              \
-            for (int t = 0; t < n8; t += 8) { /* zeros past the last key: 0 x 0, never 0 x garbage */           \
+            for (int t = 0; t < n8; t += 8) { /* zeros past the last key: 0 x 0, never 0 x garbage */             \
                 const int64_t at = table[(start + t) / block_size] * block_elems + (start + t) % block_size * stride \
                                    + h * head_dim;                                                                \
                 for (int u = t; u < t + 8; u++)                                                                   \
                     for (int d = 0; d < head_dim; d += 8) {                                                       \
-                        const __m256 k = u < n ? widen_##T(k_cache + at + (u - t) * stride + d) : _mm256_setzero_ps(); \
-                        const __m256 v = u < n ? widen_##T(v_cache + at + (u - t) * stride + d) : _mm256_setzero_ps(); \
+                        const __m256 k = u < n ? VLOAD(k_cache + at + (u - t) * stride + d) : _mm256_setzero_ps(); \
+                        const __m256 v = u < n ? VLOAD(v_cache + at + (u - t) * stride + d) : _mm256_setzero_ps(); \
                         _mm256_store_ps(keys + u * head_dim + d, k), _mm256_store_ps(values + u * head_dim + d, v); \
                     }                                                                                             \
             }                                                                                                     \
-            /* visible[t]: the lanes that may see key start + t (all of them in every slice but the last few) */ \
+            /* visible[t]: the lanes that may see key start + t (all of them in every slice but the last few) */  \
             const int masked = start + KEYS - 1 > first_pos;                                                      \
             __m256 visible[KEYS];                                                                                 \
             for (int t = 0; masked && t < n8; t++)                                                                \
-                visible[t] = _mm256_castsi256_ps(_mm256_cmpgt_epi32(                                              \
-                    _mm256_add_epi32(last_key, _mm256_set1_epi32(1)), _mm256_set1_epi32((int32_t)(start + t)))); \
+                visible[t] = _mm256_castsi256_ps(_mm256_cmpgt_epi32(seen_end, _mm256_set1_epi32((int32_t)(start + t)))); \
             for (int g = 0; g < group; g++) {                                                                     \
-                for (int t = 0; t < n8; t += 8) score8(qt[g], keys + t * head_dim, head_dim, s + t);             \
+                for (int t = 0; t < n8; t += 8) score8(qt[g], keys + t * head_dim, head_dim, s + t);              \
                 __m256 top = m[g];                                                                                \
                 for (int t = 0; t < n8; t++) {                                                                    \
                     if (masked) s[t] = _mm256_blendv_ps(_mm256_set1_ps(NO_SCORE), s[t], visible[t]);              \
@@ -117,8 +113,8 @@ void NAME(const T* q, int64_t q_row_stride, const T* k_cache, const T* v_cache, 
     }                                                                                                             \
 }
 
-DEFINE_ATTEND(attend_avx2_tile_bf16, uint16_t, bf16_load, bf16_store)
-DEFINE_ATTEND(attend_avx2_tile_f32, float, F32_LOAD, F32_STORE)
+DEFINE_ATTEND(attend_avx2_tile_bf16, uint16_t, bf16_load, vload_bf16, bf16_store)
+DEFINE_ATTEND(attend_avx2_tile_f32, float, F32_LOAD, vload_f32, F32_STORE)
 
 int attend_avx2_takes(int head_dim, int block_size) {
     return head_dim % 8 == 0 && head_dim <= ATTEND_MAX_DIM && block_size % 8 == 0;

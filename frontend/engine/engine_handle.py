@@ -182,9 +182,8 @@ class EngineHandle:
             if msg.epoch == self.epoch:
                 self.last_pulse = time.monotonic()
         elif isinstance(msg, EngineStarted):
-            for request_id in msg.request_ids if msg.epoch == self.epoch else ():
-                if (stream := self.streams.get(request_id)) is not None:
-                    stream.started = True
+            if msg.epoch == self.epoch and (stream := self.streams.get(msg.request_id)) is not None:
+                stream.started = True
         elif isinstance(msg, EngineDead):
             self.engine_down(f"{self.label} (epoch {msg.epoch}) died: {msg.error}" if self.ready else
                              f"{self.label} failed to start: {msg.error}", msg.epoch)  # fmt: skip
