@@ -101,11 +101,13 @@ def test_packed_linears_match_the_float_matmul_and_onednn_packing_is_exact(torch
 
 
 @needs_linear_kernels
-@pytest.mark.parametrize("out_features,in_features", [(96, 64), (33, 2), (1000, 576), (48, 1536), (100, 34), (20, 64)])
+@pytest.mark.parametrize("out_features,in_features",
+                         [(96, 64), (33, 2), (1000, 576), (48, 1536), (100, 34), (20, 64), (40, 4096)])
 @pytest.mark.parametrize("bias", [False, True])
 def test_bf16_linear_matches_fp32_and_each_row_is_computed_alone(out_features, in_features, bias) -> None:
     """csrc/linear.c in bf16 against the fp32 matmul, for output widths off its 48-column panels and 16-column
-    vectors, row counts across its tiles (8 rows with AVX512-BF16; 1-2 rows, then 6 at a time with AVX2), and
+    vectors, row counts across its tiles (8 rows with AVX512-BF16; with AVX2, up to 12 rows 2 at a time over whole
+    panels, more 6 at a time in strips, in blocks of rows whose widened x fits L2: 12 rows at 4096 features), and
     strided input rows; and every row bit for bit the same alone as inside any batch: what makes seeded sampling
     independent of the batch (see prepare_linears)."""
     kernels = cpu_kernels()

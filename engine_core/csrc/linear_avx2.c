@@ -4,12 +4,17 @@
 //
 // A 32-bit lane of a packed panel holds one column's weights for k = 2p (low half) and 2p + 1 (high half), so
 // `lane << 16` and `lane & 0xFFFF0000` are the two fp32 weights: no shuffles. x is widened to fp32 once per call.
-// - 1 or 2 rows take the whole 48-column panel in one pass, 6 (or 12) accumulators: the weights are read once
-//   (the LM head at one row: 10 -> 5 ms, torch's fp32 17 ms).
-// - 3 rows or more go through the panel in strips of 16 columns, 6 rows at a time: 12 accumulators, and each
+// - Up to 12 rows take the whole 48-column panel in one pass per 1 or 2 rows, 6 (or 12) accumulators: the weights
+//   are read from memory once, in order (the LM head at one row: 10 -> 5 ms, torch's fp32 17 ms). SmolLM2's
+//   linears at 3 to 12 rows took 25-30% less time this way than in strips, whose first strip reads one cache
+//   line in three of the panel from memory; from 16 rows on, the strips' 6-row tiles do less work per product.
+// - More rows go through the panel in strips of 16 columns, 6 rows at a time: 12 accumulators, and each
 //   k's two weight vectors are used by all 6 rows as soon as they are made, so that accumulators, weights and
 //   the broadcast row value fit AVX2's 16 registers. A 4 x 24 tile needed 8 broadcasts live at once and spilled
 //   them to the stack: 80-85 GFLOP/s at many rows against 120-135 for the strips (MKL's fp32 here: 110-150).
+//   x is widened into tiles of 6 rows, k-major (a k's 6 values side by side), so that a tile's broadcasts read
+//   one stream; and rows go in blocks whose widened x fits L2, each block through all of a thread's strips, so
+//   that a long prompt's x is not streamed from L3 once per strip.
 // - int8 panels (--quantization int8) are widened, a panel at a time, to the bf16 panel of bf16(q * scale) that
 //   AVX512-BF16 widens them to, then read as above. A one-row decode step of SmolLM2 took 26-30 ms against plain
 //   bf16's 17-19: 8 instructions of widening per 8 weights cost more here than the bytes they save.
@@ -25,10 +30,12 @@
 #define PANEL_COLS LINEAR_PANEL_COLS  // csrc/linear.c's panels: the packing is shared
 #define PANEL_VECS (PANEL_COLS / 8)   // 8-column vectors per panel
 #define STRIP_ROWS 6
+#define WIDE_MAX_ROWS 12  // up to this many rows: wide tiles over the whole panel, else strips
 #define GROUP 32  // int8 panels: weights per scale (csrc/linear.c)
 #define GROUP_PAIRS (GROUP / 2)
 #define GROUP_VEC_BYTES (GROUP_PAIRS * 32 + 32 * 4)  // per group and 16-column vector: int8 pairs, 32 lane scales
 #define UNROLLED _Pragma("GCC unroll 6")  // every row and vector: a partly unrolled loop keeps sums in memory
+#define L2_X_BYTES (256 * 1024)          // a block of rows' widened x, kept in L2 while the strips go through it
 
 static inline __attribute__((always_inline)) void store_rows(const float* sums, int stride, int mr, int n,
                                                              const uint16_t* bias, uint16_t* out, int64_t ldo) {
@@ -64,7 +71,8 @@ static inline __attribute__((always_inline)) void wide_tile(const float* xf, int
     store_rows(sums[0], PANEL_COLS, mr, n, bias, out, ldo);
 }
 
-// mr (up to 6) rows x one strip of 16 columns (two vectors) starting at `strip`; the rest as wide_tile.
+// mr (up to 6) rows x one strip of 16 columns (two vectors) starting at `strip`; xf: a tile of widened rows,
+// k-major with STRIP_ROWS values per k (see widen_tiles); the rest as wide_tile.
 static inline __attribute__((always_inline)) void strip_tile(const float* xf, int64_t k_len, int mr,
                                                              const uint16_t* strip, int64_t pair_u16,
                                                              const uint16_t* bias, uint16_t* out, int64_t ldo, int n) {
@@ -77,14 +85,14 @@ static inline __attribute__((always_inline)) void strip_tile(const float* xf, in
         __m256 w0 = _mm256_castsi256_ps(_mm256_slli_epi32(lanes0, 16));  // k = 2p
         __m256 w1 = _mm256_castsi256_ps(_mm256_slli_epi32(lanes1, 16));
         UNROLLED for (int i = 0; i < mr; i++) {
-            const __m256 xi = _mm256_broadcast_ss(xf + i * k_len + 2 * p);
+            const __m256 xi = _mm256_broadcast_ss(xf + 2 * p * STRIP_ROWS + i);
             acc[i][0] = _mm256_fmadd_ps(xi, w0, acc[i][0]);
             acc[i][1] = _mm256_fmadd_ps(xi, w1, acc[i][1]);
         }
         w0 = _mm256_castsi256_ps(_mm256_and_si256(lanes0, high));  // k = 2p + 1
         w1 = _mm256_castsi256_ps(_mm256_and_si256(lanes1, high));
         UNROLLED for (int i = 0; i < mr; i++) {
-            const __m256 xi = _mm256_broadcast_ss(xf + i * k_len + 2 * p + 1);
+            const __m256 xi = _mm256_broadcast_ss(xf + (2 * p + 1) * STRIP_ROWS + i);
             acc[i][0] = _mm256_fmadd_ps(xi, w0, acc[i][0]);
             acc[i][1] = _mm256_fmadd_ps(xi, w1, acc[i][1]);
         }
@@ -114,8 +122,8 @@ static __attribute__((noinline)) void strip_rows(const float* xf, int64_t k_len,
 #undef STRIP
 }
 
-// 1 or 2 rows: the whole panel in one pass, or, in the last panel of a weight whose rows are not a multiple of
-// 48, one vector at a time.
+// 1 or 2 rows (row-major in xf): the whole panel in one pass, or, in the last panel of a weight whose rows are not
+// a multiple of 48, one vector at a time.
 static void wide_rows(const float* xf, int64_t k_len, int mr, const uint16_t* panel, int64_t pair_u16,
                       const uint16_t* bias, uint16_t* out, int64_t ldo, int n) {
     if (n == PANEL_COLS) {
@@ -162,6 +170,17 @@ static void widen_int8_panel(const int8_t* panel, int nv, int64_t k_len, uint16_
     }
 }
 
+// x (bf16) widened to fp32: up to WIDE_MAX_ROWS rows row-major (wide_rows); more in tiles of STRIP_ROWS rows,
+// k-major, the last tile's missing rows left unset (strip_tile never reads them). Rows split over the threads.
+static void widen_rows(const uint16_t* x, int64_t ldx, int64_t m_len, int64_t k_len, float* xf) {
+    const int tiled = m_len > WIDE_MAX_ROWS;
+    _Pragma("omp for schedule(static)") for (int64_t i = 0; i < m_len; i++) {
+        float* to = tiled ? xf + i / STRIP_ROWS * STRIP_ROWS * k_len + i % STRIP_ROWS : xf + i * k_len;
+        const int64_t step = tiled ? STRIP_ROWS : 1;
+        for (int64_t k = 0; k < k_len; k++) to[k * step] = bf16_load(x[i * ldx + k]);
+    }
+}
+
 // csrc/linear.c's linear() on this CPU; the arguments are that function's.
 void linear_avx2(const uint16_t* x, int64_t ldx, int64_t m_len, const void* packed, int q8, const uint16_t* bias,
                  uint16_t* out, int64_t ldo, int64_t n_len, int64_t k_len) {
@@ -169,28 +188,37 @@ void linear_avx2(const uint16_t* x, int64_t ldx, int64_t m_len, const void* pack
     const int64_t panels = (n_len + PANEL_COLS - 1) / PANEL_COLS;
     // the packed bytes of one weight row: 2 per k in bf16; in int8 40 per 32 k (the weights, their scale twice)
     const int64_t bytes_per_col = q8 ? k_len / GROUP * GROUP_VEC_BYTES / 16 : 2 * k_len;
-    float* xf = malloc(m_len * k_len * sizeof(float));  // x widened once, read by every panel
+    const int64_t tiles = (m_len + STRIP_ROWS - 1) / STRIP_ROWS;
+    float* xf = malloc(tiles * STRIP_ROWS * k_len * sizeof(float));  // x widened once, read by every panel
+    // rows per block: whole tiles of x that fit L2; one block for int8, whose panels are widened once per block
+    const int64_t fit = L2_X_BYTES / (k_len * (int64_t)sizeof(float)) / STRIP_ROWS * STRIP_ROWS;
+    const int64_t block = q8 || m_len <= WIDE_MAX_ROWS || fit == 0 ? m_len : fit;
     const int parallel = n_len * k_len >= 1 << 16;
     _Pragma("omp parallel if (parallel)") {
         uint16_t* wide = q8 ? malloc(PANEL_COLS * k_len * sizeof(uint16_t)) : NULL;  // an int8 panel, widened
-        _Pragma("omp for schedule(static)") for (int64_t i = 0; i < m_len; i++)
-            for (int64_t k = 0; k < k_len; k++) xf[i * k_len + k] = bf16_load(x[i * ldx + k]);
-        _Pragma("omp for schedule(static)") for (int64_t b = 0; b < panels; b++) {
-            const int64_t n0 = b * PANEL_COLS;
-            const int cols = n_len - n0 < PANEL_COLS ? (int)(n_len - n0) : PANEL_COLS;
-            const int64_t pair_u16 = 2 * ((cols + 15) / 16 * 16);  // the panel's columns as packed, x 2
-            const uint16_t* panel = (const uint16_t*)((const char*)packed + n0 * bytes_per_col);
-            if (wide) widen_int8_panel((const int8_t*)panel, (cols + 15) / 16, k_len, wide), panel = wide;
-            const uint16_t* b = bias ? bias + n0 : NULL;
-            if (m_len <= 2) {
-                wide_rows(xf, k_len, (int)m_len, panel, pair_u16, b, out + n0, ldo, cols);
-                continue;
+        widen_rows(x, ldx, m_len, k_len, xf);
+        for (int64_t m_start = 0; m_start < m_len; m_start += block) {
+            const int64_t m_end = m_len - m_start < block ? m_len : m_start + block;
+            // each thread keeps its panels from block to block: no wait between blocks
+            _Pragma("omp for schedule(static) nowait") for (int64_t b = 0; b < panels; b++) {
+                const int64_t n0 = b * PANEL_COLS;
+                const int cols = n_len - n0 < PANEL_COLS ? (int)(n_len - n0) : PANEL_COLS;
+                const int64_t pair_u16 = 2 * ((cols + 15) / 16 * 16);  // the panel's columns as packed, x 2
+                const uint16_t* panel = (const uint16_t*)((const char*)packed + n0 * bytes_per_col);
+                if (wide) widen_int8_panel((const int8_t*)panel, (cols + 15) / 16, k_len, wide), panel = wide;
+                const uint16_t* b = bias ? bias + n0 : NULL;
+                if (m_len <= WIDE_MAX_ROWS) {
+                    for (int64_t i = 0; i < m_len; i += 2)
+                        wide_rows(xf + i * k_len, k_len, m_len - i < 2 ? 1 : 2, panel, pair_u16, b, out + i * ldo + n0,
+                                  ldo, cols);
+                    continue;
+                }
+                for (int c0 = 0; c0 < cols; c0 += 16)
+                    for (int64_t m0 = m_start; m0 < m_end; m0 += STRIP_ROWS)
+                        strip_rows(xf + m0 * k_len, k_len, m_end - m0 < STRIP_ROWS ? (int)(m_end - m0) : STRIP_ROWS,
+                                   panel + 2 * c0, pair_u16, b ? b + c0 : NULL, out + m0 * ldo + n0 + c0, ldo,
+                                   cols - c0 < 16 ? cols - c0 : 16);
             }
-            for (int c0 = 0; c0 < cols; c0 += 16)
-                for (int64_t m0 = 0; m0 < m_len; m0 += STRIP_ROWS)
-                    strip_rows(xf + m0 * k_len, k_len, m_len - m0 < STRIP_ROWS ? (int)(m_len - m0) : STRIP_ROWS,
-                               panel + 2 * c0, pair_u16, b ? b + c0 : NULL, out + m0 * ldo + n0 + c0, ldo,
-                               cols - c0 < 16 ? cols - c0 : 16);
         }
         free(wide);
     }
