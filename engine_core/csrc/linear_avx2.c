@@ -6,7 +6,7 @@
 // `lane << 16` and `lane & 0xFFFF0000` are the two fp32 weights: no shuffles. x is widened to fp32 once per call.
 // - Up to 12 rows take the whole 48-column panel in one pass per 1 or 2 rows, 6 (or 12) accumulators: the weights
 //   are read from memory once, in order (the LM head at one row: 10 -> 5 ms, torch's fp32 17 ms). SmolLM2's
-//   linears at 3 to 12 rows took 25-30% less time this way than in strips, whose first strip reads one cache
+//   linears at 3 to 12 rows took 16-30% less time this way than in strips, whose first strip reads one cache
 //   line in three of the panel from memory; from 16 rows on, the strips' 6-row tiles do less work per product.
 // - More rows go through the panel in strips of 16 columns, 6 rows at a time: 12 accumulators, and each
 //   k's two weight vectors are used by all 6 rows as soon as they are made, so that accumulators, weights and
