@@ -64,8 +64,10 @@ def test_int8_linear_matches_float_matmul(rows, out_features, in_features, bias)
 )
 def test_rows_padded_to_min_rows_do_not_depend_on_their_neighbours(quantization, dtype) -> None:
     """The promise prepare_linears makes to the model runner: padded as the runner pads a step (padded_size with
-    the returned min_rows), every row comes out bit for bit as inside a batch of 8. Without it a seeded request
-    drew other tokens alone than in a batch (oneDNN's one-row bf16 path: K = 1536, SmolLM2's down projection)."""
+    the returned min_rows), every row comes out bit for bit as inside a batch of 16. Without it a seeded request
+    drew other tokens alone than in a batch (oneDNN's one-row bf16 path: K = 1536, SmolLM2's down projection).
+    16 rows cross every switch of tile in our kernels: 8-row tiles with AVX512-BF16; with AVX2, whole-panel passes
+    up to 12 rows and strips above."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(1536, 576, bias=False), nn.Linear(576, 1536)).to(dtype)
     with torch.inference_mode():
@@ -74,9 +76,9 @@ def test_rows_padded_to_min_rows_do_not_depend_on_their_neighbours(quantization,
         assert min_rows == (1 if kernel and dtype == torch.bfloat16 else 8)  # our kernels do each row alone
         for layer, width in ((model[0], 1536), (model[1], 576)):
             for _ in range(40):
-                x = torch.randn(8, width, dtype=dtype) * torch.rand(8, 1, dtype=dtype) * 3
+                x = torch.randn(16, width, dtype=dtype) * torch.rand(16, 1, dtype=dtype) * 3
                 batch = layer(x)
-                for rows in range(1, 8):
+                for rows in range(1, 16):
                     alone = layer(x[: padded_size(rows, min_rows)])[:rows]
                     assert torch.equal(alone, batch[:rows])
 
