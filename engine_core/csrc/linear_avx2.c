@@ -4,10 +4,10 @@
 //
 // A 32-bit lane of a packed panel holds one column's weights for k = 2p (low half) and 2p + 1 (high half), so
 // `lane << 16` and `lane & 0xFFFF0000` are the two fp32 weights: no shuffles. x is widened to fp32 once per call.
-// - Up to 12 rows take the whole 48-column panel in one pass per 1 or 2 rows, 6 (or 12) accumulators: the weights
+// - Up to 12 rows take the whole 48-column panel, 1 or 2 rows a pass, 6 (or 12) accumulators: the weights
 //   are read from memory once, in order (the LM head at one row: 10 -> 5 ms, torch's fp32 17 ms). SmolLM2's
-//   linears at 3 to 12 rows took 16-30% less time this way than in strips, whose first strip reads one cache
-//   line in three of the panel from memory; from 16 rows on, the strips' 6-row tiles do less work per product.
+//   linears at 3 to 12 rows took 16-30% less time this way than in strips (likely because a panel's first strip
+//   reads one cache line in three of it from memory); from 16 rows on, the strips' 6-row tiles win.
 // - More rows go through the panel in strips of 16 columns, 6 rows at a time: 12 accumulators, and each
 //   k's two weight vectors are used by all 6 rows as soon as they are made, so that accumulators, weights and
 //   the broadcast row value fit AVX2's 16 registers. A 4 x 24 tile needed 8 broadcasts live at once and spilled
@@ -72,7 +72,7 @@ static inline __attribute__((always_inline)) void wide_tile(const float* xf, int
 }
 
 // mr (up to 6) rows x one strip of 16 columns (two vectors) starting at `strip`; xf: a tile of widened rows,
-// k-major with STRIP_ROWS values per k (see widen_tiles); the rest as wide_tile.
+// k-major with STRIP_ROWS values per k (see widen_rows); the rest as wide_tile.
 static inline __attribute__((always_inline)) void strip_tile(const float* xf, int64_t k_len, int mr,
                                                              const uint16_t* strip, int64_t pair_u16,
                                                              const uint16_t* bias, uint16_t* out, int64_t ldo, int n) {
