@@ -24,6 +24,7 @@
 #                    whose rows are sampled after the update of the step before: against serve-1b's figure
 #   parity-135m      fp32 greedy against HF generate with CUDA graphs on, seeded draws alone vs in batches
 #   gpu-tests        the test files that run on CUDA without the default model (no GGUF needed)
+#   tests-rest       all the other test files (needs the default model): gpu-tests + tests-rest = the suite
 #   tests            the whole test suite, $TEST_WORKERS (8) pytest-xdist workers beside each other on the one GPU
 #                    (the tests size their own KV caches; needs the default model: gguf-a and gguf-b first)
 #   tests-1, tests-2 the same in two halves, for calls too short for the whole
@@ -117,6 +118,20 @@ PY
     kill -INT "$server" && wait "$server" || true
 }
 
+# The test files that need no GGUF (tiny random models) and exercise the GPU path
+GPU_TEST_FILES="tests/test_triton_kernels.py tests/test_attention.py tests/test_attention_backends.py
+    tests/test_cuda_graphs.py tests/test_kv_cache.py tests/test_memory_profile.py tests/test_sampler.py
+    tests/test_sampler_filters.py tests/test_scheduler.py tests/test_scheduler_policies.py
+    tests/test_scheduler_preemption.py tests/test_speculative.py tests/test_engine_update_failure.py
+    tests/test_overlap_decode.py tests/test_engine_differential.py tests/test_triton_compile.py"
+GPU_TEST_FILES=$(echo $GPU_TEST_FILES)  # one line, single spaces
+GGUF_TEST=test_launch_prints_the_error_and_exits_without_restarting  # the one test in those files that needs it
+
+pytest_on() {  # NAME PYTEST_ARGS...: one line per test (-v), so a run cut off at the call's limit still tells
+    local name=$1; shift
+    python3 -m pytest -v -rfE -p no:cacheprovider --durations 20 "$@" 2>&1 | tee "$OUT/$name.log"
+}
+
 step() {
     case "$1" in
         gguf-a) mkdir -p /tmp/gguf && cp .gguf_a/part /tmp/gguf/a && cp .gguf_a/__init__.py /tmp/gguf/ ;;
@@ -132,13 +147,12 @@ step() {
         serve-json) TAG=-json BENCH_FLAGS='--extra-body {"response_format":{"type":"json_object"}}' serve_1b ;;
         parity-135m) model smollm2-135m && python3 -m bench.gpu_parity --model "$MODELS/smollm2-135m" \
                          --result-json "$OUT/gpu_parity_smollm2-135m.json" ;;
-        gpu-tests) python3 -m pytest -q -p no:cacheprovider -n 4 -k "not launch_prints" tests/test_triton_kernels.py \
-                       tests/test_attention.py tests/test_attention_backends.py tests/test_cuda_graphs.py \
-                       tests/test_kv_cache.py tests/test_memory_profile.py tests/test_sampler.py \
-                       tests/test_sampler_filters.py tests/test_scheduler.py tests/test_scheduler_policies.py \
-                       tests/test_scheduler_preemption.py tests/test_speculative.py \
-                       tests/test_engine_update_failure.py tests/test_overlap_decode.py tests/test_engine_differential.py \
-                       tests/test_triton_compile.py 2>&1 | tee "$OUT/gpu-tests.log" ;;
+        # shellcheck disable=SC2086  # GPU_TEST_FILES: a list
+        gpu-tests) pytest_on gpu-tests -n 4 -k "not $GGUF_TEST" $GPU_TEST_FILES ;;
+        tests-rest)  # every other test: with gpu-tests, the whole suite over two calls
+            # shellcheck disable=SC2046
+            pytest_on tests-rest -n "${TEST_WORKERS:-8}" "tests/test_memory_profile.py::$GGUF_TEST" \
+                $(ls tests/test_*.py | grep -vxF "$(tr ' ' '\n' <<< "$GPU_TEST_FILES")") ;;
         serve-1b) serve_1b ;;
         serve-ranged)  # output lengths vary (+-50%), so requests arrive all the time: steps with prompt tokens
             TAG=-ranged BENCH_FLAGS="--range-ratio 0.5" serve_1b
@@ -146,8 +160,7 @@ step() {
         tests|tests-1|tests-2)
             local files half=${1#tests-}
             files=$(ls tests/test_*.py | awk -v h="$half" '"tests" == h || NR % 2 == h % 2')
-            # shellcheck disable=SC2086
-            python3 -m pytest -q -p no:cacheprovider -n "${TEST_WORKERS:-8}" $files 2>&1 | tee "$OUT/$1.log" ;;
+            pytest_on "$1" -n "${TEST_WORKERS:-8}" $files ;;
         *) echo "unknown step $1" >&2; return 2 ;;
     esac
 }
