@@ -28,6 +28,12 @@
 #   tests            the whole test suite, $TEST_WORKERS (8) pytest-xdist workers beside each other on the one GPU
 #                    (the tests size their own KV caches; needs the default model: gguf-a and gguf-b first)
 #   tests-1, tests-2 the same in two halves, for calls too short for the whole
+# Each test step stops after $TEST_LIMIT s (540) and leaves NAME.log and NAME-failures.txt in $OUT.
+# The whole suite in 15 minutes of device time (an H100 run of tests-rest with 12 workers took over 570 s):
+#   1. carry .whl .gpu_base:  bash bench/gpu_session.sh            (installs the wheels; the machine's cold start)
+#   2. carry .gguf_a, at once: bash bench/gpu_session.sh gguf-a
+#   3. carry .gguf_b:  export OUT; TEST_WORKERS=12 TEST_LIMIT=560 bash bench/gpu_session.sh gguf-b tests-rest
+#   4. export OUT; bash bench/gpu_session.sh gpu-tests
 set -euo pipefail
 cd "$(dirname "$0")/.."
 SITE=/tmp/site MODELS=/tmp/models OUT=${OUT:-/tmp/out}
@@ -51,6 +57,7 @@ prepare() {
         "${platforms[@]}" --platform manylinux2014_x86_64 --platform any -d .whl \
         pyzmq==27.3.0 msgspec==0.22.0 fastapi==0.163.2 uvicorn==0.54.0 gguf==0.19.0 xgrammar==0.2.8 \
         apache-tvm-ffi==0.1.15.post2 jsonschema==4.26.0 transformers==5.23.0 tokenizers==0.23.3 openai==3.51.0 \
+        pytest-reportlog==1.0.0 \
         $(.venv/bin/python -m pip list --format freeze | grep -iE "^($NEEDS)==")
     .venv/bin/python -c "
 import shutil
@@ -127,9 +134,27 @@ GPU_TEST_FILES="tests/test_triton_kernels.py tests/test_attention.py tests/test_
 GPU_TEST_FILES=$(echo $GPU_TEST_FILES)  # one line, single spaces
 GGUF_TEST=test_launch_prints_the_error_and_exits_without_restarting  # the one test in those files that needs it
 
-pytest_on() {  # NAME PYTEST_ARGS...: one line per test (-v), so a run cut off at the call's limit still tells
-    local name=$1; shift
-    python3 -m pytest -v -rfE -p no:cacheprovider --durations 20 "$@" 2>&1 | tee "$OUT/$name.log"
+pytest_on() {  # NAME PYTEST_ARGS...: the tests, stopped after $TEST_LIMIT s (default 540) so that what they found
+    # still comes back: one line per test (-v) in NAME.log; each failure's traceback and output and the slowest tests
+    # (bench/report_log.py) in NAME-failures.txt.
+    local name=$1 status=0; shift
+    # Passive OpenMP waits: 8 or more workers, their servers and engines share 16 cores, and spinning threads of
+    # one process would take the cores the others need.
+    OMP_WAIT_POLICY=PASSIVE timeout -k 10 "${TEST_LIMIT:-540}" python3 -m pytest -v -rfE -p no:cacheprovider \
+        --durations 30 --report-log "/tmp/$name.jsonl" "$@" 2>&1 | tee "$OUT/$name.log" || status=$?
+    # What a killed run leaves (servers start sessions of their own): every python process working in this tree,
+    # but not this script's own ancestors (whatever runs it may work here too).
+    local pid ancestors=" " here
+    here=$(pwd -P) pid=$$
+    while [ "$pid" -gt 1 ]; do ancestors+="$pid " pid=$(awk '{print $4}' "/proc/$pid/stat"); done
+    for pid in $(pgrep -f python); do
+        if [ "$(readlink "/proc/$pid/cwd")" = "$here" ] && [[ $ancestors != *" $pid "* ]]; then
+            kill -9 "$pid" 2>/dev/null || true
+        fi
+    done
+    python3 -m bench.report_log "/tmp/$name.jsonl" > "$OUT/$name-failures.txt" || true
+    head -1 "$OUT/$name-failures.txt"
+    return $status
 }
 
 step() {

@@ -19,7 +19,10 @@ from tests.conftest import REPO, Server, free_port
 MODEL = "SmolLM2-135M-Instruct"
 KEY = {"Authorization": "Bearer sk-test"}
 ORIGIN = "http://good.example"
-LONG = {"model": MODEL, "prompt": "Tell me about whales.", "max_tokens": 1000, "ignore_eos": True}
+# Long enough to outlast each test's steps on a GPU too (an H100 ran 1000 tokens before the drain's 5 s were up):
+# both servers take the model's whole 8192-token context.
+LONG = {"model": MODEL, "prompt": "Tell me about whales.", "max_tokens": 8000, "ignore_eos": True}
+CONTEXT = ("--max-model-len", "8192")
 
 
 @pytest.fixture(scope="module")
@@ -27,8 +30,8 @@ def servers(tmp_path_factory: pytest.TempPathFactory):
     """Two servers loading side by side: `guarded` (key, CORS, queue of 6, no engine restarts: the fail-fast path)
     and `draining` (5 s drain)."""
     guarded = Server(tmp_path_factory.mktemp("guarded"), "--api-key", "sk-test", "--allowed-origins", ORIGIN,
-                     "--max-queued-requests", "6", "--max-engine-restarts", "0")  # fmt: skip
-    draining = Server(tmp_path_factory.mktemp("draining"), "--drain-timeout", "5")
+                     "--max-queued-requests", "6", "--max-engine-restarts", "0", *CONTEXT)  # fmt: skip
+    draining = Server(tmp_path_factory.mktemp("draining"), "--drain-timeout", "5", *CONTEXT)
     yield guarded.wait_healthy(), draining.wait_healthy()
     for s in (guarded, draining):
         if s.proc.poll() is None:

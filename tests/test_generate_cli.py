@@ -18,8 +18,9 @@ QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 
 
 def test_cli_answers_paris() -> None:
+    kv = [f"--{k.replace('_', '-')}={v}" for k, v in GPU_TEST_KV.items()]
     proc = subprocess.run([sys.executable, "-m", "frontend.offline.generate", "--prompt",
-                           "What is the capital of France?", "--dtype", "float32", "--max-tokens", "32"],
+                           "What is the capital of France?", "--dtype", "float32", "--max-tokens", "32", *kv],
                           capture_output=True, text=True, timeout=300)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "Paris" in proc.stdout

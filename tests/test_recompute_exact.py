@@ -17,14 +17,15 @@ from engine_core.batch import SchedulerOutput
 from engine_core.core import EngineCore
 from engine_core.request import Request
 from tests.cpu_features import HAS_PREFILL
-from tests.engine_helpers import mixed_prompts, run_engine
+from tests.engine_helpers import GPU_TEST_KV, mixed_prompts, run_engine
 
 BLOCK = 16
 MAX_TOKENS = 24
 
 
 def bf16_engine(**kw) -> EngineCore:
-    return EngineCore(EngineConfig(dtype="bfloat16", block_size=BLOCK, kv_cache_memory=0.25, **kw))
+    return EngineCore(EngineConfig(**{"dtype": "bfloat16", "block_size": BLOCK, "kv_cache_memory": 0.25, **GPU_TEST_KV,
+                                      **kw}))  # fmt: skip
 
 
 def request(rid: str, prompt: list[int], streamed: list[int] | None = None) -> EngineRequest:
