@@ -140,8 +140,9 @@ pytest_on() {  # NAME PYTEST_ARGS...: the tests, stopped after $TEST_LIMIT s (de
     local name=$1 status=0; shift
     # Passive OpenMP waits: 8 or more workers, their servers and engines share 16 cores, and spinning threads of
     # one process would take the cores the others need.
+    # worksteal: idle workers take queued tests from busy ones, so a worker that drew the slow tests is no tail.
     OMP_WAIT_POLICY=PASSIVE timeout -k 10 "${TEST_LIMIT:-540}" python3 -m pytest -v -rfE -p no:cacheprovider \
-        --durations 30 --report-log "/tmp/$name.jsonl" "$@" 2>&1 | tee "$OUT/$name.log" || status=$?
+        --dist worksteal --durations 30 --report-log "/tmp/$name.jsonl" "$@" 2>&1 | tee "$OUT/$name.log" || status=$?
     # What a killed run leaves (servers start sessions of their own): every python process working in this tree,
     # but not this script's own ancestors (whatever runs it may work here too).
     local pid ancestors=" " here
