@@ -25,6 +25,7 @@
 #   parity-135m      fp32 greedy against HF generate with CUDA graphs on, seeded draws alone vs in batches
 #   gpu-tests        the test files that run on CUDA without the default model (no GGUF needed)
 #   tests-rest       all the other test files (needs the default model): gpu-tests + tests-rest = the suite
+#   tests-left       the tests of tests-rest that its run (cut off at its limit) never reached
 #   tests            the whole test suite, $TEST_WORKERS (8) pytest-xdist workers beside each other on the one GPU
 #                    (the tests size their own KV caches; needs the default model: gguf-a and gguf-b first)
 #   tests-1, tests-2 the same in two halves, for calls too short for the whole
@@ -33,7 +34,7 @@
 #   1. carry .whl .gpu_base:  bash bench/gpu_session.sh            (installs the wheels; the machine's cold start)
 #   2. carry .gguf_a, at once: bash bench/gpu_session.sh gguf-a
 #   3. carry .gguf_b:  export OUT; TEST_WORKERS=12 TEST_LIMIT=560 bash bench/gpu_session.sh gguf-b tests-rest
-#   4. export OUT; bash bench/gpu_session.sh gpu-tests
+#   4. export OUT; TEST_WORKERS=12 bash bench/gpu_session.sh gpu-tests tests-left
 set -euo pipefail
 cd "$(dirname "$0")/.."
 SITE=/tmp/site MODELS=/tmp/models OUT=${OUT:-/tmp/out}
@@ -134,6 +135,11 @@ GPU_TEST_FILES="tests/test_triton_kernels.py tests/test_attention.py tests/test_
 GPU_TEST_FILES=$(echo $GPU_TEST_FILES)  # one line, single spaces
 GGUF_TEST=test_launch_prints_the_error_and_exits_without_restarting  # the one test in those files that needs it
 
+rest_targets() {  # the tests gpu-tests leaves out
+    echo "tests/test_memory_profile.py::$GGUF_TEST"
+    ls tests/test_*.py | grep -vxF "$(tr ' ' '\n' <<< "$GPU_TEST_FILES")"
+}
+
 pytest_on() {  # NAME PYTEST_ARGS...: the tests, stopped after $TEST_LIMIT s (default 540) so that what they found
     # still comes back: one line per test (-v) in NAME.log; each failure's traceback and output and the slowest tests
     # (bench/report_log.py) in NAME-failures.txt.
@@ -177,8 +183,13 @@ step() {
         gpu-tests) pytest_on gpu-tests -n 4 -k "not $GGUF_TEST" $GPU_TEST_FILES ;;
         tests-rest)  # every other test: with gpu-tests, the whole suite over two calls
             # shellcheck disable=SC2046
-            pytest_on tests-rest -n "${TEST_WORKERS:-8}" "tests/test_memory_profile.py::$GGUF_TEST" \
-                $(ls tests/test_*.py | grep -vxF "$(tr ' ' '\n' <<< "$GPU_TEST_FILES")") ;;
+            pytest_on tests-rest -n "${TEST_WORKERS:-8}" $(rest_targets) ;;
+        tests-left)  # what a tests-rest cut off at its limit never reached, on the same (warm) machine
+            # shellcheck disable=SC2046
+            python3 -m pytest --collect-only -q -p no:cacheprovider $(rest_targets) > /tmp/rest.collected || true
+            python3 -m bench.report_log /tmp/tests-rest.jsonl --unreported /tmp/rest.collected > /tmp/rest.left
+            echo "$(grep -c . /tmp/rest.left || true) tests left"
+            if [ -s /tmp/rest.left ]; then pytest_on tests-left -n "${TEST_WORKERS:-8}" @/tmp/rest.left; fi ;;
         serve-1b) serve_1b ;;
         serve-ranged)  # output lengths vary (+-50%), so requests arrive all the time: steps with prompt tokens
             TAG=-ranged BENCH_FLAGS="--range-ratio 0.5" serve_1b

@@ -1,9 +1,10 @@
 """What a pytest run on the GPU machine found, from its --report-log (pytest-reportlog writes each test's report as
 it ends): each failure with its traceback and captured output, then the slowest tests. bench/gpu_session.sh runs
 it after the tests, so a run cut off at its time limit still says why its tests failed, which -v's one line per
-test does not, and which tests to start first next time.
+test does not. With --unreported, the tests such a run never reached, for the next call to run.
 
     python -m bench.report_log REPORT_LOG [--slowest N]
+    python -m bench.report_log REPORT_LOG --unreported COLLECTED   (COLLECTED: `pytest --collect-only -q`'s output)
 """
 
 from __future__ import annotations
@@ -39,8 +40,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("report_log", type=Path)
     parser.add_argument("--slowest", type=int, default=40)
+    parser.add_argument("--unreported", type=Path, help="print the node ids in this collection with no report")
     args = parser.parse_args()
     all_reports = list(reports(args.report_log))
+    if args.unreported:
+        reported = {r["nodeid"] for r in all_reports if r["when"] == "teardown"}  # what was running is not done
+        collected = [line for line in args.unreported.read_text().splitlines() if "::" in line]
+        print("\n".join(node for node in collected if node not in reported))
+        return
     failed = [r for r in all_reports if r["outcome"] == "failed"]
     print(f"{len(all_reports)} reports, {len(failed)} failed")
     for r in failed:
