@@ -120,8 +120,8 @@ def server(server_started: Server) -> Server:
 @pytest.fixture(scope="session")
 def tool_servers(tmp_path_factory: pytest.TempPathFactory):
     """For test_api_tools and test_api_responses, by --tool-call-parser (hermes; llama3_json with vLLM's
-    --enable-auto-tool-choice, and --reasoning-parser deepseek_r1; mistral), started together: a template that
-    writes earlier calls and their results into the prompt."""
+    --enable-auto-tool-choice, and --reasoning-parser deepseek_r1; mistral; pythonic), started together: a template
+    that writes earlier calls and their results into the prompt."""
     template = str(REPO / "tests" / "data" / "tool_template.jinja")
     servers = {"hermes": Server(tmp_path_factory.mktemp("tools"), "--tool-call-parser", "hermes",
                                 "--chat-template", template),
@@ -129,7 +129,9 @@ def tool_servers(tmp_path_factory: pytest.TempPathFactory):
                                      "--enable-auto-tool-choice", "--reasoning-parser", "deepseek_r1",
                                      "--chat-template", template),
                "mistral": Server(tmp_path_factory.mktemp("tools_mistral"), "--tool-call-parser", "mistral",
-                                 "--chat-template", template)}  # fmt: skip
+                                 "--chat-template", template),
+               "pythonic": Server(tmp_path_factory.mktemp("tools_pythonic"), "--tool-call-parser", "pythonic",
+                                  "--chat-template", template)}  # fmt: skip
     yield {name: server.wait_healthy() for name, server in servers.items()}
     for server in servers.values():
         server.assert_clean_exit()

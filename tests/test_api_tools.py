@@ -125,13 +125,14 @@ def test_conversation_with_calls_and_results(server: Server):
     ("hermes", "Sure.\n" + HERMES, "Sure."),
     ("llama3_json", '{"name": "get_weather", "parameters": {"city": "Paris", "days": 3}}', None),
     ("mistral", 'Sure. [TOOL_CALLS]get_weather[ARGS]{"city": "Paris", "days": 3}', "Sure."),
+    ("pythonic", '[get_weather(city="Paris", days=3)]', None),
 ])  # fmt: skip
 def test_auto_tool_choice_parsers_on_the_server(tool_servers: dict[str, Server], parser, output, content):
     """tool_choice auto with the server's --tool-call-parser (llama3_json's server started as vLLM's docs start one
     for Llama 3, with --enable-auto-tool-choice): the model's output is held to the parser's format by a regex (the
     small model would not write one itself), and goes through the parser like any model's would."""
     server = tool_servers[parser]
-    regex = re.sub(r"([.{}\[\]])", r"\\\1", output)
+    regex = re.sub(r"([.{}\[\]()])", r"\\\1", output)
     # Sampled at temperature 1, the forced text may come out in tokens as short as one character (88 of them).
     kw = {"model": MODEL, "messages": ASK, "tools": TOOLS, "max_tokens": 128, "extra_body": {"guided_regex": regex}}
 
