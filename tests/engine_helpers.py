@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from collections.abc import Callable
 
@@ -85,8 +84,13 @@ def assert_matches_hf(ours: list[list[int]], refs, max_flips: int = 1) -> None:
 GPU_TEST_KV: dict = {"num_kv_blocks": 1024} if torch.cuda.is_available() else {}
 
 
+def engine_config(**kw) -> EngineConfig:
+    """A test engine's config: on a GPU the fixed KV cache above, unless kw names its own."""
+    return EngineConfig(**{**GPU_TEST_KV, **kw})
+
+
 def fp32_config(**kw) -> EngineConfig:
-    return dataclasses.replace(EngineConfig(dtype="float32", kv_cache_memory=0.5, **GPU_TEST_KV), **kw)
+    return engine_config(**{"dtype": "float32", "kv_cache_memory": 0.5, **kw})
 
 
 def greedy_request(rid: str, prompt: list[int], max_tokens: int, **kw) -> EngineRequest:

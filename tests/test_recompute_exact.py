@@ -11,21 +11,19 @@ from __future__ import annotations
 
 import pytest
 
-from common.config import EngineConfig
 from common.messages import EngineRequest, SamplingParams
 from engine_core.batch import SchedulerOutput
 from engine_core.core import EngineCore
 from engine_core.request import Request
 from tests.cpu_features import HAS_PREFILL
-from tests.engine_helpers import GPU_TEST_KV, mixed_prompts, run_engine
+from tests.engine_helpers import engine_config, mixed_prompts, run_engine
 
 BLOCK = 16
 MAX_TOKENS = 24
 
 
 def bf16_engine(**kw) -> EngineCore:
-    return EngineCore(EngineConfig(**{"dtype": "bfloat16", "block_size": BLOCK, "kv_cache_memory": 0.25, **GPU_TEST_KV,
-                                      **kw}))  # fmt: skip
+    return EngineCore(engine_config(dtype="bfloat16", block_size=BLOCK, kv_cache_memory=0.25, **kw))
 
 
 def request(rid: str, prompt: list[int], streamed: list[int] | None = None) -> EngineRequest:

@@ -5,12 +5,12 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from common.config import EngineConfig, SpeculativeConfig
+from common.config import SpeculativeConfig
 from common.messages import EngineRequest, FinishReason, SamplingParams
 from engine_core.core import EngineCore
 from engine_core.request import Request
 from engine_core.speculative import NgramIndex, Speculator
-from tests.engine_helpers import GPU_TEST_KV, run_engine, save_tiny_llama, tokens_of
+from tests.engine_helpers import engine_config, run_engine, save_tiny_llama, tokens_of
 
 SPEC = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1}'
 
@@ -79,8 +79,8 @@ def prompts() -> list[list[int]]:
 
 
 def run(tiny_dir: str, dtype: str, spec: str | None, requests: list[EngineRequest], stagger: int = 2, **kw):
-    config = EngineConfig(**{"model": tiny_dir, "dtype": dtype, "kv_cache_memory": 0.05, "max_num_seqs": 8,
-                             "speculative_config": spec, **GPU_TEST_KV, **kw})  # fmt: skip
+    config = engine_config(model=tiny_dir, dtype=dtype, kv_cache_memory=0.05, max_num_seqs=8,
+                           speculative_config=spec, **kw)  # fmt: skip
     core = EngineCore(config)
     results = run_engine(core, requests, stagger=stagger)
     return results, core.scheduler.stats()
@@ -144,8 +144,8 @@ def test_memory_pressure_limits_and_ineligible_requests(tiny_dir: str) -> None:
 def test_drafts_stay_within_the_rows_of_a_step(tiny_dir: str) -> None:
     """Running requests plus draft rows never pass max_rows_per_step: beyond the rows a step takes for about the
     price of one, drafts would cost arithmetic."""
-    config = EngineConfig(model=tiny_dir, dtype="bfloat16", kv_cache_memory=0.05, max_num_seqs=8, **GPU_TEST_KV,
-                          speculative_config=SPEC.replace("}", ', "max_rows_per_step": 6}'))  # fmt: skip
+    config = engine_config(model=tiny_dir, dtype="bfloat16", kv_cache_memory=0.05, max_num_seqs=8,
+                           speculative_config=SPEC.replace("}", ', "max_rows_per_step": 6}'))  # fmt: skip
     core = EngineCore(config)
     schedule, seen = core.scheduler.schedule, []
 
