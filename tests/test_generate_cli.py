@@ -7,7 +7,7 @@ import sys
 import time
 
 import torch
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from common.messages import SamplingParams
 from common.model_source import resolve_model
@@ -34,9 +34,12 @@ def test_cli_reports_a_bad_model_in_one_line() -> None:
 
 
 def test_llm_matches_hf_greedy_and_keeps_order() -> None:
-    hf = AutoModelForCausalLM.from_pretrained(resolve_model(None).path, dtype=torch.float32).eval()
+    path = resolve_model(None).path
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    hf_prompt = AutoTokenizer.from_pretrained(path).apply_chat_template(QUESTION, add_generation_prompt=True)
     with LLM(dtype="float32", **GPU_TEST_KV) as llm:
-        prompt = llm.chat_prompt(QUESTION)
+        prompt = llm.chat_prompt(QUESTION)  # the API server's template and tokenizer: transformers' prompt
+        assert prompt == list(hf_prompt["input_ids"] if hasattr(hf_prompt, "keys") else hf_prompt)
         with torch.inference_mode():
             ref = hf.generate(torch.tensor([prompt]), max_new_tokens=32, min_new_tokens=32, do_sample=False)
         params = SamplingParams(max_tokens=32, min_tokens=32, temperature=0)
@@ -54,3 +57,12 @@ def test_second_load_of_the_default_model_is_fast() -> None:
     path = resolve_model(None).path
     AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     assert time.perf_counter() - start < 5.0
+
+
+def test_the_offline_llm_loads_neither_torch_nor_transformers() -> None:
+    """Its process does text work only (the engine core runs the model): importing torch and transformers there
+    took 4 of the CLI's 18 s."""
+    code = "import sys, frontend.offline.llm; print(sorted({'torch', 'transformers'} & set(sys.modules)))"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip() == "[]"

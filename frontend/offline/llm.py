@@ -1,4 +1,6 @@
-"""LLM: offline batch generation over an engine-core process, with text in and text out."""
+"""LLM: offline batch generation over an engine-core process, with text in and text out. The text work is the API
+server's own (frontend/text/tokenizer.py: its chat templates, encoding and decoding), so an offline prompt is the
+server's token for token."""
 
 from __future__ import annotations
 
@@ -7,12 +9,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from tqdm import tqdm
-from transformers import AutoTokenizer
 
 from common.config import EngineConfig
 from common.messages import EngineRequest, SamplingParams
 from common.model_source import resolve_model
 from frontend.offline.engine_link import EngineClient
+from frontend.text.tokenizer import Tokenizer
 
 
 @dataclass
@@ -28,13 +30,12 @@ class LLM:
 
     def __init__(self, model: str | None = None, **engine_options) -> None:
         self.source = resolve_model(model)  # converts a GGUF once, before the engine needs it
-        self.tokenizer = AutoTokenizer.from_pretrained(self.source.path)
+        self.tokenizer = Tokenizer(self.source.path)
         config = dataclasses.replace(EngineConfig(), model=model, **engine_options)
         self.engine = EngineClient(config)
 
     def chat_prompt(self, messages: list[dict[str, str]]) -> list[int]:
-        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-        return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+        return self.tokenizer.encode_chat(messages, add_generation_prompt=True)
 
     def generate(
         self,
@@ -43,7 +44,7 @@ class LLM:
         use_tqdm: bool = True,
     ) -> list[CompletionOutput]:
         params_list = list(params) if isinstance(params, Sequence) else [params or SamplingParams()] * len(prompts)
-        token_prompts = [p if isinstance(p, list) else self.tokenizer(p)["input_ids"] for p in prompts]
+        token_prompts = [p if isinstance(p, list) else self.tokenizer.encode(p) for p in prompts]
         for i, (p, sp) in enumerate(zip(token_prompts, params_list, strict=True)):
             self.engine.send(EngineRequest(str(i), p, sp))
         outputs: list[list[int]] = [[] for _ in prompts]
