@@ -203,8 +203,11 @@ class CpuKernels:
         k, the panel's rows x 2 values; the last panel's rows rounded up to 16 with zeros."""
         n, k = weight.shape
         padded = self._rows_to_16(weight.to(torch.bfloat16))
-        return torch.cat([padded[n0 : n0 + c].view(c, k // 2, 2).transpose(0, 1).flatten()
-                          for n0, c in self._panels(n)])  # fmt: skip
+        # A k pair as one int32, and the whole panels in one copy: a pair and a panel at a time took 0.9 s of every
+        # start of the default model, this 0.2.
+        pairs, whole = padded.view(torch.int32), len(padded) // self.panel_cols * self.panel_cols
+        panels = pairs[:whole].view(-1, self.panel_cols, k // 2).transpose(1, 2).flatten()
+        return torch.cat([panels, pairs[whole:].T.flatten()]).view(torch.bfloat16)
 
     def pack_int8_linear(self, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         """int8 [N, K] and fp32 scales [N, K / 32] (quant.quantize_groups) -> the kernel's bytes: per panel and
