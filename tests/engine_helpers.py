@@ -144,7 +144,7 @@ def drive(mode: str, model: str, reqs: list[EngineRequest], abort_at: dict[int, 
     request finished. Returns tokens and finish reasons per request, the launches that chained on one in flight, and
     the preemptions, the aborts of requests that were in flight and the requests admitted into launches that
     chained. `logprobs` collects each request's logprobs per output."""
-    core = EngineCore(EngineConfig(model=model, dtype="float32", overlap_decode=mode, **{**GPU_TEST_KV, **kw}))
+    core = EngineCore(engine_config(model=model, dtype="float32", overlap_decode=mode, **kw))
     if prepare is not None:
         prepare(core)
     chained = aborted_in_flight = admitted = 0

@@ -8,15 +8,14 @@ import queue
 import threading
 import time
 
-from common.config import EngineConfig
 from common.messages import EnginePulse, EngineRequest, SamplingParams
 from engine_core.core import EngineCore
 from engine_core.pulse import PULSE_INTERVAL_S, Progress, start_pulses
-from tests.engine_helpers import GPU_TEST_KV, save_tiny_llama
+from tests.engine_helpers import engine_config, save_tiny_llama
 
 
 def test_each_attention_layer_and_lm_head_call_ticks(tmp_path) -> None:
-    core = EngineCore(EngineConfig(model=save_tiny_llama(tmp_path, 256, 0.2), dtype="float32", **GPU_TEST_KV))
+    core = EngineCore(engine_config(model=save_tiny_llama(tmp_path, 256, 0.2), dtype="float32"))
     layers = len(core.runner.model.attention_layers())
     assert layers == 2
 

@@ -12,12 +12,12 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from common.config import EngineConfig
 from common.messages import AbortRequest, EngineRequest, EngineStarted, FinishReason, SamplingParams
 from frontend.offline.engine_link import EngineClient, token_ids
-from tests.engine_helpers import GPU_TEST_KV, mixed_prompts
+from tests.engine_helpers import engine_config, mixed_prompts
 
 
 @pytest.fixture(scope="module")
 def engine():
-    with EngineClient(EngineConfig(max_num_batched_tokens=512, **GPU_TEST_KV)) as client:
+    with EngineClient(engine_config(max_num_batched_tokens=512)) as client:
         yield client
 
 
@@ -52,7 +52,7 @@ def test_seeded_sampling_is_batch_independent(engine: EngineClient) -> None:
         # cuBLAS picks its kernels by row count (and a CUDA graph bucket of 1 row runs other kernels than one of 8),
         # so a bf16 row can round differently beside other rows and flip a draw; what holds there is fp32's
         # rounding. On CPU our bf16 kernels sum each row alone: the shared bf16 engine holds exactly.
-        with EngineClient(EngineConfig(dtype="float32", max_num_batched_tokens=512, **GPU_TEST_KV)) as fp32:
+        with EngineClient(engine_config(dtype="float32", max_num_batched_tokens=512)) as fp32:
             check_seeded_sampling_is_batch_independent(fp32)
     else:
         check_seeded_sampling_is_batch_independent(engine)
@@ -148,7 +148,7 @@ def test_churn_leaves_nothing_behind(tiny_model_dir) -> None:
 def test_the_engine_announces_each_request_when_it_starts(tiny_model_dir) -> None:
     """EngineStarted: once per request, when it first enters a step, before that step's outputs. One queued behind
     --max-num-seqs 1 is announced only when it starts: after a crash the API blames only started requests."""
-    config = EngineConfig(model=str(tiny_model_dir), max_num_seqs=1, **GPU_TEST_KV)
+    config = engine_config(model=str(tiny_model_dir), max_num_seqs=1)
     with EngineClient(config) as engine:
         for rid, tokens in (("a", 100), ("b", 3)):
             params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)

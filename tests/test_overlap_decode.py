@@ -9,10 +9,9 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from common.config import EngineConfig
 from common.messages import EngineRequest, SamplingParams
 from engine_core.core import EngineCore
-from tests.engine_helpers import GPU_TEST_KV, counting_calls, drive, run_engine, save_tiny_llama, tokens_of
+from tests.engine_helpers import counting_calls, drive, engine_config, run_engine, save_tiny_llama, tokens_of
 
 STOPS = list(range(40, 70))  # frequent enough in a random model's output that many requests stop early
 
@@ -163,7 +162,7 @@ def test_a_request_whose_cached_prefix_reaches_past_its_prompt_starts_with_decod
     prompt = [(7 * j) % 250 + 4 for j in range(8)]
     results = {}
     for mode in ("off", "on"):
-        config = EngineConfig(model=tiny_dir, dtype="float32", block_size=4, overlap_decode=mode, **GPU_TEST_KV)
+        config = engine_config(model=tiny_dir, dtype="float32", block_size=4, overlap_decode=mode)
         core = EngineCore(config)
         first = tokens_of(run_engine(core, [EngineRequest("first", prompt, greedy(20))]), ["first"])[0]
         core.add_request(EngineRequest("running", [9, 8, 7, 6, 5], greedy(30)))

@@ -6,10 +6,9 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from common.config import EngineConfig
 from common.messages import EngineRequest, SamplingParams
 from engine_core.core import EngineCore
-from tests.engine_helpers import GPU_TEST_KV
+from tests.engine_helpers import engine_config
 
 
 @pytest.fixture(scope="module")
@@ -24,7 +23,7 @@ def tiny_dir(tmp_path_factory):
 
 
 def core_for(model: str, **kw) -> EngineCore:
-    return EngineCore(EngineConfig(model=model, dtype="float32", **{**GPU_TEST_KV, **kw}))
+    return EngineCore(engine_config(model=model, dtype="float32", **kw))
 
 
 def req(rid: str, n_prompt: int, max_tokens: int, priority: int = 0) -> EngineRequest:
