@@ -10,7 +10,7 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 from bench.make_random_model import write_model
@@ -49,7 +49,10 @@ def test_encode_escapes_lone_surrogates() -> None:
 def test_fuzz_request_schemas(fuzz_server: Server) -> None:
     statuses: Counter[int] = Counter()
 
+    # No shrinking: a failure already names each bad body with the server's log, and shrinking batches of 50 whose
+    # every try waits for generations (or, after a hang, for the client's timeout) would hold the report for minutes.
     @settings(max_examples=EXAMPLES, derandomize=True, deadline=None, database=None, print_blob=False,
+              phases=[Phase.explicit, Phase.generate],
               suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
                                      HealthCheck.large_base_example])  # fmt: skip
     @given(st.lists(SLOT, min_size=BATCH, max_size=BATCH, unique_by=slot_key))
