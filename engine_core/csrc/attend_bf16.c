@@ -1,139 +1,153 @@
-// Paged attention of a tile of prefill query rows (up to 8) over bf16 K/V, scoring 16 keys at a time.
-// For each 16-key slice of a block and each KV head:
-//   - the keys are transposed once (keys_as_lanes) so that lane t of vector p holds key t's dims 2p and 2p + 1,
-//     the pair layout of vdpbf16ps: one instruction per dim pair and query head then scores all 16 keys in
-//     fp32, with no horizontal sum per key (those were most of the row-at-a-time kernels' time);
-//   - after a 16-lane online-softmax step, the values of two keys are interleaved into the instruction's pairs, and
-//     every row and query head of the tile adds both keys' weighted values in one instruction per 16 dims, with
-//     the weights rounded to bf16 (as in csrc/decode_bf16.c; 2048 query rows over 4096 keys: 70 -> 49 ms a layer).
-// q stays unscaled bf16, so each product is exact; the scale multiplies the fp32 scores. Needs head_dim % 32 == 0
-// and block_size % 16 == 0 (attend_bf16_takes); the callers keep their row-at-a-time paths for other shapes.
+// Paged attention of a tile of prefill query rows (up to 16) over bf16 K/V with the AVX512-BF16 dot instruction.
+// The tile's rows lie in the 16 fp32 lanes: lane r of every vector belongs to query row r, so nothing is ever
+// summed across lanes and the online softmax is lane-wise vector work (csrc/attend_avx2.c's plan, in bf16 pairs).
+// For each KV head, and each 16-key slice of the context (one block holds it):
+//   - the slice's value rows of keys 2k and 2k + 1 are interleaved once into the instruction's pairs, for the
+//     group's query heads;
+//   - a query head's scores: per dim pair, the rows' query pairs (one vector, built once per tile) times the
+//     key's pair (one broadcast straight from the cache row), 16 keys in 16 independent chains: a vector of 16
+//     rows' scores per key;
+//   - the online softmax of the 16 keys: maxima, sums and the rescaling factor are lane-wise;
+//   - the weighted values: per dim, the weights of keys 2k and 2k + 1 (one vector of pairs, rounded to bf16 as
+//     transformers' eager bf16 attention rounds them) times their two values (one broadcast).
+// The plan before this one held 16 keys in the lanes: it transposed each slice's keys per tile of 8 rows and took a
+// horizontal max and a scalar branch per 16 keys and query head, which left most of the dot instruction's
+// throughput unused: 150-185 GFLOP/s on the last 2048-row chunk of an 8k prompt here (bench.prefill_kernel).
+// q stays unscaled bf16, so each product is exact; the scale multiplies the fp32 scores. Every query row is
+// computed alone, in the same order whatever else is in its tile: slices start at key 0, and keys its row may not
+// see get a weight of exactly 0. Needs head_dim % 32 == 0 and block_size % 16 == 0 (attend_bf16_takes).
 #include "kernel_common.h"
 
 #if defined(__AVX512BF16__)
-// Up to 16 bf16 key rows of one head (rows `stride` elements apart; rows past n read as zero), transposed
-// to out[pairs]: lane t of out[p] holds row t's elements 2p and 2p + 1. pairs = head_dim / 2, a multiple of 16.
-// Each 16 x 16 tile of 32-bit pairs is transposed by four butterfly rounds; round b swaps b x b sub-blocks.
-static inline void keys_as_lanes(const uint16_t* rows, int64_t stride, int n, int pairs, __m512i* out) {
-    static const int32_t lo[4][16] = {
-        {0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30},
-        {0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29},
-        {0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27},
-        {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23}};
-    static const int32_t hi[4][16] = {
-        {1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31},
-        {2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31},
-        {4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31},
-        {8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31}};
-    for (int c = 0; c < pairs; c += 16) {
-        __m512i* r = out + c;
-        for (int t = 0; t < 16; t++)
-            r[t] = t < n ? _mm512_loadu_si512((const void*)(rows + t * stride + 2 * c)) : _mm512_setzero_si512();
-        for (int round = 0, b = 1; round < 4; round++, b <<= 1) {
-            const __m512i vlo = _mm512_loadu_si512((const void*)lo[round]);
-            const __m512i vhi = _mm512_loadu_si512((const void*)hi[round]);
-            for (int i = 0; i < 16; i++) {
-                if (i & b) continue;
-                const __m512i a = r[i], d = r[i + b];
-                r[i] = _mm512_permutex2var_epi32(a, vlo, d);
-                r[i + b] = _mm512_permutex2var_epi32(a, vhi, d);
-            }
+#define KEYS 16
+
+int attend_bf16_takes(int head_dim, int block_size) {
+    return head_dim % 32 == 0 && head_dim <= ATTEND_MAX_DIM && block_size % KEYS == 0;
+}
+
+// The dim that pair-layout accumulator i of a 32-dim chunk holds: unpacklo_epi16 of two rows gives dims
+// 8j + 0..3 of each 128-bit lane j (accumulators 0..15), unpackhi_epi16 dims 8j + 4..7 (16..31).
+static inline int paired_dim(int i) { return 8 * ((i % 16) / 4) + i % 4 + (i >= 16 ? 4 : 0); }
+
+// The values of keys 2k and 2k + 1 of a slice (rows `stride` apart; rows past n are zeros, never stale
+// memory times a zero weight) as vp[k][i]: one 32-bit pair per accumulator i (paired_dim order).
+static inline __attribute__((always_inline)) void pair_slice_values(const uint16_t* rows, int64_t stride, int n,
+                                                                    int head_dim, uint32_t (*vp)[ATTEND_MAX_DIM]) {
+    for (int k = 0; k < KEYS / 2; k++)
+        for (int c = 0; c < head_dim; c += 32) {
+            const uint16_t* a = rows + 2 * k * stride + c;
+            const __m512i va = 2 * k < n ? _mm512_loadu_si512((const void*)a) : _mm512_setzero_si512();
+            const __m512i vb = 2 * k + 1 < n ? _mm512_loadu_si512((const void*)(a + stride)) : _mm512_setzero_si512();
+            _mm512_store_si512((void*)(vp[k] + c), _mm512_unpacklo_epi16(va, vb));
+            _mm512_store_si512((void*)(vp[k] + c + 16), _mm512_unpackhi_epi16(va, vb));
+        }
+}
+
+// One query head's scores for the slice's 16 keys (key t's row at keys + t * stride): s[t] = q . key t, the
+// rows' query pairs in qt[p].
+static inline __attribute__((always_inline)) void score16(const __m512i* qt, const uint16_t* keys, int64_t stride,
+                                                          int pairs, __m512* s) {
+    __m512 a[KEYS];
+    for (int t = 0; t < KEYS; t++) a[t] = _mm512_setzero_ps();
+    for (int p = 0; p < pairs; p++) {
+        const __m512bh qp = (__m512bh)qt[p];
+        for (int t = 0; t < KEYS; t++) {
+            const uint32_t* key = (const uint32_t*)(keys + t * stride);
+            a[t] = _mm512_dpbf16_ps(a[t], qp, (__m512bh)_mm512_set1_epi32((int)key[p]));
         }
     }
+    for (int t = 0; t < KEYS; t++) s[t] = a[t];
 }
-int attend_bf16_takes(int head_dim, int block_size) {
-    return head_dim % 32 == 0 && head_dim <= ATTEND_MAX_DIM && block_size % 16 == 0;
+
+// acc[i] = acc[i] * c + the weighted values of the slice: pw[k] holds each row's bf16 weights of keys 2k and
+// 2k + 1, vp[k][i] their values of accumulator i. 16 accumulators at a time, in 16 chains.
+static inline __attribute__((always_inline)) void add_values16(__m512* acc, __m512 c, int rescale, const __m512i* pw,
+                                                               uint32_t (*vp)[ATTEND_MAX_DIM], int head_dim) {
+    for (int i0 = 0; i0 < head_dim; i0 += 16) {
+        __m512 a[16];
+        for (int j = 0; j < 16; j++) a[j] = rescale ? _mm512_mul_ps(acc[i0 + j], c) : acc[i0 + j];
+        for (int k = 0; k < KEYS / 2; k++)
+            for (int j = 0; j < 16; j++)
+                a[j] = _mm512_dpbf16_ps(a[j], (__m512bh)pw[k], (__m512bh)_mm512_set1_epi32((int)vp[k][i0 + j]));
+        for (int j = 0; j < 16; j++) acc[i0 + j] = a[j];
+    }
 }
 
 // Rows r of the tile sit at positions first_pos + r and see keys [0, first_pos + r]; q rows are q_row_stride
-// elements apart; out rows are num_q_heads * head_dim apart. rows <= ATTEND_MAX_ROWS, group <= ATTEND_MAX_GROUP.
-// head_dim = 32 * chunks; inlined for each common chunk count, so that the compiler unrolls the loops over a row.
-static inline __attribute__((always_inline)) void tile(
-    const uint16_t* q, int64_t q_row_stride, const uint16_t* k_cache, const uint16_t* v_cache, const int64_t* table,
-    int64_t first_pos, int rows, uint16_t* out, int num_q_heads, int num_kv_heads, const int chunks, int block_size,
-    float scale) {
-    const int head_dim = 32 * chunks, group = num_q_heads / num_kv_heads, pairs = head_dim / 2;
-    const int64_t stride = (int64_t)num_kv_heads * head_dim, block_elems = block_size * stride;
-    const int64_t context = first_pos + rows;  // keys the last row sees
-    // Accumulators in the order of add_paired_values (kernel_common.h).
-    __m512 lo[rows][num_q_heads][chunks], hi[rows][num_q_heads][chunks], l[rows][num_q_heads];
-    __m512i v_lo[8][chunks], v_hi[8][chunks];  // the slice's values of one head, paired by keys
-    __m512i keys[ATTEND_MAX_DIM / 2];
-    float m[rows][num_q_heads];
-    // One slice of one KV head, in two passes over the tile's (row, query head) pairs, so that the pairs'
-    // independent work overlaps instead of each pair waiting on its own chain (scores -> max -> e^x -> sums).
-    float w[ATTEND_MAX_ROWS][ATTEND_MAX_GROUP][16];
-    __m512 correction[ATTEND_MAX_ROWS][ATTEND_MAX_GROUP];
-    int visible[ATTEND_MAX_ROWS];
-    const __m512 vscale = _mm512_set1_ps(scale);
-    for (int r = 0; r < rows; r++)
-        for (int i = 0; i < num_q_heads; i++) {
-            for (int c = 0; c < chunks; c++) lo[r][i][c] = hi[r][i][c] = _mm512_setzero_ps();
-            m[r][i] = NO_SCORE; l[r][i] = _mm512_setzero_ps();
-        }
-    for (int64_t start = 0; start < context; start += 16) {
-        const int64_t b = start / block_size, in_block = start % block_size;
-        const uint16_t* kb = k_cache + table[b] * block_elems + in_block * stride;
-        const uint16_t* vb = v_cache + table[b] * block_elems + in_block * stride;
-        const int n = (int)(context - start < 16 ? context - start : 16);
-        for (int r = 0; r < rows; r++) {  // keys of this slice row r may see: a prefix of it
-            const int64_t seen = first_pos + r + 1 - start;
-            visible[r] = seen <= 0 ? 0 : seen > n ? n : (int)seen;
-        }
-        // The same slice of the next block is fetched while this one is used, a row at a time.
-        const int64_t next = start + block_size < context ? table[b + 1] * block_elems + in_block * stride : -1;
-        for (int h = 0; h < num_kv_heads; h++) {
-            keys_as_lanes(kb + h * head_dim, stride, n, pairs, keys);
-            for (int k = 0; k < (n + 1) / 2; k++) {  // value rows of keys 2k and 2k + 1 in the pair layout
-                if (h == 0 && next >= 0)
-                    for (int t = 2 * k; t < 2 * k + 2 && t < n; t++)
-                        prefetch_rows(k_cache + next + t * stride, v_cache + next + t * stride, stride * 2);
-                const uint16_t* row = vb + 2 * k * stride + h * head_dim;
-                pair_values(row, 2 * k + 1 < n ? row + stride : NULL, chunks, v_lo[k], v_hi[k]);
-            }
-            for (int r = 0; r < rows; r++) {  // scores and softmax
-                if (!visible[r]) continue;
-                const uint32_t* qr = (const uint32_t*)(q + r * q_row_stride);
-                for (int g = 0; g < group; g++) {
-                    const int i = h * group + g;
-                    const uint32_t* qh = qr + i * pairs;
-                    __m512 s[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
-                    for (int p = 0; p < pairs; p += 4)  // four chains: a dot product takes several cycles
-                        for (int c = 0; c < 4; c++) {
-                            const __m512bh qp = (__m512bh)_mm512_set1_epi32(qh[p + c]);
-                            s[c] = _mm512_dpbf16_ps(s[c], (__m512bh)keys[p + c], qp);
-                        }
-                    const __m512 sum = _mm512_add_ps(_mm512_add_ps(s[0], s[1]), _mm512_add_ps(s[2], s[3]));
-                    const __m512 scores = _mm512_mul_ps(sum, vscale);
-                    correction[r][g] = softmax16(scores, visible[r], &m[r][i], &l[r][i], w[r][g]);
-                }
-            }
-            for (int r = 0; r < rows; r++)  // weighted values into the accumulators, two keys per instruction
-                for (int g = 0; g < (visible[r] ? group : 0); g++)
-                    add_paired_values(lo[r][h * group + g], hi[r][h * group + g], correction[r][g], w[r][g], v_lo[0],
-                                      v_hi[0], (visible[r] + 1) / 2, chunks);
-        }
-    }
-    for (int r = 0; r < rows; r++)
-        for (int i = 0; i < num_q_heads; i++) {
-            uint16_t* o = out + ((int64_t)r * num_q_heads + i) * head_dim;
-            const float sum = _mm512_reduce_add_ps(l[r][i]);
-            const __m512 inv = _mm512_set1_ps(sum > 0.f ? 1.f / sum : 0.f);
-            for (int c = 0; c < chunks; c++) store_unpaired_bf16(lo[r][i][c], hi[r][i][c], inv, o + 32 * c);
-        }
-}
-
+// elements apart; out rows are num_q_heads * head_dim apart. rows <= ATTEND_BF16_ROWS.
 void attend_bf16_tile(const uint16_t* q, int64_t q_row_stride, const uint16_t* k_cache, const uint16_t* v_cache,
                       const int64_t* table, int64_t first_pos, int rows, uint16_t* out, int num_q_heads,
                       int num_kv_heads, int head_dim, int block_size, float scale) {
-#define TILE(CHUNKS) tile(q, q_row_stride, k_cache, v_cache, table, first_pos, rows, out, num_q_heads, num_kv_heads, \
-                          CHUNKS, block_size, scale)
-    switch (head_dim / 32) {
-        case 2: TILE(2); break;  // heads of 64
-        case 4: TILE(4); break;  // heads of 128
-        default: TILE(head_dim / 32);
+    const int group = num_q_heads / num_kv_heads, pairs = head_dim / 2;
+    const int64_t stride = (int64_t)num_kv_heads * head_dim, block_elems = block_size * stride;
+    const int64_t context = first_pos + rows;  // keys the last row of the tile sees
+    __m512i qt[group][pairs];
+    __m512 acc[group][head_dim], m[group], l[group], s[KEYS];
+    __attribute__((aligned(64))) uint32_t vp[KEYS / 2][ATTEND_MAX_DIM];
+    // How far each lane may see; lanes past the tile's rows see the whole context (their q is 0).
+    int32_t seen[16];
+    for (int r = 0; r < 16; r++) seen[r] = (int32_t)(r < rows ? first_pos + r + 1 : context);
+    const __m512i seen_end = _mm512_loadu_si512((const void*)seen);
+    const __m512 vscale = _mm512_set1_ps(scale), no_score = _mm512_set1_ps(NO_SCORE);
+    // Weight pairs: word 2r of the result is word r of cvtne2ps_pbh's low half (key 2k), word 2r + 1 word 16 + r.
+    uint16_t interleave[32];
+    for (int r = 0; r < 16; r++) interleave[2 * r] = (uint16_t)r, interleave[2 * r + 1] = (uint16_t)(16 + r);
+    const __m512i pair_words = _mm512_loadu_si512((const void*)interleave);
+    for (int h = 0; h < num_kv_heads; h++) {
+        for (int g = 0; g < group; g++) {
+            uint32_t* lanes = (uint32_t*)qt[g];
+            for (int r = 0; r < 16; r++) {
+                const uint32_t* qr = (const uint32_t*)(q + r * q_row_stride + (h * group + g) * head_dim);
+                for (int p = 0; p < pairs; p++) lanes[p * 16 + r] = r < rows ? qr[p] : 0u;
+            }
+            for (int i = 0; i < head_dim; i++) acc[g][i] = _mm512_setzero_ps();
+            m[g] = no_score, l[g] = _mm512_setzero_ps();
+        }
+        for (int64_t start = 0; start < context; start += KEYS) {
+            const int n = (int)(context - start < KEYS ? context - start : KEYS);
+            const int64_t at = table[start / block_size] * block_elems + start % block_size * stride + h * head_dim;
+            pair_slice_values(v_cache + at, stride, n, head_dim, vp);
+            // visible[t]: the lanes that may see key start + t (all of them in every slice but the last few). Every
+            // slice is masked: with an unmasked copy of the loop beside the masked one (the compiler may contract
+            // the two copies' arithmetic differently), a row's bits depended on where its tile began.
+            __mmask16 visible[KEYS];
+            for (int t = 0; t < KEYS; t++)
+                visible[t] = _mm512_cmpgt_epi32_mask(seen_end, _mm512_set1_epi32((int32_t)(start + t)));
+            for (int g = 0; g < group; g++) {
+                score16(qt[g], k_cache + at, stride, pairs, s);
+                __m512 top = m[g];
+                for (int t = 0; t < KEYS; t++) {
+                    s[t] = _mm512_mul_ps(s[t], vscale);
+                    s[t] = _mm512_mask_mov_ps(no_score, visible[t], s[t]);
+                    top = _mm512_max_ps(top, s[t]);
+                }
+                const __m512 c = exp16(_mm512_sub_ps(m[g], top));  // exactly 1 where the max stayed
+                __m512 sum = _mm512_setzero_ps();
+                for (int t = 0; t < KEYS; t++) {
+                    s[t] = exp16(_mm512_sub_ps(s[t], top));
+                    s[t] = _mm512_maskz_mov_ps(visible[t], s[t]);
+                    sum = _mm512_add_ps(sum, s[t]);
+                }
+                l[g] = _mm512_add_ps(_mm512_mul_ps(l[g], c), sum), m[g] = top;
+                __m512i pw[KEYS / 2];
+                for (int k = 0; k < KEYS / 2; k++)
+                    pw[k] = _mm512_permutexvar_epi16(pair_words,
+                                                     (__m512i)_mm512_cvtne2ps_pbh(s[2 * k + 1], s[2 * k]));
+                const int rescale = _mm512_cmpneq_ps_mask(c, _mm512_set1_ps(1.f)) != 0;  // x * 1 is x: skip it
+                add_values16(acc[g], c, rescale, pw, vp, head_dim);
+            }
+        }
+        for (int g = 0; g < group; g++) {
+            float inv[16], sums[16];
+            _mm512_storeu_ps(inv, _mm512_div_ps(_mm512_set1_ps(1.f), l[g]));  // l >= 1: the max's own weight
+            for (int i = 0; i < head_dim; i++) {
+                _mm512_storeu_ps(sums, acc[g][i]);
+                const int d = i / 32 * 32 + paired_dim(i % 32);
+                for (int r = 0; r < rows; r++)
+                    out[((int64_t)r * num_q_heads + h * group + g) * head_dim + d] = bf16_store(sums[r] * inv[r]);
+            }
+        }
     }
-#undef TILE
 }
 #else
 int attend_bf16_takes(int head_dim, int block_size) { (void)head_dim; (void)block_size; return 0; }

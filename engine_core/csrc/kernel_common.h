@@ -249,7 +249,8 @@ static inline void store_unpaired_bf16(__m512 lo, __m512 hi, __m512 scale, uint1
     _mm512_storeu_si512((void*)out, (__m512i)_mm512_cvtne2ps_pbh(second, first));
 }
 
-// csrc/attend_bf16.c: a tile of query rows attending over paged bf16 K/V, 16 keys at a time (see there).
+// csrc/attend_bf16.c: a tile of up to 16 query rows (in the lanes) attending over paged bf16 K/V (see there).
+#define ATTEND_BF16_ROWS 16
 int attend_bf16_takes(int head_dim, int block_size);
 void attend_bf16_tile(const uint16_t* q, int64_t q_row_stride, const uint16_t* k_cache, const uint16_t* v_cache,
                       const int64_t* table, int64_t first_pos, int rows, uint16_t* out, int num_q_heads,

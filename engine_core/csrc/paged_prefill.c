@@ -6,7 +6,7 @@
 // computed alone, whatever the rest of its tile or chunk: a prefix-cache hit leaves its logprobs bit for bit.
 #include "kernel_common.h"
 
-#define PREFILL_TILE 8  // query rows per work item: each key row loaded is used TILE * group times
+#define PREFILL_TILE 8  // query rows per work item (csrc/attend_bf16.c: ATTEND_BF16_ROWS); each key row serves them all
 #define PREFILL_MAX_BLOCK 64
 #define PREFILL_MAX_GROUP 16
 #define PREFILL_MAX_DIM 256
@@ -118,30 +118,41 @@ static DECLARE_ATTEND_TILE(prefill_tile_f32, float) {
 // chunks: [num_chunks, 3] int64 rows of (first row in the flat batch, query rows, context length after
 // the chunk); block_tables: [num_chunks, max_blocks]. q rows are q_row_stride elements apart (a view into
 // the qkv projection); out: [T, num_q_heads, head_dim] contiguous, written only at the chunks' rows.
-#define DEFINE_PREFILL(NAME, T, TILE_FN)                                                                  \
-void NAME(const T* q, int64_t q_row_stride, const T* k_cache, const T* v_cache, const int64_t* chunks,   \
-          int num_chunks, const int64_t* block_tables, int max_blocks, T* out, int num_q_heads,          \
+#define DEFINE_PREFILL(NAME, T, TILE_FN, TILE_ROWS)                                                     \
+void NAME(const T* q, int64_t q_row_stride, const T* k_cache, const T* v_cache, const int64_t* chunks,  \
+          int num_chunks, const int64_t* block_tables, int max_blocks, T* out, int num_q_heads,         \
           int num_kv_heads, int head_dim, int block_size, float scale) {                                \
-    int64_t tiles = 0;                                                                                   \
-    for (int c = 0; c < num_chunks; c++) tiles += (chunks[3 * c + 1] + PREFILL_TILE - 1) / PREFILL_TILE; \
+    const int tile_rows = TILE_ROWS(head_dim, block_size);                                              \
+    int64_t tiles = 0;                                                                                  \
+    for (int c = 0; c < num_chunks; c++) tiles += (chunks[3 * c + 1] + tile_rows - 1) / tile_rows;      \
     _Pragma("omp parallel for schedule(dynamic, 1)")                                                    \
-    for (int64_t w = 0; w < tiles; w++) {                                                                \
-        int c = 0;                                                                                       \
-        int64_t tile = w;                                                                                \
-        while (tile >= (chunks[3 * c + 1] + PREFILL_TILE - 1) / PREFILL_TILE)                            \
-            tile -= (chunks[3 * c + 1] + PREFILL_TILE - 1) / PREFILL_TILE, c++;                          \
+    for (int64_t w = 0; w < tiles; w++) {                                                               \
+        int c = 0;                                                                                      \
+        int64_t tile = w;                                                                               \
+        while (tile >= (chunks[3 * c + 1] + tile_rows - 1) / tile_rows)                                 \
+            tile -= (chunks[3 * c + 1] + tile_rows - 1) / tile_rows, c++;                               \
         const int64_t first_row = chunks[3 * c], num_rows = chunks[3 * c + 1], context = chunks[3 * c + 2]; \
-        const int64_t r0 = tile * PREFILL_TILE;                                                          \
-        const int rows = (int)(num_rows - r0 < PREFILL_TILE ? num_rows - r0 : PREFILL_TILE);             \
-        TILE_FN(q + (first_row + r0) * q_row_stride, q_row_stride, k_cache, v_cache,                     \
-                block_tables + (int64_t)c * max_blocks, context - num_rows + r0, rows,                   \
-                out + (first_row + r0) * num_q_heads * head_dim, num_q_heads, num_kv_heads, head_dim,    \
-                block_size, scale);                                                                      \
-    }                                                                                                    \
+        const int64_t r0 = tile * tile_rows;                                                            \
+        const int rows = (int)(num_rows - r0 < tile_rows ? num_rows - r0 : tile_rows);                  \
+        TILE_FN(q + (first_row + r0) * q_row_stride, q_row_stride, k_cache, v_cache,                    \
+                block_tables + (int64_t)c * max_blocks, context - num_rows + r0, rows,                  \
+                out + (first_row + r0) * num_q_heads * head_dim, num_q_heads, num_kv_heads, head_dim,   \
+                block_size, scale);                                                                     \
+    }                                                                                                   \
 }
 
-DEFINE_PREFILL(paged_prefill_bf16, uint16_t, prefill_tile_bf16)
-DEFINE_PREFILL(paged_prefill_f32, float, prefill_tile_f32)
+// Query rows per work item: the AVX512-BF16 tile kernel holds 16 in its lanes; the others take PREFILL_TILE.
+static int tile_rows_bf16(int head_dim, int block_size) {
+#if defined(__AVX512BF16__)
+    if (attend_bf16_takes(head_dim, block_size)) return ATTEND_BF16_ROWS;
+#endif
+    (void)head_dim, (void)block_size;
+    return PREFILL_TILE;
+}
+static int tile_rows_f32(int head_dim, int block_size) { (void)head_dim, (void)block_size; return PREFILL_TILE; }
+
+DEFINE_PREFILL(paged_prefill_bf16, uint16_t, prefill_tile_bf16, tile_rows_bf16)
+DEFINE_PREFILL(paged_prefill_f32, float, prefill_tile_f32, tile_rows_f32)
 
 int paged_prefill_available(void) { return 1; }
 #else
