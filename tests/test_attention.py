@@ -45,10 +45,10 @@ def test_kernel_matches_torch_path(dtype, tol, q_heads, kv_heads, head_dim, bloc
     assert torch.allclose(fast[0].float(), first, atol=tol)
 
 
-# The tile kernels: with AVX512-BF16, bf16 with head_dim % 32 == 0 takes 16 keys at a time (csrc/attend_bf16.c;
-# block size 32 makes it split blocks into slices, 8 leaves it to the key-at-a-time path); with AVX2, both dtypes
-# take the tile's rows in the lanes, 16 keys a softmax step (csrc/attend_avx2.c; blocks of 8 split those steps).
-# Block size 4 is left to the key-at-a-time path everywhere.
+# The tile kernels hold a tile's query rows in their lanes, 16 keys a softmax step: with AVX512-BF16, bf16 with
+# head_dim % 32 == 0 takes 16 rows (csrc/attend_bf16.c; block size 32 makes it split blocks into slices, 8 leaves
+# it to the next kernel); with AVX2 + FMA (AVX-512 CPUs included), what it leaves takes 8 (csrc/attend_avx2.c;
+# blocks of 8 split those steps). Block size 4 is left to the key-at-a-time path everywhere.
 @needs_prefill_kernel
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 @pytest.mark.parametrize("q_heads,kv_heads,head_dim", [(9, 3, 64), (4, 4, 32), (8, 1, 16), (6, 2, 128)])

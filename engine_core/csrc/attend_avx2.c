@@ -1,5 +1,5 @@
-// Paged attention of a tile of prefill query rows (up to 8) on CPUs with AVX2 + FMA and no AVX-512, over bf16 or
-// fp32 K/V. The tile's rows lie in the 8 fp32 lanes: lane r of every vector belongs to query row r, so nothing is
+// Paged attention of a tile of prefill query rows (up to 8) on CPUs with AVX2 + FMA, over bf16 or fp32 K/V: on
+// AVX-512 CPUs too, for what csrc/attend_bf16.c does not take (fp32, or a CPU without AVX512-BF16). The tile's rows lie in the 8 fp32 lanes: lane r of every vector belongs to query row r, so nothing is
 // ever summed across lanes.
 // For each KV head, and each slice of KEYS keys of the context:
 //   - the slice's key and value rows are widened to fp32 once, for the tile's rows and the group's query heads;
@@ -15,7 +15,7 @@
 // (attend_avx2_takes).
 #include "kernel_common.h"
 
-#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+#if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 
 #define KEYS 16  // keys per softmax step; a multiple of 8, so that each 8-key part lies in one block
@@ -113,8 +113,8 @@ void NAME(const T* q, int64_t q_row_stride, const T* k_cache, const T* v_cache, 
     }                                                                                                             \
 }
 
-DEFINE_ATTEND(attend_avx2_tile_bf16, uint16_t, bf16_load, vload_bf16, bf16_store)
-DEFINE_ATTEND(attend_avx2_tile_f32, float, F32_LOAD, vload_f32, F32_STORE)
+DEFINE_ATTEND(attend_avx2_tile_bf16, uint16_t, bf16_load, vload8_bf16, bf16_store)
+DEFINE_ATTEND(attend_avx2_tile_f32, float, F32_LOAD, vload8_f32, F32_STORE)
 
 int attend_avx2_takes(int head_dim, int block_size) {
     return head_dim % 8 == 0 && head_dim <= ATTEND_MAX_DIM && block_size % 8 == 0;

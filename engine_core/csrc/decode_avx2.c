@@ -1,6 +1,7 @@
 // Decode attention (one query row per sequence, all heads) over paged bf16 or fp32 K/V on CPUs with AVX2 + FMA and
 // no AVX-512, 8 keys at a time: csrc/decode_bf16.c's plan with fp32 FMAs. paged_decode (csrc/paged_decode.c) hands
-// it the whole call where head_dim % 8 == 0 and block_size % 8 == 0.
+// it the whole call where head_dim % 8 == 0 and block_size % 8 == 0. (Built for AVX-512 without AVX512-BF16, it
+// was no faster than the 16-lane key-at-a-time path there at batch 64, and 7% slower at 512 keys.)
 // For each 8-key slice and each KV head:
 //   - the slice's key and value rows are widened to fp32 once, for all the query heads of the group;
 //   - a query head's scores: one partial-sum vector per key (8 independent FMA chains), then sum_lanes8 adds the
@@ -88,8 +89,8 @@ static void NAME(const T* q, const T* k_cache, const T* v_cache, const int64_t* 
     }                                                                                                           \
 }
 
-DEFINE_SEQUENCE(sequence_bf16, uint16_t, vload_bf16, bf16_store)
-DEFINE_SEQUENCE(sequence_f32, float, vload_f32, F32_STORE)
+DEFINE_SEQUENCE(sequence_bf16, uint16_t, vload8_bf16, bf16_store)
+DEFINE_SEQUENCE(sequence_f32, float, vload8_f32, F32_STORE)
 
 // A sequence longer than SPLIT_KEYS keys is attended in parts of that size (whole blocks), each by any thread, then
 // combined: alone, a long conversation's attention would run on one core. The parts do not depend on the batch,

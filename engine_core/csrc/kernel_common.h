@@ -127,12 +127,18 @@ static inline __m512 softmax16(__m512 s, int visible, float* m, __m512* l, float
 }
 #endif
 
-#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+// 8-lane helpers wherever AVX2 + FMA exist: csrc/attend_avx2.c also serves AVX-512 CPUs where csrc/attend_bf16.c
+// does not (fp32, and bf16 without AVX512-BF16), about twice as fast there as the 16-lane key-at-a-time path.
+#if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
-static inline __m256 vload_bf16(const uint16_t* p) {  // 8 bf16 values widened to fp32
+static inline __m256 vload8_bf16(const uint16_t* p) {  // 8 bf16 values widened to fp32
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
 }
-static inline __m256 vload_f32(const float* p) { return _mm256_loadu_ps(p); }
+static inline __m256 vload8_f32(const float* p) { return _mm256_loadu_ps(p); }
+#if !defined(__AVX512F__)  // the LANES-wide loads of the key-at-a-time paths (AVX-512 has its own above)
+static inline __m256 vload_bf16(const uint16_t* p) { return vload8_bf16(p); }
+static inline __m256 vload_f32(const float* p) { return vload8_f32(p); }
+#endif
 static inline float hsum8(__m256 v) {  // lanes added pairwise, the same order every time
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -261,7 +267,7 @@ void attend_bf16_tile(const uint16_t* q, int64_t q_row_stride, const uint16_t* k
 #define ATTEND_MAX_ROWS 8
 #define ATTEND_MAX_GROUP 16
 #define ATTEND_MAX_DIM 256
-int attend_avx2_takes(int head_dim, int block_size);  // 0 where the CPU has AVX-512 or no AVX2 + FMA
+int attend_avx2_takes(int head_dim, int block_size);  // 0 where the CPU has no AVX2 + FMA
 // The tiles are defined where attend_avx2_takes can answer 1 only: callers name them under the same #if.
 #define DECLARE_ATTEND_TILE(NAME, T)                                                                                 \
     void NAME(const T* q, int64_t q_row_stride, const T* k_cache, const T* v_cache, const int64_t* table,            \

@@ -93,14 +93,15 @@ DEFINE_PREFILL_TILE(prefill_rows_f32, float, vload_f32, F32_STORE)
 _Static_assert(PREFILL_TILE <= ATTEND_MAX_ROWS && PREFILL_MAX_GROUP <= ATTEND_MAX_GROUP,
                "a prefill tile the tile kernels cannot hold");
 
-// Many keys at a time where the CPU and shapes allow: 16 (csrc/attend_bf16.c, AVX512-BF16) or 8
-// (csrc/attend_avx2.c, AVX2); else a key at a time.
+// A tile kernel where the CPU and shapes allow: 16 query rows in the lanes (csrc/attend_bf16.c, AVX512-BF16) or 8
+// (csrc/attend_avx2.c, AVX2 + FMA, AVX-512 CPUs included); else a key at a time.
 static DECLARE_ATTEND_TILE(prefill_tile_bf16, uint16_t) {
     DECLARE_ATTEND_TILE((*tile), uint16_t) = prefill_rows_bf16;
-#if defined(__AVX512BF16__)
-    if (attend_bf16_takes(head_dim, block_size)) tile = attend_bf16_tile;
-#elif !defined(__AVX512F__)  // AVX2 + FMA (LANES 8)
+#if defined(__AVX2__) && defined(__FMA__)
     if (attend_avx2_takes(head_dim, block_size)) tile = attend_avx2_tile_bf16;
+#endif
+#if defined(__AVX512BF16__)
+    if (attend_bf16_takes(head_dim, block_size)) tile = attend_bf16_tile;  // first choice where it runs
 #endif
     tile(q, q_row_stride, k_cache, v_cache, table, first_pos, rows, out, num_q_heads, num_kv_heads, head_dim,
          block_size, scale);
@@ -108,7 +109,7 @@ static DECLARE_ATTEND_TILE(prefill_tile_bf16, uint16_t) {
 
 static DECLARE_ATTEND_TILE(prefill_tile_f32, float) {
     DECLARE_ATTEND_TILE((*tile), float) = prefill_rows_f32;
-#if !defined(__AVX512F__)
+#if defined(__AVX2__) && defined(__FMA__)
     if (attend_avx2_takes(head_dim, block_size)) tile = attend_avx2_tile_f32;
 #endif
     tile(q, q_row_stride, k_cache, v_cache, table, first_pos, rows, out, num_q_heads, num_kv_heads, head_dim,
