@@ -96,9 +96,10 @@ void attend_bf16_tile(const uint16_t* q, int64_t q_row_stride, const uint16_t* k
     for (int h = 0; h < num_kv_heads; h++) {
         for (int g = 0; g < group; g++) {
             uint32_t* lanes = (uint32_t*)qt[g];
-            for (int r = 0; r < 16; r++) {
+            memset(lanes, 0, sizeof(qt[g]));  // lanes past the tile's rows: q = 0
+            for (int r = 0; r < rows; r++) {
                 const uint32_t* qr = (const uint32_t*)(q + r * q_row_stride + (h * group + g) * head_dim);
-                for (int p = 0; p < pairs; p++) lanes[p * 16 + r] = r < rows ? qr[p] : 0u;
+                for (int p = 0; p < pairs; p++) lanes[p * 16 + r] = qr[p];
             }
             for (int i = 0; i < head_dim; i++) acc[g][i] = _mm512_setzero_ps();
             m[g] = no_score, l[g] = _mm512_setzero_ps();
