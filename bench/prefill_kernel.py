@@ -1,6 +1,6 @@
-"""Prefill attention alone: the compiled CPU kernel (csrc/attend_bf16.c with AVX512-BF16, csrc/attend_avx2.c with
-AVX2, through CpuKernels.paged_prefill) over one layer of SmolLM2's heads (9 query / 3 KV heads of 64, blocks of
-16), for chunks shaped like the engine's prefill steps:
+"""Prefill attention alone: the compiled CPU kernel (csrc/attend_bf16.c for bf16 with AVX512-BF16, else
+csrc/attend_avx2.c with AVX2 + FMA, through CpuKernels.paged_prefill) over one layer of SmolLM2's heads (9 query /
+3 KV heads of 64, blocks of 16), for chunks shaped like the engine's prefill steps:
 
 - W's step: 16 prompts of 128 tokens;
 - one 512-token prompt;
