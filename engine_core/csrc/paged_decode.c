@@ -71,7 +71,7 @@ DEFINE_SCALAR_SEQUENCE(scalar_sequence_f32, float, F32_LOAD, F32_STORE)
 #if defined(LANES)
 
 // The same with the head dimension in registers of LANES lanes (head_dim % LANES == 0): each key or value row is
-// loaded and widened once and used by every query head of its group. With AVX2 it serves what csrc/decode_avx2.c
+// loaded and widened once and used by every query head of its group. On AVX2 it serves what csrc/decode_avx2.c
 // does not take: block sizes that are not a multiple of 8.
 #define DEFINE_VECTOR_SEQUENCE(NAME, T, VLOAD, STORE)                                                    \
 static void NAME(const T* q, const T* k_cache, const T* v_cache, const int64_t* table, int64_t len,      \
