@@ -1,15 +1,15 @@
 // Paged attention of a tile of prefill query rows (up to 8) on CPUs with AVX2 + FMA, over bf16 or fp32 K/V: on
-// AVX-512 CPUs too, for what csrc/attend_bf16.c does not take (fp32, or a CPU without AVX512-BF16). The tile's rows lie in the 8 fp32 lanes: lane r of every vector belongs to query row r, so nothing is
-// ever summed across lanes.
+// AVX-512 CPUs too, for what csrc/attend_bf16.c does not take (fp32, or a CPU without AVX512-BF16). The tile's rows
+// lie in the 8 fp32 lanes: lane r of every vector belongs to query row r, so nothing is ever summed across lanes.
 // For each KV head, and each slice of KEYS keys of the context:
 //   - the slice's key and value rows are widened to fp32 once, for the tile's rows and the group's query heads;
 //   - a query head's scores: for each dim, the rows' query values (one vector) times the key's value (one
 //     broadcast), 8 keys at a time in 8 independent FMA chains: a vector of 8 rows' scores per key;
 //   - the online softmax of KEYS keys: maxima, sums and the rescaling factor are lane-wise vector operations;
 //   - the weighted values: per dim, the keys' weights (one vector per key) times the value (one broadcast).
-// csrc/attend_bf16.c's plan, with the keys in the lanes, ran here before: it transposed each slice's keys and took a
-// horizontal max, a horizontal sum and a scalar exp per 8 keys and query head. The last 2048-row chunk of an 8k
-// prompt (SmolLM2's heads, both cores): 38-44 -> 79-96 GFLOP/s, of about 128 at peak (bench.prefill_kernel).
+// The plan csrc/attend_bf16.c then had, with the keys in the lanes, ran here before: it transposed each slice's keys
+// and took a horizontal max, a horizontal sum and a scalar exp per 8 keys and query head. The last 2048-row chunk of
+// an 8k prompt (SmolLM2's heads, both cores): 38-44 -> 79-96 GFLOP/s, of about 128 at peak (bench.prefill_kernel).
 // Every query row is computed alone, in the same order whatever else is in its tile: slices start at key 0, and
 // keys its row may not see get a weight of exactly 0. Needs head_dim % 8 == 0 and block_size % 8 == 0
 // (attend_avx2_takes).
