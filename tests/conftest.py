@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -31,9 +32,31 @@ TEST_DP = int(os.environ.get("ROSEINFER_TEST_DP", "1"))
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port that is free now, below the kernel's ephemeral range: a server binds it seconds later, and in between an
+    outgoing connection of any test may take a port of that range as its own (a CI run lost its tool servers so, with
+    EADDRINUSE at listen). Each port is handed out once per process."""
+    try:
+        first_ephemeral = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        first_ephemeral = 32768
+    if first_ephemeral < 12000:  # little room below that range: the kernel's choice
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            return s.getsockname()[1]
+    while True:
+        port = random.randrange(10000, first_ephemeral)
+        if port in _HANDED_OUT:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _HANDED_OUT.add(port)
+        return port
+
+
+_HANDED_OUT: set[int] = set()
 
 
 def dp_args(dp: int) -> list[str]:
@@ -132,7 +155,13 @@ def tool_servers(tmp_path_factory: pytest.TempPathFactory):
                                  "--chat-template", template),
                "pythonic": Server(tmp_path_factory.mktemp("tools_pythonic"), "--tool-call-parser", "pythonic",
                                   "--chat-template", template)}  # fmt: skip
-    yield {name: server.wait_healthy() for name, server in servers.items()}
+    try:
+        healthy = {name: server.wait_healthy() for name, server in servers.items()}
+    except BaseException:  # one that does not start takes the others down, rather than leaving them running
+        for server in servers.values():
+            server.stop()
+        raise
+    yield healthy
     for server in servers.values():
         server.assert_clean_exit()
 
