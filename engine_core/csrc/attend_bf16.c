@@ -25,22 +25,27 @@ int attend_bf16_takes(int head_dim, int block_size) {
     return head_dim % 32 == 0 && head_dim <= ATTEND_MAX_DIM && block_size % KEYS == 0;
 }
 
-// The dim that pair-layout accumulator i of a 32-dim chunk holds: unpacklo_epi16 of two rows gives dims
-// 8j + 0..3 of each 128-bit lane j (accumulators 0..15), unpackhi_epi16 dims 8j + 4..7 (16..31).
-static inline int paired_dim(int i) { return 8 * ((i % 16) / 4) + i % 4 + (i >= 16 ? 4 : 0); }
+// The dim that pair-layout accumulator i holds, where pair_values (kernel_common.h) wrote a slice's lo vectors
+// (chunks of them, then the hi ones): lo of 32-dim chunk c gives dims 32c + 8j + 0..3 of each 128-bit lane j, hi
+// dims 32c + 8j + 4..7.
+static inline int paired_dim(int i, int chunks) {
+    const int hi = i >= 16 * chunks, lane = i % 16;
+    return 32 * ((i % (16 * chunks)) / 16) + 8 * (lane / 4) + lane % 4 + 4 * hi;
+}
 
 // The values of keys 2k and 2k + 1 of a slice (rows `stride` apart; rows past n are zeros, never stale
 // memory times a zero weight) as vp[k][i]: one 32-bit pair per accumulator i (paired_dim order).
 static inline __attribute__((always_inline)) void pair_slice_values(const uint16_t* rows, int64_t stride, int n,
                                                                     int head_dim, uint32_t (*vp)[ATTEND_MAX_DIM]) {
-    for (int k = 0; k < KEYS / 2; k++)
-        for (int c = 0; c < head_dim; c += 32) {
-            const uint16_t* a = rows + 2 * k * stride + c;
-            const __m512i va = 2 * k < n ? _mm512_loadu_si512((const void*)a) : _mm512_setzero_si512();
-            const __m512i vb = 2 * k + 1 < n ? _mm512_loadu_si512((const void*)(a + stride)) : _mm512_setzero_si512();
-            _mm512_store_si512((void*)(vp[k] + c), _mm512_unpacklo_epi16(va, vb));
-            _mm512_store_si512((void*)(vp[k] + c + 16), _mm512_unpackhi_epi16(va, vb));
-        }
+    const int chunks = head_dim / 32;
+    for (int k = 0; k < KEYS / 2; k++) {
+        __m512i* pairs = (__m512i*)vp[k];
+        if (2 * k < n)
+            pair_values(rows + 2 * k * stride, 2 * k + 1 < n ? rows + (2 * k + 1) * stride : NULL, chunks, pairs,
+                        pairs + chunks);
+        else
+            memset(pairs, 0, (size_t)head_dim * sizeof(uint32_t));
+    }
 }
 
 // One query head's scores for the slice's 16 keys (key t's row at keys + t * stride): s[t] = q . key t, the
@@ -143,7 +148,7 @@ void attend_bf16_tile(const uint16_t* q, int64_t q_row_stride, const uint16_t* k
             _mm512_storeu_ps(inv, _mm512_div_ps(_mm512_set1_ps(1.f), l[g]));  // l >= 1: the max's own weight
             for (int i = 0; i < head_dim; i++) {
                 _mm512_storeu_ps(sums, acc[g][i]);
-                const int d = i / 32 * 32 + paired_dim(i % 32);
+                const int d = paired_dim(i, head_dim / 32);
                 for (int r = 0; r < rows; r++)
                     out[((int64_t)r * num_q_heads + h * group + g) * head_dim + d] = bf16_store(sums[r] * inv[r]);
             }

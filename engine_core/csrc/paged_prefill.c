@@ -93,37 +93,42 @@ DEFINE_PREFILL_TILE(prefill_rows_f32, float, vload_f32, F32_STORE)
 _Static_assert(PREFILL_TILE <= ATTEND_MAX_ROWS && PREFILL_MAX_GROUP <= ATTEND_MAX_GROUP,
                "a prefill tile the tile kernels cannot hold");
 
-// A tile kernel where the CPU and shapes allow: 16 query rows in the lanes (csrc/attend_bf16.c, AVX512-BF16) or 8
-// (csrc/attend_avx2.c, AVX2 + FMA, AVX-512 CPUs included); else a key at a time.
-static DECLARE_ATTEND_TILE(prefill_tile_bf16, uint16_t) {
-    DECLARE_ATTEND_TILE((*tile), uint16_t) = prefill_rows_bf16;
-#if defined(__AVX2__) && defined(__FMA__)
-    if (attend_avx2_takes(head_dim, block_size)) tile = attend_avx2_tile_bf16;
-#endif
+// The tile kernel for a call's shapes, chosen once, and the query rows it takes per work item: 16 in the lanes
+// (csrc/attend_bf16.c, AVX512-BF16), 8 (csrc/attend_avx2.c, AVX2 + FMA, AVX-512 CPUs included), else PREFILL_TILE
+// rows a key at a time.
+typedef DECLARE_ATTEND_TILE((*attend_tile_bf16), uint16_t);
+typedef DECLARE_ATTEND_TILE((*attend_tile_f32), float);
+
+static attend_tile_bf16 pick_tile_bf16(int head_dim, int block_size, int* rows) {
 #if defined(__AVX512BF16__)
-    if (attend_bf16_takes(head_dim, block_size)) tile = attend_bf16_tile;  // first choice where it runs
+    if (attend_bf16_takes(head_dim, block_size)) return *rows = ATTEND_BF16_ROWS, attend_bf16_tile;
 #endif
-    tile(q, q_row_stride, k_cache, v_cache, table, first_pos, rows, out, num_q_heads, num_kv_heads, head_dim,
-         block_size, scale);
+    *rows = PREFILL_TILE;
+#if defined(__AVX2__) && defined(__FMA__)
+    if (attend_avx2_takes(head_dim, block_size)) return attend_avx2_tile_bf16;
+#endif
+    (void)head_dim, (void)block_size;
+    return prefill_rows_bf16;
 }
 
-static DECLARE_ATTEND_TILE(prefill_tile_f32, float) {
-    DECLARE_ATTEND_TILE((*tile), float) = prefill_rows_f32;
+static attend_tile_f32 pick_tile_f32(int head_dim, int block_size, int* rows) {
+    *rows = PREFILL_TILE;
 #if defined(__AVX2__) && defined(__FMA__)
-    if (attend_avx2_takes(head_dim, block_size)) tile = attend_avx2_tile_f32;
+    if (attend_avx2_takes(head_dim, block_size)) return attend_avx2_tile_f32;
 #endif
-    tile(q, q_row_stride, k_cache, v_cache, table, first_pos, rows, out, num_q_heads, num_kv_heads, head_dim,
-         block_size, scale);
+    (void)head_dim, (void)block_size;
+    return prefill_rows_f32;
 }
 
 // chunks: [num_chunks, 3] int64 rows of (first row in the flat batch, query rows, context length after
 // the chunk); block_tables: [num_chunks, max_blocks]. q rows are q_row_stride elements apart (a view into
 // the qkv projection); out: [T, num_q_heads, head_dim] contiguous, written only at the chunks' rows.
-#define DEFINE_PREFILL(NAME, T, TILE_FN, TILE_ROWS)                                                     \
+#define DEFINE_PREFILL(NAME, T, PICK)                                                                   \
 void NAME(const T* q, int64_t q_row_stride, const T* k_cache, const T* v_cache, const int64_t* chunks,  \
           int num_chunks, const int64_t* block_tables, int max_blocks, T* out, int num_q_heads,         \
           int num_kv_heads, int head_dim, int block_size, float scale) {                                \
-    const int tile_rows = TILE_ROWS(head_dim, block_size);                                              \
+    int tile_rows;                                                                                      \
+    DECLARE_ATTEND_TILE((*kernel), T) = PICK(head_dim, block_size, &tile_rows);                         \
     int64_t tiles = 0;                                                                                  \
     for (int c = 0; c < num_chunks; c++) tiles += (chunks[3 * c + 1] + tile_rows - 1) / tile_rows;      \
     _Pragma("omp parallel for schedule(dynamic, 1)")                                                    \
@@ -135,25 +140,15 @@ void NAME(const T* q, int64_t q_row_stride, const T* k_cache, const T* v_cache, 
         const int64_t first_row = chunks[3 * c], num_rows = chunks[3 * c + 1], context = chunks[3 * c + 2]; \
         const int64_t r0 = tile * tile_rows;                                                            \
         const int rows = (int)(num_rows - r0 < tile_rows ? num_rows - r0 : tile_rows);                  \
-        TILE_FN(q + (first_row + r0) * q_row_stride, q_row_stride, k_cache, v_cache,                    \
-                block_tables + (int64_t)c * max_blocks, context - num_rows + r0, rows,                  \
-                out + (first_row + r0) * num_q_heads * head_dim, num_q_heads, num_kv_heads, head_dim,   \
-                block_size, scale);                                                                     \
+        kernel(q + (first_row + r0) * q_row_stride, q_row_stride, k_cache, v_cache,                     \
+               block_tables + (int64_t)c * max_blocks, context - num_rows + r0, rows,                   \
+               out + (first_row + r0) * num_q_heads * head_dim, num_q_heads, num_kv_heads, head_dim,    \
+               block_size, scale);                                                                      \
     }                                                                                                   \
 }
 
-// Query rows per work item: the AVX512-BF16 tile kernel holds 16 in its lanes; the others take PREFILL_TILE.
-static int tile_rows_bf16(int head_dim, int block_size) {
-#if defined(__AVX512BF16__)
-    if (attend_bf16_takes(head_dim, block_size)) return ATTEND_BF16_ROWS;
-#endif
-    (void)head_dim, (void)block_size;
-    return PREFILL_TILE;
-}
-static int tile_rows_f32(int head_dim, int block_size) { (void)head_dim, (void)block_size; return PREFILL_TILE; }
-
-DEFINE_PREFILL(paged_prefill_bf16, uint16_t, prefill_tile_bf16, tile_rows_bf16)
-DEFINE_PREFILL(paged_prefill_f32, float, prefill_tile_f32, tile_rows_f32)
+DEFINE_PREFILL(paged_prefill_bf16, uint16_t, pick_tile_bf16)
+DEFINE_PREFILL(paged_prefill_f32, float, pick_tile_f32)
 
 int paged_prefill_available(void) { return 1; }
 #else
