@@ -130,12 +130,14 @@ def test_prefill_rows_do_not_depend_on_their_chunk(dtype, block_size) -> None:
 
 @pytest.mark.parametrize("dtype,tol", [(torch.bfloat16, 2e-2), (torch.float32, 1e-5)])
 @pytest.mark.parametrize("block_size", [16, 48])
-def test_long_decodes_attended_in_parts_match_and_do_not_depend_on_the_batch(block_size, dtype, tol) -> None:
-    """Sequences longer than a part (512 keys) are attended in parts by any thread and combined (csrc/decode_bf16.c
-    in bf16 with AVX512-BF16, csrc/decode_avx2.c in both dtypes with AVX2); parts have a fixed size, so each
-    sequence's output is bit for bit the same alone as in a batch."""
+@pytest.mark.parametrize("head_dim", [64, 36])
+def test_long_decodes_attended_in_parts_match_and_do_not_depend_on_the_batch(head_dim, block_size, dtype, tol) -> None:
+    """Sequences longer than a part (512 keys) are attended in parts by any thread and combined, whichever kernel
+    takes them (csrc/decode_bf16.c in bf16 with AVX512-BF16, csrc/decode_avx2.c with AVX2, and csrc/paged_decode.c
+    elsewhere: float32 on AVX-512, any dtype without AVX2 or for a head_dim of 36, where only its portable path
+    runs); parts have a fixed size, so each sequence's output is bit for bit the same alone as in a batch."""
     torch.manual_seed(0)
-    q_heads, kv_heads, head_dim = 9, 3, 64
+    q_heads, kv_heads = 9, 3
     lens = torch.tensor([1500, 3, 600, 2049, 512, 513])
     width = -(-2049 // block_size)
     num_blocks = len(lens) * width

@@ -13,7 +13,6 @@
 // ms at 200 keys and 272 -> 135 ms at 1000 (11 GB/s, where only reading the same blocks reaches 12).
 // Each sequence, or part of one (SPLIT_KEYS), is computed alone, in the same order whatever the batch.
 #include <omp.h>
-#include <stdlib.h>
 
 #include "kernel_common.h"
 
@@ -92,9 +91,8 @@ static void NAME(const T* q, const T* k_cache, const T* v_cache, const int64_t* 
 DEFINE_SEQUENCE(sequence_bf16, uint16_t, vload8_bf16, bf16_store)
 DEFINE_SEQUENCE(sequence_f32, float, vload8_f32, F32_STORE)
 
-// A sequence longer than SPLIT_KEYS keys is attended in parts of that size (whole blocks), each by any thread, then
-// combined: alone, a long conversation's attention would run on one core. The parts do not depend on the batch,
-// so neither does a sequence's result. One row of 4096 keys, 30 layers: 18 -> 10 ms on 2 cores.
+// Sequences longer than this are attended in parts (decode_items, kernel_common.h): one row of 4096 keys, 30
+// layers, 18 -> 10 ms on 2 cores.
 #define SPLIT_KEYS 512
 
 #define DEFINE_CALL(NAME, T, SEQUENCE, COMBINE)                                                                  \
@@ -102,32 +100,23 @@ int NAME(const T* q, const T* k_cache, const T* v_cache, const int64_t* block_ta
          T* out, int num_seqs, int num_q_heads, int num_kv_heads, int head_dim, int block_size, int max_blocks,  \
          float scale) {                                                                                         \
     if (head_dim % 8 || head_dim > DECODE_MAX_DIM || block_size % KEYS) return 0;                               \
-    const int64_t part_keys = (SPLIT_KEYS / block_size > 0 ? SPLIT_KEYS / block_size : 1) * block_size;         \
-    /* sequence s: items [first_part[s], first_part[s + 1]), one per part; seq_of: each item's sequence */      \
-    int64_t* first_part = malloc((num_seqs + 1) * sizeof(int64_t));                                             \
-    first_part[0] = 0;                                                                                          \
-    for (int s = 0; s < num_seqs; s++)                                                                          \
-        first_part[s + 1] = first_part[s] + (seq_lens[s] > part_keys ? (seq_lens[s] + part_keys - 1) / part_keys : 1); \
-    const int64_t items = first_part[num_seqs], state = (int64_t)num_q_heads * (head_dim + 2);                  \
-    const int64_t row = (int64_t)num_q_heads * head_dim;                                                        \
-    int* seq_of = malloc(items * sizeof(int));                                                                  \
-    for (int s = 0; s < num_seqs; s++)                                                                          \
-        for (int64_t i = first_part[s]; i < first_part[s + 1]; i++) seq_of[i] = s;                              \
-    float* parts = items > num_seqs ? malloc(items * state * sizeof(float)) : NULL;                              \
+    DecodeItems it = decode_items(seq_lens, num_seqs, block_size, SPLIT_KEYS);                                  \
+    const int64_t state = (int64_t)num_q_heads * (head_dim + 2), row = (int64_t)num_q_heads * head_dim;         \
+    float* parts = it.items > num_seqs ? malloc(it.items * state * sizeof(float)) : NULL;                       \
     _Pragma("omp parallel") {                                                                                   \
-        _Pragma("omp for schedule(dynamic, 1)") for (int64_t i = 0; i < items; i++) {                          \
-            const int s = seq_of[i];                                                                            \
-            const int64_t k0 = (i - first_part[s]) * part_keys, split = first_part[s + 1] - first_part[s] > 1;  \
-            SEQUENCE(q + s * row, k_cache, v_cache, block_tables + s * (int64_t)max_blocks + k0 / block_size,   \
-                     seq_lens[s] - k0 < part_keys ? seq_lens[s] - k0 : part_keys, out + s * row,               \
-                     split ? parts + i * state : NULL, num_q_heads, num_kv_heads, head_dim, block_size, scale); \
+        _Pragma("omp for schedule(dynamic, 1)") for (int64_t i = 0; i < it.items; i++) {                       \
+            const int s = it.seq[i];                                                                            \
+            SEQUENCE(q + s * row, k_cache, v_cache,                                                             \
+                     block_tables + s * (int64_t)max_blocks + item_start(&it, i) / block_size,                  \
+                     item_keys(&it, seq_lens, i), out + s * row, item_is_part(&it, i) ? parts + i * state : NULL, \
+                     num_q_heads, num_kv_heads, head_dim, block_size, scale);                                   \
         }                                                                                                       \
         if (parts) _Pragma("omp for schedule(dynamic, 1)") for (int s = 0; s < num_seqs; s++)                   \
-            if (first_part[s + 1] - first_part[s] > 1)                                                          \
-                COMBINE(parts + first_part[s] * state, first_part[s + 1] - first_part[s], num_q_heads, head_dim, \
+            if (it.first[s + 1] - it.first[s] > 1)                                                              \
+                COMBINE(parts + it.first[s] * state, it.first[s + 1] - it.first[s], num_q_heads, head_dim,      \
                         out + s * row);                                                                         \
     }                                                                                                           \
-    free(parts), free(seq_of), free(first_part);                                                                              \
+    free(parts), free_decode_items(&it);                                                                        \
     return 1;                                                                                                   \
 }
 #else

@@ -1,12 +1,13 @@
 // Paged attention for single-token decodes on CPU: one pass over each sequence's blocks with an
 // online softmax, reading K/V straight from the cache (no gather copy). fp32 math; bf16 or fp32 storage.
 //
-// One work item is one sequence, all heads: a block's keys and values (all heads, contiguous) are used
-// while they sit in L1, and the next block is prefetched meanwhile. Decode attention streams the whole
-// KV cache of the batch every step, so how the reads overlap the arithmetic matters as much as either.
-// Each thread also pulls the sequence it will most likely take next (this one + the thread count: dynamic
-// scheduling hands them out in turn) into L2, a share per block of this one: with only the next block in
-// flight the kernel read 17 GB/s of a machine's 46; with it, 22 (30 layers at batch 64: 17.4 -> 13.4 ms).
+// One work item is one sequence, or a part of a long one (decode_items, kernel_common.h), all heads: a block's
+// keys and values (all heads, contiguous) are used while they sit in L1, and the next block is prefetched
+// meanwhile. Decode attention streams the whole KV cache of the batch every step, so how the reads overlap the
+// arithmetic matters as much as either. Each thread also pulls the item it will most likely take next (this one +
+// the thread count: dynamic scheduling hands them out in turn) into L2, a share per block of this one: with only
+// the next block in flight the kernel read 17 GB/s of a machine's 46; with it, 22 (30 layers at batch 64: 17.4 ->
+// 13.4 ms).
 #include <omp.h>
 
 #include "kernel_common.h"
@@ -19,8 +20,8 @@
 // Portable path: any head_dim. acc: [num_q_heads][head_dim].
 #define DEFINE_SCALAR_SEQUENCE(NAME, T, LOAD, STORE)                                                     \
 static void NAME(const T* q, const T* k_cache, const T* v_cache, const int64_t* table, int64_t len,      \
-                 T* out, int num_q_heads, int num_kv_heads, int head_dim, int block_size, float scale,   \
-                 const int64_t* far_table, int64_t far_len) {                                           \
+                 T* out, float* part, int num_q_heads, int num_kv_heads, int head_dim, int block_size,   \
+                 float scale, const int64_t* far_table, int64_t far_len) {                              \
     (void)far_table; (void)far_len;  /* no prefetching here */                                           \
     const int group = num_q_heads / num_kv_heads;                                                        \
     const int64_t stride = (int64_t)num_kv_heads * head_dim, block_elems = block_size * stride;         \
@@ -61,7 +62,12 @@ static void NAME(const T* q, const T* k_cache, const T* v_cache, const int64_t* 
     }                                                                                                    \
     for (int i = 0; i < num_q_heads; i++) {                                                              \
         const float inv = l[i] > 0.f ? 1.f / l[i] : 0.f;                                                 \
-        for (int d = 0; d < head_dim; d++) out[i * head_dim + d] = STORE(acc[i][d] * inv);               \
+        if (part) { /* the state combine_parts (kernel_common.h) reads */                                \
+            float* state = part + i * (head_dim + 2);                                                    \
+            state[0] = m[i], state[1] = l[i];                                                            \
+            for (int d = 0; d < head_dim; d++) state[2 + d] = acc[i][d];                                 \
+        } else                                                                                           \
+            for (int d = 0; d < head_dim; d++) out[i * head_dim + d] = STORE(acc[i][d] * inv);           \
     }                                                                                                    \
 }
 
@@ -75,8 +81,8 @@ DEFINE_SCALAR_SEQUENCE(scalar_sequence_f32, float, F32_LOAD, F32_STORE)
 // does not take: block sizes that are not a multiple of 8.
 #define DEFINE_VECTOR_SEQUENCE(NAME, T, VLOAD, STORE)                                                    \
 static void NAME(const T* q, const T* k_cache, const T* v_cache, const int64_t* table, int64_t len,      \
-                 T* out, int num_q_heads, int num_kv_heads, int head_dim, int block_size, float scale,   \
-                 const int64_t* far_table, int64_t far_len) {                                           \
+                 T* out, float* part, int num_q_heads, int num_kv_heads, int head_dim, int block_size,   \
+                 float scale, const int64_t* far_table, int64_t far_len) {                              \
     const int group = num_q_heads / num_kv_heads, nv = head_dim / LANES;                                 \
     const int64_t stride = (int64_t)num_kv_heads * head_dim, block_elems = block_size * stride;         \
     vec qv[num_q_heads][nv], acc[num_q_heads][nv], row[MAX_DIM / LANES];                                 \
@@ -131,10 +137,15 @@ static void NAME(const T* q, const T* k_cache, const T* v_cache, const int64_t* 
     for (int i = 0; i < num_q_heads; i++) {                                                              \
         const vec inv = vec_set1(l[i] > 0.f ? 1.f / l[i] : 0.f);                                         \
         float lanes[LANES];                                                                              \
-        for (int j = 0; j < nv; j++) {                                                                   \
-            vec_store(lanes, vec_mul(acc[i][j], inv));                                                   \
-            for (int d = 0; d < LANES; d++) out[i * head_dim + LANES * j + d] = STORE(lanes[d]);         \
-        }                                                                                                \
+        if (part) { /* the state combine_parts (kernel_common.h) reads */                                \
+            float* state = part + i * (head_dim + 2);                                                    \
+            state[0] = m[i], state[1] = l[i];                                                            \
+            for (int j = 0; j < nv; j++) vec_store(state + 2 + LANES * j, acc[i][j]);                    \
+        } else                                                                                           \
+            for (int j = 0; j < nv; j++) {                                                               \
+                vec_store(lanes, vec_mul(acc[i][j], inv));                                               \
+                for (int d = 0; d < LANES; d++) out[i * head_dim + LANES * j + d] = STORE(lanes[d]);     \
+            }                                                                                            \
     }                                                                                                    \
 }
 
@@ -148,29 +159,44 @@ DEFINE_VECTOR_SEQUENCE(vector_sequence_f32, float, vload_f32, F32_STORE)
 _Static_assert(MAX_GROUP <= DECODE_MAX_GROUP && MAX_DIM <= DECODE_MAX_DIM, "shapes decode_bf16.c cannot hold");
 #define FAST_BF16(...) (decode_bf16(__VA_ARGS__) || decode_avx2_bf16(__VA_ARGS__))
 
+// Sequences longer than this are attended in parts (decode_items, kernel_common.h).
+#define SPLIT_KEYS 512
+
 // q: [num_seqs, num_q_heads, head_dim]; caches: [blocks, block_size, num_kv_heads, head_dim];
 // block_tables: [num_seqs, max_blocks]; seq_lens: [num_seqs] (context including the new token).
 // FAST: a kernel that does the whole call where it can (csrc/decode_bf16.c, csrc/decode_avx2.c), answering 1 if
 // it did.
-#define DEFINE_KERNEL(NAME, T, SCALAR, VECTOR, FAST)                                                     \
+#define DEFINE_KERNEL(NAME, T, SCALAR, VECTOR, FAST, COMBINE)                                            \
 void NAME(const T* q, const T* k_cache, const T* v_cache, const int64_t* block_tables,                 \
           const int64_t* seq_lens, T* out, int num_seqs, int num_q_heads, int num_kv_heads,             \
           int head_dim, int block_size, int max_blocks, float scale) {                                  \
     if (FAST(q, k_cache, v_cache, block_tables, seq_lens, out, num_seqs, num_q_heads, num_kv_heads,      \
              head_dim, block_size, max_blocks, scale)) return;                                           \
-    _Pragma("omp parallel for schedule(dynamic, 1)")                                                    \
-    for (int s = 0; s < num_seqs; s++) {                                                                 \
-        const int64_t offset = (int64_t)s * num_q_heads * head_dim;                                      \
-        const int far = s + omp_get_num_threads();                                                      \
-        PICK(VECTOR, SCALAR)(q + offset, k_cache, v_cache, block_tables + (int64_t)s * max_blocks,       \
-                             seq_lens[s], out + offset, num_q_heads, num_kv_heads, head_dim, block_size, scale, \
-                             block_tables + (int64_t)(far < num_seqs ? far : s) * max_blocks,                   \
-                             far < num_seqs ? seq_lens[far] : 0);                                               \
+    DecodeItems it = decode_items(seq_lens, num_seqs, block_size, SPLIT_KEYS);                           \
+    const int64_t state = (int64_t)num_q_heads * (head_dim + 2), row = (int64_t)num_q_heads * head_dim;  \
+    float* parts = it.items > num_seqs ? malloc(it.items * state * sizeof(float)) : NULL;                \
+    _Pragma("omp parallel") {                                                                            \
+        _Pragma("omp for schedule(dynamic, 1)") for (int64_t i = 0; i < it.items; i++) {                \
+            const int s = it.seq[i];                                                                     \
+            const int64_t far = i + omp_get_num_threads();                                               \
+            const int64_t* table = block_tables + s * (int64_t)max_blocks + item_start(&it, i) / block_size; \
+            const int64_t* far_table = far < it.items ? block_tables + it.seq[far] * (int64_t)max_blocks   \
+                                                            + item_start(&it, far) / block_size : table;   \
+            PICK(VECTOR, SCALAR)(q + s * row, k_cache, v_cache, table, item_keys(&it, seq_lens, i), out + s * row, \
+                                 item_is_part(&it, i) ? parts + i * state : NULL, num_q_heads, num_kv_heads, \
+                                 head_dim, block_size, scale, far_table,                                  \
+                                 far < it.items ? item_keys(&it, seq_lens, far) : 0);                     \
+        }                                                                                                \
+        if (parts) _Pragma("omp for schedule(dynamic, 1)") for (int s = 0; s < num_seqs; s++)            \
+            if (it.first[s + 1] - it.first[s] > 1)                                                       \
+                COMBINE(parts + it.first[s] * state, it.first[s + 1] - it.first[s], num_q_heads, head_dim, \
+                        out + s * row);                                                                  \
     }                                                                                                    \
+    free(parts), free_decode_items(&it);                                                                 \
 }
 
-DEFINE_KERNEL(paged_decode_bf16, uint16_t, scalar_sequence_bf16, vector_sequence_bf16, FAST_BF16)
-DEFINE_KERNEL(paged_decode_f32, float, scalar_sequence_f32, vector_sequence_f32, decode_avx2_f32)
+DEFINE_KERNEL(paged_decode_bf16, uint16_t, scalar_sequence_bf16, vector_sequence_bf16, FAST_BF16, combine_parts_bf16)
+DEFINE_KERNEL(paged_decode_f32, float, scalar_sequence_f32, vector_sequence_f32, decode_avx2_f32, combine_parts_f32)
 
 int paged_decode_limits(int* max_group, int* max_dim, int* max_block, int* max_heads) {
     *max_group = MAX_GROUP; *max_dim = MAX_DIM; *max_block = MAX_BLOCK; *max_heads = MAX_HEADS;
