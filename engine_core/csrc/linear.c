@@ -5,11 +5,11 @@
 // to 48 output columns, in vdpbf16ps's pair layout: for each pair of k, the panel's columns x 2 values (three
 // vectors of 16 columns). A tile of up to 8 input rows x one panel keeps 24 fp32 accumulators in registers; each
 // k pair broadcasts two bf16 of a row against the three weight vectors. Every output sums its k pairs in the same
-// order whatever the number of rows, so a row's result never depends on its neighbours. The next panel is
-// prefetched while this one is worked on. An int8 panel holds, per group of 32 k, the int8 weights in the same
-// pair layout and then each lane's scale; a tile widens them to bf16(q * scale) as it goes, or, for more rows
-// than one tile, the panel is widened once into a bf16 panel first. Without AVX512-BF16, csrc/linear_avx2.c reads
-// the same panels with fp32 FMAs (AVX2), widening each int8 panel to bf16 first.
+// order whatever the number of rows, so a row's result never depends on its neighbours. With one tile of rows,
+// the next panel is prefetched while this one is worked on. An int8 panel holds, per group of 32 k, the int8
+// weights in the same pair layout and then each lane's scale; a tile widens them to bf16(q * scale) as it goes,
+// or, for more rows than one tile, the panel is widened once into a bf16 panel first. Without AVX512-BF16,
+// csrc/linear_avx2.c reads the same panels with fp32 FMAs (AVX2), widening each int8 panel to bf16 first.
 #include <stdlib.h>
 
 #include "kernel_common.h"
@@ -39,6 +39,20 @@ static inline __attribute__((always_inline)) __m512bh weights(const void* panel,
     return widen_pairs(group + ((p % GROUP_PAIRS) * nv + j) * 32, scales);
 }
 
+// k pair p of a tile: its weights times each row's pair, into the accumulators.
+static inline __attribute__((always_inline)) void tile_pair(const uint16_t* const* xp, int64_t p, int mr,
+                                                            const void* panel, int q8, int nv,
+                                                            __m512 acc[TILE_ROWS][PANEL_VECS]) {
+    __m512bh w[PANEL_VECS];
+    for (int j = 0; j < nv; j++) w[j] = weights(panel, q8, nv, p, j);
+    for (int i = 0; i < mr; i++) {
+        int32_t pair;  // x[i, 2p] and x[i, 2p + 1]; memcpy: rows need not be 4-byte aligned
+        memcpy(&pair, xp[i] + 2 * p, 4);
+        const __m512bh xb = (__m512bh)_mm512_set1_epi32(pair);
+        for (int j = 0; j < nv; j++) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], xb, w[j]);
+    }
+}
+
 // One tile: mr rows x nv vectors of the panel over all k pairs (mr, nv, q8: constants after inlining); pf_len
 // bytes at pf (part of the next panel) are prefetched on the way.
 static inline __attribute__((always_inline)) void tile(const uint16_t* x, int64_t ldx, int mr, const void* panel,
@@ -50,19 +64,18 @@ static inline __attribute__((always_inline)) void tile(const uint16_t* x, int64_
         for (int j = 0; j < nv; j++) acc[i][j] = _mm512_setzero_ps();
     const uint16_t* xp[TILE_ROWS];
     for (int i = 0; i < mr; i++) xp[i] = x + i * ldx;
-    int64_t pf_off = 0;
-    const int64_t pf_step = (pf_len + pairs - 1) / pairs;  // bytes of the next panel to prefetch per k pair
-    for (int64_t p = 0; p < pairs; p++) {
-        __m512bh w[PANEL_VECS];
-        for (int j = 0; j < nv; j++) w[j] = weights(panel, q8, nv, p, j);
-        for (; pf_off < (p + 1) * pf_step && pf_off < pf_len; pf_off += 64) _mm_prefetch(pf + pf_off, _MM_HINT_T0);
-        for (int i = 0; i < mr; i++) {
-            int32_t pair;  // x[i, 2p] and x[i, 2p + 1]; memcpy: rows need not be 4-byte aligned
-            memcpy(&pair, xp[i] + 2 * p, 4);
-            const __m512bh xb = (__m512bh)_mm512_set1_epi32(pair);
-            for (int j = 0; j < nv; j++) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], xb, w[j]);
+    // pf_len > 0 (a call of one tile) spreads the prefetches over the k pairs. A call of more tiles reads each
+    // panel from L2 after its first tile, and checking for prefetches at every pair cost it 5-10% of its speed (a
+    // 2048-row prefill 383-391 -> 410-421 GFLOP/s without), so its loop has none.
+    if (pf_len > 0) {
+        const int64_t pf_step = (pf_len + pairs - 1) / pairs;  // bytes of the next panel to prefetch per k pair
+        int64_t pf_off = 0;
+        for (int64_t p = 0; p < pairs; p++) {
+            for (; pf_off < (p + 1) * pf_step && pf_off < pf_len; pf_off += 64) _mm_prefetch(pf + pf_off, _MM_HINT_T0);
+            tile_pair(xp, p, mr, panel, q8, nv, acc);
         }
-    }
+    } else
+        for (int64_t p = 0; p < pairs; p++) tile_pair(xp, p, mr, panel, q8, nv, acc);
     for (int j = 0; j < nv; j++) {
         const int64_t c0 = 16 * j;
         if (c0 >= cols) break;
@@ -123,21 +136,19 @@ static void panel_linear(const uint16_t* x, int64_t ldx, int64_t m_len, const vo
             const int64_t cols = n_len - n0 < PANEL_COLS ? n_len - n0 : PANEL_COLS;
             const int nv = (int)((cols + 15) / 16);
             const void* panel = (const char*)packed + n0 * bytes_per_col;
-            // The next panel goes to L1 in shares spread over this panel's row tiles. SmolLM2's 30 layers and
-            // head in bf16 at 1-8 rows: 6.7 ms with this, 7.5 with the hardware prefetcher alone, 8 into L2.
+            // A call of one tile (1-8 rows: bound by reading the weights) sends the next panel to L1 on the way
+            // (see tile). SmolLM2's 30 layers and head in bf16 at 1-8 rows: 6.7 ms with this, 7.5 with the hardware
+            // prefetcher alone, 8 into L2.
             const int64_t next_n0 = n0 + PANEL_COLS;
             const int64_t next_cols = padded_n - next_n0 < PANEL_COLS ? padded_n - next_n0 : PANEL_COLS;
             const char* next = (const char*)packed + next_n0 * bytes_per_col;
-            const int64_t next_bytes = next_cols > 0 ? next_cols * bytes_per_col : 0;
-            const int64_t share = (next_bytes / tiles + 63) / 64 * 64;
+            const int64_t next_bytes = tiles == 1 && next_cols > 0 ? next_cols * bytes_per_col : 0;
             if (wide) widen_panel(panel, nv, pairs, wide);
             for (int64_t t = 0; t < tiles; t++) {
                 const int64_t m0 = t * TILE_ROWS;
                 const int mr = m_len - m0 < TILE_ROWS ? (int)(m_len - m0) : TILE_ROWS;
-                const int64_t pf_start = t * share < next_bytes ? t * share : next_bytes;
-                const int64_t pf_len = next_bytes - pf_start < share ? next_bytes - pf_start : share;
                 any_tile(x + m0 * ldx, ldx, mr, wide ? (const void*)wide : panel, q8 && !wide, nv, pairs,
-                         bias ? bias + n0 : 0, out + m0 * ldo + n0, ldo, cols, next + pf_start, pf_len);
+                         bias ? bias + n0 : 0, out + m0 * ldo + n0, ldo, cols, next, next_bytes);
             }
         }
         free(wide);
