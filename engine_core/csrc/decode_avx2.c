@@ -100,23 +100,19 @@ int NAME(const T* q, const T* k_cache, const T* v_cache, const int64_t* block_ta
          T* out, int num_seqs, int num_q_heads, int num_kv_heads, int head_dim, int block_size, int max_blocks,  \
          float scale) {                                                                                         \
     if (head_dim % 8 || head_dim > DECODE_MAX_DIM || block_size % KEYS) return 0;                               \
-    DecodeItems it = decode_items(seq_lens, num_seqs, block_size, SPLIT_KEYS);                                  \
-    const int64_t state = (int64_t)num_q_heads * (head_dim + 2), row = (int64_t)num_q_heads * head_dim;         \
-    float* parts = it.items > num_seqs ? malloc(it.items * state * sizeof(float)) : NULL;                       \
+    DecodeItems it = decode_items(seq_lens, num_seqs, block_size, SPLIT_KEYS, num_q_heads, head_dim);            \
+    const int64_t row = (int64_t)num_q_heads * head_dim;                                                        \
     _Pragma("omp parallel") {                                                                                   \
         _Pragma("omp for schedule(dynamic, 1)") for (int64_t i = 0; i < it.items; i++) {                       \
             const int s = it.seq[i];                                                                            \
             SEQUENCE(q + s * row, k_cache, v_cache,                                                             \
                      block_tables + s * (int64_t)max_blocks + item_start(&it, i) / block_size,                  \
-                     item_keys(&it, seq_lens, i), out + s * row, item_is_part(&it, i) ? parts + i * state : NULL, \
-                     num_q_heads, num_kv_heads, head_dim, block_size, scale);                                   \
+                     item_keys(&it, seq_lens, i), out + s * row, item_state(&it, i), num_q_heads, num_kv_heads, \
+                     head_dim, block_size, scale);                                                              \
         }                                                                                                       \
-        if (parts) _Pragma("omp for schedule(dynamic, 1)") for (int s = 0; s < num_seqs; s++)                   \
-            if (it.first[s + 1] - it.first[s] > 1)                                                              \
-                COMBINE(parts + it.first[s] * state, it.first[s + 1] - it.first[s], num_q_heads, head_dim,      \
-                        out + s * row);                                                                         \
+        COMBINE_DECODE_ITEMS(COMBINE, it, num_seqs, num_q_heads, head_dim, out);                                \
     }                                                                                                           \
-    free(parts), free_decode_items(&it);                                                                        \
+    free_decode_items(&it);                                                                                     \
     return 1;                                                                                                   \
 }
 #else

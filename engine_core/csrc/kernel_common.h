@@ -63,18 +63,21 @@ DEFINE_COMBINE_PARTS(combine_parts_bf16, uint16_t, bf16_store)
 DEFINE_COMBINE_PARTS(combine_parts_f32, float, F32_STORE)
 
 // A decode call's work items: a sequence longer than split_keys keys is attended in parts of that many keys (whole
-// blocks, at least one), each by any thread, and its parts' states are combined at the end (combine_parts): one long
-// sequence alone would leave every thread but one idle. Sequence s's parts are items first[s] to first[s + 1] - 1,
-// in key order; seq[i] is item i's sequence. Where the parts end depends on the sequence's length only, so its
-// result never depends on the batch beside it. Used by csrc/decode_avx2.c and csrc/paged_decode.c.
+// blocks, at least one), each by any thread, and its parts' states are combined at the end (combine_decode_items):
+// one long sequence alone would leave every thread but one idle. Sequence s's parts are items first[s] to
+// first[s + 1] - 1, in key order; seq[i] is item i's sequence. Where the parts end depends on the sequence's length
+// only, so its result never depends on the batch beside it. Used by csrc/decode_avx2.c and csrc/paged_decode.c.
 typedef struct {
-    int64_t *first, items, part_keys;
+    int64_t *first, items, part_keys, state;  // state: floats of one part's state (see combine_parts)
     int* seq;
+    float* parts;  // the parts' states, where any sequence has more than one
 } DecodeItems;
 
-static inline DecodeItems decode_items(const int64_t* seq_lens, int num_seqs, int block_size, int split_keys) {
+static inline DecodeItems decode_items(const int64_t* seq_lens, int num_seqs, int block_size, int split_keys,
+                                       int num_q_heads, int head_dim) {
     DecodeItems it = {malloc((num_seqs + 1) * sizeof(int64_t)), 0,
-                      (split_keys / block_size > 0 ? split_keys / block_size : 1) * block_size, NULL};
+                      (split_keys / block_size > 0 ? split_keys / block_size : 1) * block_size,
+                      (int64_t)num_q_heads * (head_dim + 2), NULL, NULL};
     it.first[0] = 0;
     for (int s = 0; s < num_seqs; s++) {
         const int64_t parts = (seq_lens[s] + it.part_keys - 1) / it.part_keys;
@@ -84,10 +87,12 @@ static inline DecodeItems decode_items(const int64_t* seq_lens, int num_seqs, in
     it.seq = malloc(it.items * sizeof(int));
     for (int s = 0; s < num_seqs; s++)
         for (int64_t i = it.first[s]; i < it.first[s + 1]; i++) it.seq[i] = s;
+    it.parts = it.items > num_seqs ? malloc(it.items * it.state * sizeof(float)) : NULL;
     return it;
 }
 
-// Item i's first key, and its number of keys.
+// Item i's first key, its number of keys, and where its state goes (NULL: the sequence is whole, its output goes
+// straight to out).
 static inline int64_t item_start(const DecodeItems* it, int64_t i) {
     return (i - it->first[it->seq[i]]) * it->part_keys;
 }
@@ -95,10 +100,17 @@ static inline int64_t item_keys(const DecodeItems* it, const int64_t* seq_lens, 
     const int64_t left = seq_lens[it->seq[i]] - item_start(it, i);
     return left < it->part_keys ? left : it->part_keys;
 }
-static inline int item_is_part(const DecodeItems* it, int64_t i) {
-    return it->first[it->seq[i] + 1] - it->first[it->seq[i]] > 1;
+static inline float* item_state(const DecodeItems* it, int64_t i) {
+    return it->first[it->seq[i] + 1] - it->first[it->seq[i]] > 1 ? it->parts + i * it->state : NULL;
 }
-static inline void free_decode_items(DecodeItems* it) { free(it->first), free(it->seq); }
+static inline void free_decode_items(DecodeItems* it) { free(it->first), free(it->seq), free(it->parts); }
+
+// Inside the call's parallel region, after its items: each sequence in parts gets its output from their states.
+#define COMBINE_DECODE_ITEMS(COMBINE, it, num_seqs, num_q_heads, head_dim, out)                                    \
+    if ((it).parts) _Pragma("omp for schedule(dynamic, 1)") for (int s = 0; s < (num_seqs); s++)                 \
+        if ((it).first[s + 1] - (it).first[s] > 1)                                                                  \
+            COMBINE((it).parts + (it).first[s] * (it).state, (it).first[s + 1] - (it).first[s], num_q_heads,     \
+                    head_dim, (out) + (int64_t)s * (num_q_heads) * (head_dim))
 
 // The prefetch helpers are always inlined: GCC deems a function that only prefetches free of side effects and
 // deletes the calls it does not inline (csrc/decode_bf16.c lost every prefetch that way, and read at half speed).

@@ -172,9 +172,8 @@ void NAME(const T* q, const T* k_cache, const T* v_cache, const int64_t* block_t
           int head_dim, int block_size, int max_blocks, float scale) {                                  \
     if (FAST(q, k_cache, v_cache, block_tables, seq_lens, out, num_seqs, num_q_heads, num_kv_heads,      \
              head_dim, block_size, max_blocks, scale)) return;                                           \
-    DecodeItems it = decode_items(seq_lens, num_seqs, block_size, SPLIT_KEYS);                           \
-    const int64_t state = (int64_t)num_q_heads * (head_dim + 2), row = (int64_t)num_q_heads * head_dim;  \
-    float* parts = it.items > num_seqs ? malloc(it.items * state * sizeof(float)) : NULL;                \
+    DecodeItems it = decode_items(seq_lens, num_seqs, block_size, SPLIT_KEYS, num_q_heads, head_dim);     \
+    const int64_t row = (int64_t)num_q_heads * head_dim;                                                 \
     _Pragma("omp parallel") {                                                                            \
         _Pragma("omp for schedule(dynamic, 1)") for (int64_t i = 0; i < it.items; i++) {                \
             const int s = it.seq[i];                                                                     \
@@ -183,16 +182,12 @@ void NAME(const T* q, const T* k_cache, const T* v_cache, const int64_t* block_t
             const int64_t* far_table = far < it.items ? block_tables + it.seq[far] * (int64_t)max_blocks   \
                                                             + item_start(&it, far) / block_size : table;   \
             PICK(VECTOR, SCALAR)(q + s * row, k_cache, v_cache, table, item_keys(&it, seq_lens, i), out + s * row, \
-                                 item_is_part(&it, i) ? parts + i * state : NULL, num_q_heads, num_kv_heads, \
-                                 head_dim, block_size, scale, far_table,                                  \
-                                 far < it.items ? item_keys(&it, seq_lens, far) : 0);                     \
+                                 item_state(&it, i), num_q_heads, num_kv_heads, head_dim, block_size, scale, \
+                                 far_table, far < it.items ? item_keys(&it, seq_lens, far) : 0);          \
         }                                                                                                \
-        if (parts) _Pragma("omp for schedule(dynamic, 1)") for (int s = 0; s < num_seqs; s++)            \
-            if (it.first[s + 1] - it.first[s] > 1)                                                       \
-                COMBINE(parts + it.first[s] * state, it.first[s + 1] - it.first[s], num_q_heads, head_dim, \
-                        out + s * row);                                                                  \
+        COMBINE_DECODE_ITEMS(COMBINE, it, num_seqs, num_q_heads, head_dim, out);                         \
     }                                                                                                    \
-    free(parts), free_decode_items(&it);                                                                 \
+    free_decode_items(&it);                                                                              \
 }
 
 DEFINE_KERNEL(paged_decode_bf16, uint16_t, scalar_sequence_bf16, vector_sequence_bf16, FAST_BF16, combine_parts_bf16)
