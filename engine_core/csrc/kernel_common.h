@@ -63,7 +63,7 @@ DEFINE_COMBINE_PARTS(combine_parts_bf16, uint16_t, bf16_store)
 DEFINE_COMBINE_PARTS(combine_parts_f32, float, F32_STORE)
 
 // A decode call's work items: a sequence longer than split_keys keys is attended in parts of that many keys (whole
-// blocks, at least one), each by any thread, and its parts' states are combined at the end (combine_decode_items):
+// blocks, at least one), each by any thread, and its parts' states are combined at the end (COMBINE_DECODE_ITEMS):
 // one long sequence alone would leave every thread but one idle. Sequence s's parts are items first[s] to
 // first[s + 1] - 1, in key order; seq[i] is item i's sequence. Where the parts end depends on the sequence's length
 // only, so its result never depends on the batch beside it. Used by csrc/decode_avx2.c and csrc/paged_decode.c.

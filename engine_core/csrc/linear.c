@@ -54,7 +54,7 @@ static inline __attribute__((always_inline)) void tile_pair(const uint16_t* cons
 }
 
 // One tile: mr rows x nv vectors of the panel over all k pairs (mr, nv, q8: constants after inlining); pf_len
-// bytes at pf (part of the next panel) are prefetched on the way.
+// bytes at pf (the next panel, or none) are prefetched on the way.
 static inline __attribute__((always_inline)) void tile(const uint16_t* x, int64_t ldx, int mr, const void* panel,
                                                        int q8, int nv, int64_t pairs, const uint16_t* bias,
                                                        uint16_t* out, int64_t ldo, int64_t cols, const char* pf,
