@@ -39,6 +39,13 @@ static inline __attribute__((always_inline)) __m512bh weights(const void* panel,
     return widen_pairs(group + ((p % GROUP_PAIRS) * nv + j) * 32, scales);
 }
 
+// The next panel's prefetch spread over a loop of k pairs, `step` bytes of the pf_len at pf per pair: at pair p,
+// the lines up to p + 1 steps (*done: bytes sent so far). Always inlined, as kernel_common.h's prefetch helpers.
+static inline __attribute__((always_inline)) void prefetch_share(const char* pf, int64_t pf_len, int64_t step,
+                                                                 int64_t p, int64_t* done) {
+    for (; *done < (p + 1) * step && *done < pf_len; *done += 64) _mm_prefetch(pf + *done, _MM_HINT_T0);
+}
+
 // k pair p of a tile: its weights times each row's pair, into the accumulators.
 static inline __attribute__((always_inline)) void tile_pair(const uint16_t* const* xp, int64_t p, int mr,
                                                             const void* panel, int q8, int nv,
@@ -68,10 +75,10 @@ static inline __attribute__((always_inline)) void tile(const uint16_t* x, int64_
     // panel from L2 after its first tile, and checking for prefetches at every pair cost it 5-10% of its speed (a
     // 2048-row prefill 383-391 -> 410-421 GFLOP/s without), so its loop has none.
     if (pf_len > 0) {
-        const int64_t pf_step = (pf_len + pairs - 1) / pairs;  // bytes of the next panel to prefetch per k pair
-        int64_t pf_off = 0;
+        const int64_t step = (pf_len + pairs - 1) / pairs;
+        int64_t done = 0;
         for (int64_t p = 0; p < pairs; p++) {
-            for (; pf_off < (p + 1) * pf_step && pf_off < pf_len; pf_off += 64) _mm_prefetch(pf + pf_off, _MM_HINT_T0);
+            prefetch_share(pf, pf_len, step, p, &done);
             tile_pair(xp, p, mr, panel, q8, nv, acc);
         }
     } else
@@ -118,10 +125,10 @@ static void any_tile(const uint16_t* x, int64_t ldx, int mr, const void* panel, 
 // Also prefetches the pf_len bytes at pf (the next int8 panel), a share per k pair: the tiles that follow prefetch
 // nothing, and at 64 rows a panel's widening waited for its bytes from memory (SmolLM2's linears 48.6 -> 53.3 ms).
 static void widen_panel(const int8_t* panel, int nv, int64_t pairs, uint16_t* to, const char* pf, int64_t pf_len) {
-    const int64_t pf_step = (pf_len + pairs - 1) / pairs;
-    int64_t pf_off = 0;
+    const int64_t step = (pf_len + pairs - 1) / pairs;
+    int64_t done = 0;
     for (int64_t p = 0; p < pairs; p++) {
-        for (; pf_off < (p + 1) * pf_step && pf_off < pf_len; pf_off += 64) _mm_prefetch(pf + pf_off, _MM_HINT_T0);
+        prefetch_share(pf, pf_len, step, p, &done);
         for (int j = 0; j < nv; j++) _mm512_storeu_si512(to + (p * nv + j) * 32, (__m512i)weights(panel, 1, nv, p, j));
     }
 }
@@ -142,9 +149,10 @@ static void panel_linear(const uint16_t* x, int64_t ldx, int64_t m_len, const vo
             const int64_t cols = n_len - n0 < PANEL_COLS ? n_len - n0 : PANEL_COLS;
             const int nv = (int)((cols + 15) / 16);
             const void* panel = (const char*)packed + n0 * bytes_per_col;
-            // A call of one tile (1-8 rows: bound by reading the weights) sends the next panel to L1 on the way
-            // (see tile). SmolLM2's 30 layers and head in bf16 at 1-8 rows: 6.7 ms with this, 7.5 with the hardware
-            // prefetcher alone, 8 into L2.
+            // The next panel goes to L1 on the way: in a call of one tile (1-8 rows: bound by reading the weights)
+            // over its k pairs, in an int8 call of more tiles while this panel is widened, in a bf16 call of more
+            // tiles not at all (see tile). SmolLM2's 30 layers and head in bf16 at 1-8 rows: 6.7 ms with this, 7.5
+            // with the hardware prefetcher alone, 8 into L2.
             const int64_t next_n0 = n0 + PANEL_COLS;
             const int64_t next_cols = padded_n - next_n0 < PANEL_COLS ? padded_n - next_n0 : PANEL_COLS;
             const char* next = (const char*)packed + next_n0 * bytes_per_col;
