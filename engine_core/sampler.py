@@ -20,6 +20,9 @@ from engine_core.structured import apply_masks
 from engine_core.transfer import to_device
 
 _SEED_MIX = 0x9E3779B97F4A7C15  # spreads (seed, position) pairs over the 63-bit seed space
+# The largest temperature float32 holds. Any above it divides every finite logit to the same value, so clamping
+# changes no draw; left alone it would become inf, and a masked logit's -inf / inf a NaN row.
+_MAX_TEMPERATURE = float(torch.finfo(torch.float32).max)
 
 
 class Sampler:
@@ -54,7 +57,7 @@ class Sampler:
             # Every row through the compiled sampler, one uniform number each (a seeded row's own): a row's token
             # depends on its logits, its settings and its number alone, whatever shares the batch.
             vocab = logits.shape[-1]
-            temps = torch.tensor([0.0 if p.greedy else p.temperature for p in params])
+            temps = torch.tensor([0.0 if p.greedy else _temperature(p) for p in params])
             top_k = torch.tensor([min(p.top_k, vocab) for p in params])
             top_p, min_p = torch.tensor([p.top_p for p in params]), torch.tensor([p.min_p for p in params])
             uniforms = torch.rand(len(params), generator=self.generator)
@@ -85,7 +88,7 @@ class Sampler:
     def _sample(self, logits: torch.Tensor, requests: list[Request], params: list[SamplingParams],
                 offsets: list[int]) -> torch.Tensor:  # fmt: skip
         """torch's way (CUDA, or no compiled kernels): the same filters, drawn by an exponential race."""
-        temps = to_device([1.0 if p.greedy else p.temperature for p in params], logits.device)
+        temps = to_device([1.0 if p.greedy else _temperature(p) for p in params], logits.device)
         probs = torch.softmax(logits / temps[:, None], dim=-1)
         if any(p.min_p > 0 for p in params):
             min_p = to_device([p.min_p for p in params], probs.device)
@@ -101,6 +104,10 @@ class Sampler:
         sampled = (probs / noise).argmax(dim=-1)
         greedy_rows = to_device([p.greedy for p in params], logits.device)
         return torch.where(greedy_rows, logits.argmax(dim=-1), sampled)
+
+
+def _temperature(p: SamplingParams) -> float:
+    return min(p.temperature, _MAX_TEMPERATURE)
 
 
 def _seed_for(req: Request, offset: int = 0) -> int:

@@ -103,3 +103,27 @@ def test_a_seeded_filtered_row_draws_the_same_at_any_place_in_any_batch() -> Non
             reqs.insert(place - 1, request(seeded, 9))
             tokens, _ = sampler(rows, reqs)
             assert tokens[place - 1] == alone[0], (place, neighbour)
+
+
+@pytest.mark.parametrize("path", ["compiled", "torch"])
+def test_a_huge_temperature_still_draws_only_tokens_the_processors_allow(path: str, monkeypatch) -> None:
+    """Any finite temperature is valid (vLLM's bound). Past float32's range it used to become inf, and -inf / inf a
+    NaN row; from about 1e30 the compiled sampler's masked weight, exp((NO_SCORE - max) / T), stopped being 0."""
+    if path == "torch":
+        monkeypatch.setattr("engine_core.sampler.cpu_kernels", lambda: None)
+    elif cpu_kernels() is None:
+        pytest.skip("needs the compiled CPU kernels (a C compiler)")
+    vocab = 1000
+    logits = (torch.randn(1, vocab, generator=torch.Generator().manual_seed(3)) * 10).to(torch.bfloat16)
+    sampler = Sampler(torch.device("cpu"), vocab, seed=0)
+    for temp in [100.0, 1e30, 1e38, 3.5e38, 1e308]:
+        for params, allowed in [(SamplingParams(temperature=temp, allowed_token_ids=[5, 7, 11]), {5, 7, 11}),
+                                (SamplingParams(temperature=temp, allowed_token_ids=[0, 9], min_tokens=2), {9}),
+                                (SamplingParams(temperature=temp, top_k=3, allowed_token_ids=[2, 4]), {2, 4})]:
+            reqs = [Request(EngineRequest(f"r{i}", [1, 2], params, eos_token_ids=[0]), i) for i in range(64)]
+            tokens, _ = sampler(logits.expand(64, -1), reqs)
+            assert set(tokens) == allowed, (temp, params, set(tokens) - allowed)
+        # Nothing masked: the draw spreads over the vocabulary, as a temperature that flattens every logit does.
+        reqs = [Request(EngineRequest(f"u{i}", [1, 2], SamplingParams(temperature=temp)), i) for i in range(64)]
+        tokens, _ = sampler(logits.expand(64, -1), reqs)
+        assert len(set(tokens)) > (32 if temp > 1e30 else 8), (temp, len(set(tokens)))

@@ -261,8 +261,11 @@ static int64_t sample_row(const float* v, int64_t cols, float temp, int64_t top_
     }
     const float inv_t = 1.0f / temp;
     for (int64_t c = 0; c < cols; c++) {
-        const float w = expf((fmaxf(v[c], NO_SCORE) - m) * inv_t);
-        e[c] = w < min_p ? 0.0f : w;  // min-p: the maximum's weight is 1
+        const float x = fmaxf(v[c], NO_SCORE);
+        const float w = expf((x - m) * inv_t);
+        // min-p: the maximum's weight is 1. A masked token weighs 0 at any temperature: at 1e30 and above,
+        // (NO_SCORE - m) / T no longer underflows expf.
+        e[c] = (w < min_p) | (x == NO_SCORE) ? 0.0f : w;
     }
     Cut kept = {0.0f, cols};  // every positive weight
     if (top_k > 0) {  // the cut needs no sum: the sum is taken after it, over what it keeps
