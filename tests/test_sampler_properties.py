@@ -39,8 +39,9 @@ PARAMS = st.builds(
     allowed_token_ids=st.one_of(st.just([]), st.lists(TOKEN, min_size=1, max_size=6)),
     bad_words=st.lists(st.lists(TOKEN, min_size=1, max_size=2), max_size=3),
 )
-ROW = st.tuples(st.integers(0, 2**31), st.sampled_from([0.1, 3.0, 30.0]), st.sampled_from([torch.float32,
-                                                                                           torch.bfloat16]))
+ROW = st.tuples(
+    st.integers(0, 2**31), st.sampled_from([0.1, 3.0, 30.0]), st.sampled_from([torch.float32, torch.bfloat16])
+)
 
 
 def request(params: SamplingParams, i: int, outputs: list[int]) -> Request:
