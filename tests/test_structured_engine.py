@@ -41,7 +41,7 @@ def chat_ids(text: str) -> list[int]:
 
 def sampled(rid: str, seed: int, structured: StructuredOutput | None = JSON, outputs: list[int] | None = None,
             **kw) -> EngineRequest:  # fmt: skip
-    params = SamplingParams(max_tokens=120, temperature=1.0, seed=seed, structured=structured, **kw)
+    params = SamplingParams(**{"max_tokens": 120, "temperature": 1.0, "seed": seed, "structured": structured, **kw})
     return EngineRequest(rid, chat_ids("Describe a dog as JSON."), params, output_token_ids=outputs or [])
 
 
@@ -120,6 +120,17 @@ def test_the_grammar_wins_over_processors_that_ban_everything_it_allows(core: En
     firsts = [tokenizer()(w, add_special_tokens=False)["input_ids"][0] for w in ("yes", "no")]
     reqs = [sampled("allowed", 4, choice, allowed_token_ids=hello), sampled("bad", 5, choice,
                                                                            bad_words=[[t] for t in firsts])]
+    results = run_engine(core, reqs)
+    for r in reqs:
+        assert text(tokens_of(results, [r.request_id])[0]) in ("yes", "no"), results[r.request_id]
+        assert results[r.request_id][-1].finish_reason == FinishReason.STOP
+
+
+def test_a_huge_temperature_draws_inside_the_grammar(core: EngineCore):
+    """Any finite temperature passes the checks; past float32's range (or from 1e30 in the compiled sampler) the
+    masked tokens used to get weight, and the matcher refused the draw: an error mid-stream."""
+    reqs = [sampled(f"t{i}", i, StructuredOutput("choice", json.dumps(["yes", "no"])), temperature=t)
+            for i, t in enumerate([1e30, 3.5e38, 1e308])]  # fmt: skip
     results = run_engine(core, reqs)
     for r in reqs:
         assert text(tokens_of(results, [r.request_id])[0]) in ("yes", "no"), results[r.request_id]
