@@ -237,3 +237,21 @@ def test_a_saved_qwen3_serves_transformers_greedy_tokens(tmp_path) -> None:
         refs = [hf.generate(torch.tensor([p]), max_new_tokens=12, min_new_tokens=12, do_sample=False)[0, len(p) :]
                 for p in prompts]  # fmt: skip
     assert ours == [r.tolist() for r in refs]
+
+
+def test_a_sliding_window_caps_the_context_where_full_attention_stops_being_exact(tmp_path, caplog) -> None:
+    """Mistral 7B v0.1 attends over a window of 4096 keys and ours over all of them: the two agree only while the
+    context fits the window, so the engine serves no more than that, and says so."""
+    hf = tiny_hf_model("mistral")
+    hf.config.sliding_window = 24
+    hf.save_pretrained(tmp_path)
+    ours = load_model(tmp_path, torch.float32, CPU, MAX_POSITIONS)
+    inside, past = random_prompts([24, 40], VOCAB, seed=3)
+    assert max_diff(PagedRun(ours, 1, 24).prefill([inside])[0], hf_logits(hf, inside)) < TOL
+    # Past the window transformers' logits move away from full attention's: why the cap is needed.
+    assert max_diff(PagedRun(ours, 1, 40).prefill([past])[0][-1], hf_logits(hf, past)[-1]) > 100 * TOL
+    core = EngineCore(EngineConfig(model=str(tmp_path), dtype="float32", num_kv_blocks=64))
+    assert core.max_model_len == 24 and "sliding window of 24 tokens" in caplog.text
+    core.add_request(greedy_request("long", past[:24], 4))
+    (out,) = run_engine(core, [])["long"]
+    assert "maximum context length is 24" in (out.error or ""), out
