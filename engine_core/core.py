@@ -31,7 +31,6 @@ from engine_core.batch import SampledTokens, SchedulerOutput
 from engine_core.kv_cache import KVCacheManager
 from engine_core.memory_profile import KvCacheSizeError
 from engine_core.model_runner import ModelRunner
-from engine_core.models.loader import context_limit
 from engine_core.overlap import DecodePipeline
 from engine_core.pulse import start_pulses
 from engine_core.request import Request
@@ -51,10 +50,8 @@ class EngineCore:
         source = resolve_model(config.model)
         self.model_name = source.name
         hf_config = AutoConfig.from_pretrained(source.path)
-        limit, why = context_limit(hf_config)
+        limit = getattr(hf_config, "max_position_embeddings", None) or getattr(hf_config, "n_positions", 2048)
         max_model_len = min(config.max_model_len or min(limit, 8192), limit)
-        if why and max_model_len < (config.max_model_len or 8192):
-            log.warning("context length capped at %d: %s", max_model_len, why)
         self.runner = ModelRunner(config, source.path, max_model_len)
         # A single request must always fit in the cache, or it could wait forever.
         self.max_model_len = min(max_model_len, self.runner.num_blocks * config.block_size)

@@ -1,6 +1,7 @@
 """The three attention backends agree on a tiny random Llama: torch (the reference), our C kernels, and Triton
 (on CPU through Triton's interpreter, fp32). One mixed step holds decodes, a prefill chunk over a cached prefix, a
-fresh prefill and padding rows. Also: CUDA-graph-style padding (seq_len 0, fixed wide tables), select_backend.
+fresh prefill and padding rows; with full attention, and with a sliding window that most of its contexts pass.
+Also: CUDA-graph-style padding (seq_len 0, fixed wide tables), select_backend.
 """
 
 from __future__ import annotations
@@ -39,12 +40,15 @@ CPU = torch.device("cpu")
 TOL = 1e-4
 
 
-@pytest.fixture(scope="module")
-def model() -> torch.nn.Module:
+@pytest.fixture(scope="module", params=[None, 20], ids=["full", "window"])
+def model(request) -> torch.nn.Module:
+    """With a window of 20 keys (Mistral's sliding window), narrower than most contexts of the steps below."""
     torch.manual_seed(0)
-    config = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, vocab_size=96,
-                                      num_attention_heads=4, num_key_value_heads=2, architectures=["LlamaForCausalLM"])
+    config = transformers.MistralConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, vocab_size=96,
+                                        num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                        sliding_window=request.param, architectures=["MistralForCausalLM"])  # fmt: skip
     ours = build_model(config, torch.float32, CPU, 128)
+    assert all(a.window == request.param for a in ours.attention_layers())
     with torch.no_grad():
         for name, param in ours.named_parameters():
             param.copy_(1 + 0.1 * torch.randn_like(param) if "norm" in name else 0.15 * torch.randn_like(param))
@@ -55,14 +59,15 @@ class OnCuda(TritonBackend):
     """The Triton backend under these CPU-built runs on a GPU machine: inputs go to the GPU, the caches it wrote
     and its output come back."""
 
-    def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float,
+                window: int | None = None) -> torch.Tensor:  # fmt: skip
         gpu = torch.device("cuda")
         tables, lens = meta.decode_block_tables, meta.decode_seq_lens
         chunks = [dataclasses.replace(c, block_ids=c.block_ids.to(gpu)) for c in meta.prefills]
         moved = AttentionMetadata.build(meta.slot_mapping.to(gpu), None if tables is None else tables.to(gpu),
                                         None if lens is None else lens.to(gpu), chunks, meta.block_size)  # fmt: skip
         k_gpu, v_gpu = k_cache.to(gpu), v_cache.to(gpu)
-        out = super().forward(q.to(gpu), k.to(gpu), v.to(gpu), k_gpu, v_gpu, moved, scale)
+        out = super().forward(q.to(gpu), k.to(gpu), v.to(gpu), k_gpu, v_gpu, moved, scale, window)
         k_cache.copy_(k_gpu)
         v_cache.copy_(v_gpu)
         return out.cpu()

@@ -23,12 +23,15 @@ CPU = torch.device("cpu")
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU-only: the stack runs our CPU kernels")
 
 
-def tiny_llama(bias: bool, quantization: str | None, qwen3: bool = False) -> torch.nn.Module:
-    """Llama (with q/k/v/o biases or none), or Qwen3 (q and k heads normed; head_dim * heads != hidden)."""
+def tiny_llama(bias: bool, quantization: str | None, qwen3: bool = False, window: int | None = None) -> torch.nn.Module:
+    """Llama (with q/k/v/o biases or none), Qwen3 (q and k heads normed; head_dim * heads != hidden), or Mistral
+    with a sliding window."""
     torch.manual_seed(0)
     shape = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=3, vocab_size=96, num_attention_heads=4,
                  num_key_value_heads=2)  # fmt: skip
     config = (transformers.Qwen3Config(**shape, head_dim=64, architectures=["Qwen3ForCausalLM"]) if qwen3 else
+              transformers.MistralConfig(**shape, sliding_window=window, architectures=["MistralForCausalLM"])
+              if window else
               transformers.LlamaConfig(**shape, attention_bias=bias, architectures=["LlamaForCausalLM"]))  # fmt: skip
     model = build_model(config, torch.bfloat16, CPU, 256)
     with torch.no_grad():
@@ -85,6 +88,18 @@ def test_stack_gives_the_layers_logits_bit_for_bit(bias: bool, qwen3: bool, quan
     reference, none = steps(model, stack=False)
     ours, calls = steps(model, stack=True)
     assert none == 0 and calls == 15  # the 15 decode-only steps; never the prefills or the mixed step
+    for i, (a, b) in enumerate(zip(ours, reference, strict=True)):
+        assert torch.equal(a, b), (i, (a.float() - b.float()).abs().max().item())
+
+
+@needs_linear_kernels
+def test_the_stack_steps_aside_once_a_context_passes_the_window() -> None:
+    """The stack's kernels attend over whole contexts: with a sliding window of 48 it runs the decode steps whose
+    contexts fit (the first seven), and the layers, with the window's masks, run the rest."""
+    model = tiny_llama(False, None, window=48)
+    reference, _ = steps(model, stack=False)
+    ours, calls = steps(model, stack=True)
+    assert calls == 7
     for i, (a, b) in enumerate(zip(ours, reference, strict=True)):
         assert torch.equal(a, b), (i, (a.float() - b.float()).abs().max().item())
 

@@ -61,6 +61,16 @@ TINY_CONFIGS = {
         head_dim=32,
         architectures=["MistralForCausalLM"],
     ),
+    # Sliding windows narrower than the tests' contexts: Mistral 7B v0.1's (every layer), Qwen2's (layers past
+    # max_window_layers); the window's masks where a step reaches past it, the kernels where not.
+    "mistral-window": lambda: transformers.MistralConfig(
+        **LLAMA_LIKE, num_attention_heads=4, num_key_value_heads=2, sliding_window=8,
+        architectures=["MistralForCausalLM"],
+    ),  # fmt: skip
+    "qwen2-window": lambda: transformers.Qwen2Config(
+        **LLAMA_LIKE, num_attention_heads=4, num_key_value_heads=2, use_sliding_window=True, sliding_window=8,
+        max_window_layers=1, architectures=["Qwen2ForCausalLM"],
+    ),  # fmt: skip
     "gpt2": lambda: transformers.GPT2Config(
         n_embd=64,
         n_layer=2,
@@ -77,6 +87,8 @@ HF_CLASSES = {
     "qwen2": transformers.Qwen2ForCausalLM,
     "qwen3": transformers.Qwen3ForCausalLM,
     "mistral": transformers.MistralForCausalLM,
+    "mistral-window": transformers.MistralForCausalLM,
+    "qwen2-window": transformers.Qwen2ForCausalLM,
     "gpt2": transformers.GPT2LMHeadModel,
 }
 
@@ -239,19 +251,18 @@ def test_a_saved_qwen3_serves_transformers_greedy_tokens(tmp_path) -> None:
     assert ours == [r.tolist() for r in refs]
 
 
-def test_a_sliding_window_caps_the_context_where_full_attention_stops_being_exact(tmp_path, caplog) -> None:
-    """Mistral 7B v0.1 attends over a window of 4096 keys and ours over all of them: the two agree only while the
-    context fits the window, so the engine serves no more than that, and says so."""
-    hf = tiny_hf_model("mistral")
-    hf.config.sliding_window = 24
+def test_a_sliding_windows_model_serves_transformers_greedy_tokens_past_the_window(tmp_path) -> None:
+    """Through the engine (chunked prefill, decode steps, the CPU kernels up to the window and the masks past it):
+    transformers' greedy tokens for prompts shorter and longer than Qwen2's window of 8."""
+    hf = tiny_hf_model("qwen2-window")
+    assert hf.config.layer_types == ["full_attention", "sliding_attention"]
     hf.save_pretrained(tmp_path)
-    ours = load_model(tmp_path, torch.float32, CPU, MAX_POSITIONS)
-    inside, past = random_prompts([24, 40], VOCAB, seed=3)
-    assert max_diff(PagedRun(ours, 1, 24).prefill([inside])[0], hf_logits(hf, inside)) < TOL
-    # Past the window transformers' logits move away from full attention's: why the cap is needed.
-    assert max_diff(PagedRun(ours, 1, 40).prefill([past])[0][-1], hf_logits(hf, past)[-1]) > 100 * TOL
-    core = EngineCore(EngineConfig(model=str(tmp_path), dtype="float32", num_kv_blocks=64))
-    assert core.max_model_len == 24 and "sliding window of 24 tokens" in caplog.text
-    core.add_request(greedy_request("long", past[:24], 4))
-    (out,) = run_engine(core, [])["long"]
-    assert "maximum context length is 24" in (out.error or ""), out
+    prompts = random_prompts([3, 17, 30], VOCAB, seed=4)
+    config = EngineConfig(model=str(tmp_path), dtype="float32", num_kv_blocks=64, max_model_len=MAX_POSITIONS,
+                          max_num_batched_tokens=16)  # fmt: skip
+    requests = [greedy_request(f"w{i}", p, 12) for i, p in enumerate(prompts)]
+    ours = tokens_of(run_engine(EngineCore(config), requests), [r.request_id for r in requests])
+    with torch.inference_mode():
+        refs = [hf.generate(torch.tensor([p]), max_new_tokens=12, min_new_tokens=12, do_sample=False)[0, len(p) :]
+                for p in prompts]  # fmt: skip
+    assert ours == [r.tolist() for r in refs]

@@ -24,16 +24,19 @@ TOL = {torch.float32: 2e-4, torch.float16: 4e-3, torch.bfloat16: 3e-2}
 HEAD_DIM = 64
 
 
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, scale: float) -> torch.Tensor:
-    """q [n, Hq, D] at positions q_pos [n] over keys 0..L-1 (k, v [L, Hk, D]): causal softmax attention, fp32."""
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, scale: float,
+           window: int | None = None) -> torch.Tensor:  # fmt: skip
+    """q [n, Hq, D] at positions q_pos [n] over keys 0..L-1 (k, v [L, Hk, D]): causal softmax attention, fp32;
+    with a window, each query over its last `window` keys only."""
     if k.shape[0] == 0:
         return torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     group = q.shape[1] // k.shape[1]
     k, v = k.float().repeat_interleave(group, 1), v.float().repeat_interleave(group, 1)
     scores = torch.einsum("nhd,lhd->hnl", q.float(), k) * scale
-    visible = torch.arange(k.shape[0], device=q.device)[None, :] <= q_pos[:, None]
+    key_pos = torch.arange(k.shape[0], device=q.device)[None, :]
+    visible = (key_pos <= q_pos[:, None]) & (key_pos > q_pos[:, None] - (window or k.shape[0] + 1))
     scores = scores.masked_fill(~visible, float("-inf"))
-    return torch.einsum("hnl,lhd->nhd", scores.softmax(-1), v)
+    return torch.einsum("hnl,lhd->nhd", scores.softmax(-1), v.nan_to_num())  # NaN: keys no row sees (poisoned)
 
 
 def gather(cache: torch.Tensor, table: torch.Tensor, length: int) -> torch.Tensor:
@@ -161,3 +164,50 @@ def test_paged_prefill_matches_reference(dtype, q_heads, kv_heads, block_size, h
         expected = attend(q[s:e], k, v, torch.arange(ctx - n, ctx, device=DEVICE), 0.125)
         torch.testing.assert_close(out[s:e].float(), expected, atol=TOL[dtype], rtol=TOL[dtype])
     assert bool((out[int(cu[-1]) :] == 7.0).all())
+
+
+def poison_before(cache: torch.Tensor, table: torch.Tensor, first: int) -> None:
+    """NaN in a sequence's keys before `first`: a kernel that reads one returns NaN."""
+    block_size = cache.shape[1]
+    for pos in range(first):
+        cache[int(table[pos // block_size]), pos % block_size] = float("nan")
+
+
+@pytest.mark.parametrize("num_splits", [None, 3])
+def test_paged_decode_attends_only_the_window(num_splits) -> None:
+    """A sliding window: each sequence sees its last `window` keys, and never loads the ones before (NaN there)."""
+    torch.manual_seed(4)
+    lens, window = [1, 17, 0, 24, 45, 130], 24
+    k_cache, v_cache, table = make_cache(lens, 2, 16, torch.float32)
+    for b, n in enumerate(lens):
+        poison_before(k_cache, table[b], n - window)
+        poison_before(v_cache, table[b], n - window)
+    q, _, _ = qkv_views(len(lens), 6, 2, torch.float32)
+    seq_lens = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
+    out = tk.paged_decode(q, k_cache, v_cache, table, seq_lens, 0.125, num_splits=num_splits, window=window)
+    for b, n in enumerate(lens):
+        k, v = gather(k_cache, table[b], n), gather(v_cache, table[b], n)
+        expected = attend(q[b : b + 1], k, v, torch.tensor([n - 1], device=DEVICE), 0.125, window)[0]
+        torch.testing.assert_close(out[b], expected, atol=2e-4, rtol=2e-4)
+
+
+def test_paged_prefill_attends_only_the_window() -> None:
+    """Chunks longer than the window, after a cached prefix longer than it, and shorter than it: each row sees its
+    last `window` keys; keys before the first row's window are never loaded (NaN there)."""
+    torch.manual_seed(5)
+    shapes, window = [(70, 70), (20, 83), (1, 1), (5, 21), (3, 40)], 17
+    k_cache, v_cache, table = make_cache([ctx for _, ctx in shapes], 2, 16, torch.float32)
+    for c, (n, ctx) in enumerate(shapes):
+        poison_before(k_cache, table[c], ctx - n - window + 1)
+        poison_before(v_cache, table[c], ctx - n - window + 1)
+    total = sum(n for n, _ in shapes)
+    q, _, _ = qkv_views(total, 6, 2, torch.float32)
+    cu = torch.tensor([0] + [sum(n for n, _ in shapes[: i + 1]) for i in range(len(shapes))], dtype=torch.int32)
+    context = torch.tensor([ctx for _, ctx in shapes], dtype=torch.int32, device=DEVICE)
+    out = torch.empty_like(q)
+    tk.paged_prefill(q, k_cache, v_cache, cu.to(DEVICE), context, table, 0.125, out, window)
+    for c, (n, ctx) in enumerate(shapes):
+        s, e = int(cu[c]), int(cu[c + 1])
+        k, v = gather(k_cache, table[c], ctx), gather(v_cache, table[c], ctx)
+        expected = attend(q[s:e], k, v, torch.arange(ctx - n, ctx, device=DEVICE), 0.125, window)
+        torch.testing.assert_close(out[s:e], expected, atol=2e-4, rtol=2e-4)

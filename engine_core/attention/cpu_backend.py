@@ -4,6 +4,7 @@ Decodes in one kernel call, all prefill chunks of a step in another, both readin
 Whether the kernels handle the model's shapes is decided once, by select_backend; a model whose prefill shapes the
 prefill kernel does not take (or a build without it) attends its prefill chunks through the torch reference.
 The kernels expect what our models pass: q rows may be strided, heads and head_dim contiguous within a row.
+They have no sliding window: a windowed layer's step whose contexts pass its window goes through the torch reference.
 """
 
 from __future__ import annotations
@@ -22,15 +23,25 @@ class CpuKernelBackend(TorchBackend):
         self.kernels = kernels
         self.kernel_prefill = kernel_prefill
 
-    def decode(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    def decode(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float,
+               window: int | None = None) -> torch.Tensor:  # fmt: skip
+        if _window_reached(meta, window):
+            return super().decode(q, k_cache, v_cache, meta, scale, window)
         return self.kernels.paged_decode(q, k_cache, v_cache, meta.decode_block_tables, meta.decode_seq_lens, scale)
 
-    def prefill(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float, out: torch.Tensor) -> None:
-        if not self.kernel_prefill:
-            super().prefill(q, k, v, k_cache, v_cache, meta, scale, out)
+    def prefill(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float, out: torch.Tensor,
+                window: int | None = None) -> None:  # fmt: skip
+        if not self.kernel_prefill or _window_reached(meta, window):
+            super().prefill(q, k, v, k_cache, v_cache, meta, scale, out, window)
             return
         chunks, tables = meta.cached("cpu_prefill", _prefill_args)
         self.kernels.paged_prefill(q, k_cache, v_cache, chunks, tables, out, scale)
+
+
+def _window_reached(meta: AttentionMetadata, window: int | None) -> bool:
+    """Whether a sliding window hides any key from a row of this step. The kernels attend over whole contexts: up to
+    the window that is exact, and past it the step's windowed layers take the torch reference's masks."""
+    return window is not None and meta.cached("max_context", AttentionMetadata.max_context) > window
 
 
 def _prefill_args(meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:

@@ -25,7 +25,6 @@ class PrefillChunk:
     num_tokens: int  # query length
     context_len: int  # tokens in the cache after this chunk (cached prefix + earlier chunks + this chunk)
     block_ids: torch.Tensor  # the blocks covering context_len tokens
-    mask: torch.Tensor | None = None  # torch path: [q, context] bool; None = plain causal over the chunk alone
 
 
 @dataclass
@@ -55,6 +54,11 @@ class AttentionMetadata:
         if value is None:
             value = self.extras[key] = build(self)
         return value
+
+    def max_context(self) -> int:
+        """The most keys any row of the step attends to (reads the decode lengths: for host-side choices on CPU)."""
+        decode = int(self.decode_seq_lens.max()) if self.num_decodes and self.decode_seq_lens is not None else 0
+        return max([decode, *(c.context_len for c in self.prefills)])
 
     # ---- prefill chunks as kernel arrays (varlen layout) ----
 

@@ -30,8 +30,10 @@ class AttentionBackend(Protocol):
     index_dtype: torch.dtype  # dtype of the decode block tables and lengths it wants
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:  # fmt: skip
-        """Stores k/v [T, Hk, D] into the caches at meta.slot_mapping, then attends: q [T, Hq, D] -> [T, Hq, D]."""
+                v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+                window: int | None = None) -> torch.Tensor:  # fmt: skip
+        """Stores k/v [T, Hk, D] into the caches at meta.slot_mapping, then attends: q [T, Hq, D] -> [T, Hq, D].
+        With a window, each query sees only its last `window` keys (itself included)."""
         ...
 
 

@@ -2,10 +2,13 @@
 
 Decodes are attended in one batched call over their gathered blocks (its cost grows with the block-table width,
 so CUDA graphs, whose tables have the fixed full width, are not used with it); prefill chunks (few per step) one by
-one, a chunk without cached context straight from its own k/v.
+one, a chunk without cached context straight from its own k/v. A sliding window (a layer's `window`: each query
+sees its last `window` keys, itself included, as transformers' sliding_attention layers) is one more mask.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -26,23 +29,25 @@ class TorchBackend:
     graphable = False  # the decode gather reads the whole table width: graphs were 2x slower than eager on H100
     index_dtype = torch.long  # dtype of the block tables and lengths the model runner builds
 
-    def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float,
+                window: int | None = None) -> torch.Tensor:  # fmt: skip
         """q: [T, Hq, D], k/v: [T, Hk, D]: stores k/v at meta.slot_mapping, then attends. Returns [T, Hq, D]."""
         write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
         n = meta.num_decodes
         if n == q.shape[0] and not meta.prefills:  # the common decode-only step: no extra copy
-            return self.decode(q, k_cache, v_cache, meta, scale)
+            return self.decode(q, k_cache, v_cache, meta, scale, window)
         out = torch.zeros(q.shape, dtype=q.dtype, device=q.device)  # rows of padding tokens stay zero
         if n:
-            out[:n] = self.decode(q[:n], k_cache, v_cache, meta, scale)
+            out[:n] = self.decode(q[:n], k_cache, v_cache, meta, scale, window)
         if meta.prefills:
-            self.prefill(q, k, v, k_cache, v_cache, meta, scale, out)
+            self.prefill(q, k, v, k_cache, v_cache, meta, scale, out, window)
         return out
 
-    def decode(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    def decode(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float,
+               window: int | None = None) -> torch.Tensor:  # fmt: skip
         tables = meta.decode_block_tables
         assert tables is not None
-        mask = meta.cached("torch_decode_mask", _decode_mask)
+        mask = meta.cached(f"torch_decode_mask_{window}", lambda m: _decode_mask(m, window))
         # Each row gathers its table's whole width of K and V: a step of many rows (a request's recomputed outputs,
         # up to the token budget) over long contexts would gather gigabytes at once, so rows go a slice at a time.
         per_row = 2 * tables.shape[1] * k_cache[0].numel() * k_cache.element_size()
@@ -52,11 +57,12 @@ class TorchBackend:
         return torch.cat([_decode_rows(q[s : s + rows], k_cache, v_cache, tables[s : s + rows], mask[s : s + rows],
                                        scale) for s in range(0, q.shape[0], rows)])  # fmt: skip
 
-    def prefill(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float, out: torch.Tensor) -> None:
+    def prefill(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float, out: torch.Tensor,
+                window: int | None = None) -> None:  # fmt: skip
         """Writes the rows of every prefill chunk into out."""
-        for chunk in meta.prefills:
+        masks = meta.cached(f"torch_prefill_masks_{window}", _prefill_masks(window))
+        for chunk, mask in zip(meta.prefills, masks, strict=True):
             s, e = chunk.start, chunk.start + chunk.num_tokens
-            mask = _prefill_mask(chunk, meta.slot_mapping.device)
             if mask is None:
                 out[s:e] = _attend(q[s:e], k[s:e], v[s:e], None, scale, causal=True)
             else:
@@ -77,23 +83,36 @@ def _decode_rows(q, k_cache, v_cache, tables: torch.Tensor, mask: torch.Tensor, 
     return out.reshape(num_seqs, num_q_heads, head_dim)
 
 
-def _decode_mask(meta: AttentionMetadata) -> torch.Tensor:
-    """[D, 1, 1, W * block_size] bool, key within context. A padding row (length 0) sees its first key instead of
-    nothing: a row with no key at all would come out NaN; its output is dropped anyway."""
+def _decode_mask(meta: AttentionMetadata, window: int | None) -> torch.Tensor:
+    """[D, 1, 1, W * block_size] bool, key within context (and within the window's last keys). A padding row
+    (length 0) sees its first key instead of nothing: a row with no key at all would come out NaN; its output is
+    dropped anyway."""
     assert meta.decode_block_tables is not None and meta.decode_seq_lens is not None
     max_len = meta.decode_block_tables.shape[1] * meta.block_size
     key_pos = torch.arange(max_len, device=meta.decode_seq_lens.device)
-    mask = key_pos[None, :] < meta.decode_seq_lens.clamp(min=1)[:, None]
+    lens = meta.decode_seq_lens.clamp(min=1)[:, None]
+    mask = key_pos[None, :] < lens
+    if window is not None:
+        mask &= key_pos[None, :] >= lens - window
     return mask.view(meta.num_decodes, 1, 1, -1)
 
 
-def _prefill_mask(chunk: PrefillChunk, device: torch.device) -> torch.Tensor | None:
-    """None when the chunk is the whole context (plain causal), else [q, context] bool, built once per step."""
-    if chunk.mask is None and chunk.context_len != chunk.num_tokens:  # a cached prefix or earlier chunks
-        q_pos = torch.arange(chunk.num_tokens, device=device) + (chunk.context_len - chunk.num_tokens)
-        k_pos = torch.arange(chunk.context_len, device=device)
-        chunk.mask = k_pos[None, :] <= q_pos[:, None]
-    return chunk.mask
+def _prefill_masks(window: int | None) -> Callable[[AttentionMetadata], list[torch.Tensor | None]]:
+    return lambda meta: [_prefill_mask(c, window, meta.slot_mapping.device) for c in meta.prefills]
+
+
+def _prefill_mask(chunk: PrefillChunk, window: int | None, device: torch.device) -> torch.Tensor | None:
+    """None when plain causal attention over the chunk alone is exact (no cached context, no window reached), else
+    [q, context] bool."""
+    windowed = window is not None and chunk.context_len > window
+    if chunk.context_len == chunk.num_tokens and not windowed:
+        return None
+    q_pos = torch.arange(chunk.num_tokens, device=device) + (chunk.context_len - chunk.num_tokens)
+    k_pos = torch.arange(chunk.context_len, device=device)
+    mask = k_pos[None, :] <= q_pos[:, None]
+    if windowed:
+        mask &= k_pos[None, :] > q_pos[:, None] - window
+    return mask
 
 
 def _attend(q, k, v, mask, scale: float, causal: bool) -> torch.Tensor:

@@ -44,20 +44,22 @@ class TritonBackend:
 
         self.kernels = triton_kernels
 
-    def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float,
+                window: int | None = None) -> torch.Tensor:  # fmt: skip
         """q: [T, Hq, D], k/v: [T, Hk, D]: stores k/v at meta.slot_mapping, then attends. Returns [T, Hq, D]."""
         kernels = self.kernels
         kernels.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         args = meta.cached("triton", _build_args)
         n = meta.num_decodes
         if n == q.shape[0] and not meta.prefills:  # decode-only (every CUDA graph step): no extra copy
-            return kernels.paged_decode(q, k_cache, v_cache, args.decode_tables, args.decode_lens, scale)
+            return kernels.paged_decode(q, k_cache, v_cache, args.decode_tables, args.decode_lens, scale, window=window)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         if n:
-            kernels.paged_decode(q[:n], k_cache, v_cache, args.decode_tables, args.decode_lens, scale, out=out[:n])
+            kernels.paged_decode(q[:n], k_cache, v_cache, args.decode_tables, args.decode_lens, scale, out=out[:n],
+                                 window=window)  # fmt: skip
         first, end = meta.prefill_rows
         if meta.prefills:
             kernels.paged_prefill(q[first:end], k_cache, v_cache, args.cu_seqlens_q, args.context_lens,
-                                  args.prefill_tables, scale, out[first:end])  # fmt: skip
+                                  args.prefill_tables, scale, out[first:end], window)  # fmt: skip
         out[end:].zero_()  # padding rows, as on the other backends
         return out

@@ -23,6 +23,7 @@ PREFILL_BLOCK_N = 64  # keys per prefill tile
 MAX_SPLITS = 32
 PROGRAMS_PER_SM = 4  # decode is bandwidth-bound: a few small programs per SM keep enough loads in flight
 MIN_KEYS_PER_SPLIT = 256  # at the widest context the table describes
+NO_WINDOW = 2**30  # int32, past any context
 
 
 @triton.jit
@@ -62,10 +63,10 @@ def _attend_tile(q, m_i, l_i, acc, k_ptr, v_ptr, table_ptr, pos, valid, visible,
     return m_new, l_i * alpha + tl.sum(p, 1), acc
 
 
-@triton.jit(do_not_specialize=["stride_bt"])  # table widths vary by step: one compile at start serves all
+@triton.jit(do_not_specialize=["stride_bt", "window"])  # table widths vary by step: one compile at start serves all
 def _decode_kernel(q_ptr, k_ptr, v_ptr, table_ptr, lens_ptr, out_ptr, part_acc_ptr, part_m_ptr, part_l_ptr,
-                   scale_log2, stride_qb, stride_qh, stride_cb, stride_cs, stride_ch, stride_bt, stride_ob, stride_oh,
-                   GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
+                   scale_log2, window, stride_qb, stride_qh, stride_cb, stride_cs, stride_ch, stride_bt, stride_ob,
+                   stride_oh, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
                    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
                    PREC: tl.constexpr):  # fmt: skip
     """One program per (sequence, KV head, split): the GROUP query heads of the KV head are the rows of one dot,
@@ -74,9 +75,10 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, table_ptr, lens_ptr, out_ptr, part_acc_p
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(lens_ptr + seq)
+    first = tl.maximum(seq_len - window, 0)  # a sliding window's first key (a window past any length: 0)
     # Each split takes an even share of this sequence's keys, in whole tiles (so no block is read twice).
-    per_split = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
-    start = split * per_split
+    per_split = tl.cdiv(tl.cdiv(seq_len - first, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    start = first + split * per_split
     end = tl.minimum(start + per_split, seq_len)
     g = tl.arange(0, GROUP_PAD)
     d = tl.arange(0, D_PAD)
@@ -124,8 +126,8 @@ def _reduce_kernel(part_acc_ptr, part_m_ptr, part_l_ptr, out_ptr, stride_ob, str
     tl.store(out_ptr + seq * stride_ob + head * stride_oh + d, out.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
 
 
-@triton.jit(do_not_specialize=["num_chunks", "stride_bt"])  # as _decode_kernel: compiled once, at start
-def _prefill_kernel(q_ptr, k_ptr, v_ptr, out_ptr, cu_ptr, ctx_ptr, table_ptr, scale_log2, num_chunks,
+@triton.jit(do_not_specialize=["num_chunks", "stride_bt", "window"])  # as _decode_kernel: compiled once, at start
+def _prefill_kernel(q_ptr, k_ptr, v_ptr, out_ptr, cu_ptr, ctx_ptr, table_ptr, scale_log2, window, num_chunks,
                     stride_qt, stride_qh, stride_cb, stride_cs, stride_ch, stride_bt, stride_ot, stride_oh,
                     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PREC: tl.constexpr):  # fmt: skip
@@ -154,15 +156,16 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, out_ptr, cu_ptr, ctx_ptr, table_ptr, sc
         q_rows = (q_start + rows).to(tl.int64)
         q = tl.load(q_ptr + q_rows[:, None] * stride_qt + head * stride_qh + d[None, :], mask=io_mask, other=0.0)
         q_pos = context - q_len + rows  # causal: the chunk's queries are the last q_len positions
+        kv_start = tl.maximum(context - q_len + tile * BLOCK_M - window + 1, 0)  # the tile's first row's window
         kv_end = tl.minimum(context, context - q_len + tile * BLOCK_M + BLOCK_M)
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
         table = table_ptr + lo.to(tl.int64) * stride_bt
-        for key_start in range(0, kv_end, BLOCK_N):
+        for key_start in range(kv_start, kv_end, BLOCK_N):
             pos = key_start + n
             valid = pos < kv_end
-            visible = valid[None, :] & (pos[None, :] <= q_pos[:, None])
+            visible = valid[None, :] & (pos[None, :] <= q_pos[:, None]) & (pos[None, :] > q_pos[:, None] - window)
             m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, k_ptr, v_ptr, table, pos, valid, visible, head // GROUP,
                                          stride_cb, stride_cs, stride_ch, scale_log2, d, d < HEAD_DIM, BLOCK_SIZE,
                                          PREC)  # fmt: skip
@@ -209,6 +212,11 @@ def _d_pad(head_dim: int) -> int:
     return max(16, triton.next_power_of_2(head_dim))
 
 
+def _window(window: int | None) -> int:
+    """A sliding window as the kernels take it: no window is one wider than any context."""
+    return NO_WINDOW if window is None else window
+
+
 def _precision(dtype: torch.dtype) -> str:
     return "ieee" if _fp32(dtype) else "tf32"  # only fp32 operands read this
 
@@ -229,9 +237,9 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
 
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                  seq_lens: torch.Tensor, scale: float, out: torch.Tensor | None = None,
-                 num_splits: int | None = None) -> torch.Tensor:  # fmt: skip
-    """q [B, Hq, D] -> out [B, Hq, D]; sequence b attends to its seq_lens[b] keys through block_tables[b].
-    num_splits overrides the split-K heuristic (decode_num_splits)."""
+                 num_splits: int | None = None, window: int | None = None) -> torch.Tensor:  # fmt: skip
+    """q [B, Hq, D] -> out [B, Hq, D]; sequence b attends to its seq_lens[b] keys (its last `window` of them)
+    through block_tables[b]. num_splits overrides the split-K heuristic (decode_num_splits)."""
     _check_cache(q, k_cache, v_cache)
     batch, q_heads, head_dim = q.shape
     kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
@@ -248,7 +256,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         part_m = torch.empty(batch, q_heads, num_splits, dtype=torch.float32, device=q.device)
         part_l = torch.empty_like(part_m)
     _decode_kernel[(batch, kv_heads, num_splits)](
-        q, k_cache, v_cache, block_tables, seq_lens, out, part_acc, part_m, part_l, scale * LOG2E,
+        q, k_cache, v_cache, block_tables, seq_lens, out, part_acc, part_m, part_l, scale * LOG2E, _window(window),
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         out.stride(0), out.stride(1), GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
         HEAD_DIM=head_dim, D_PAD=d_pad, BLOCK_SIZE=block_size, BLOCK_N=DECODE_BLOCK_N, NUM_SPLITS=num_splits,
@@ -264,9 +272,10 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
 
 def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cu_seqlens_q: torch.Tensor,
                   context_lens: torch.Tensor, block_tables: torch.Tensor, scale: float,
-                  out: torch.Tensor) -> None:  # fmt: skip
+                  out: torch.Tensor, window: int | None = None) -> None:  # fmt: skip
     """Varlen causal attention of C chunks (rows cu_seqlens_q[c]:cu_seqlens_q[c+1] of q [T, Hq, D]) over their
-    context_lens[c] cached keys; the chunk's queries are the last positions of that context. Writes out rows."""
+    context_lens[c] cached keys; the chunk's queries are the last positions of that context, each seeing at most
+    its last `window` keys. Writes out rows."""
     _check_cache(q, k_cache, v_cache)
     num_tokens, q_heads, head_dim = q.shape
     num_chunks = context_lens.shape[0]
@@ -275,7 +284,8 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     block_m, block_n, warps = _prefill_tiles(q.dtype, head_dim)
     grid = (num_tokens // block_m + num_chunks, q_heads)
     _prefill_kernel[grid](
-        q, k_cache, v_cache, out, cu_seqlens_q, context_lens, block_tables, scale * LOG2E, num_chunks,
+        q, k_cache, v_cache, out, cu_seqlens_q, context_lens, block_tables, scale * LOG2E, _window(window),
+        num_chunks,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         out.stride(0), out.stride(1), GROUP=q_heads // k_cache.shape[2], HEAD_DIM=head_dim,
         D_PAD=_d_pad(head_dim), BLOCK_SIZE=k_cache.shape[1], BLOCK_M=block_m, BLOCK_N=block_n,

@@ -59,6 +59,8 @@ class DecodeStack:
         self.shape = _StackShape(len(layers), model.config.hidden_size, attn.num_heads, attn.num_kv_heads,
                                  attn.head_dim, first.mlp.down_proj.in_features, attn.k_cache.shape[1],
                                  model.norm.eps, attn.scale)  # fmt: skip
+        # The kernels attend over whole contexts: a sliding window's layers need the layer path once one is passed.
+        self.window = min((a.window for a in model.attention_layers() if a.window is not None), default=None)
         lib = kernels.lib
         self._work = lib.decode_stack_work
         self._work.argtypes, self._work.restype = [_P, _I64], _I64
@@ -96,9 +98,9 @@ class DecodeStack:
                                         attn.k_cache.data_ptr(), attn.v_cache.data_ptr()))  # fmt: skip
         return DecodeStack(model, kernels, structs)
 
-    @staticmethod
-    def takes(meta: AttentionMetadata, rows: int) -> bool:
-        """A decode-only step without padding rows, with int64 metadata (what the CPU model runner builds)."""
+    def takes(self, meta: AttentionMetadata, rows: int) -> bool:
+        """A decode-only step without padding rows, with int64 metadata (what the CPU model runner builds), whose
+        contexts fit the model's sliding window if it has one."""
         tables, lens = meta.decode_block_tables, meta.decode_seq_lens
         return (
             not meta.prefills
@@ -106,6 +108,7 @@ class DecodeStack:
             and tables is not None
             and lens is not None
             and tables.dtype == lens.dtype == meta.slot_mapping.dtype == torch.long
+            and (self.window is None or meta.cached("max_context", AttentionMetadata.max_context) <= self.window)
         )
 
     def __call__(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:

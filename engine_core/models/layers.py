@@ -39,6 +39,17 @@ class RMSNorm(nn.Module):
         return normed if residual is None else (normed, residual)
 
 
+def layer_windows(config, max_positions: int) -> list[int | None]:
+    """Each layer's sliding window as transformers applies it (a query sees its last `window` keys), None where the
+    layer attends to everything: Mistral 7B v0.1 windows every layer; configs that list `layer_types` (Qwen2 with
+    use_sliding_window, Gemma) only their sliding_attention layers. A window no context can pass is no window."""
+    window = getattr(config, "sliding_window", None)
+    if not window or window >= max_positions or getattr(config, "use_sliding_window", True) is False:
+        return [None] * config.num_hidden_layers
+    kinds = getattr(config, "layer_types", None) or ["sliding_attention"] * config.num_hidden_layers
+    return [window if kind == "sliding_attention" else None for kind in kinds]
+
+
 class RotaryEmbedding(nn.Module):
     """Precomputed cos/sin per position; rope scaling comes from transformers' own init functions."""
 

@@ -9,7 +9,7 @@ from torch import nn
 
 from engine_core import distributed
 from engine_core.attention import AttentionBackend, AttentionMetadata, TorchBackend
-from engine_core.models.layers import MergedLinear, RMSNorm, RotaryEmbedding, StepRotary, silu_and_mul
+from engine_core.models.layers import MergedLinear, RMSNorm, RotaryEmbedding, StepRotary, layer_windows, silu_and_mul
 from engine_core.models.parallel import (
     HeadSplit,
     RowParallelLinear,
@@ -36,9 +36,10 @@ def _heads(config) -> tuple[int, int, int]:
 class LlamaAttention(nn.Module):
     """With tensor parallelism: this rank's heads (`heads`); o_proj sums the ranks' partial outputs."""
 
-    def __init__(self, config, qkv_bias: bool, o_bias: bool, heads: HeadSplit) -> None:
+    def __init__(self, config, qkv_bias: bool, o_bias: bool, heads: HeadSplit, window: int | None) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads = heads.num_heads, heads.num_kv_heads
+        self.window = window  # sliding window: each query sees its last `window` keys (None: all)
         self.head_dim = _heads(config)[2]
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
@@ -67,7 +68,7 @@ class LlamaAttention(nn.Module):
         qk = rope(qk)
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         v = qkv[:, qk_size:].view(-1, self.num_kv_heads, self.head_dim)
-        out = self.attn_backend.forward(q, k, v, self.k_cache, self.v_cache, meta, self.scale)
+        out = self.attn_backend.forward(q, k, v, self.k_cache, self.v_cache, meta, self.scale, self.window)
         return self.o_proj(out.view(-1, self.q_size))
 
 
@@ -83,9 +84,10 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config, qkv_bias: bool, o_bias: bool, heads: HeadSplit, columns: tuple[int, int]) -> None:
+    def __init__(self, config, qkv_bias: bool, o_bias: bool, heads: HeadSplit, columns: tuple[int, int],
+                 window: int | None) -> None:  # fmt: skip
         super().__init__()
-        self.self_attn = LlamaAttention(config, qkv_bias, o_bias, heads)
+        self.self_attn = LlamaAttention(config, qkv_bias, o_bias, heads, window)
         self.mlp = LlamaMLP(config, getattr(config, "mlp_bias", False), columns)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -119,8 +121,8 @@ class LlamaForCausalLM(nn.Module):
         self.columns = split(config.intermediate_size, size, rank)
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, qkv_bias, o_bias, self.heads, self.columns)
-            for _ in range(config.num_hidden_layers)
+            LlamaDecoderLayer(config, qkv_bias, o_bias, self.heads, self.columns, window)
+            for window in layer_windows(config, max_positions)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         attn = self.layers[0].self_attn

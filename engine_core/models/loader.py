@@ -29,20 +29,6 @@ def model_class(config) -> type[nn.Module]:
     raise ValueError(f"unsupported architecture {config.architectures}; supported: {', '.join(ARCHITECTURES)}")
 
 
-def context_limit(config) -> tuple[int, str | None]:
-    """The longest context our model classes serve this config exactly as transformers does, and why, where a
-    sliding window (Mistral 7B v0.1's 4096 keys, Qwen2's use_sliding_window) sets it: our attention is full, which
-    equals a window's only while every query sees the whole context."""
-    limit = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None) or 2048
-    window = getattr(config, "sliding_window", None)
-    layer_types = getattr(config, "layer_types", None)
-    if layer_types is not None and "sliding_attention" not in layer_types:
-        window = None  # configs that list their layers' kinds: a window only where a layer uses it
-    if not window or window >= limit:
-        return limit, None
-    return window, f"the model's sliding window of {window} tokens (ours is full attention, the same up to there)"
-
-
 def build_model(config, dtype: torch.dtype, device: torch.device, max_positions: int) -> nn.Module:
     """An uninitialised model of the right class, in `dtype` on `device`, in eval mode. Its parameters are left
     empty (the checkpoint fills them): drawing random ones took a second of every engine start."""
