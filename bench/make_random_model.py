@@ -1,7 +1,8 @@
-"""Random-weight Llama models for GPU benchmarks: an HF directory (config.json, sharded bf16 safetensors, the
+"""Random-weight Llama (and Gemma 3) models for benchmarks: an HF directory (config.json, sharded bf16 safetensors, the
 default model's tokenizer and chat template) of a named shape. Speed depends on the shape, not on the values.
 
-python -m bench.make_random_model NAME OUT_DIR [--seed 0] [--base DIR]   NAME: smollm2-135m | llama-1b | llama-7b | tiny
+python -m bench.make_random_model NAME OUT_DIR [--seed 0] [--base DIR]
+NAME: smollm2-135m | llama-1b | llama-7b | gemma3-270m | tiny
 
 --base: a directory holding the default model's config.json and tokenizer files (TOKENIZER_FILES), to use instead
 of the default model itself: 4 MB to bring to a GPU machine rather than its 93 MB GGUF package.
@@ -35,6 +36,15 @@ SHAPES: dict[str, dict] = {
                  "intermediate_size": 11008, "head_dim": 128, "vocab_size": 49152, "tie_word_embeddings": False,
                  "max_position_embeddings": 4096, "rms_norm_eps": 1e-5,
                  "rope_parameters": {"rope_theta": 10000.0, "rope_type": "default"}},
+    # Gemma 3 270M's layers (five sliding-window layers to one global, heads of 256) with the default vocabulary.
+    "gemma3-270m": {"architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text", "hidden_size": 640,
+                    "num_hidden_layers": 18, "num_attention_heads": 4, "num_key_value_heads": 1, "head_dim": 256,
+                    "intermediate_size": 2048, "vocab_size": 49152, "tie_word_embeddings": True,
+                    "max_position_embeddings": 32768, "rms_norm_eps": 1e-6, "sliding_window": 512,
+                    "query_pre_attn_scalar": 256, "hidden_activation": "gelu_pytorch_tanh",
+                    "layer_types": ["full_attention" if i % 6 == 5 else "sliding_attention" for i in range(18)],
+                    "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                        "full_attention": {"rope_type": "default", "rope_theta": 1000000.0}}},
 }  # fmt: skip
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json",
                    "special_tokens_map.json")  # fmt: skip
@@ -49,7 +59,8 @@ def model_config(name: str, base_dir: Path | None = None) -> dict:
 
 
 def tensor_shapes(config: dict) -> Iterator[tuple[str, tuple[int, ...]]]:
-    """HF Llama checkpoint names and shapes."""
+    """HF Llama (or Gemma 3) checkpoint names and shapes."""
+    gemma = config.get("model_type") == "gemma3_text"
     h, inter, vocab = config["hidden_size"], config["intermediate_size"], config["vocab_size"]
     d = config.get("head_dim") or h // config["num_attention_heads"]
     q, kv = config["num_attention_heads"] * d, config["num_key_value_heads"] * d
@@ -62,6 +73,10 @@ def tensor_shapes(config: dict) -> Iterator[tuple[str, tuple[int, ...]]]:
         yield p + "self_attn.v_proj.weight", (kv, h)
         yield p + "self_attn.o_proj.weight", (h, q)
         yield p + "post_attention_layernorm.weight", (h,)
+        if gemma:
+            yield from ((p + name, (d,)) for name in ("self_attn.q_norm.weight", "self_attn.k_norm.weight"))
+            yield from ((p + name, (h,)) for name in ("pre_feedforward_layernorm.weight",
+                                                      "post_feedforward_layernorm.weight"))  # fmt: skip
         yield p + "mlp.gate_proj.weight", (inter, h)
         yield p + "mlp.up_proj.weight", (inter, h)
         yield p + "mlp.down_proj.weight", (h, inter)
@@ -71,7 +86,7 @@ def tensor_shapes(config: dict) -> Iterator[tuple[str, tuple[int, ...]]]:
 
 
 def random_tensor(shape: tuple[int, ...], gen: torch.Generator) -> torch.Tensor:
-    if len(shape) == 1:  # RMSNorm scales
+    if len(shape) == 1:  # RMSNorm scales (Gemma's: 1 + this)
         return torch.ones(shape, dtype=torch.bfloat16)
     return torch.empty(shape, dtype=torch.bfloat16).normal_(0.0, 0.02, generator=gen)
 

@@ -71,6 +71,15 @@ TINY_CONFIGS = {
         **LLAMA_LIKE, num_attention_heads=4, num_key_value_heads=2, use_sliding_window=True, sliding_window=8,
         max_window_layers=1, architectures=["Qwen2ForCausalLM"],
     ),  # fmt: skip
+    # Gemma 3: 1 + weight norms, scaled embeddings, GeGLU, q/k norms, four norms a layer, a sliding layer (window 8,
+    # local rotary base) and a full one (linear rope scaling), query_pre_attn_scalar, final logit softcapping.
+    "gemma3": lambda: transformers.Gemma3TextConfig(
+        **LLAMA_LIKE, num_attention_heads=4, num_key_value_heads=2, head_dim=32, sliding_window=8,
+        layer_types=["sliding_attention", "full_attention"], query_pre_attn_scalar=24, final_logit_softcapping=5.0,
+        max_position_embeddings=MAX_POSITIONS, architectures=["Gemma3ForCausalLM"],
+        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                         "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1e6}},
+    ),  # fmt: skip
     "gpt2": lambda: transformers.GPT2Config(
         n_embd=64,
         n_layer=2,
@@ -89,6 +98,7 @@ HF_CLASSES = {
     "mistral": transformers.MistralForCausalLM,
     "mistral-window": transformers.MistralForCausalLM,
     "qwen2-window": transformers.Qwen2ForCausalLM,
+    "gemma3": transformers.Gemma3ForCausalLM,
     "gpt2": transformers.GPT2LMHeadModel,
 }
 
@@ -251,11 +261,12 @@ def test_a_saved_qwen3_serves_transformers_greedy_tokens(tmp_path) -> None:
     assert ours == [r.tolist() for r in refs]
 
 
-def test_a_sliding_windows_model_serves_transformers_greedy_tokens_past_the_window(tmp_path) -> None:
+@pytest.mark.parametrize("arch", ["qwen2-window", "gemma3"])
+def test_a_sliding_windows_model_serves_transformers_greedy_tokens_past_the_window(arch: str, tmp_path) -> None:
     """Through the engine (chunked prefill, decode steps, the CPU kernels up to the window and the masks past it):
-    transformers' greedy tokens for prompts shorter and longer than Qwen2's window of 8."""
-    hf = tiny_hf_model("qwen2-window")
-    assert hf.config.layer_types == ["full_attention", "sliding_attention"]
+    transformers' greedy tokens for prompts shorter and longer than a window of 8 on one of the two layers."""
+    hf = tiny_hf_model(arch)
+    assert sorted(hf.config.layer_types) == ["full_attention", "sliding_attention"]
     hf.save_pretrained(tmp_path)
     prompts = random_prompts([3, 17, 30], VOCAB, seed=4)
     config = EngineConfig(model=str(tmp_path), dtype="float32", num_kv_blocks=64, max_model_len=MAX_POSITIONS,
@@ -263,6 +274,8 @@ def test_a_sliding_windows_model_serves_transformers_greedy_tokens_past_the_wind
     requests = [greedy_request(f"w{i}", p, 12) for i, p in enumerate(prompts)]
     ours = tokens_of(run_engine(EngineCore(config), requests), [r.request_id for r in requests])
     with torch.inference_mode():
-        refs = [hf.generate(torch.tensor([p]), max_new_tokens=12, min_new_tokens=12, do_sample=False)[0, len(p) :]
+        # An explicit mask: generate would take Gemma's pad id (0) in a random prompt for padding.
+        refs = [hf.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                            max_new_tokens=12, min_new_tokens=12, do_sample=False)[0, len(p) :]
                 for p in prompts]  # fmt: skip
     assert ours == [r.tolist() for r in refs]

@@ -36,6 +36,13 @@ TINY = {  # name -> (config, HF class)
                                                num_attention_heads=4, num_key_value_heads=2, vocab_size=127,
                                                tie_word_embeddings=True, architectures=["Qwen2ForCausalLM"]),
               transformers.Qwen2ForCausalLM),
+    # Gemma 3's layer, a sliding window of 8 on one of its two layers: both ranks mask past it.
+    "gemma3": (lambda: transformers.Gemma3TextConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                                     num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                                     vocab_size=128, sliding_window=8, max_position_embeddings=256,
+                                                     layer_types=["sliding_attention", "full_attention"],
+                                                     architectures=["Gemma3ForCausalLM"]),
+               transformers.Gemma3ForCausalLM),
     "gpt2": (lambda: transformers.GPT2Config(n_embd=64, n_layer=2, n_head=4, vocab_size=129, n_positions=256,
                                              architectures=["GPT2LMHeadModel"]), transformers.GPT2LMHeadModel),
 }  # fmt: skip
@@ -146,6 +153,8 @@ def servers(tmp_path_factory, tiny_models):
     # A small token budget: the 40-token prompt is prefilled in chunks, in steps that also decode the others.
     started["gpt2"] = Server(tmp_path_factory.mktemp("tp-gpt2"), *TP, "--model", str(tiny_models["gpt2"][0]),
                              "--max-num-batched-tokens", "16")  # fmt: skip
+    started["gemma3"] = Server(tmp_path_factory.mktemp("tp-gemma3"), *TP, "--model", str(tiny_models["gemma3"][0]),
+                               "--max-num-batched-tokens", "16")  # fmt: skip
     two_nodes = TwoNodes(tmp_path_factory.mktemp("tp-two-nodes"), tiny_models["qwen2"][0])
     started["qwen2"] = two_nodes.node0
     seen: set[int] = set()  # every engine core and worker healthy() saw

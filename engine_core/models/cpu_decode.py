@@ -74,7 +74,7 @@ class DecodeStack:
         from engine_core.models.llama import LlamaForCausalLM  # the model imports this module's type
 
         kernels = cpu_kernels()
-        if not isinstance(model, LlamaForCausalLM) or kernels is None or not kernels.has_linear:
+        if type(model) is not LlamaForCausalLM or kernels is None or not kernels.has_linear:  # not Gemma 3's layer
             return None
         if model.norm.weight.dtype != torch.bfloat16:
             return None

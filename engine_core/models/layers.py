@@ -51,18 +51,21 @@ def layer_windows(config, max_positions: int) -> list[int | None]:
 
 
 class RotaryEmbedding(nn.Module):
-    """Precomputed cos/sin per position; rope scaling comes from transformers' own init functions."""
+    """Precomputed cos/sin per position; rope scaling comes from transformers' own init functions. `layer_type`:
+    the layers' kind where the config gives each its own parameters (Gemma 3: sliding_attention, full_attention)."""
 
-    def __init__(self, config, head_dim: int, max_positions: int) -> None:
+    def __init__(self, config, head_dim: int, max_positions: int, layer_type: str | None = None) -> None:
         super().__init__()
         params = getattr(config, "rope_parameters", None) or {}
+        params = params[layer_type] if layer_type is not None else params
         rope_type = params.get("rope_type", "default")
         if rope_type == "default":
             base = params.get("rope_theta", getattr(config, "rope_theta", 10000.0))
             inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
             scale = 1.0
         else:
-            inv_freq, scale = ROPE_INIT_FUNCTIONS[rope_type](config, torch.device("cpu"))
+            kind = {} if layer_type is None else {"layer_type": layer_type}
+            inv_freq, scale = ROPE_INIT_FUNCTIONS[rope_type](config, torch.device("cpu"), **kind)
         inv_freq = inv_freq.float().to(torch.get_default_device())  # the init functions may answer on CPU
         freqs = torch.outer(torch.arange(max_positions, dtype=torch.float, device=inv_freq.device), inv_freq)
         freqs = torch.cat((freqs, freqs), dim=-1)

@@ -34,23 +34,24 @@ def _heads(config) -> tuple[int, int, int]:
 
 
 class LlamaAttention(nn.Module):
-    """With tensor parallelism: this rank's heads (`heads`); o_proj sums the ranks' partial outputs."""
+    """With tensor parallelism: this rank's heads (`heads`); o_proj sums the ranks' partial outputs. `qk_norm`
+    (Qwen3's RMSNorm, Gemma 3's): every head's q and k normed (one weight over head_dim each) before the rotation."""
 
-    def __init__(self, config, qkv_bias: bool, o_bias: bool, heads: HeadSplit, window: int | None) -> None:
+    def __init__(self, config, qkv_bias: bool, o_bias: bool, heads: HeadSplit, window: int | None,
+                 qk_norm: type[nn.Module] | None = None, scale: float | None = None) -> None:  # fmt: skip
         super().__init__()
         self.num_heads, self.num_kv_heads = heads.num_heads, heads.num_kv_heads
         self.window = window  # sliding window: each query sees its last `window` keys (None: all)
         self.head_dim = _heads(config)[2]
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.scale = self.head_dim**-0.5
+        self.scale = self.head_dim**-0.5 if scale is None else scale
         self.qkv_proj = MergedLinear(config.hidden_size, [self.q_size, self.kv_size, self.kv_size], qkv_bias)
         self.o_proj = RowParallelLinear(self.q_size, config.hidden_size, bias=o_bias)
-        # Qwen3: every head's q and k RMS-normed (one weight over head_dim for each) before the rotation.
         self.q_norm = self.k_norm = None
-        if config.model_type == "qwen3":
-            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
-            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+        if qk_norm is not None:
+            self.q_norm = qk_norm(self.head_dim, config.rms_norm_eps)
+            self.k_norm = qk_norm(self.head_dim, config.rms_norm_eps)
         self.k_cache = self.v_cache = torch.empty(0)  # bound by the model runner, with its chosen backend
         self.attn_backend: AttentionBackend = TorchBackend()
 
@@ -73,21 +74,25 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config, bias: bool, columns: tuple[int, int]) -> None:
+    """act_and_mul: the gate's activation times up (SwiGLU; Gemma's GeGLU)."""
+
+    def __init__(self, config, bias: bool, columns: tuple[int, int], act_and_mul=silu_and_mul) -> None:
         super().__init__()
         size = columns[1] - columns[0]  # this rank's intermediate columns
         self.gate_up_proj = MergedLinear(config.hidden_size, [size, size], bias)
         self.down_proj = RowParallelLinear(size, config.hidden_size, bias=bias)
+        self.act_and_mul = act_and_mul
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+        return self.down_proj(self.act_and_mul(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, config, qkv_bias: bool, o_bias: bool, heads: HeadSplit, columns: tuple[int, int],
                  window: int | None) -> None:  # fmt: skip
         super().__init__()
-        self.self_attn = LlamaAttention(config, qkv_bias, o_bias, heads, window)
+        qk_norm = RMSNorm if config.model_type == "qwen3" else None
+        self.self_attn = LlamaAttention(config, qkv_bias, o_bias, heads, window, qk_norm)
         self.mlp = LlamaMLP(config, getattr(config, "mlp_bias", False), columns)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)

@@ -10,6 +10,7 @@ from torch import nn
 from transformers import AutoConfig
 from transformers.initialization import no_init_weights
 
+from engine_core.models.gemma3 import Gemma3ForCausalLM
 from engine_core.models.gpt2 import GPT2LMHeadModel
 from engine_core.models.llama import LlamaForCausalLM
 
@@ -18,6 +19,7 @@ ARCHITECTURES: dict[str, type[nn.Module]] = {
     "Qwen2ForCausalLM": LlamaForCausalLM,
     "Qwen3ForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
+    "Gemma3ForCausalLM": Gemma3ForCausalLM,
     "GPT2LMHeadModel": GPT2LMHeadModel,
 }
 

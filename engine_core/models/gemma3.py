@@ -1,0 +1,94 @@
+"""Gemma 3 text models (Gemma3ForCausalLM: the 270M and 1B checkpoints): the Llama layer with Gemma's changes.
+
+RMSNorm scales by 1 + weight, in fp32 before the cast (the checkpoint stores the weight minus one); embeddings are
+scaled by sqrt(hidden) in their own dtype; every q and k head is normed; scores are scaled by
+query_pre_attn_scalar; the MLP is GeGLU; a norm follows attention and the MLP as well as preceding them; and the
+layers of each kind (layer_types: five sliding_attention layers to one full_attention) have their own rotary base,
+the sliding ones their window. Weights, tensor-parallel slices and the LM head are Llama's.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine_core import distributed
+from engine_core.attention import AttentionMetadata
+from engine_core.models.layers import RotaryEmbedding, StepRotary, layer_windows
+from engine_core.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP, _heads
+from engine_core.models.parallel import HeadSplit, VocabParallelEmbedding, head_split, lm_head_rows, split
+
+
+class GemmaRMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.zeros(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
+        return (normed * (1.0 + self.weight.float())).to(x.dtype)
+
+
+def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
+    gate, up = x.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up
+
+
+class Gemma3DecoderLayer(nn.Module):
+    def __init__(self, config, heads: HeadSplit, columns: tuple[int, int], window: int | None) -> None:
+        super().__init__()
+        bias = bool(config.attention_bias)
+        self.self_attn = LlamaAttention(config, bias, bias, heads, window, GemmaRMSNorm,
+                                        config.query_pre_attn_scalar**-0.5)  # fmt: skip
+        self.mlp = LlamaMLP(config, False, columns, gelu_tanh_and_mul)
+        norm = lambda: GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)  # noqa: E731
+        self.input_layernorm, self.post_attention_layernorm = norm(), norm()
+        self.pre_feedforward_layernorm, self.post_feedforward_layernorm = norm(), norm()
+
+    def forward(self, x: torch.Tensor, rope: StepRotary, meta: AttentionMetadata) -> torch.Tensor:
+        x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), rope, meta))
+        return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+
+
+class Gemma3ForCausalLM(LlamaForCausalLM):
+    def __init__(self, config, max_positions: int) -> None:
+        nn.Module.__init__(self)
+        if getattr(config, "attn_logit_softcapping", None) is not None:  # Gemma 2's: the kernels have no softcap
+            raise ValueError("attention logit softcapping is not supported")
+        if getattr(config, "use_bidirectional_attention", False):
+            raise ValueError("bidirectional attention (an embedding model's) is not supported")
+        self.config = config
+        size, rank = distributed.tp_size(), distributed.tp_rank()
+        self.heads = head_split(*_heads(config)[:2], size, rank)
+        self.columns = split(config.intermediate_size, size, rank)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
+        self.embed_scale = config.hidden_size**0.5
+        self.layer_types = list(config.layer_types)
+        self.layers = nn.ModuleList(
+            Gemma3DecoderLayer(config, self.heads, self.columns, window)
+            for window in layer_windows(config, max_positions)
+        )
+        self.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
+        attn = self.layers[0].self_attn
+        kinds = sorted(set(self.layer_types))
+        self.rotaries = nn.ModuleDict({k: RotaryEmbedding(config, attn.head_dim, max_positions, k) for k in kinds})
+        self.lm_head = nn.Linear(config.hidden_size, lm_head_rows(config.vocab_size), bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        self.num_kv_heads, self.head_dim = attn.num_kv_heads, attn.head_dim
+        self.decode_stack = None  # the one-call CPU decode stack runs Llama's layer only
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)
+        x = x * torch.tensor(self.embed_scale, dtype=x.dtype)  # rounded to the weights' dtype first, as transformers
+        ropes = {kind: rotary.for_step(positions, x.dtype) for kind, rotary in self.rotaries.items()}
+        for layer, kind in zip(self.layers, self.layer_types, strict=True):
+            x = layer(x, ropes[kind], meta)
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = super().compute_logits(hidden)
+        cap = getattr(self.config, "final_logit_softcapping", None)
+        return logits if cap is None else torch.tanh(logits / cap) * cap
