@@ -25,6 +25,15 @@ def test_named_shapes() -> None:
     assert 6.8e9 < params_of("llama-7b") < 6.9e9  # Llama-2-7B (6.74e9) with 49152 tokens instead of 32000
     assert 1.0e9 < params_of("llama-1b") < 1.1e9  # tied embeddings, as Llama-3.2-1B
     assert 1.3e8 < params_of("smollm2-135m") < 1.4e8
+    assert 1.3e8 < params_of("gemma3-270m") < 1.35e8  # gemma-3-270m's 100M outside the embedding, 49152 tokens
+
+
+def test_a_written_gemma3_loads_and_generates(tmp_path) -> None:
+    core = EngineCore(fp32_config(model=str(write_model("gemma3-270m", tmp_path / "g")), max_model_len=1024))
+    assert type(core.runner.model).__name__ == "Gemma3ForCausalLM"
+    params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+    (tokens,) = tokens_of(run_engine(core, [EngineRequest("g", list(range(5, 605)), params)]), ["g"])
+    assert len(tokens) == 3 and all(0 <= t < 49152 for t in tokens)  # a 600-token prompt: past the 512-key window
 
 
 def test_written_model_loads_and_generates(tmp_path, monkeypatch) -> None:
