@@ -25,7 +25,7 @@ SOURCES = sorted(CSRC.glob("*.c"))
 _SUFFIX = {torch.bfloat16: "bf16", torch.float32: "f32"}
 _P, _I, _I64, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
 _SIGNATURES = {
-    "paged_decode": [_P] * 6 + [_I] * 6 + [_F],
+    "paged_decode": [_P] * 6 + [_I] * 6 + [_F, _I64],
     "paged_prefill": [_P, _I64, _P, _P, _P, _I, _P, _I, _P] + [_I] * 4 + [_F],
     "rms_norm": [_P] * 4 + [_I64, _I, _F],
     "silu_and_mul": [_P, _P, _I64, _I],
@@ -114,8 +114,10 @@ class CpuKernels:
             and block_size <= self.max_block
         )
 
-    def paged_decode(self, q, k_cache, v_cache, block_tables, seq_lens, scale: float) -> torch.Tensor:
-        """q: [S, Hq, D] (one token per sequence); caches [blocks, block_size, Hk, D]; int64 tables/lens."""
+    def paged_decode(self, q, k_cache, v_cache, block_tables, seq_lens, scale: float,
+                     window: int | None = None) -> torch.Tensor:  # fmt: skip
+        """q: [S, Hq, D] (one token per sequence); caches [blocks, block_size, Hk, D]; int64 tables/lens. With a
+        sliding window each sequence attends its last `window` keys."""
         q, block_tables, seq_lens = q.contiguous(), block_tables.contiguous(), seq_lens.contiguous()
         out = torch.empty_like(q)
         num_seqs, num_q_heads, head_dim = q.shape
@@ -123,6 +125,7 @@ class CpuKernels:
         self._funcs["paged_decode", q.dtype](
             q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(), seq_lens.data_ptr(),
             out.data_ptr(), num_seqs, num_q_heads, num_kv_heads, head_dim, block_size, block_tables.shape[1], scale,
+            window or 0,
         )  # fmt: skip
         return out
 

@@ -131,11 +131,15 @@ def test_prefill_rows_do_not_depend_on_their_chunk(dtype, block_size) -> None:
 @pytest.mark.parametrize("dtype,tol", [(torch.bfloat16, 2e-2), (torch.float32, 1e-5)])
 @pytest.mark.parametrize("block_size", [16, 48])
 @pytest.mark.parametrize("head_dim", [64, 36])
-def test_long_decodes_attended_in_parts_match_and_do_not_depend_on_the_batch(head_dim, block_size, dtype, tol) -> None:
+@pytest.mark.parametrize("window", [None, 5, 100, 600])
+def test_long_decodes_attended_in_parts_match_and_do_not_depend_on_the_batch(window, head_dim, block_size, dtype,
+                                                                             tol) -> None:  # fmt: skip
     """Sequences longer than a part (512 keys) are attended in parts by any thread and combined, whichever kernel
     takes them (csrc/decode_bf16.c in bf16 with AVX512-BF16, csrc/decode_avx2.c with AVX2, and csrc/paged_decode.c
     elsewhere: float32 on AVX-512, any dtype without AVX2 or for a head_dim of 36, where only its portable path
-    runs); parts have a fixed size, so each sequence's output is bit for bit the same alone as in a batch."""
+    runs); parts have a fixed size, so each sequence's output is bit for bit the same alone as in a batch. With a
+    sliding window (inside a block, across blocks, across parts) the parts start at the window's block and mask the
+    keys before it."""
     torch.manual_seed(0)
     q_heads, kv_heads = 9, 3
     lens = torch.tensor([1500, 3, 600, 2049, 512, 513])
@@ -147,22 +151,24 @@ def test_long_decodes_attended_in_parts_match_and_do_not_depend_on_the_batch(hea
     q = torch.randn(len(lens), q_heads, head_dim, dtype=dtype) * 3  # peaked weights: parts' maxima differ
     cpu, ref = CpuKernelBackend(cpu_kernels(), kernel_prefill=True), TorchBackend()
     meta = AttentionMetadata.build(torch.full((len(lens),), num_blocks * block_size), tables, lens, [], block_size)
-    batch = cpu.decode(q, k_cache, v_cache, meta, 0.125)
-    reference = ref.decode(q, k_cache, v_cache, meta, 0.125)
+    batch = cpu.decode(q, k_cache, v_cache, meta, 0.125, window)
+    reference = ref.decode(q, k_cache, v_cache, meta, 0.125, window)
     assert torch.allclose(batch.float(), reference.float(), atol=tol, rtol=tol)
     for s in range(len(lens)):
         alone = AttentionMetadata.build(meta.slot_mapping[s : s + 1], tables[s : s + 1], lens[s : s + 1], [],
                                         block_size)  # fmt: skip
-        assert torch.equal(cpu.decode(q[s : s + 1], k_cache, v_cache, alone, 0.125), batch[s : s + 1]), s
+        assert torch.equal(cpu.decode(q[s : s + 1], k_cache, v_cache, alone, 0.125, window), batch[s : s + 1]), s
 
 
 @pytest.mark.parametrize("block_size", [16, 8])
-def test_rows_on_the_same_blocks_are_attended_together_and_each_as_alone(block_size) -> None:
+@pytest.mark.parametrize("window", [None, 100])
+def test_rows_on_the_same_blocks_are_attended_together_and_each_as_alone(window, block_size) -> None:
     """Consecutive bf16 rows on the same blocks (a request's draft rows, or the outputs a recompute replays) share
     their key loads in csrc/decode_bf16.c; each row's output stays bit for bit what it is alone. The batch: one
     sequence's rows 400..699 (across the part boundary, ending in every position of a slice and a block; enough
     rows that up to 16 threads group them), 12 rows of a sequence that shares the first's first 600 keys (so
-    the two group in the first part only), a row of another sequence, and a long one."""
+    the two group in the first part only), a row of another sequence, and a long one. With a sliding window, rows
+    whose windows start in the same block group, each masking its own keys before its window."""
     torch.manual_seed(0)
     q_heads, kv_heads, head_dim = 9, 3, 64
     width = -(-1200 // block_size)
@@ -179,9 +185,10 @@ def test_rows_on_the_same_blocks_are_attended_together_and_each_as_alone(block_s
     q = torch.randn(len(rows), q_heads, head_dim, dtype=torch.bfloat16) * 3
     cpu, ref = CpuKernelBackend(cpu_kernels(), kernel_prefill=True), TorchBackend()
     meta = AttentionMetadata.build(torch.full((len(rows),), num_blocks * block_size), tables, lens, [], block_size)
-    batch = cpu.decode(q, k_cache, v_cache, meta, 0.125)
-    assert torch.allclose(batch.float(), ref.decode(q, k_cache, v_cache, meta, 0.125).float(), atol=2e-2, rtol=2e-2)
+    batch = cpu.decode(q, k_cache, v_cache, meta, 0.125, window)
+    reference = ref.decode(q, k_cache, v_cache, meta, 0.125, window)
+    assert torch.allclose(batch.float(), reference.float(), atol=2e-2, rtol=2e-2)
     for s in range(len(rows)):
         alone = AttentionMetadata.build(meta.slot_mapping[s : s + 1], tables[s : s + 1], lens[s : s + 1], [],
                                         block_size)  # fmt: skip
-        assert torch.equal(cpu.decode(q[s : s + 1], k_cache, v_cache, alone, 0.125), batch[s : s + 1]), s
+        assert torch.equal(cpu.decode(q[s : s + 1], k_cache, v_cache, alone, 0.125, window), batch[s : s + 1]), s

@@ -4,7 +4,8 @@ Decodes in one kernel call, all prefill chunks of a step in another, both readin
 Whether the kernels handle the model's shapes is decided once, by select_backend; a model whose prefill shapes the
 prefill kernel does not take (or a build without it) attends its prefill chunks through the torch reference.
 The kernels expect what our models pass: q rows may be strided, heads and head_dim contiguous within a row.
-They have no sliding window: a windowed layer's step whose contexts pass its window goes through the torch reference.
+The decode kernel takes a sliding window; the prefill kernel has none, so a windowed layer's prefill chunks whose
+contexts pass its window go through the torch reference.
 """
 
 from __future__ import annotations
@@ -25,9 +26,8 @@ class CpuKernelBackend(TorchBackend):
 
     def decode(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float,
                window: int | None = None) -> torch.Tensor:  # fmt: skip
-        if _window_reached(meta, window):
-            return super().decode(q, k_cache, v_cache, meta, scale, window)
-        return self.kernels.paged_decode(q, k_cache, v_cache, meta.decode_block_tables, meta.decode_seq_lens, scale)
+        tables, lens = meta.decode_block_tables, meta.decode_seq_lens
+        return self.kernels.paged_decode(q, k_cache, v_cache, tables, lens, scale, window)
 
     def prefill(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float, out: torch.Tensor,
                 window: int | None = None) -> None:  # fmt: skip
@@ -39,9 +39,9 @@ class CpuKernelBackend(TorchBackend):
 
 
 def _window_reached(meta: AttentionMetadata, window: int | None) -> bool:
-    """Whether a sliding window hides any key from a row of this step. The kernels attend over whole contexts: up to
-    the window that is exact, and past it the step's windowed layers take the torch reference's masks."""
-    return window is not None and meta.cached("max_context", AttentionMetadata.max_context) > window
+    """Whether a sliding window hides any key from a prefill row of this step. The prefill kernel attends over whole
+    contexts: up to the window that is exact, and past it the chunks take the torch reference's masks."""
+    return window is not None and any(c.context_len > window for c in meta.prefills)
 
 
 def _prefill_args(meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:

@@ -55,11 +55,6 @@ class AttentionMetadata:
             value = self.extras[key] = build(self)
         return value
 
-    def max_context(self) -> int:
-        """The most keys any row of the step attends to (reads the decode lengths: for host-side choices on CPU)."""
-        decode = int(self.decode_seq_lens.max()) if self.num_decodes and self.decode_seq_lens is not None else 0
-        return max([decode, *(c.context_len for c in self.prefills)])
-
     # ---- prefill chunks as kernel arrays (varlen layout) ----
 
     @property

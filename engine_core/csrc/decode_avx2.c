@@ -38,7 +38,8 @@ static inline __m256 sum_lanes8(const __m256* s) {
 
 #define DEFINE_SEQUENCE(NAME, T, VLOAD, STORE)                                                                   \
 static void NAME(const T* q, const T* k_cache, const T* v_cache, const int64_t* table, int64_t len, T* out,     \
-                 float* part, int num_q_heads, int num_kv_heads, int head_dim, int block_size, float scale) {   \
+                 float* part, int num_q_heads, int num_kv_heads, int head_dim, int block_size, float scale,     \
+                 int skip) {                                                                                    \
     const int group = num_q_heads / num_kv_heads, nv = head_dim / 8;                                            \
     const int64_t stride = (int64_t)num_kv_heads * head_dim, block_elems = block_size * stride;                 \
     __m256 qv[num_q_heads][nv], acc[num_q_heads][nv], kf[KEYS][DECODE_MAX_DIM / 8], vf[KEYS][DECODE_MAX_DIM / 8]; \
@@ -52,6 +53,7 @@ static void NAME(const T* q, const T* k_cache, const T* v_cache, const int64_t* 
     for (int64_t start = 0; start < len; start += KEYS) {                                                       \
         const int64_t at = SLICE_AT(start), ahead = SLICE_AT(start + AHEAD);                                    \
         const int n = (int)(len - start < KEYS ? len - start : KEYS);                                           \
+        const int hidden = start < skip ? (int)(skip - start < KEYS ? skip - start : KEYS) : 0;  /* a window's */ \
         for (int h = 0; h < num_kv_heads; h++) {                                                                \
             for (int t = 0; t < KEYS; t++) /* zeros past the last key: 0 x 0, never 0 x garbage */              \
                 for (int j = 0; j < nv; j++) {                                                                  \
@@ -68,7 +70,7 @@ static void NAME(const T* q, const T* k_cache, const T* v_cache, const int64_t* 
                 for (int t = 0; t < KEYS; t++) dots[t] = _mm256_mul_ps(qv[i][0], kf[t][0]);                     \
                 for (int j = 1; j < nv; j++)                                                                    \
                     for (int t = 0; t < KEYS; t++) dots[t] = _mm256_fmadd_ps(qv[i][j], kf[t][j], dots[t]);      \
-                const __m256 c = _mm256_set1_ps(softmax8(sum_lanes8(dots), n, &m[i], &l[i], w));               \
+                const __m256 c = _mm256_set1_ps(softmax8(sum_lanes8(dots), hidden, n, &m[i], &l[i], w));       \
                 for (int j = 0; j < nv; j++) {                                                                  \
                     __m256 a = _mm256_mul_ps(acc[i][j], c);                                                     \
                     for (int t = 0; t < KEYS; t++) a = _mm256_fmadd_ps(_mm256_set1_ps(w[t]), vf[t][j], a);      \
@@ -98,9 +100,9 @@ DEFINE_SEQUENCE(sequence_f32, float, vload8_f32, F32_STORE)
 #define DEFINE_CALL(NAME, T, SEQUENCE, COMBINE)                                                                  \
 int NAME(const T* q, const T* k_cache, const T* v_cache, const int64_t* block_tables, const int64_t* seq_lens,   \
          T* out, int num_seqs, int num_q_heads, int num_kv_heads, int head_dim, int block_size, int max_blocks,  \
-         float scale) {                                                                                         \
+         float scale, int64_t window) {                                                                         \
     if (head_dim % 8 || head_dim > DECODE_MAX_DIM || block_size % KEYS) return 0;                               \
-    DecodeItems it = decode_items(seq_lens, num_seqs, block_size, SPLIT_KEYS, num_q_heads, head_dim);            \
+    DecodeItems it = decode_items(seq_lens, num_seqs, block_size, SPLIT_KEYS, num_q_heads, head_dim, window);    \
     const int64_t row = (int64_t)num_q_heads * head_dim;                                                        \
     _Pragma("omp parallel") {                                                                                   \
         _Pragma("omp for schedule(dynamic, 1)") for (int64_t i = 0; i < it.items; i++) {                       \
@@ -108,7 +110,7 @@ int NAME(const T* q, const T* k_cache, const T* v_cache, const int64_t* block_ta
             SEQUENCE(q + s * row, k_cache, v_cache,                                                             \
                      block_tables + s * (int64_t)max_blocks + item_start(&it, i) / block_size,                  \
                      item_keys(&it, seq_lens, i), out + s * row, item_state(&it, i), num_q_heads, num_kv_heads, \
-                     head_dim, block_size, scale);                                                              \
+                     head_dim, block_size, scale, item_skip(&it, seq_lens, i, window));                        \
         }                                                                                                       \
         COMBINE_DECODE_ITEMS(COMBINE, it, num_seqs, num_q_heads, head_dim, out);                                \
     }                                                                                                           \
@@ -119,9 +121,10 @@ int NAME(const T* q, const T* k_cache, const T* v_cache, const int64_t* block_ta
 #define DEFINE_CALL(NAME, T, SEQUENCE, COMBINE)                                                                  \
 int NAME(const T* q, const T* k_cache, const T* v_cache, const int64_t* block_tables, const int64_t* seq_lens,   \
          T* out, int num_seqs, int num_q_heads, int num_kv_heads, int head_dim, int block_size, int max_blocks,  \
-         float scale) {                                                                                         \
+         float scale, int64_t window) {                                                                         \
     (void)q, (void)k_cache, (void)v_cache, (void)block_tables, (void)seq_lens, (void)out, (void)num_seqs;      \
     (void)num_q_heads, (void)num_kv_heads, (void)head_dim, (void)block_size, (void)max_blocks, (void)scale;    \
+    (void)window;                                                                                               \
     return 0;                                                                                                   \
 }
 #endif

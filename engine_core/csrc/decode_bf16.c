@@ -77,6 +77,7 @@ typedef struct {
     int64_t keys;
     uint16_t* out;
     float* part;
+    int skip;  // keys at the part's start before the row's sliding window: weight 0
 } Row;
 
 // The value rows of a slice's first `keys` keys (of 16) paired by keys into lo, hi ([pairs][chunks]).
@@ -130,6 +131,8 @@ static inline __attribute__((always_inline)) void attend_rows(
                     const int64_t left = rows[r].keys - start - s0;
                     if (left <= 0) continue;
                     const int own = left < keys ? (int)left : keys;
+                    const int64_t before = rows[r].skip - start - s0;
+                    const int hidden = before > 0 ? (before < 16 ? (int)before : 16) : 0;
                     for (int g = 0; g < group; g++) {
                         const int i = h * group + g;
                         if (r == 0) prefetch_share(&ahead, s0, 2 * i, 2 * num_q_heads);
@@ -144,7 +147,7 @@ static inline __attribute__((always_inline)) void attend_rows(
                                                         (__m512bh)qv[c]);
                         }
                         const __m512 scores = _mm512_mul_ps(sum_lanes16(s), _mm512_set1_ps(scale));
-                        correction[g] = softmax16(scores, own, &m[r][i], &l[r][i], w[g]);
+                        correction[g] = softmax16(scores, hidden, own, &m[r][i], &l[r][i], w[g]);
                     }
                     // A row that ends inside the slice pairs its last key with zeros, as it does alone. A row alone
                     // pairs here, between its scores and its values, where the pairing loads overlap best.
@@ -192,8 +195,9 @@ static void run_rows(const Row* rows, int count, const uint16_t* k_cache, const 
 #undef ATTEND
 }
 
-// A work item: rows [first, first + count), consecutive in the batch, over the keys of one part from k0, read
-// through the block table of table_row (the rows agree with it on every block they use in the part).
+// A work item: rows [first, first + count), consecutive in the batch, over the keys of one part from k0 on past
+// their first attended key lo (the same for all of them), read through the block table of table_row (the rows agree
+// with it on every block they use in the part).
 typedef struct {
     int first, count, table_row;
     int64_t k0;
@@ -215,17 +219,22 @@ static int same_blocks(const int64_t* block_tables, const int64_t* seq_lens, int
 // paged_decode_bf16's whole call, with its arguments; returns 0, having done nothing, unless head_dim % 32 == 0.
 int decode_bf16(const uint16_t* q, const uint16_t* k_cache, const uint16_t* v_cache, const int64_t* block_tables,
                 const int64_t* seq_lens, uint16_t* out, int num_seqs, int num_q_heads, int num_kv_heads, int head_dim,
-                int block_size, int max_blocks, float scale) {
+                int block_size, int max_blocks, float scale, int64_t window) {
     if (head_dim % 32 != 0) return 0;
-    // A sequence longer than one part is cut into parts of a fixed size, whatever else runs, so that its result
-    // never depends on the batch beside it. Row s's parts have the states at first_part[s] ...
+    // A row attends from lo, the block of its first visible key (0 without a sliding window). Its span from there
+    // is cut into parts of a fixed size, whatever else runs, so that its result never depends on the batch beside
+    // it. Row s's parts have the states at first_part[s] ...
     const int64_t part_keys = (SPLIT_KEYS / block_size > 0 ? SPLIT_KEYS / block_size : 1) * block_size;
     int64_t* first_part = malloc((num_seqs + 1) * sizeof(int64_t));
-    int64_t total_parts = 0, max_len = 0;
+    int64_t* lo = malloc((num_seqs + 1) * sizeof(int64_t));
+    int64_t total_parts = 0, max_span = 0;
     for (int s = 0; s < num_seqs; s++) {
+        const int64_t first_key = window_start(seq_lens[s], window);
+        lo[s] = first_key - first_key % block_size;
+        const int64_t span = seq_lens[s] - lo[s];
         first_part[s] = total_parts;
-        total_parts += seq_lens[s] > part_keys ? (seq_lens[s] + part_keys - 1) / part_keys : 1;
-        max_len = seq_lens[s] > max_len ? seq_lens[s] : max_len;
+        total_parts += span > part_keys ? (span + part_keys - 1) / part_keys : 1;
+        max_span = span > max_span ? span : max_span;
     }
     first_part[num_seqs] = total_parts;
     // ... and consecutive rows on the same blocks (a request's draft rows, or the outputs a recompute replays) are
@@ -238,48 +247,53 @@ int decode_bf16(const uint16_t* q, const uint16_t* k_cache, const uint16_t* v_ca
     cap = cap > 1 ? cap : 1;
     Item* item = malloc(total_parts * sizeof *item);
     int64_t items = 0;
-    for (int64_t k0 = 0; k0 == 0 || k0 < max_len; k0 += part_keys)
+    for (int64_t k0 = 0; k0 == 0 || k0 < max_span; k0 += part_keys)
         for (int s = 0; s < num_seqs;) {
-            if (k0 > 0 && seq_lens[s] <= k0) { s++; continue; }
+            if (k0 > 0 && seq_lens[s] - lo[s] <= k0) { s++; continue; }
             Item it = {s, 1, s, k0};
-            for (s++; s < num_seqs && it.count < cap && seq_lens[s] > k0 &&
-                      same_blocks(block_tables, seq_lens, s, it.table_row, k0, part_keys, block_size, max_blocks);
+            for (s++; s < num_seqs && it.count < cap && seq_lens[s] - lo[s] > k0 && lo[s] == lo[it.first] &&
+                      same_blocks(block_tables, seq_lens, s, it.table_row, lo[s] + k0, part_keys, block_size,
+                                  max_blocks);
                  s++, it.count++)
                 if (seq_lens[s] > seq_lens[it.table_row]) it.table_row = s;
             item[items++] = it;
         }
     const int64_t state = (int64_t)num_q_heads * (head_dim + 2), row = (int64_t)num_q_heads * head_dim;
-    float* parts = max_len > part_keys ? malloc(total_parts * state * sizeof(float)) : NULL;
+    float* parts = max_span > part_keys ? malloc(total_parts * state * sizeof(float)) : NULL;
     _Pragma("omp parallel") {
         _Pragma("omp for schedule(dynamic, 1)") for (int64_t i = 0; i < items; i++) {
             const Item it = item[i];
             Row rows[GROUP_ROWS];
+            const int64_t from = lo[it.first] + it.k0;  // the part's first key, for every row of the item
             for (int r = 0; r < it.count; r++) {
                 const int s = it.first + r;
-                const int64_t keys = seq_lens[s] - it.k0 < part_keys ? seq_lens[s] - it.k0 : part_keys;
-                float* part = seq_lens[s] > part_keys ? parts + (first_part[s] + it.k0 / part_keys) * state : NULL;
-                rows[r] = (Row){q + s * row, keys > 0 ? keys : 0, out + s * row, part};
+                const int64_t keys = seq_lens[s] - from < part_keys ? seq_lens[s] - from : part_keys;
+                float* part = seq_lens[s] - lo[s] > part_keys ? parts + (first_part[s] + it.k0 / part_keys) * state : NULL;
+                const int skip = it.k0 == 0 ? (int)(window_start(seq_lens[s], window) - lo[s]) : 0;
+                rows[r] = (Row){q + s * row, keys > 0 ? keys : 0, out + s * row, part, skip};
             }
             const Item far = item[i + threads < items ? i + threads : i];  // dynamic scheduling hands items out in turn
-            const int64_t far_len = seq_lens[far.table_row] - far.k0 < part_keys ? seq_lens[far.table_row] - far.k0 : part_keys;
-            run_rows(rows, it.count, k_cache, v_cache, block_tables + (int64_t)it.table_row * max_blocks + it.k0 / block_size,
+            const int64_t far_from = lo[far.first] + far.k0;
+            const int64_t far_len = seq_lens[far.table_row] - far_from < part_keys ? seq_lens[far.table_row] - far_from : part_keys;
+            run_rows(rows, it.count, k_cache, v_cache, block_tables + (int64_t)it.table_row * max_blocks + from / block_size,
                      num_q_heads, num_kv_heads, head_dim, block_size, scale,
-                     block_tables + (int64_t)far.table_row * max_blocks + far.k0 / block_size, i + threads < items ? far_len : 0);
+                     block_tables + (int64_t)far.table_row * max_blocks + far_from / block_size, i + threads < items ? far_len : 0);
         }
         _Pragma("omp for schedule(dynamic, 1)") for (int s = 0; s < num_seqs; s++) {
             const int64_t count = first_part[s + 1] - first_part[s];
             if (count > 1) combine_parts_bf16(parts + first_part[s] * state, count, num_q_heads, head_dim, out + s * row);
         }
     }
-    free(parts), free(first_part), free(item);
+    free(parts), free(first_part), free(lo), free(item);
     return 1;
 }
 #else
 int decode_bf16(const uint16_t* q, const uint16_t* k_cache, const uint16_t* v_cache, const int64_t* block_tables,
                 const int64_t* seq_lens, uint16_t* out, int num_seqs, int num_q_heads, int num_kv_heads, int head_dim,
-                int block_size, int max_blocks, float scale) {
+                int block_size, int max_blocks, float scale, int64_t window) {
     (void)q, (void)k_cache, (void)v_cache, (void)block_tables, (void)seq_lens, (void)out, (void)num_seqs,
-        (void)num_q_heads, (void)num_kv_heads, (void)head_dim, (void)block_size, (void)max_blocks, (void)scale;
+        (void)num_q_heads, (void)num_kv_heads, (void)head_dim, (void)block_size, (void)max_blocks, (void)scale,
+        (void)window;
     return 0;
 }
 #endif

@@ -15,7 +15,8 @@ void linear(const uint16_t* x, int64_t ldx, int64_t m_len, const void* packed, i
             uint16_t* out, int64_t ldo, int64_t n_len, int64_t k_len);
 void paged_decode_bf16(const uint16_t* q, const uint16_t* k_cache, const uint16_t* v_cache,
                        const int64_t* block_tables, const int64_t* seq_lens, uint16_t* out, int num_seqs,
-                       int num_q_heads, int num_kv_heads, int head_dim, int block_size, int max_blocks, float scale);
+                       int num_q_heads, int num_kv_heads, int head_dim, int block_size, int max_blocks, float scale,
+                       int64_t window);
 
 // Mirrored by the ctypes structures of engine_core/models/cpu_decode.py.
 typedef struct {
@@ -29,6 +30,7 @@ typedef struct {
     const uint16_t *q_norm, *k_norm;  // Qwen3's norms of each q and k head, or NULL
     PackedWeight qkv, o, gate_up, down;
     uint16_t *k_cache, *v_cache;  // [blocks, block_size, num_kv_heads, head_dim]
+    int64_t window;  // sliding window (each query sees its last `window` keys), 0 for none
 } DecodeLayer;
 
 typedef struct {
@@ -76,7 +78,7 @@ void decode_stack_bf16(const DecodeLayer* layers, const StackShape* s, const uin
             memcpy(q + r * q_size, row, q_size * sizeof(uint16_t));
         }
         paged_decode_bf16(q, l->k_cache, l->v_cache, block_tables, seq_lens, attn, (int)rows, (int)s->num_q_heads,
-                          (int)s->num_kv_heads, (int)hd, (int)s->block_size, (int)max_blocks, s->scale);
+                          (int)s->num_kv_heads, (int)hd, (int)s->block_size, (int)max_blocks, s->scale, l->window);
         linear(attn, q_size, rows, l->o.packed, (int)l->o.q8, l->o.bias, x, hidden, hidden, q_size);
         rms_norm_bf16(x, residual, l->post_norm, normed, rows, (int)hidden, s->eps);
         linear(normed, hidden, rows, l->gate_up.packed, (int)l->gate_up.q8, l->gate_up.bias, gate_up, 2 * inter,

@@ -66,21 +66,30 @@ DEFINE_COMBINE_PARTS(combine_parts_f32, float, F32_STORE)
 // blocks, at least one), each by any thread, and its parts' states are combined at the end (COMBINE_DECODE_ITEMS):
 // one long sequence alone would leave every thread but one idle. Sequence s's parts are items first[s] to
 // first[s + 1] - 1, in key order; seq[i] is item i's sequence. Where the parts end depends on the sequence's length
-// only, so its result never depends on the batch beside it. Used by csrc/decode_avx2.c and csrc/paged_decode.c.
+// (and window) only, so its result never depends on the batch beside it. With a sliding window (window > 0: a
+// query sees its last `window` keys) a sequence's parts start at the block holding its first visible key, lo[s],
+// and its first part masks the item_skip keys before that key. Used by csrc/decode_avx2.c and csrc/paged_decode.c.
 typedef struct {
-    int64_t *first, items, part_keys, state;  // state: floats of one part's state (see combine_parts)
+    int64_t *first, *lo, items, part_keys, state;  // state: floats of one part's state (see combine_parts)
     int* seq;
     float* parts;  // the parts' states, where any sequence has more than one
 } DecodeItems;
 
+// A sequence's first visible key under a sliding window (0 without one).
+static inline int64_t window_start(int64_t len, int64_t window) {
+    return window > 0 && len > window ? len - window : 0;
+}
+
 static inline DecodeItems decode_items(const int64_t* seq_lens, int num_seqs, int block_size, int split_keys,
-                                       int num_q_heads, int head_dim) {
-    DecodeItems it = {malloc((num_seqs + 1) * sizeof(int64_t)), 0,
+                                       int num_q_heads, int head_dim, int64_t window) {
+    DecodeItems it = {malloc((num_seqs + 1) * sizeof(int64_t)), malloc((num_seqs + 1) * sizeof(int64_t)), 0,
                       (split_keys / block_size > 0 ? split_keys / block_size : 1) * block_size,
                       (int64_t)num_q_heads * (head_dim + 2), NULL, NULL};
     it.first[0] = 0;
     for (int s = 0; s < num_seqs; s++) {
-        const int64_t parts = (seq_lens[s] + it.part_keys - 1) / it.part_keys;
+        const int64_t start = window_start(seq_lens[s], window);
+        it.lo[s] = start - start % block_size;
+        const int64_t parts = (seq_lens[s] - it.lo[s] + it.part_keys - 1) / it.part_keys;
         it.first[s + 1] = it.first[s] + (parts > 1 ? parts : 1);
     }
     it.items = it.first[num_seqs];
@@ -91,19 +100,25 @@ static inline DecodeItems decode_items(const int64_t* seq_lens, int num_seqs, in
     return it;
 }
 
-// Item i's first key, its number of keys, and where its state goes (NULL: the sequence is whole, its output goes
-// straight to out).
+// Item i's first key, its number of keys, how many keys at its start it masks (a window's, in its first block),
+// and where its state goes (NULL: the sequence is whole, its output goes straight to out).
 static inline int64_t item_start(const DecodeItems* it, int64_t i) {
-    return (i - it->first[it->seq[i]]) * it->part_keys;
+    return it->lo[it->seq[i]] + (i - it->first[it->seq[i]]) * it->part_keys;
 }
 static inline int64_t item_keys(const DecodeItems* it, const int64_t* seq_lens, int64_t i) {
     const int64_t left = seq_lens[it->seq[i]] - item_start(it, i);
     return left < it->part_keys ? left : it->part_keys;
 }
+static inline int item_skip(const DecodeItems* it, const int64_t* seq_lens, int64_t i, int64_t window) {
+    const int s = it->seq[i];
+    return i == it->first[s] ? (int)(window_start(seq_lens[s], window) - it->lo[s]) : 0;
+}
 static inline float* item_state(const DecodeItems* it, int64_t i) {
     return it->first[it->seq[i] + 1] - it->first[it->seq[i]] > 1 ? it->parts + i * it->state : NULL;
 }
-static inline void free_decode_items(DecodeItems* it) { free(it->first), free(it->seq), free(it->parts); }
+static inline void free_decode_items(DecodeItems* it) {
+    free(it->first), free(it->lo), free(it->seq), free(it->parts);
+}
 
 // Inside the call's parallel region, after its items: each sequence in parts gets its output from their states.
 #define COMBINE_DECODE_ITEMS(COMBINE, it, num_seqs, num_q_heads, head_dim, out)                                    \
@@ -164,8 +179,8 @@ static inline __m512 exp16(__m512 x) {
 // Folds one 16-key slice into a query head's state: s = the slice's scaled scores, the first `visible` of them
 // real; m = the running max, l = the running sums per lane (added up at the end). Writes the weights
 // e^(s - max) to w and returns the factor the head's accumulator must be scaled by.
-static inline __m512 softmax16(__m512 s, int visible, float* m, __m512* l, float* w) {
-    const __mmask16 valid = (__mmask16)((1u << visible) - 1);
+static inline __m512 softmax16(__m512 s, int hidden, int visible, float* m, __m512* l, float* w) {
+    const __mmask16 valid = (__mmask16)(((1u << visible) - 1) & ~((1u << hidden) - 1));  // lanes hidden..visible-1
     const float slice_max = _mm512_mask_reduce_max_ps(valid, s);
     const float new_max = slice_max > *m ? slice_max : *m;
     const __m512 p = _mm512_maskz_mov_ps(valid, exp16(_mm512_sub_ps(s, _mm512_set1_ps(new_max))));
@@ -218,13 +233,14 @@ static inline __m256 exp8(__m256 x) {
 
 // Folds 8 scores, the first `visible` real, into a head's running max m and sum l; writes the weights
 // e^(s - max) (0 past `visible`) to w and returns the factor the head's accumulator must be scaled by.
-static inline float softmax8(__m256 s, int visible, float* m, float* l, float* w) {
-    const __m256 real = _mm256_castsi256_ps(
-        _mm256_cmpgt_epi32(_mm256_set1_epi32(visible), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)));
+static inline float softmax8(__m256 s, int hidden, int visible, float* m, float* l, float* w) {
+    const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);  // real: lanes hidden..visible-1
+    const __m256 real = _mm256_castsi256_ps(_mm256_andnot_si256(_mm256_cmpgt_epi32(_mm256_set1_epi32(hidden), lane),
+                                                                _mm256_cmpgt_epi32(_mm256_set1_epi32(visible), lane)));
     float lanes[8];
     _mm256_storeu_ps(lanes, s);
     float new_max = *m;
-    for (int t = 0; t < visible; t++) new_max = lanes[t] > new_max ? lanes[t] : new_max;
+    for (int t = hidden; t < visible; t++) new_max = lanes[t] > new_max ? lanes[t] : new_max;
     const __m256 p = _mm256_and_ps(real, exp8(_mm256_sub_ps(s, _mm256_set1_ps(new_max))));
     const float correction = new_max == *m ? 1.f : expf(*m - new_max);  // e^0 is exactly 1
     *l = *l * correction + hsum8(p);
@@ -341,12 +357,12 @@ void linear_avx2(const uint16_t* x, int64_t ldx, int64_t m_len, const void* pack
 #define DECODE_MAX_DIM 256
 int decode_bf16(const uint16_t* q, const uint16_t* k_cache, const uint16_t* v_cache, const int64_t* block_tables,
                 const int64_t* seq_lens, uint16_t* out, int num_seqs, int num_q_heads, int num_kv_heads, int head_dim,
-                int block_size, int max_blocks, float scale);
+                int block_size, int max_blocks, float scale, int64_t window);
 // csrc/decode_avx2.c: the same, 8 keys at a time, where the CPU has AVX2 + FMA and no AVX-512, head_dim % 8 == 0
 // and block_size % 8 == 0.
 #define DECLARE_DECODE_AVX2(NAME, T)                                                                                 \
     int NAME(const T* q, const T* k_cache, const T* v_cache, const int64_t* block_tables, const int64_t* seq_lens,   \
              T* out, int num_seqs, int num_q_heads, int num_kv_heads, int head_dim, int block_size, int max_blocks, \
-             float scale)
+             float scale, int64_t window)
 DECLARE_DECODE_AVX2(decode_avx2_bf16, uint16_t);
 DECLARE_DECODE_AVX2(decode_avx2_f32, float);

@@ -21,7 +21,7 @@
 #define DEFINE_SCALAR_SEQUENCE(NAME, T, LOAD, STORE)                                                     \
 static void NAME(const T* q, const T* k_cache, const T* v_cache, const int64_t* table, int64_t len,      \
                  T* out, float* part, int num_q_heads, int num_kv_heads, int head_dim, int block_size,   \
-                 float scale, const int64_t* far_table, int64_t far_len) {                              \
+                 float scale, const int64_t* far_table, int64_t far_len, int skip) {                    \
     (void)far_table; (void)far_len;  /* no prefetching here */                                           \
     const int group = num_q_heads / num_kv_heads;                                                        \
     const int64_t stride = (int64_t)num_kv_heads * head_dim, block_elems = block_size * stride;         \
@@ -45,7 +45,7 @@ static void NAME(const T* q, const T* k_cache, const T* v_cache, const int64_t* 
                 for (int g = 0; g < group; g++) {                                                        \
                     float dot = 0.f;                                                                     \
                     for (int d = 0; d < head_dim; d++) dot += qf[h * group + g][d] * row[d];             \
-                    scores[g][t] = dot;                                                                  \
+                    scores[g][t] = start + t < skip ? NO_SCORE : dot;  /* before a window: weight 0 */   \
                 }                                                                                        \
             }                                                                                            \
             for (int g = 0; g < group; g++) {                                                            \
@@ -82,7 +82,7 @@ DEFINE_SCALAR_SEQUENCE(scalar_sequence_f32, float, F32_LOAD, F32_STORE)
 #define DEFINE_VECTOR_SEQUENCE(NAME, T, VLOAD, STORE)                                                    \
 static void NAME(const T* q, const T* k_cache, const T* v_cache, const int64_t* table, int64_t len,      \
                  T* out, float* part, int num_q_heads, int num_kv_heads, int head_dim, int block_size,   \
-                 float scale, const int64_t* far_table, int64_t far_len) {                              \
+                 float scale, const int64_t* far_table, int64_t far_len, int skip) {                    \
     const int group = num_q_heads / num_kv_heads, nv = head_dim / LANES;                                 \
     const int64_t stride = (int64_t)num_kv_heads * head_dim, block_elems = block_size * stride;         \
     vec qv[num_q_heads][nv], acc[num_q_heads][nv], row[MAX_DIM / LANES];                                 \
@@ -117,7 +117,7 @@ static void NAME(const T* q, const T* k_cache, const T* v_cache, const int64_t* 
                 for (int g = 0; g < group; g++) {                                                        \
                     vec dot = vec_mul(qv[h * group + g][0], row[0]);                                     \
                     for (int j = 1; j < nv; j++) dot = vec_fmadd(qv[h * group + g][j], row[j], dot);     \
-                    scores[g][t] = vec_sum(dot);                                                         \
+                    scores[g][t] = start + t < skip ? NO_SCORE : vec_sum(dot);                           \
                 }                                                                                        \
             }                                                                                            \
             for (int g = 0; g < group; g++) {                                                            \
@@ -163,16 +163,17 @@ _Static_assert(MAX_GROUP <= DECODE_MAX_GROUP && MAX_DIM <= DECODE_MAX_DIM, "shap
 #define SPLIT_KEYS 512
 
 // q: [num_seqs, num_q_heads, head_dim]; caches: [blocks, block_size, num_kv_heads, head_dim];
-// block_tables: [num_seqs, max_blocks]; seq_lens: [num_seqs] (context including the new token).
+// block_tables: [num_seqs, max_blocks]; seq_lens: [num_seqs] (context including the new token); window: a
+// sliding window (each query sees its last `window` keys), 0 for none.
 // FAST: a kernel that does the whole call where it can (csrc/decode_bf16.c, csrc/decode_avx2.c), answering 1 if
 // it did.
 #define DEFINE_KERNEL(NAME, T, SCALAR, VECTOR, FAST, COMBINE)                                            \
 void NAME(const T* q, const T* k_cache, const T* v_cache, const int64_t* block_tables,                 \
           const int64_t* seq_lens, T* out, int num_seqs, int num_q_heads, int num_kv_heads,             \
-          int head_dim, int block_size, int max_blocks, float scale) {                                  \
+          int head_dim, int block_size, int max_blocks, float scale, int64_t window) {                  \
     if (FAST(q, k_cache, v_cache, block_tables, seq_lens, out, num_seqs, num_q_heads, num_kv_heads,      \
-             head_dim, block_size, max_blocks, scale)) return;                                           \
-    DecodeItems it = decode_items(seq_lens, num_seqs, block_size, SPLIT_KEYS, num_q_heads, head_dim);     \
+             head_dim, block_size, max_blocks, scale, window)) return;                                   \
+    DecodeItems it = decode_items(seq_lens, num_seqs, block_size, SPLIT_KEYS, num_q_heads, head_dim, window); \
     const int64_t row = (int64_t)num_q_heads * head_dim;                                                 \
     _Pragma("omp parallel") {                                                                            \
         _Pragma("omp for schedule(dynamic, 1)") for (int64_t i = 0; i < it.items; i++) {                \
@@ -183,7 +184,8 @@ void NAME(const T* q, const T* k_cache, const T* v_cache, const int64_t* block_t
                                                             + item_start(&it, far) / block_size : table;   \
             PICK(VECTOR, SCALAR)(q + s * row, k_cache, v_cache, table, item_keys(&it, seq_lens, i), out + s * row, \
                                  item_state(&it, i), num_q_heads, num_kv_heads, head_dim, block_size, scale, \
-                                 far_table, far < it.items ? item_keys(&it, seq_lens, far) : 0);          \
+                                 far_table, far < it.items ? item_keys(&it, seq_lens, far) : 0,           \
+                                 item_skip(&it, seq_lens, i, window));                                    \
         }                                                                                                \
         COMBINE_DECODE_ITEMS(COMBINE, it, num_seqs, num_q_heads, head_dim, out);                         \
     }                                                                                                    \

@@ -29,7 +29,7 @@ class _PackedWeight(ctypes.Structure):
 class _DecodeLayer(ctypes.Structure):
     _fields_ = [("input_norm", _P), ("post_norm", _P), ("q_norm", _P), ("k_norm", _P), ("qkv", _PackedWeight),
                 ("o", _PackedWeight), ("gate_up", _PackedWeight), ("down", _PackedWeight), ("k_cache", _P),
-                ("v_cache", _P)]  # fmt: skip
+                ("v_cache", _P), ("window", _I64)]  # fmt: skip
 
 
 class _StackShape(ctypes.Structure):
@@ -59,8 +59,6 @@ class DecodeStack:
         self.shape = _StackShape(len(layers), model.config.hidden_size, attn.num_heads, attn.num_kv_heads,
                                  attn.head_dim, first.mlp.down_proj.in_features, attn.k_cache.shape[1],
                                  model.norm.eps, attn.scale)  # fmt: skip
-        # The kernels attend over whole contexts: a sliding window's layers need the layer path once one is passed.
-        self.window = min((a.window for a in model.attention_layers() if a.window is not None), default=None)
         lib = kernels.lib
         self._work = lib.decode_stack_work
         self._work.argtypes, self._work.restype = [_P, _I64], _I64
@@ -95,12 +93,13 @@ class DecodeStack:
             qk_norms = [None if n is None else n.weight.data_ptr() for n in (attn.q_norm, attn.k_norm)]
             structs.append(_DecodeLayer(layer.input_layernorm.weight.data_ptr(),
                                         layer.post_attention_layernorm.weight.data_ptr(), *qk_norms, *weights,
-                                        attn.k_cache.data_ptr(), attn.v_cache.data_ptr()))  # fmt: skip
+                                        attn.k_cache.data_ptr(), attn.v_cache.data_ptr(),
+                                        attn.window or 0))  # fmt: skip
         return DecodeStack(model, kernels, structs)
 
-    def takes(self, meta: AttentionMetadata, rows: int) -> bool:
-        """A decode-only step without padding rows, with int64 metadata (what the CPU model runner builds), whose
-        contexts fit the model's sliding window if it has one."""
+    @staticmethod
+    def takes(meta: AttentionMetadata, rows: int) -> bool:
+        """A decode-only step without padding rows, with int64 metadata (what the CPU model runner builds)."""
         tables, lens = meta.decode_block_tables, meta.decode_seq_lens
         return (
             not meta.prefills
@@ -108,7 +107,6 @@ class DecodeStack:
             and tables is not None
             and lens is not None
             and tables.dtype == lens.dtype == meta.slot_mapping.dtype == torch.long
-            and (self.window is None or meta.cached("max_context", AttentionMetadata.max_context) <= self.window)
         )
 
     def __call__(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
