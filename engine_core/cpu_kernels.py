@@ -26,7 +26,7 @@ _SUFFIX = {torch.bfloat16: "bf16", torch.float32: "f32"}
 _P, _I, _I64, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
 _SIGNATURES = {
     "paged_decode": [_P] * 6 + [_I] * 6 + [_F, _I64],
-    "paged_prefill": [_P, _I64, _P, _P, _P, _I, _P, _I, _P] + [_I] * 4 + [_F],
+    "paged_prefill": [_P, _I64, _P, _P, _P, _I, _P, _I, _P] + [_I] * 4 + [_F, _I64],
     "rms_norm": [_P] * 4 + [_I64, _I, _F],
     "silu_and_mul": [_P, _P, _I64, _I],
     "rotary": [_P] * 4 + [_I64, _I64, _I, _I],
@@ -145,14 +145,16 @@ class CpuKernels:
             and q.shape[1] * head_dim <= max_head_elems
         )
 
-    def paged_prefill(self, q, k_cache, v_cache, chunks, block_tables, out, scale: float) -> None:
+    def paged_prefill(self, q, k_cache, v_cache, chunks, block_tables, out, scale: float,
+                      window: int | None = None) -> None:  # fmt: skip
         """Writes out[rows of each chunk]. q: [T, Hq, D] (rows may be strided); chunks: int64 [C, 3] of
-        (first row, query rows, context length after the chunk); block_tables: int64 [C, max_blocks]."""
+        (first row, query rows, context length after the chunk); block_tables: int64 [C, max_blocks]. With a
+        sliding window each row attends its last `window` keys."""
         _, block_size, num_kv_heads, head_dim = k_cache.shape
         self._funcs["paged_prefill", q.dtype](
             q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), chunks.data_ptr(), chunks.shape[0],
             block_tables.data_ptr(), block_tables.shape[1], out.data_ptr(), q.shape[1], num_kv_heads, head_dim,
-            block_size, scale,
+            block_size, scale, window or 0,
         )  # fmt: skip
 
     # ---- elementwise layers (contiguous 2-D inputs) ----

@@ -53,9 +53,11 @@ def test_kernel_matches_torch_path(dtype, tol, q_heads, kv_heads, head_dim, bloc
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 @pytest.mark.parametrize("q_heads,kv_heads,head_dim", [(9, 3, 64), (4, 4, 32), (8, 1, 16), (6, 2, 128)])
 @pytest.mark.parametrize("block_size", [16, 32, 8, 4])
-def test_prefill_kernel_matches_torch_path(dtype, tol, q_heads, kv_heads, head_dim, block_size) -> None:
+@pytest.mark.parametrize("window", [None, 7, 40])
+def test_prefill_kernel_matches_torch_path(window, dtype, tol, q_heads, kv_heads, head_dim, block_size) -> None:
     """A mixed step: 3 decodes, then prefill chunks with no prefix, after a cached prefix, and a one-block
-    chunk; q is a strided view into a qkv projection, as in the model. Padding rows must stay zero."""
+    chunk; q is a strided view into a qkv projection, as in the model. Padding rows must stay zero. With a sliding
+    window (inside a block and a tile, across several) every row sees its last `window` keys."""
     torch.manual_seed(0)
     num_blocks = 80 * 16 // block_size
     # One block more than the tables use: the new k/v of every row go to its first slot, which nobody reads.
@@ -89,7 +91,7 @@ def test_prefill_kernel_matches_torch_path(dtype, tol, q_heads, kv_heads, head_d
         meta = AttentionMetadata.build(torch.full((total,), num_blocks * block_size), decode_tables, decode_lens,
                                        [PrefillChunk(c.start, c.num_tokens, c.context_len, c.block_ids)
                                         for c in prefills], block_size)  # fmt: skip
-        return backend.forward(q, k_new, v_new, k_cache, v_cache, meta, 0.2)
+        return backend.forward(q, k_new, v_new, k_cache, v_cache, meta, 0.2, window)
 
     kernels = cpu_kernels()
     assert kernels is not None and kernels.has_prefill and kernels.supports_prefill(q, k_cache)
@@ -102,9 +104,11 @@ def test_prefill_kernel_matches_torch_path(dtype, tol, q_heads, kv_heads, head_d
 @needs_prefill_kernel
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("block_size", [16, 8])
-def test_prefill_rows_do_not_depend_on_their_chunk(dtype, block_size) -> None:
+@pytest.mark.parametrize("window", [None, 21])
+def test_prefill_rows_do_not_depend_on_their_chunk(window, dtype, block_size) -> None:
     """A prompt's last rows attended as one chunk after cached prefixes of 0 to 19 tokens (so tiles start at every
-    offset) and beside other chunks: each row's output is bit for bit the same, as a prefix-cache hit needs."""
+    offset) and beside other chunks: each row's output is bit for bit the same, as a prefix-cache hit needs; also
+    where a sliding window starts each tile's walk over the keys further on."""
     torch.manual_seed(0)
     q_heads, kv_heads, head_dim, context = 9, 3, 64, 150
     blocks = -(-context // block_size)
@@ -123,7 +127,7 @@ def test_prefill_rows_do_not_depend_on_their_chunk(dtype, block_size) -> None:
         meta = AttentionMetadata.build(torch.full((len(rows),), 2 * blocks * block_size), None, None, [other, chunk],
                                        block_size)  # fmt: skip
         outputs.append(backend.forward(rows, rows[:, :kv_heads], rows[:, :kv_heads], k_cache, v_cache, meta,
-                                       0.125)[13:][19 - cached :])  # fmt: skip
+                                       0.125, window)[13:][19 - cached :])  # fmt: skip
     for cached, out in enumerate(outputs):
         assert torch.equal(out, outputs[0]), cached
 

@@ -4,8 +4,7 @@ Decodes in one kernel call, all prefill chunks of a step in another, both readin
 Whether the kernels handle the model's shapes is decided once, by select_backend; a model whose prefill shapes the
 prefill kernel does not take (or a build without it) attends its prefill chunks through the torch reference.
 The kernels expect what our models pass: q rows may be strided, heads and head_dim contiguous within a row.
-The decode kernel takes a sliding window; the prefill kernel has none, so a windowed layer's prefill chunks whose
-contexts pass its window go through the torch reference.
+Both take a sliding window.
 """
 
 from __future__ import annotations
@@ -31,17 +30,11 @@ class CpuKernelBackend(TorchBackend):
 
     def prefill(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float, out: torch.Tensor,
                 window: int | None = None) -> None:  # fmt: skip
-        if not self.kernel_prefill or _window_reached(meta, window):
+        if not self.kernel_prefill:
             super().prefill(q, k, v, k_cache, v_cache, meta, scale, out, window)
             return
         chunks, tables = meta.cached("cpu_prefill", _prefill_args)
-        self.kernels.paged_prefill(q, k_cache, v_cache, chunks, tables, out, scale)
-
-
-def _window_reached(meta: AttentionMetadata, window: int | None) -> bool:
-    """Whether a sliding window hides any key from a prefill row of this step. The prefill kernel attends over whole
-    contexts: up to the window that is exact, and past it the chunks take the torch reference's masks."""
-    return window is not None and any(c.context_len > window for c in meta.prefills)
+        self.kernels.paged_prefill(q, k_cache, v_cache, chunks, tables, out, scale, window)
 
 
 def _prefill_args(meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:

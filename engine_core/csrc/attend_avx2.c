@@ -47,16 +47,21 @@ static inline __attribute__((always_inline)) void add_values(__m256* acc, __m256
 #define DEFINE_ATTEND(NAME, T, LOAD, VLOAD, STORE)                                                                 \
 void NAME(const T* q, int64_t q_row_stride, const T* k_cache, const T* v_cache, const int64_t* table,             \
           int64_t first_pos, int rows, T* out, int num_q_heads, int num_kv_heads, int head_dim, int block_size,   \
-          float scale) {                                                                                          \
+          float scale, int64_t window) {                                                                          \
     const int group = num_q_heads / num_kv_heads;                                                                 \
     const int64_t stride = (int64_t)num_kv_heads * head_dim, block_elems = block_size * stride;                   \
     const int64_t context = first_pos + rows; /* keys the last row of the tile sees */                            \
     __m256 qt[group][head_dim], acc[group][head_dim], m[group], l[group], s[KEYS];                                \
     __attribute__((aligned(32))) float keys[KEYS * head_dim], values[KEYS * head_dim];                            \
-    /* keys each lane may see; lanes past the tile's rows see the whole context (their q is 0) */                 \
-    int32_t seen[8];                                                                                              \
-    for (int r = 0; r < 8; r++) seen[r] = (int32_t)(r < rows ? first_pos + r + 1 : context);                      \
+    /* keys each lane may see, [from, seen); lanes past the tile's rows see the whole context (their q is 0) */   \
+    int32_t seen[8], from[8];                                                                                     \
+    for (int r = 0; r < 8; r++) {                                                                                 \
+        seen[r] = (int32_t)(r < rows ? first_pos + r + 1 : context);                                              \
+        from[r] = (int32_t)(r < rows ? window_start(first_pos + r + 1, window) : 0);                              \
+    }                                                                                                             \
     const __m256i seen_end = _mm256_loadu_si256((const __m256i*)seen);                                            \
+    const __m256i seen_from = _mm256_loadu_si256((const __m256i*)from);                                           \
+    const int64_t last_from = from[rows - 1];  /* slices before it hide keys from some row */                     \
     for (int h = 0; h < num_kv_heads; h++) {                                                                      \
         for (int g = 0; g < group; g++) {                                                                         \
             float* lanes = (float*)qt[g];                                                                         \
@@ -66,7 +71,7 @@ void NAME(const T* q, int64_t q_row_stride, const T* k_cache, const T* v_cache, 
             for (int d = 0; d < head_dim; d++) acc[g][d] = _mm256_setzero_ps();                                   \
             m[g] = _mm256_set1_ps(NO_SCORE), l[g] = _mm256_setzero_ps();                                          \
         }                                                                                                         \
-        for (int64_t start = 0; start < context; start += KEYS) {                                                 \
+        for (int64_t start = tile_first_key(first_pos, window, KEYS); start < context; start += KEYS) {           \
             const int n = (int)(context - start < KEYS ? context - start : KEYS), n8 = (n + 7) & ~7;              \
             for (int t = 0; t < n8; t += 8) { /* zeros past the last key: 0 x 0, never 0 x garbage */             \
                 const int64_t at = table[(start + t) / block_size] * block_elems + (start + t) % block_size * stride \
@@ -79,10 +84,13 @@ void NAME(const T* q, int64_t q_row_stride, const T* k_cache, const T* v_cache, 
                     }                                                                                             \
             }                                                                                                     \
             /* visible[t]: the lanes that may see key start + t (all of them in every slice but the last few) */  \
-            const int masked = start + KEYS - 1 > first_pos;                                                      \
+            const int masked = start + KEYS - 1 > first_pos || start < last_from;                                 \
             __m256 visible[KEYS];                                                                                 \
-            for (int t = 0; masked && t < n8; t++)                                                                \
-                visible[t] = _mm256_castsi256_ps(_mm256_cmpgt_epi32(seen_end, _mm256_set1_epi32((int32_t)(start + t)))); \
+            for (int t = 0; masked && t < n8; t++) {                                                              \
+                const __m256i key = _mm256_set1_epi32((int32_t)(start + t));                                      \
+                visible[t] = _mm256_castsi256_ps(_mm256_andnot_si256(_mm256_cmpgt_epi32(seen_from, key),           \
+                                                                     _mm256_cmpgt_epi32(seen_end, key)));         \
+            }                                                                                                     \
             for (int g = 0; g < group; g++) {                                                                     \
                 for (int t = 0; t < n8; t += 8) score8(qt[g], keys + t * head_dim, head_dim, s + t);              \
                 __m256 top = m[g];                                                                                \

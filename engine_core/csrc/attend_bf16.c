@@ -78,21 +78,25 @@ static inline __attribute__((always_inline)) void add_values16(__m512* acc, __m5
     }
 }
 
-// Rows r of the tile sit at positions first_pos + r and see keys [0, first_pos + r]; q rows are q_row_stride
-// elements apart; out rows are num_q_heads * head_dim apart. rows <= ATTEND_BF16_ROWS.
+// Rows r of the tile sit at positions first_pos + r and see keys [0, first_pos + r] (with a sliding window, its
+// last `window` of them); q rows are q_row_stride elements apart; out rows are num_q_heads * head_dim apart.
+// rows <= ATTEND_BF16_ROWS.
 void attend_bf16_tile(const uint16_t* q, int64_t q_row_stride, const uint16_t* k_cache, const uint16_t* v_cache,
                       const int64_t* table, int64_t first_pos, int rows, uint16_t* out, int num_q_heads,
-                      int num_kv_heads, int head_dim, int block_size, float scale) {
+                      int num_kv_heads, int head_dim, int block_size, float scale, int64_t window) {
     const int group = num_q_heads / num_kv_heads, pairs = head_dim / 2;
     const int64_t stride = (int64_t)num_kv_heads * head_dim, block_elems = block_size * stride;
     const int64_t context = first_pos + rows;  // keys the last row of the tile sees
     __m512i qt[group][pairs];
     __m512 acc[group][head_dim], m[group], l[group], s[KEYS];
     __attribute__((aligned(64))) uint32_t vp[KEYS / 2][ATTEND_MAX_DIM];
-    // How far each lane may see; lanes past the tile's rows see the whole context (their q is 0).
-    int32_t seen[16];
-    for (int r = 0; r < 16; r++) seen[r] = (int32_t)(r < rows ? first_pos + r + 1 : context);
-    const __m512i seen_end = _mm512_loadu_si512((const void*)seen);
+    // Which keys each lane may see, [from, seen); lanes past the tile's rows see the whole context (their q is 0).
+    int32_t seen[16], from[16];
+    for (int r = 0; r < 16; r++) {
+        seen[r] = (int32_t)(r < rows ? first_pos + r + 1 : context);
+        from[r] = (int32_t)(r < rows ? window_start(first_pos + r + 1, window) : 0);
+    }
+    const __m512i seen_end = _mm512_loadu_si512((const void*)seen), seen_from = _mm512_loadu_si512((const void*)from);
     const __m512 vscale = _mm512_set1_ps(scale), no_score = _mm512_set1_ps(NO_SCORE);
     // Weight pairs: word 2r of the result is word r of cvtne2ps_pbh's low half (key 2k), word 2r + 1 word 16 + r.
     uint16_t interleave[32];
@@ -109,7 +113,7 @@ void attend_bf16_tile(const uint16_t* q, int64_t q_row_stride, const uint16_t* k
             for (int i = 0; i < head_dim; i++) acc[g][i] = _mm512_setzero_ps();
             m[g] = no_score, l[g] = _mm512_setzero_ps();
         }
-        for (int64_t start = 0; start < context; start += KEYS) {
+        for (int64_t start = tile_first_key(first_pos, window, KEYS); start < context; start += KEYS) {
             const int n = (int)(context - start < KEYS ? context - start : KEYS);
             const int64_t at = table[start / block_size] * block_elems + start % block_size * stride + h * head_dim;
             pair_slice_values(v_cache + at, stride, n, head_dim, vp);
@@ -117,8 +121,10 @@ void attend_bf16_tile(const uint16_t* q, int64_t q_row_stride, const uint16_t* k
             // slice is masked: with an unmasked copy of the loop beside the masked one (the compiler may contract
             // the two copies' arithmetic differently), a row's bits depended on where its tile began.
             __mmask16 visible[KEYS];
-            for (int t = 0; t < KEYS; t++)
-                visible[t] = _mm512_cmpgt_epi32_mask(seen_end, _mm512_set1_epi32((int32_t)(start + t)));
+            for (int t = 0; t < KEYS; t++) {
+                const __m512i key = _mm512_set1_epi32((int32_t)(start + t));
+                visible[t] = _mm512_cmpgt_epi32_mask(seen_end, key) & ~_mm512_cmpgt_epi32_mask(seen_from, key);
+            }
             for (int g = 0; g < group; g++) {
                 score16(qt[g], k_cache + at, stride, pairs, s);
                 __m512 top = m[g];

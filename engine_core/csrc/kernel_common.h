@@ -80,6 +80,14 @@ static inline int64_t window_start(int64_t len, int64_t window) {
     return window > 0 && len > window ? len - window : 0;
 }
 
+// Where a prefill tile's walk over the keys starts: the multiple of `step` at or before its first row's first
+// visible key (the row at first_pos sees keys first_pos - window + 1 on). Whole slices or blocks from key 0, as
+// without a window: a slice none of a row's keys are in leaves that row's state bit for bit as it was.
+static inline int64_t tile_first_key(int64_t first_pos, int64_t window, int step) {
+    const int64_t first = window_start(first_pos + 1, window);
+    return first - first % step;
+}
+
 static inline DecodeItems decode_items(const int64_t* seq_lens, int num_seqs, int block_size, int split_keys,
                                        int num_q_heads, int head_dim, int64_t window) {
     DecodeItems it = {malloc((num_seqs + 1) * sizeof(int64_t)), malloc((num_seqs + 1) * sizeof(int64_t)), 0,
@@ -327,7 +335,7 @@ static inline void store_unpaired_bf16(__m512 lo, __m512 hi, __m512 scale, uint1
 int attend_bf16_takes(int head_dim, int block_size);
 void attend_bf16_tile(const uint16_t* q, int64_t q_row_stride, const uint16_t* k_cache, const uint16_t* v_cache,
                       const int64_t* table, int64_t first_pos, int rows, uint16_t* out, int num_q_heads,
-                      int num_kv_heads, int head_dim, int block_size, float scale);
+                      int num_kv_heads, int head_dim, int block_size, float scale, int64_t window);
 #endif
 
 // The tile kernels of prefill attention: csrc/attend_bf16.c (AVX512-BF16), csrc/attend_avx2.c (AVX2 + FMA).
@@ -339,7 +347,7 @@ int attend_avx2_takes(int head_dim, int block_size);  // 0 where the CPU has no 
 #define DECLARE_ATTEND_TILE(NAME, T)                                                                                 \
     void NAME(const T* q, int64_t q_row_stride, const T* k_cache, const T* v_cache, const int64_t* table,            \
               int64_t first_pos, int rows, T* out, int num_q_heads, int num_kv_heads, int head_dim, int block_size, \
-              float scale)
+              float scale, int64_t window)
 DECLARE_ATTEND_TILE(attend_avx2_tile_bf16, uint16_t);
 DECLARE_ATTEND_TILE(attend_avx2_tile_f32, float);
 

@@ -17,7 +17,7 @@
 #define DEFINE_PREFILL_TILE(NAME, T, VLOAD, STORE)                                                              \
 static void NAME(const T* q, int64_t q_row_stride, const T* k_cache, const T* v_cache, const int64_t* table,    \
                  int64_t first_pos, int rows, T* out, int num_q_heads, int num_kv_heads, int head_dim,          \
-                 int block_size, float scale) {                                                                 \
+                 int block_size, float scale, int64_t window) {                                                 \
     const int group = num_q_heads / num_kv_heads, nv = head_dim / LANES;                                        \
     const int64_t stride = (int64_t)num_kv_heads * head_dim, block_elems = block_size * stride;                 \
     vec qv[rows][num_q_heads][nv], acc[rows][num_q_heads][nv], row[PREFILL_MAX_DIM / LANES];                    \
@@ -31,14 +31,17 @@ static void NAME(const T* q, int64_t q_row_stride, const T* k_cache, const T* v_
             m[r][i] = NO_SCORE; l[r][i] = 0.f;                                                                  \
         }                                                                                                       \
     const int64_t context = first_pos + rows;  /* keys the last row of the tile sees */                         \
-    for (int64_t start = 0; start < context; start += block_size) {                                             \
+    for (int64_t start = tile_first_key(first_pos, window, block_size); start < context; start += block_size) { \
         const T* kb = k_cache + table[start / block_size] * block_elems;                                        \
         const T* vb = v_cache + table[start / block_size] * block_elems;                                        \
-        int visible[rows];  /* keys of this block row r may see: a prefix of it */                              \
+        /* keys of this block row r may see: those of a prefix of it from hidden[r] on (a window's start) */    \
+        int visible[rows], hidden[rows];                                                                        \
         int n = 0;                                                                                              \
         for (int r = 0; r < rows; r++) {                                                                        \
-            int64_t v = first_pos + r + 1 - start;                                                              \
+            int64_t v = first_pos + r + 1 - start, f = window_start(first_pos + r + 1, window) - start;         \
             visible[r] = (int)(v < 0 ? 0 : v > block_size ? block_size : v);                                    \
+            hidden[r] = (int)(f < 0 ? 0 : f > block_size ? block_size : f);                                     \
+            if (hidden[r] >= visible[r]) visible[r] = 0;  /* the block is all before the window: skipped */     \
             n = visible[r] > n ? visible[r] : n;                                                                \
         }                                                                                                       \
         for (int h = 0; h < num_kv_heads; h++) {                                                                \
@@ -50,7 +53,7 @@ static void NAME(const T* q, int64_t q_row_stride, const T* k_cache, const T* v_
                         const vec* qg = qv[r][h * group + g];                                                   \
                         vec dot = vec_mul(qg[0], row[0]);                                                       \
                         for (int j = 1; j < nv; j++) dot = vec_fmadd(qg[j], row[j], dot);                       \
-                        scores[r][g][t] = vec_sum(dot);                                                         \
+                        scores[r][g][t] = t < hidden[r] ? NO_SCORE : vec_sum(dot);  /* weight 0 */             \
                     }                                                                                           \
                 }                                                                                               \
             }                                                                                                   \
@@ -122,11 +125,12 @@ static attend_tile_f32 pick_tile_f32(int head_dim, int block_size, int* rows) {
 
 // chunks: [num_chunks, 3] int64 rows of (first row in the flat batch, query rows, context length after
 // the chunk); block_tables: [num_chunks, max_blocks]. q rows are q_row_stride elements apart (a view into
-// the qkv projection); out: [T, num_q_heads, head_dim] contiguous, written only at the chunks' rows.
+// the qkv projection); out: [T, num_q_heads, head_dim] contiguous, written only at the chunks' rows. window: a
+// sliding window (each row sees its last `window` keys), 0 for none.
 #define DEFINE_PREFILL(NAME, T, PICK)                                                                   \
 void NAME(const T* q, int64_t q_row_stride, const T* k_cache, const T* v_cache, const int64_t* chunks,  \
           int num_chunks, const int64_t* block_tables, int max_blocks, T* out, int num_q_heads,         \
-          int num_kv_heads, int head_dim, int block_size, float scale) {                                \
+          int num_kv_heads, int head_dim, int block_size, float scale, int64_t window) {                \
     int tile_rows;                                                                                      \
     DECLARE_ATTEND_TILE((*kernel), T) = PICK(head_dim, block_size, &tile_rows);                         \
     int64_t tiles = 0;                                                                                  \
@@ -143,7 +147,7 @@ void NAME(const T* q, int64_t q_row_stride, const T* k_cache, const T* v_cache, 
         kernel(q + (first_row + r0) * q_row_stride, q_row_stride, k_cache, v_cache,                     \
                block_tables + (int64_t)c * max_blocks, context - num_rows + r0, rows,                   \
                out + (first_row + r0) * num_q_heads * head_dim, num_q_heads, num_kv_heads, head_dim,    \
-               block_size, scale);                                                                      \
+               block_size, scale, window);                                                              \
     }                                                                                                   \
 }
 
