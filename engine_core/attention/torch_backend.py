@@ -8,8 +8,6 @@ sees its last `window` keys, itself included, as transformers' sliding_attention
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 import torch.nn.functional as F
 
@@ -60,7 +58,8 @@ class TorchBackend:
     def prefill(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float, out: torch.Tensor,
                 window: int | None = None) -> None:  # fmt: skip
         """Writes the rows of every prefill chunk into out."""
-        masks = meta.cached(f"torch_prefill_masks_{window}", _prefill_masks(window))
+        masks = meta.cached(f"torch_prefill_masks_{window}",
+                            lambda m: [_prefill_mask(c, window, m.slot_mapping.device) for c in m.prefills])
         for chunk, mask in zip(meta.prefills, masks, strict=True):
             s, e = chunk.start, chunk.start + chunk.num_tokens
             if mask is None:
@@ -95,10 +94,6 @@ def _decode_mask(meta: AttentionMetadata, window: int | None) -> torch.Tensor:
     if window is not None:
         mask &= key_pos[None, :] >= lens - window
     return mask.view(meta.num_decodes, 1, 1, -1)
-
-
-def _prefill_masks(window: int | None) -> Callable[[AttentionMetadata], list[torch.Tensor | None]]:
-    return lambda meta: [_prefill_mask(c, window, meta.slot_mapping.device) for c in meta.prefills]
 
 
 def _prefill_mask(chunk: PrefillChunk, window: int | None, device: torch.device) -> torch.Tensor | None:

@@ -71,7 +71,7 @@ void NAME(const T* q, int64_t q_row_stride, const T* k_cache, const T* v_cache, 
             for (int d = 0; d < head_dim; d++) acc[g][d] = _mm256_setzero_ps();                                   \
             m[g] = _mm256_set1_ps(NO_SCORE), l[g] = _mm256_setzero_ps();                                          \
         }                                                                                                         \
-        for (int64_t start = tile_first_key(first_pos, window, KEYS); start < context; start += KEYS) {           \
+        for (int64_t start = window_walk_start(first_pos + 1, window, KEYS); start < context; start += KEYS) {           \
             const int n = (int)(context - start < KEYS ? context - start : KEYS), n8 = (n + 7) & ~7;              \
             for (int t = 0; t < n8; t += 8) { /* zeros past the last key: 0 x 0, never 0 x garbage */             \
                 const int64_t at = table[(start + t) / block_size] * block_elems + (start + t) % block_size * stride \

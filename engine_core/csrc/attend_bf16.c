@@ -113,7 +113,7 @@ void attend_bf16_tile(const uint16_t* q, int64_t q_row_stride, const uint16_t* k
             for (int i = 0; i < head_dim; i++) acc[g][i] = _mm512_setzero_ps();
             m[g] = no_score, l[g] = _mm512_setzero_ps();
         }
-        for (int64_t start = tile_first_key(first_pos, window, KEYS); start < context; start += KEYS) {
+        for (int64_t start = window_walk_start(first_pos + 1, window, KEYS); start < context; start += KEYS) {
             const int n = (int)(context - start < KEYS ? context - start : KEYS);
             const int64_t at = table[start / block_size] * block_elems + start % block_size * stride + h * head_dim;
             pair_slice_values(v_cache + at, stride, n, head_dim, vp);

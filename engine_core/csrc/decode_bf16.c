@@ -229,8 +229,7 @@ int decode_bf16(const uint16_t* q, const uint16_t* k_cache, const uint16_t* v_ca
     int64_t* lo = malloc((num_seqs + 1) * sizeof(int64_t));
     int64_t total_parts = 0, max_span = 0;
     for (int s = 0; s < num_seqs; s++) {
-        const int64_t first_key = window_start(seq_lens[s], window);
-        lo[s] = first_key - first_key % block_size;
+        lo[s] = window_walk_start(seq_lens[s], window, block_size);
         const int64_t span = seq_lens[s] - lo[s];
         first_part[s] = total_parts;
         total_parts += span > part_keys ? (span + part_keys - 1) / part_keys : 1;

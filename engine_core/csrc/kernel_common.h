@@ -80,11 +80,11 @@ static inline int64_t window_start(int64_t len, int64_t window) {
     return window > 0 && len > window ? len - window : 0;
 }
 
-// Where a prefill tile's walk over the keys starts: the multiple of `step` at or before its first row's first
-// visible key (the row at first_pos sees keys first_pos - window + 1 on). Whole slices or blocks from key 0, as
-// without a window: a slice none of a row's keys are in leaves that row's state bit for bit as it was.
-static inline int64_t tile_first_key(int64_t first_pos, int64_t window, int step) {
-    const int64_t first = window_start(first_pos + 1, window);
+// Where a walk over the keys of a row with len keys starts: the multiple of `step` (a block, a slice) at or before
+// its first visible key. Whole steps from key 0, as without a window: a step none of a row's keys are in leaves
+// that row's state bit for bit as it was.
+static inline int64_t window_walk_start(int64_t len, int64_t window, int step) {
+    const int64_t first = window_start(len, window);
     return first - first % step;
 }
 
@@ -95,8 +95,7 @@ static inline DecodeItems decode_items(const int64_t* seq_lens, int num_seqs, in
                       (int64_t)num_q_heads * (head_dim + 2), NULL, NULL};
     it.first[0] = 0;
     for (int s = 0; s < num_seqs; s++) {
-        const int64_t start = window_start(seq_lens[s], window);
-        it.lo[s] = start - start % block_size;
+        it.lo[s] = window_walk_start(seq_lens[s], window, block_size);
         const int64_t parts = (seq_lens[s] - it.lo[s] + it.part_keys - 1) / it.part_keys;
         it.first[s + 1] = it.first[s] + (parts > 1 ? parts : 1);
     }
@@ -184,9 +183,9 @@ static inline __m512 exp16(__m512 x) {
     return _mm512_scalef_ps(y, k);
 }
 
-// Folds one 16-key slice into a query head's state: s = the slice's scaled scores, the first `visible` of them
-// real; m = the running max, l = the running sums per lane (added up at the end). Writes the weights
-// e^(s - max) to w and returns the factor the head's accumulator must be scaled by.
+// Folds one 16-key slice into a query head's state: s = the slice's scaled scores, lanes hidden to visible - 1 of
+// them real (a window hides the ones before); m = the running max, l = the running sums per lane (added up at the
+// end). Writes the weights e^(s - max) to w and returns the factor the head's accumulator must be scaled by.
 static inline __m512 softmax16(__m512 s, int hidden, int visible, float* m, __m512* l, float* w) {
     const __mmask16 valid = (__mmask16)(((1u << visible) - 1) & ~((1u << hidden) - 1));  // lanes hidden..visible-1
     const float slice_max = _mm512_mask_reduce_max_ps(valid, s);
@@ -239,8 +238,8 @@ static inline __m256 exp8(__m256 x) {
     return _mm256_mul_ps(y, _mm256_castsi256_ps(two_k));
 }
 
-// Folds 8 scores, the first `visible` real, into a head's running max m and sum l; writes the weights
-// e^(s - max) (0 past `visible`) to w and returns the factor the head's accumulator must be scaled by.
+// Folds 8 scores, lanes hidden to visible - 1 real, into a head's running max m and sum l; writes the weights
+// e^(s - max) (0 outside them) to w and returns the factor the head's accumulator must be scaled by.
 static inline float softmax8(__m256 s, int hidden, int visible, float* m, float* l, float* w) {
     const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);  // real: lanes hidden..visible-1
     const __m256 real = _mm256_castsi256_ps(_mm256_andnot_si256(_mm256_cmpgt_epi32(_mm256_set1_epi32(hidden), lane),

@@ -31,7 +31,7 @@ static void NAME(const T* q, int64_t q_row_stride, const T* k_cache, const T* v_
             m[r][i] = NO_SCORE; l[r][i] = 0.f;                                                                  \
         }                                                                                                       \
     const int64_t context = first_pos + rows;  /* keys the last row of the tile sees */                         \
-    for (int64_t start = tile_first_key(first_pos, window, block_size); start < context; start += block_size) { \
+    for (int64_t start = window_walk_start(first_pos + 1, window, block_size); start < context; start += block_size) { \
         const T* kb = k_cache + table[start / block_size] * block_elems;                                        \
         const T* vb = v_cache + table[start / block_size] * block_elems;                                        \
         /* keys of this block row r may see: those of a prefix of it from hidden[r] on (a window's start) */    \
