@@ -13,11 +13,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine_core import distributed
 from engine_core.attention import AttentionMetadata
-from engine_core.models.layers import RotaryEmbedding, StepRotary, layer_windows
-from engine_core.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP, _heads
-from engine_core.models.parallel import HeadSplit, VocabParallelEmbedding, head_split, lm_head_rows, split
+from engine_core.models.layers import RotaryEmbedding, StepRotary
+from engine_core.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP
+from engine_core.models.parallel import HeadSplit
 
 
 class GemmaRMSNorm(nn.Module):
@@ -54,36 +53,30 @@ class Gemma3DecoderLayer(nn.Module):
 
 class Gemma3ForCausalLM(LlamaForCausalLM):
     def __init__(self, config, max_positions: int) -> None:
-        nn.Module.__init__(self)
         if getattr(config, "attn_logit_softcapping", None) is not None:  # Gemma 2's: the kernels have no softcap
             raise ValueError("attention logit softcapping is not supported")
         if getattr(config, "use_bidirectional_attention", False):
             raise ValueError("bidirectional attention (an embedding model's) is not supported")
-        self.config = config
-        size, rank = distributed.tp_size(), distributed.tp_rank()
-        self.heads = head_split(*_heads(config)[:2], size, rank)
-        self.columns = split(config.intermediate_size, size, rank)
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
-        self.embed_scale = config.hidden_size**0.5
+        super().__init__(config, max_positions)
         self.layer_types = list(config.layer_types)
-        self.layers = nn.ModuleList(
-            Gemma3DecoderLayer(config, self.heads, self.columns, window)
-            for window in layer_windows(config, max_positions)
-        )
-        self.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
-        attn = self.layers[0].self_attn
-        kinds = sorted(set(self.layer_types))
-        self.rotaries = nn.ModuleDict({k: RotaryEmbedding(config, attn.head_dim, max_positions, k) for k in kinds})
-        self.lm_head = nn.Linear(config.hidden_size, lm_head_rows(config.vocab_size), bias=False)
-        if config.tie_word_embeddings:
-            self.lm_head.weight = self.embed_tokens.weight
-        self.num_kv_heads, self.head_dim = attn.num_kv_heads, attn.head_dim
-        self.decode_stack = None  # the one-call CPU decode stack runs Llama's layer only
+        self.embed_scale = config.hidden_size**0.5
+        # The one-call CPU decode stack runs Llama's layer only: the model runner attaches none here.
+
+    def decoder_layer(self, window: int | None) -> nn.Module:
+        return Gemma3DecoderLayer(self.config, self.heads, self.columns, window)
+
+    def final_norm(self) -> nn.Module:
+        return GemmaRMSNorm(self.config.hidden_size, self.config.rms_norm_eps)
+
+    def rotary_embedding(self, head_dim: int, max_positions: int) -> nn.Module:
+        """One per kind of layer, each with its own rotary base (and scaling)."""
+        kinds = sorted(set(self.config.layer_types))
+        return nn.ModuleDict({k: RotaryEmbedding(self.config, head_dim, max_positions, k) for k in kinds})
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
         x = x * torch.tensor(self.embed_scale, dtype=x.dtype)  # rounded to the weights' dtype first, as transformers
-        ropes = {kind: rotary.for_step(positions, x.dtype) for kind, rotary in self.rotaries.items()}
+        ropes = {kind: rotary.for_step(positions, x.dtype) for kind, rotary in self.rotary.items()}
         for layer, kind in zip(self.layers, self.layer_types, strict=True):
             x = layer(x, ropes[kind], meta)
         return self.norm(x)

@@ -120,23 +120,30 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, config, max_positions: int) -> None:
         super().__init__()
         self.config = config
-        qkv_bias, o_bias = self.attention_biases(config)
         size, rank = distributed.tp_size(), distributed.tp_rank()
         self.heads = head_split(*_heads(config)[:2], size, rank)
         self.columns = split(config.intermediate_size, size, rank)
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, qkv_bias, o_bias, self.heads, self.columns, window)
-            for window in layer_windows(config, max_positions)
-        )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.layers = nn.ModuleList(self.decoder_layer(window) for window in layer_windows(config, max_positions))
+        self.norm = self.final_norm()
         attn = self.layers[0].self_attn
-        self.rotary = RotaryEmbedding(config, attn.head_dim, max_positions)
+        self.rotary = self.rotary_embedding(attn.head_dim, max_positions)
         self.lm_head = nn.Linear(config.hidden_size, lm_head_rows(config.vocab_size), bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.num_kv_heads, self.head_dim = attn.num_kv_heads, attn.head_dim
         self.decode_stack: DecodeStack | None = None  # set by the model runner where it can run (CPU, bf16)
+
+    # What a variant of the family (engine_core/models/gemma3.py) builds its own way:
+    def decoder_layer(self, window: int | None) -> nn.Module:
+        qkv_bias, o_bias = self.attention_biases(self.config)
+        return LlamaDecoderLayer(self.config, qkv_bias, o_bias, self.heads, self.columns, window)
+
+    def final_norm(self) -> nn.Module:
+        return RMSNorm(self.config.hidden_size, self.config.rms_norm_eps)
+
+    def rotary_embedding(self, head_dim: int, max_positions: int) -> nn.Module:
+        return RotaryEmbedding(self.config, head_dim, max_positions)
 
     @staticmethod
     def attention_biases(config) -> tuple[bool, bool]:
