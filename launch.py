@@ -23,6 +23,7 @@ import uvicorn
 
 from common import ipc
 from common.config import EngineConfig, ServerConfig, SpeculativeConfig, add_cli_args, from_cli_args
+from common.lora import lora_modules
 from common.model_source import ModelSourceError, resolve_model
 from engine_core.tp_procs import layout as tp_layout
 from engine_core.tp_procs import run_node_agent
@@ -170,6 +171,10 @@ class Launch:
         # After EngineReady: the engine resolved (and for a .gguf, converted) the model, so this is a cache hit.
         source = resolve_model(self.engine_config.model)
         model_name = self.config.served_model_name or ready.model
+        adapters = {m.name: m.path for m in lora_modules(self.engine_config)}
+        if model_name in adapters:
+            print(f"error: --lora-modules: the adapter name {model_name!r} is the base model's name", file=sys.stderr)
+            return 2
         metrics = Metrics(model_name, len(self.client.handles))
         self.client.metrics = metrics
         tokenizer = Tokenizer(source.path, parse_special_in_content=self.config.parse_special_tokens_in_content,
@@ -187,7 +192,7 @@ class Launch:
                              reasoning_parser=self.config.reasoning_parser, thinking=thinking,
                              reasoning_tokens=ReasoningTokens.of(self.config.reasoning_parser, tokenizer),
                              priority_scheduling=self.engine_config.scheduling_policy == "priority",
-                             sampling_defaults=defaults)  # fmt: skip
+                             sampling_defaults=defaults, lora_modules=adapters)  # fmt: skip
         app = create_app(ctx, self.config, metrics)
         self.server = _Server(uvicorn.Config(app, host=self.config.host, port=self.config.port, lifespan="off",
                                              log_level=self.config.log_level,
@@ -214,6 +219,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         tp_layout(engine_config)
         SpeculativeConfig.parse(engine_config.speculative_config)  # a bad one fails here, before the engine loads
+        lora_modules(engine_config)  # the flags and each adapter's config, likewise
         # The flags' own generation config and override, checked before the engine loads (the model's, once it has)
         gen = "vllm" if config.generation_config == "auto" else config.generation_config
         load_sampling_defaults(Path(), gen, config.override_generation_config)

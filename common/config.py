@@ -58,6 +58,12 @@ class EngineConfig:
         '"prompt_lookup_min": 2, "disable_by_batch_size": null, "max_rows_per_step": 16}: draft tokens copied from the '
         "request's own prompt and output, verified in one step (see README)",
     )
+    enable_lora: bool = flag(False, "serve LoRA adapters (--lora-modules) beside the base model")
+    lora_modules: list[str] = flag(
+        list, 'LoRA adapters (PEFT directories) to serve, each name=path or JSON {"name": ..., "path": ...}: a '
+        "request whose `model` is that name is served by the base model with the adapter", nargs="*",
+    )
+    max_lora_rank: int = flag(16, "largest LoRA rank an adapter may have")
     seed: int = flag(0, "seed for requests that give none")
     epoch: int = flag(0, "restart generation of this engine (set by launch.py)")
     engine_index: int = flag(0, "identity of this engine on the input socket")

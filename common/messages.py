@@ -85,6 +85,7 @@ class EngineRequest(_Msg, tag="add"):
     priority: int = 0
     # Tokens already streamed to the client: a restarted engine resumes after them.
     output_token_ids: list[int] = []
+    lora: str = ""  # the LoRA adapter that serves it, by its --lora-modules name ("": the base model)
 
 
 class AbortRequest(_Msg, tag="abort"):

@@ -75,6 +75,9 @@ class EngineCore:
 
     def add_request(self, msg: EngineRequest) -> None:
         error = invalid_request(msg, self.vocab_size, self.max_model_len, self.scheduler.requests)
+        lora_slot = self.runner.lora.slots.get(msg.lora, 0) if msg.lora else 0
+        if error is None and msg.lora and not lora_slot:
+            error = f"LoRA adapter {msg.lora!r} is not loaded (--lora-modules)"
         if error is not None:
             self._rejected.append(EngineOutput(msg.request_id, [], FinishReason.ERROR, error=error))
             return
@@ -82,7 +85,9 @@ class EngineCore:
             msg.eos_token_ids = self.eos_token_ids
         self._seq_no += 1
         try:
-            request = self.grammars.attach(Request(msg, self._seq_no))
+            request = Request(msg, self._seq_no)
+            request.lora_slot = lora_slot
+            request = self.grammars.attach(request)
         except Exception as exc:  # the request fails alone: it never started, so a crash would blame nobody
             log.exception("request %s could not be added", msg.request_id)
             self._rejected.append(EngineOutput(msg.request_id, [], FinishReason.ERROR, error=f"{exc!r}"))

@@ -13,12 +13,14 @@ from pathlib import Path
 import torch
 
 from common.config import EngineConfig
+from common.lora import lora_modules
 from engine_core import distributed, memory_profile
 from engine_core.attention import AttentionBackend, AttentionMetadata, PrefillChunk, select_backend
 from engine_core.batch import InFlight, SampledTokens, SchedulerOutput
 from engine_core.cpu_kernels import cpu_kernels
 from engine_core.cuda_graphs import DecodeGraphs, graph_rows
 from engine_core.device import padded_size, pick_device, pick_dtype, step_token_budget, tune_cpu_process
+from engine_core.lora import LoraAdapters
 from engine_core.models.cpu_decode import DecodeStack
 from engine_core.models.loader import load_model
 from engine_core.models.quant import prepare_linears
@@ -81,6 +83,8 @@ class ModelRunner:
                                               self.block_size, self.device, self.attn_backend.index_dtype,
                                               mixed=config.mixed_step_graphs)  # fmt: skip
             self.decode_graphs.capture_all()
+        # After the decode stack and the graphs, which hold the base layers: a step with adapter rows runs eagerly.
+        self.lora = LoraAdapters.load(self.model, lora_modules(config), config.max_lora_rank, self.device)
         self.sampler = Sampler(self.device, self.vocab_size, config.seed)
         self.last_forward_time = 0.0
 
@@ -137,6 +141,7 @@ class ModelRunner:
         prefills: list[PrefillChunk] = []
         decode_tables: list[list[int]] = []
         decode_lens: list[int] = []
+        lora_slots: list[int] = []
         for i, (req, n, sample) in enumerate(zip(out.requests, out.num_new_tokens, out.sample, strict=True)):
             start = out.start(i)
             end = start + n
@@ -153,6 +158,7 @@ class ModelRunner:
             else:
                 ids += [req.token_ids[start], *drafts] if drafts else req.token_ids[start:end]
             positions += range(start, end)
+            lora_slots += [req.lora_slot] * n
             slots += [req.block_ids[p // bs] * bs + p % bs for p in range(start, end)]
             if sample:  # the last position; with drafts, every row
                 sample_idx += range(len(ids) - 1 - len(drafts), len(ids))
@@ -167,9 +173,13 @@ class ModelRunner:
             tables = to_device(padded_rows(decode_tables), dev, index)
             lens = to_device(decode_lens, dev, index)
         meta = AttentionMetadata.build(to_device(slots, dev, torch.long), tables, lens, prefills, bs)
+        self.lora.plan(lora_slots)  # padding rows are the base model's
         return to_device(ids, dev, torch.long), to_device(positions, dev, torch.long), meta, sample_idx
 
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        if self.lora.active:  # rows of an adapter (engine_core/lora.py): eager, through the Python layers
+            with self.lora.eager(self.model):
+                return self.model(input_ids, positions, meta)
         if self.decode_graphs is not None and self.decode_graphs.fits(meta.num_decodes, meta):
             return self.decode_graphs.run(input_ids, positions, meta)
         with distributed.lockstep():  # tensor parallel: the workers run the same forward

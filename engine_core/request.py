@@ -26,7 +26,7 @@ class Request:
         "request_id", "params", "token_ids", "num_prompt_tokens", "eos_token_ids", "arrival_time",
         "priority", "num_computed_tokens", "num_cached_tokens", "block_ids", "block_hashes", "status",
         "finish_reason", "stop_token_id", "error", "num_preemptions", "seq_no", "num_registered_blocks",
-        "prompt_logprobs", "grammar", "draft_token_ids", "ngram_index", "_ids_array", "_ids_filled",
+        "prompt_logprobs", "grammar", "draft_token_ids", "ngram_index", "_ids_array", "_ids_filled", "lora_slot",
     )  # fmt: skip
 
     def __init__(self, msg: EngineRequest, seq_no: int) -> None:
@@ -38,6 +38,7 @@ class Request:
         self.eos_token_ids = frozenset(msg.eos_token_ids)
         self.arrival_time = msg.arrival_time
         self.priority = msg.priority
+        self.lora_slot = 0  # the LoRA adapter serving it (engine_core/lora.py), set when admitted; 0: none
         self.seq_no = seq_no  # admission order: the tie-breaker of every policy
         self.num_computed_tokens = 0  # tokens whose KV is in the cache
         self.num_cached_tokens = 0  # prompt tokens that came from the prefix cache (the most at any admission)

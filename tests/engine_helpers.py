@@ -51,10 +51,11 @@ def mixed_prompts() -> list[list[int]]:
     return [ids[(i * 37) % (len(ids) - n) :][:n] for i, n in enumerate(LENGTHS)]
 
 
-def hf_greedy(prompts: list[list[int]], max_new: int) -> list[tuple[list[int], list[list[int]]]]:
+def hf_greedy(prompts: list[list[int]], max_new: int, model=None) -> list[tuple[list[int], list[list[int]]]]:
     """transformers' own greedy generate, the prompts batched with left padding as HF users batch them (on this CPU
-    the same tokens as one prompt at a time, in a quarter of the time): tokens and top-2 per step."""
-    model = AutoModelForCausalLM.from_pretrained(model_dir(), dtype=torch.float32).eval()
+    the same tokens as one prompt at a time, in a quarter of the time): tokens and top-2 per step. The default
+    model in fp32 unless `model` is given."""
+    model = model or AutoModelForCausalLM.from_pretrained(model_dir(), dtype=torch.float32).eval()
     width = max(map(len, prompts))
     ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])

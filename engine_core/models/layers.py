@@ -137,6 +137,7 @@ class PackedLinear(nn.Module):
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.shard_sizes = getattr(linear, "shard_sizes", None)  # a fused layer's parts (LoRA adapters read them)
         kernels = cpu_kernels()
         self.kernels = kernels if kernels is not None and kernels.supports_bf16_linear(self.in_features) else None
         weight = linear.weight.detach()

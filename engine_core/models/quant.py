@@ -53,6 +53,7 @@ class Int8Linear(nn.Module):
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.shard_sizes = getattr(linear, "shard_sizes", None)  # a fused layer's parts (LoRA adapters read them)
         weight = linear.weight.detach()
         q, scale = quantize_groups(weight)
         self.bias = linear.bias

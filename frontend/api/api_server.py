@@ -54,9 +54,11 @@ def create_app(ctx: ServingContext, config: ServerConfig, metrics: Metrics) -> F
     async def chat_completions(req: ChatCompletionRequest, raw: Request) -> Response:
         return await create_chat_completion(ctx, req, raw, raw.state.request_id)
 
-    def model_card() -> dict:
-        return {"id": ctx.model_name, "object": "model", "created": int(start_time), "owned_by": "roseinfer",
-                "root": ctx.model_name, "max_model_len": ctx.max_model_len}  # fmt: skip
+    def model_card(model_id: str) -> dict:
+        """The base model's card, or a LoRA adapter's: its directory as root, the base model as parent (vLLM's)."""
+        root, parent = ctx.lora_modules.get(model_id, ctx.model_name), ctx.model_name if ctx.lora(model_id) else None
+        return {"id": model_id, "object": "model", "created": int(start_time), "owned_by": "roseinfer",
+                "root": root, "parent": parent, "max_model_len": ctx.max_model_len}  # fmt: skip
 
     @app.post("/v1/responses")
     async def responses(req: ResponsesRequest, raw: Request) -> Response:
@@ -64,12 +66,12 @@ def create_app(ctx: ServingContext, config: ServerConfig, metrics: Metrics) -> F
 
     @app.get("/v1/models")
     async def models() -> dict:
-        return {"object": "list", "data": [model_card()]}
+        return {"object": "list", "data": [model_card(m) for m in [ctx.model_name, *ctx.lora_modules]]}
 
     @app.get("/v1/models/{model_id:path}")  # :path: ids such as "org/name" hold slashes
     async def model(model_id: str) -> dict:
         ctx.check_model(model_id)
-        return model_card()
+        return model_card(model_id)
 
     @app.get("/health")
     async def health() -> Response:

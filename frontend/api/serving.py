@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import msgspec
@@ -41,10 +41,19 @@ class ServingContext:
     reasoning_tokens: ReasoningTokens | None = None  # counts the thinking for usage (where `thinking` is known)
     priority_scheduling: bool = False  # --scheduling-policy priority: requests' `priority` orders the engine's queue
     sampling_defaults: SamplingDefaults = SamplingDefaults()  # --generation-config: what requests leave out
+    lora_modules: dict[str, str] = field(default_factory=dict)  # --lora-modules: adapter name -> its directory
 
     def check_model(self, model: str | None) -> None:
-        if model is not None and model != self.model_name:
+        if model is not None and model != self.model_name and model not in self.lora_modules:
             raise ApiError(404, f"The model `{model}` does not exist.", "model", "model_not_found")
+
+    def lora(self, model: str | None) -> str:
+        """The LoRA adapter a request's `model` names, which serves it in the engine ("": the base model)."""
+        return model if model is not None and model != self.model_name and model in self.lora_modules else ""
+
+    def served_name(self, model: str | None) -> str:
+        """The `model` a response names: the adapter's where one serves it, as vLLM answers."""
+        return self.lora(model) or self.model_name
 
     def check_token_ids(self, ids: list[int], param: str) -> None:
         bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
@@ -128,7 +137,7 @@ class ServingContext:
         try:
             await self.client.wait_available()
             return FanOut(self.client, request_id, prompts, req.n, params, detokenizer,
-                          req.include_stop_str_in_output, self.priority(req))  # fmt: skip
+                          req.include_stop_str_in_output, self.priority(req), self.lora(req.model))  # fmt: skip
         except (EngineUnavailable, QueueFull) as exc:  # the capacity others took while this one tokenized
             raise _unavailable(exc) from exc
 
@@ -215,7 +224,7 @@ async def collect(ctx: ServingContext, raw: Request, fan: FanOut) -> list[Choice
 
 async def respond(ctx: ServingContext, raw: Request, fan: FanOut, fmt: ResponseFormat, request_id: str,
                   req: SamplingFields) -> Response:  # fmt: skip
-    head = {"id": request_id, "created": int(time.time()), "model": ctx.model_name}
+    head = {"id": request_id, "created": int(time.time()), "model": ctx.served_name(req.model)}
     if req.stream:
         chunks = sse_stream(fan, fmt, head, req.include_usage, req.continuous_usage, ctx.failure)
         return ClosingStreamingResponse(chunks, fan.abort, "text/event-stream")

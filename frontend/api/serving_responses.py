@@ -42,7 +42,8 @@ class Envelope:
     """The response object around the output: its id, the request's settings echoed, status and usage."""
 
     def __init__(self, ctx: ServingContext, req: ResponsesRequest, rid: str) -> None:
-        self.head = {"id": rid, "object": "response", "created_at": int(time.time()), "model": ctx.model_name}
+        self.head = {"id": rid, "object": "response", "created_at": int(time.time()),
+                     "model": ctx.served_name(req.model)}  # fmt: skip
         self.echo = req.echo(ctx.sampling_defaults)
 
     def body(self, status: str, output: list[dict[str, Any]], usage: dict[str, Any] | None,

@@ -1,0 +1,163 @@
+"""LoRA adapters on the model's linear layers (vLLM's --enable-lora). Every adapter of --lora-modules is loaded at
+start and stays resident: a layer an adapter changes is wrapped in a LoraLinear that holds every adapter's A and B,
+and a step's rows that an adapter serves get x A^T B^T (scaled as PEFT scales) added to the base layer's output.
+Rows of other adapters and of the base model share the same step: the adapter is a property of each token row.
+
+The base layers run as they do without adapters (packed bf16 or int8 kernels on CPU); a step with adapter rows runs
+eagerly through the Python layers, since the one-call C decode stack and the CUDA graphs hold the base weights only.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from common.lora import ADAPTER_WEIGHTS, LoraModule, read_adapter_config
+from engine_core.transfer import to_device
+
+# PEFT's names: base_model.model.<the checkpoint's module>.lora_A.weight ([rank, in]) and .lora_B.weight ([out, rank])
+_KEY = re.compile(r"^base_model\.model\.(?P<module>.+)\.lora_(?P<ab>[AB])\.weight$")
+# A group's rows are padded to this many before its matmuls: MKL's fp32 GEMM sums fewer than 4 rows in another order,
+# and a row's delta must not depend on how many rows its adapter serves in the step.
+MIN_GROUP_ROWS = 8
+
+
+class LoraStep:
+    """This step's rows of each adapter: (adapter index, row indices padded to MIN_GROUP_ROWS, how many are real)."""
+
+    def __init__(self) -> None:
+        self.groups: list[tuple[int, torch.Tensor, int]] = []
+
+
+class LoraLinear(nn.Module):
+    """A linear layer and every adapter's low-rank update of it. a: [adapters, shards x rank, in]; b: [adapters,
+    out, shards x rank], block-diagonal over a fused layer's shards (q/k/v, gate/up), the scale folded in."""
+
+    def __init__(self, base: nn.Module, a: torch.Tensor, b: torch.Tensor, used: list[bool], step: LoraStep) -> None:
+        super().__init__()
+        self.base, self.step, self.used = base, step, used
+        self.register_buffer("a", a)
+        self.register_buffer("b", b)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.base(x)
+        for index, rows, n in self.step.groups:
+            if self.used[index]:
+                delta = (x.index_select(0, rows).float() @ self.a[index].T) @ self.b[index].T
+                out.index_add_(0, rows[:n], delta[:n].to(out.dtype))
+        return out
+
+
+class LoraAdapters:
+    """The loaded adapters, by name: slot 0 is the base model, adapter i is slot i + 1."""
+
+    def __init__(self, names: list[str], step: LoraStep, device: torch.device) -> None:
+        self.slots = {name: i + 1 for i, name in enumerate(names)}
+        self.step, self.device = step, device
+
+    @staticmethod
+    def load(model: nn.Module, modules: list[LoraModule], max_rank: int, device: torch.device) -> LoraAdapters:
+        if not modules:
+            return LoraAdapters([], LoraStep(), device)
+        packed = getattr(model, "packed_modules", None)
+        if packed is None:
+            raise ValueError(f"LoRA adapters are served on the Llama family's layers, not {type(model).__name__}")
+        found: dict[str, dict[int, dict[int, tuple[torch.Tensor, torch.Tensor]]]] = {}  # layer -> adapter -> shard
+        for index, module in enumerate(modules):
+            config = read_adapter_config(module, max_rank)
+            for target, shard, a, b in _adapter_weights(model, module, packed):
+                if a.shape[0] > max_rank:
+                    raise ValueError(f"LoRA adapter {module.name!r}: {target} has rank {a.shape[0]}, above "
+                                     f"--max-lora-rank {max_rank}")  # fmt: skip
+                scaled = (a.float(), b.float() * config.scale(len(a)))
+                found.setdefault(target, {}).setdefault(index, {})[shard] = scaled
+        step = LoraStep()
+        for target, adapters in found.items():
+            base = model.get_submodule(target)
+            a, b = _stack(base, adapters, [m.name for m in modules], target)
+            used = [i in adapters for i in range(len(modules))]
+            parent, _, attr = target.rpartition(".")
+            setattr(model.get_submodule(parent), attr, LoraLinear(base, a.to(device), b.to(device), used, step))
+        return LoraAdapters([m.name for m in modules], step, device)
+
+    @property
+    def active(self) -> bool:
+        return bool(self.step.groups)
+
+    def plan(self, slots: list[int]) -> None:
+        """Sets this step's rows of each adapter from every row's slot (0: the base model only)."""
+        self.step.groups = []
+        if not self.slots:
+            return
+        for slot in sorted(set(slots) - {0}):
+            rows = [i for i, s in enumerate(slots) if s == slot]
+            n = len(rows)
+            rows += rows[-1:] * (MIN_GROUP_ROWS - n)
+            self.step.groups.append((slot - 1, to_device(rows, self.device, torch.long), n))
+
+    @contextmanager
+    def eager(self, model: nn.Module) -> Iterator[None]:
+        """The Python layers for this step: the one-call C decode stack knows nothing of the adapters."""
+        stack = getattr(model, "decode_stack", None)
+        if stack is not None:
+            model.decode_stack = None
+        try:
+            yield
+        finally:
+            if stack is not None:
+                model.decode_stack = stack
+
+
+LayerWeights = tuple[str, int, torch.Tensor, torch.Tensor]  # our layer's name, its shard, A, B
+
+
+def _adapter_weights(
+    model: nn.Module, module: LoraModule, packed: dict[str, tuple[str, int]]
+) -> Iterator[LayerWeights]:
+    """(our layer's name, its shard, A, B) for every linear layer the adapter changes."""
+    where = f"LoRA adapter {module.name!r}"
+    pairs: dict[str, dict[str, torch.Tensor]] = {}
+    with safe_open(str(Path(module.path) / ADAPTER_WEIGHTS), framework="pt") as f:
+        for key in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
+            match = _KEY.match(key)
+            if match is None:
+                raise ValueError(f"{where}: {key} is not a LoRA weight of a linear layer (nothing else is supported)")
+            pairs.setdefault(match["module"], {})[match["ab"]] = f.get_tensor(key)
+    for hf_name, ab in pairs.items():
+        name = model.checkpoint_name(hf_name + ".weight")
+        head, _, leaf = (name or "").removesuffix(".weight").rpartition(".")
+        if name is None or not head.startswith("layers.") or set(ab) != {"A", "B"}:
+            raise ValueError(f"{where}: {hf_name} is not a decoder layer's linear with both lora_A and lora_B")
+        target, shard = (f"{head}.{packed[leaf][0]}", packed[leaf][1]) if leaf in packed else (f"{head}.{leaf}", 0)
+        try:
+            model.get_submodule(target)
+        except AttributeError:
+            raise ValueError(f"{where}: the model has no layer {hf_name}") from None
+        yield target, shard, ab["A"], ab["B"]
+
+
+def _stack(base: nn.Module, adapters: dict[int, dict[int, tuple[torch.Tensor, torch.Tensor]]], names: list[str],
+           target: str) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """Every adapter's A and B of one layer in the block layout LoraLinear takes (zeros where an adapter or a shard
+    has none, and past a shard's own rank)."""
+    sizes = getattr(base, "shard_sizes", None) or [base.out_features]
+    offsets = [sum(sizes[:i]) for i in range(len(sizes))]
+    rank = max(a.shape[0] for shards in adapters.values() for a, _ in shards.values())
+    a_all = torch.zeros(len(names), len(sizes) * rank, base.in_features)
+    b_all = torch.zeros(len(names), sum(sizes), len(sizes) * rank)
+    for index, shards in adapters.items():
+        for shard, (a, b) in shards.items():
+            r = a.shape[0]
+            if a.shape != (r, base.in_features) or b.shape != (sizes[shard], r):
+                raise ValueError(f"LoRA adapter {names[index]!r}: {target} (shard {shard}) has A {tuple(a.shape)} "
+                                 f"and B {tuple(b.shape)}, the layer takes [r, {base.in_features}] and "
+                                 f"[{sizes[shard]}, r]")  # fmt: skip
+            a_all[index, shard * rank : shard * rank + r] = a
+            b_all[index, offsets[shard] : offsets[shard] + sizes[shard], shard * rank : shard * rank + r] = b
+    return a_all, b_all
