@@ -13,6 +13,7 @@ from common.messages import SamplingParams
 from common.model_source import resolve_model
 from frontend.offline.llm import LLM
 from tests.engine_helpers import GPU_TEST_KV
+from tests.lora_helpers import merged, write_adapter
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 
@@ -33,11 +34,13 @@ def test_cli_reports_a_bad_model_in_one_line() -> None:
     assert proc.stderr.strip().startswith("error:") and "Traceback" not in proc.stderr
 
 
-def test_llm_matches_hf_greedy_and_keeps_order() -> None:
+def test_llm_matches_hf_greedy_and_keeps_order(tmp_path) -> None:
+    """Also through a LoRA adapter: as transformers with it merged."""
     path = resolve_model(None).path
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     hf_prompt = AutoTokenizer.from_pretrained(path).apply_chat_template(QUESTION, add_generation_prompt=True)
-    with LLM(dtype="float32", **GPU_TEST_KV) as llm:
+    adapter = write_adapter(tmp_path / "lora", hf.config, ["q_proj", "down_proj"], rank=4, alpha=4, seed=5, std=0.05)
+    with LLM(dtype="float32", enable_lora=True, lora_modules=[f"a={adapter}"], **GPU_TEST_KV) as llm:
         prompt = llm.chat_prompt(QUESTION)  # the API server's template and tokenizer: transformers' prompt
         assert prompt == list(hf_prompt["input_ids"] if hasattr(hf_prompt, "keys") else hf_prompt)
         with torch.inference_mode():
@@ -49,6 +52,11 @@ def test_llm_matches_hf_greedy_and_keeps_order() -> None:
         assert "Paris" in outs[1].text
         assert [len(o.token_ids) for o in (outs[0], outs[2])] == [4, 2]
         assert outs[2].finish_reason == "length"
+        with torch.inference_mode():
+            ref = merged(hf, adapter).generate(torch.tensor([prompt]), max_new_tokens=32, min_new_tokens=32,
+                                               do_sample=False)  # fmt: skip
+        assert ref[0, len(prompt) :].tolist() != outs[1].token_ids  # the adapter changes the answer
+        assert llm.generate([prompt], params, lora="a")[0].token_ids == ref[0, len(prompt) :].tolist()
 
 
 def test_second_load_of_the_default_model_is_fast() -> None:

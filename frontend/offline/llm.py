@@ -42,11 +42,13 @@ class LLM:
         prompts: Sequence[str | list[int]],
         params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        lora: str = "",
     ) -> list[CompletionOutput]:
+        """`lora`: the adapter (by its `lora_modules` name, with `enable_lora=True`) that serves every prompt."""
         params_list = list(params) if isinstance(params, Sequence) else [params or SamplingParams()] * len(prompts)
         token_prompts = [p if isinstance(p, list) else self.tokenizer.encode(p) for p in prompts]
         for i, (p, sp) in enumerate(zip(token_prompts, params_list, strict=True)):
-            self.engine.send(EngineRequest(str(i), p, sp))
+            self.engine.send(EngineRequest(str(i), p, sp, lora=lora))
         outputs: list[list[int]] = [[] for _ in prompts]
         reasons: list[str | None] = [None] * len(prompts)
         with tqdm(total=len(prompts), desc="generating", disable=not use_tqdm) as bar:
