@@ -54,6 +54,8 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     a("--chat-dataset", default=str(REPO / "bench" / "data" / "conversations.jsonl"))
     a("--chat-prompts", type=int, default=16, help="chat requests of the chat client, all sent at once")
     a("--roseinfer-args", default="", help="extra launch.py flags, one string")
+    a("--served-model", default=None, help="the model the clients ask for (default: the first each server lists), "
+      "e.g. a LoRA adapter both servers load (their flags: --roseinfer-args, and a copy of serve_vllm_cpu.sh)")
     a("--launch-timeout", type=float, default=900.0, help="seconds for a server to answer /health")
     a("--result-json", default=str(REPO / "bench" / "results" / "compare_vllm.json"))
 
@@ -109,7 +111,7 @@ def settings(args: argparse.Namespace, clients: list[str]) -> dict[str, Any]:
                      "vllm_torch": _stdout([venv_python, "-c", "import torch; print(torch.__version__)"]),
                      "torch": importlib.metadata.version("torch"),
                      "roseinfer_commit": commit + (" (uncommitted edits)" if dirty else "")},  # fmt: skip
-        "model_dir": str(args.model_dir), "pairs": args.pairs, "clients": clients,
+        "model_dir": str(args.model_dir), "served_model": args.served_model, "pairs": args.pairs, "clients": clients,
         "orders": pair_orders(NAMES, args.pairs),
         "server_commands": {n: server_command(n, "PORT", args) for n in NAMES},
         "workload_w": {"num_prompts": args.num_prompts, "input_len": args.input_len, "output_len": args.output_len,
@@ -147,7 +149,7 @@ def compare(args: argparse.Namespace) -> dict[str, Any]:
             print(f"--- pair {pair + 1}/{args.pairs}, {name}: {shlex.join(cmd)}", flush=True)
             started = time.monotonic()
             with launched(cmd, port, logs / f"{name}-{pair}.log", timeout=args.launch_timeout) as url:
-                ready_s, model = time.monotonic() - started, served_model(url)
+                ready_s, model = time.monotonic() - started, args.served_model or served_model(url)
                 for client in clients:
                     if client == "vllm":
                         fig = vllm_client(args, url, model, logs / f"vllm-bench-{name}-{pair}.json")
