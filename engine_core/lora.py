@@ -23,16 +23,17 @@ from engine_core.transfer import to_device
 
 # PEFT's names: base_model.model.<the checkpoint's module>.lora_A.weight ([rank, in]) and .lora_B.weight ([out, rank])
 _KEY = re.compile(r"^base_model\.model\.(?P<module>.+)\.lora_(?P<ab>[AB])\.weight$")
-# A group's rows are padded to this many before its matmuls: MKL's fp32 GEMM sums fewer than 4 rows in another order,
-# and a row's delta must not depend on how many rows its adapter serves in the step.
+# A group's rows are padded to this many before its matmuls: MKL's fp32 GEMM and oneDNN's bf16 one sum very few rows
+# in another order, and a row's delta must not depend on how many rows its adapter serves in the step.
 MIN_GROUP_ROWS = 8
 
 
 class LoraStep:
-    """This step's rows of each adapter: (adapter index, row indices padded to MIN_GROUP_ROWS, how many are real)."""
+    """This step's rows of each adapter: (adapter index, row indices padded to MIN_GROUP_ROWS, how many are real);
+    the indices are None where the adapter serves every row of the step, and enough of them."""
 
     def __init__(self) -> None:
-        self.groups: list[tuple[int, torch.Tensor, int]] = []
+        self.groups: list[tuple[int, torch.Tensor | None, int]] = []
 
 
 class LoraLinear(nn.Module):
@@ -48,9 +49,14 @@ class LoraLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.base(x)
         for index, rows, n in self.step.groups:
-            if self.used[index]:
-                delta = (x.index_select(0, rows).float() @ self.a[index].T) @ self.b[index].T
-                out.index_add_(0, rows[:n], delta[:n].to(out.dtype))
+            if not self.used[index]:
+                continue
+            xs = x if rows is None else x.index_select(0, rows)
+            delta = ((xs.to(self.a.dtype) @ self.a[index].T) @ self.b[index].T).to(out.dtype)
+            if rows is None:  # the same sums as the scatter below: a row's bits do not depend on the path
+                out.add_(delta)
+            else:
+                out.index_add_(0, rows[:n], delta[:n])
         return out
 
 
@@ -62,7 +68,10 @@ class LoraAdapters:
         self.step, self.device = step, device
 
     @staticmethod
-    def load(model: nn.Module, modules: list[LoraModule], max_rank: int, device: torch.device) -> LoraAdapters:
+    def load(model: nn.Module, modules: list[LoraModule], max_rank: int, device: torch.device,
+             dtype: torch.dtype) -> LoraAdapters:  # fmt: skip
+        """`dtype`: the model's. The adapters compute in it where its matmuls are fast (CUDA, fp32, bf16 on a CPU with
+        oneDNN's bf16 path: a quarter of fp32's time for a prefill chunk's products), else in fp32."""
         if not modules:
             return LoraAdapters([], LoraStep(), device)
         packed = getattr(model, "packed_modules", None)
@@ -78,12 +87,15 @@ class LoraAdapters:
                 scaled = (a.float(), b.float() * config.scale(len(a)))
                 found.setdefault(target, {}).setdefault(index, {})[shard] = scaled
         step = LoraStep()
+        fast = device.type == "cuda" or dtype == torch.float32 or bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+        compute = dtype if fast and dtype in (torch.float32, torch.bfloat16, torch.float16) else torch.float32
         for target, adapters in found.items():
             base = model.get_submodule(target)
             a, b = _stack(base, adapters, [m.name for m in modules], target)
             used = [i in adapters for i in range(len(modules))]
             parent, _, attr = target.rpartition(".")
-            setattr(model.get_submodule(parent), attr, LoraLinear(base, a.to(device), b.to(device), used, step))
+            a, b = a.to(device, compute), b.to(device, compute)
+            setattr(model.get_submodule(parent), attr, LoraLinear(base, a, b, used, step))
         return LoraAdapters([m.name for m in modules], step, device)
 
     @property
@@ -98,6 +110,9 @@ class LoraAdapters:
         for slot in sorted(set(slots) - {0}):
             rows = [i for i, s in enumerate(slots) if s == slot]
             n = len(rows)
+            if n == len(slots) >= MIN_GROUP_ROWS:
+                self.step.groups.append((slot - 1, None, n))
+                continue
             rows += rows[-1:] * (MIN_GROUP_ROWS - n)
             self.step.groups.append((slot - 1, to_device(rows, self.device, torch.long), n))
 

@@ -84,7 +84,7 @@ class ModelRunner:
                                               mixed=config.mixed_step_graphs)  # fmt: skip
             self.decode_graphs.capture_all()
         # After the decode stack and the graphs, which hold the base layers: a step with adapter rows runs eagerly.
-        self.lora = LoraAdapters.load(self.model, lora_modules(config), config.max_lora_rank, self.device)
+        self.lora = LoraAdapters.load(self.model, lora_modules(config), config.max_lora_rank, self.device, self.dtype)
         self.sampler = Sampler(self.device, self.vocab_size, config.seed)
         self.last_forward_time = 0.0
 

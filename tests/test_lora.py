@@ -199,5 +199,6 @@ def test_adapter_weights_are_checked_at_load(tiny, tmp_path, key, shape, message
         weights[key.replace("lora_A", "lora_B")] = torch.zeros(64, 8)
     save_file(weights, str(tmp_path / "bad" / ADAPTER_WEIGHTS))
     ours = load_model(model, torch.float32, torch.device("cpu"), max_positions=64)
+    modules = lora_modules(_config(tmp_path, [f"bad={path}"]))
     with pytest.raises(ValueError, match=message):
-        LoraAdapters.load(ours, lora_modules(_config(tmp_path, [f"bad={path}"])), 16, torch.device("cpu"))
+        LoraAdapters.load(ours, modules, 16, torch.device("cpu"), torch.float32)
