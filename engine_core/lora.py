@@ -19,6 +19,7 @@ from safetensors import safe_open
 from torch import nn
 
 from common.lora import ADAPTER_WEIGHTS, LoraModule, read_adapter_config
+from engine_core.models.layers import PackedLinear, can_pack_bf16
 from engine_core.transfer import to_device
 
 # PEFT's names: base_model.model.<the checkpoint's module>.lora_A.weight ([rank, in]) and .lora_B.weight ([out, rank])
@@ -37,27 +38,38 @@ class LoraStep:
 
 
 class LoraLinear(nn.Module):
-    """A linear layer and every adapter's low-rank update of it. a: [adapters, shards x rank, in]; b: [adapters,
-    out, shards x rank], block-diagonal over a fused layer's shards (q/k/v, gate/up), the scale folded in."""
+    """A linear layer and the low-rank update of it of each adapter that changes it: x -> (x A^T) B^T, two linears
+    (`low_rank`), B block-diagonal over a fused layer's shards (q/k/v, gate/up), the scale folded in."""
 
-    def __init__(self, base: nn.Module, a: torch.Tensor, b: torch.Tensor, used: list[bool], step: LoraStep) -> None:
+    def __init__(self, base: nn.Module, updates: dict[int, nn.Module], dtype: torch.dtype, step: LoraStep) -> None:
         super().__init__()
-        self.base, self.step, self.used = base, step, used
-        self.register_buffer("a", a)
-        self.register_buffer("b", b)
+        self.base, self.step, self.dtype = base, step, dtype
+        self.updates = nn.ModuleDict({str(i): update for i, update in updates.items()})
+        self.by_index = [updates.get(i) for i in range(max(updates) + 1)]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.base(x)
         for index, rows, n in self.step.groups:
-            if not self.used[index]:
+            update = self.by_index[index] if index < len(self.by_index) else None
+            if update is None:
                 continue
-            xs = x if rows is None else x.index_select(0, rows)
-            delta = ((xs.to(self.a.dtype) @ self.a[index].T) @ self.b[index].T).to(out.dtype)
+            delta = update((x if rows is None else x.index_select(0, rows)).to(self.dtype)).to(out.dtype)
             if rows is None:  # the same sums as the scatter below: a row's bits do not depend on the path
                 out.add_(delta)
             else:
                 out.index_add_(0, rows[:n], delta[:n])
         return out
+
+
+def low_rank(a: torch.Tensor, b: torch.Tensor, device: torch.device, dtype: torch.dtype) -> nn.Module:
+    """(x A^T) B^T as two linears, packed for our CPU kernels (or oneDNN's) where the base layers are: a few rows'
+    products then cost what reading A and B costs, where a plain bf16 matmul reorders both in every call."""
+    linears = []
+    for weight in (a, b):
+        linear = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
+        linear.weight = nn.Parameter(weight.to(device, dtype), requires_grad=False)
+        linears.append(PackedLinear(linear) if device.type == "cpu" and dtype == torch.bfloat16 else linear)
+    return nn.Sequential(*linears)
 
 
 class LoraAdapters:
@@ -70,8 +82,8 @@ class LoraAdapters:
     @staticmethod
     def load(model: nn.Module, modules: list[LoraModule], max_rank: int, device: torch.device,
              dtype: torch.dtype) -> LoraAdapters:  # fmt: skip
-        """`dtype`: the model's. The adapters compute in it where its matmuls are fast (CUDA, fp32, bf16 on a CPU with
-        oneDNN's bf16 path: a quarter of fp32's time for a prefill chunk's products), else in fp32."""
+        """`dtype`: the model's. The adapters compute in it where its matmuls are fast (CUDA, fp32, bf16 on a CPU that
+        packs bf16 linears: a quarter of fp32's time for a prefill chunk's products), else in fp32."""
         if not modules:
             return LoraAdapters([], LoraStep(), device)
         packed = getattr(model, "packed_modules", None)
@@ -87,15 +99,14 @@ class LoraAdapters:
                 scaled = (a.float(), b.float() * config.scale(len(a)))
                 found.setdefault(target, {}).setdefault(index, {})[shard] = scaled
         step = LoraStep()
-        fast = device.type == "cuda" or dtype == torch.float32 or bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+        fast = device.type == "cuda" or dtype == torch.float32 or (dtype == torch.bfloat16 and can_pack_bf16())
         compute = dtype if fast and dtype in (torch.float32, torch.bfloat16, torch.float16) else torch.float32
         for target, adapters in found.items():
             base = model.get_submodule(target)
-            a, b = _stack(base, adapters, [m.name for m in modules], target)
-            used = [i in adapters for i in range(len(modules))]
+            updates = {index: low_rank(*_stack(base, shards, modules[index].name, target), device, compute)
+                       for index, shards in adapters.items()}  # fmt: skip
             parent, _, attr = target.rpartition(".")
-            a, b = a.to(device, compute), b.to(device, compute)
-            setattr(model.get_submodule(parent), attr, LoraLinear(base, a, b, used, step))
+            setattr(model.get_submodule(parent), attr, LoraLinear(base, updates, compute, step))
         return LoraAdapters([m.name for m in modules], step, device)
 
     @property
@@ -157,22 +168,25 @@ def _adapter_weights(
         yield target, shard, ab["A"], ab["B"]
 
 
-def _stack(base: nn.Module, adapters: dict[int, dict[int, tuple[torch.Tensor, torch.Tensor]]], names: list[str],
+def _stack(base: nn.Module, shards: dict[int, tuple[torch.Tensor, torch.Tensor]], name: str,
            target: str) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-    """Every adapter's A and B of one layer in the block layout LoraLinear takes (zeros where an adapter or a shard
-    has none, and past a shard's own rank)."""
+    """One adapter's A and B of one layer as one pair: the shards' A stacked, [sum of ranks, in], and B [out, sum of
+    ranks] with each shard's B in its rows and its rank's columns (zeros elsewhere)."""
     sizes = getattr(base, "shard_sizes", None) or [base.out_features]
     offsets = [sum(sizes[:i]) for i in range(len(sizes))]
-    rank = max(a.shape[0] for shards in adapters.values() for a, _ in shards.values())
-    a_all = torch.zeros(len(names), len(sizes) * rank, base.in_features)
-    b_all = torch.zeros(len(names), sum(sizes), len(sizes) * rank)
-    for index, shards in adapters.items():
-        for shard, (a, b) in shards.items():
-            r = a.shape[0]
-            if a.shape != (r, base.in_features) or b.shape != (sizes[shard], r):
-                raise ValueError(f"LoRA adapter {names[index]!r}: {target} (shard {shard}) has A {tuple(a.shape)} "
-                                 f"and B {tuple(b.shape)}, the layer takes [r, {base.in_features}] and "
-                                 f"[{sizes[shard]}, r]")  # fmt: skip
-            a_all[index, shard * rank : shard * rank + r] = a
-            b_all[index, offsets[shard] : offsets[shard] + sizes[shard], shard * rank : shard * rank + r] = b
+    for shard, (a, b) in shards.items():
+        r = a.shape[0]
+        if a.shape != (r, base.in_features) or b.shape != (sizes[shard], r):
+            raise ValueError(
+                f"LoRA adapter {name!r}: {target} (shard {shard}) has A {tuple(a.shape)} and B "
+                f"{tuple(b.shape)}, the layer takes [r, {base.in_features}] and [{sizes[shard]}, r]"
+            )
+    order = sorted(shards)
+    a_all = torch.cat([shards[shard][0] for shard in order])
+    b_all = torch.zeros(sum(sizes), len(a_all))
+    column = 0
+    for shard in order:
+        b = shards[shard][1]
+        b_all[offsets[shard] : offsets[shard] + sizes[shard], column : column + b.shape[1]] = b
+        column += b.shape[1]
     return a_all, b_all
