@@ -177,6 +177,19 @@ def test_router_prefers_the_prefix_holder_unless_far_more_loaded():
     assert router.choose([1, 2], [e1]) is e1  # the only live engine
 
 
+def test_router_keeps_lora_adapters_apart():
+    """An engine holds a prompt's K/V under the adapter that computed it (the prefix cache keys blocks by adapter)."""
+    router = PrefixRouter(block_size=4)
+    e0, e1 = _Engine(0), _Engine(1, load=10)
+    shared = list(range(40))
+    assert router.choose(shared + [100], [e0, e1]) is e0
+    e0.load, e1.load = 20, 0
+    assert router.choose(shared + [101], [e0, e1], lora="sql") is e1  # no block of it under sql on e0
+    e1.load = 30
+    assert router.choose(shared + [102], [e0, e1], lora="sql") is e1  # now cached on e1 under sql
+    assert router.choose(shared + [103], [e0, e1]) is e0  # and the base model's on e0
+
+
 def test_router_table_is_bounded():
     router = PrefixRouter(block_size=2, max_entries=8)
     for i in range(100):

@@ -146,7 +146,11 @@ def test_bf16_adapter_matches_merged_weights(smol_bf16):
 
 
 def test_bf16_seeded_adapter_rows_do_not_depend_on_the_batch(smol_bf16):
-    core, _ = smol_bf16
+    """On CUDA in fp32, as test_engine_zmq's check of the base model: cuBLAS picks bf16 kernels by row count."""
+    core, adapter = smol_bf16
+    if torch.cuda.is_available():
+        core = EngineCore(engine_config(dtype="float32", kv_cache_memory=0.5, enable_lora=True,
+                                        lora_modules=[f"smol={adapter}"]))  # fmt: skip
     params = SamplingParams(max_tokens=16, temperature=0.9, seed=7, ignore_eos=True)
     prompt = mixed_prompts()[4]
     alone = run_engine(core, [EngineRequest("alone", prompt, params, lora="smol")])
