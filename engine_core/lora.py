@@ -1,5 +1,5 @@
 """LoRA adapters on the model's linear layers (vLLM's --enable-lora). Every adapter of --lora-modules is loaded at
-start and stays resident: a layer an adapter changes is wrapped in a LoraLinear that holds every adapter's A and B,
+start and stays resident: a layer an adapter changes is wrapped in a LoraLinear that holds each adapter's A and B,
 and a step's rows that an adapter serves get x A^T B^T (scaled as PEFT scales) added to the base layer's output.
 Rows of other adapters and of the base model share the same step: the adapter is a property of each token row.
 
@@ -20,6 +20,7 @@ from torch import nn
 
 from common.lora import ADAPTER_WEIGHTS, LoraModule, read_adapter_config
 from engine_core.models.layers import PackedLinear, can_pack_bf16
+from engine_core.models.llama import LlamaForCausalLM
 from engine_core.transfer import to_device
 
 # PEFT's names: base_model.model.<the checkpoint's module>.lora_A.weight ([rank, in]) and .lora_B.weight ([out, rank])
@@ -86,9 +87,9 @@ class LoraAdapters:
         packs bf16 linears: a quarter of fp32's time for a prefill chunk's products), else in fp32."""
         if not modules:
             return LoraAdapters([], LoraStep(), device)
-        packed = getattr(model, "packed_modules", None)
-        if packed is None:
-            raise ValueError(f"LoRA adapters are served on the Llama family's layers, not {type(model).__name__}")
+        if not isinstance(model, LlamaForCausalLM):  # Gemma 3's layers are the Llama family's
+            raise ValueError(f"LoRA adapters are served on the Llama family and Gemma 3, not {type(model).__name__}")
+        packed = model.packed_modules
         found: dict[str, dict[int, dict[int, tuple[torch.Tensor, torch.Tensor]]]] = {}  # layer -> adapter -> shard
         for index, module in enumerate(modules):
             config = read_adapter_config(module, max_rank)
@@ -160,6 +161,8 @@ def _adapter_weights(
         head, _, leaf = (name or "").removesuffix(".weight").rpartition(".")
         if name is None or not head.startswith("layers.") or set(ab) != {"A", "B"}:
             raise ValueError(f"{where}: {hf_name} is not a decoder layer's linear with both lora_A and lora_B")
+        if any(t.dim() != 2 or 0 in t.shape for t in ab.values()):
+            raise ValueError(f"{where}: {hf_name}'s lora_A and lora_B must be matrices of rank at least 1")
         target, shard = (f"{head}.{packed[leaf][0]}", packed[leaf][1]) if leaf in packed else (f"{head}.{leaf}", 0)
         try:
             model.get_submodule(target)

@@ -193,6 +193,7 @@ def test_json_form_names_an_adapter(tiny, tmp_path):
     ("base_model.model.model.embed_tokens.lora_embedding_A", (8, 300), "not a LoRA weight of a linear layer"),
     ("base_model.model.lm_head.lora_A.weight", (8, 64), "not a decoder layer's linear"),
     ("base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight", (8, 65), "the layer takes"),
+    ("base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight", (8,), "must be matrices"),
 ])  # fmt: skip
 def test_adapter_weights_are_checked_at_load(tiny, tmp_path, key, shape, message):
     """What a config cannot say: weights on layers we do not adapt, or of the wrong shape."""
@@ -205,4 +206,15 @@ def test_adapter_weights_are_checked_at_load(tiny, tmp_path, key, shape, message
     ours = load_model(model, torch.float32, torch.device("cpu"), max_positions=64)
     modules = lora_modules(_config(tmp_path, [f"bad={path}"]))
     with pytest.raises(ValueError, match=message):
+        LoraAdapters.load(ours, modules, 16, torch.device("cpu"), torch.float32)
+
+
+def test_gpt2_refuses_adapters(tiny, tmp_path):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    config = GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=300, n_positions=64)
+    GPT2LMHeadModel(config).save_pretrained(tmp_path / "gpt2")
+    ours = load_model(tmp_path / "gpt2", torch.float32, torch.device("cpu"), max_positions=64)
+    modules = lora_modules(_config(tmp_path, [f"every={tiny[1]['every']}"]))
+    with pytest.raises(ValueError, match="Llama family and Gemma 3, not GPT2LMHeadModel"):
         LoraAdapters.load(ours, modules, 16, torch.device("cpu"), torch.float32)
