@@ -13,6 +13,12 @@ if TYPE_CHECKING:
     from common.config import EngineConfig
 
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
+LEGACY_WEIGHTS = "adapter_model.bin"  # what PEFT saved before safetensors (a pickle: read with torch's weights_only)
+
+
+def weights_file(folder: Path) -> Path | None:
+    """An adapter's weights: PEFT's safetensors file, else its older .bin."""
+    return next((folder / name for name in (ADAPTER_WEIGHTS, LEGACY_WEIGHTS) if (folder / name).is_file()), None)
 
 
 @dataclass(frozen=True)
@@ -67,8 +73,8 @@ def read_adapter_config(module: LoraModule, max_rank: int) -> AdapterConfig:
         spec = json.loads((folder / "adapter_config.json").read_text())
     except (OSError, json.JSONDecodeError) as exc:
         raise ValueError(f"{where}: cannot read adapter_config.json: {exc}") from None
-    if not (folder / ADAPTER_WEIGHTS).is_file():
-        raise ValueError(f"{where}: no {ADAPTER_WEIGHTS} (PEFT's safetensors format is the one supported)")
+    if weights_file(folder) is None:
+        raise ValueError(f"{where}: no {ADAPTER_WEIGHTS} or {LEGACY_WEIGHTS}")
     unsupported = {
         "peft_type": spec.get("peft_type", "LORA") != "LORA",
         "use_dora": bool(spec.get("use_dora")),

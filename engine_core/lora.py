@@ -18,7 +18,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from common.lora import ADAPTER_WEIGHTS, LoraModule, read_adapter_config
+from common.lora import LoraModule, read_adapter_config, weights_file
 from engine_core.models.layers import PackedLinear, can_pack_bf16
 from engine_core.models.llama import LlamaForCausalLM
 from engine_core.transfer import to_device
@@ -150,12 +150,11 @@ def _adapter_weights(
     """(our layer's name, its shard, A, B) for every linear layer the adapter changes."""
     where = f"LoRA adapter {module.name!r}"
     pairs: dict[str, dict[str, torch.Tensor]] = {}
-    with safe_open(str(Path(module.path) / ADAPTER_WEIGHTS), framework="pt") as f:
-        for key in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
-            match = _KEY.match(key)
-            if match is None:
-                raise ValueError(f"{where}: {key} is not a LoRA weight of a linear layer (nothing else is supported)")
-            pairs.setdefault(match["module"], {})[match["ab"]] = f.get_tensor(key)
+    for key, tensor in _read_weights(module).items():
+        match = _KEY.match(key)
+        if match is None or not isinstance(tensor, torch.Tensor):
+            raise ValueError(f"{where}: {key} is not a LoRA weight of a linear layer (nothing else is supported)")
+        pairs.setdefault(match["module"], {})[match["ab"]] = tensor
     for hf_name, ab in pairs.items():
         name = model.checkpoint_name(hf_name + ".weight")
         head, _, leaf = (name or "").removesuffix(".weight").rpartition(".")
@@ -169,6 +168,22 @@ def _adapter_weights(
         except AttributeError:
             raise ValueError(f"{where}: the model has no layer {hf_name}") from None
         yield target, shard, ab["A"], ab["B"]
+
+
+def _read_weights(module: LoraModule) -> dict[str, torch.Tensor]:
+    path = weights_file(Path(module.path))
+    if path is None:
+        raise ValueError(f"LoRA adapter {module.name!r}: its weights are gone from {module.path}")
+    if path.suffix == ".safetensors":
+        with safe_open(str(path), framework="pt") as f:
+            return {key: f.get_tensor(key) for key in f.keys()}  # noqa: SIM118 (safe_open is not a mapping)
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)  # tensors only: no pickled code runs
+    except Exception as exc:
+        raise ValueError(f"LoRA adapter {module.name!r}: cannot read {path}: {exc}") from None
+    if not isinstance(state, dict):
+        raise ValueError(f"LoRA adapter {module.name!r}: {path} does not hold a dict of tensors")
+    return state
 
 
 def _stack(base: nn.Module, shards: dict[int, tuple[torch.Tensor, torch.Tensor]], name: str,

@@ -107,6 +107,15 @@ async def wait_progress(runs: list[Run], more: int, timeout: float = 120.0) -> N
         await asyncio.sleep(0.02)
 
 
+async def signal_mid_stream(server: Server, runs: list[Run], sig: signal.Signals) -> int:
+    """Once every stream delivered 3 more content events, sends `sig` to the engine core; returns its pid."""
+    await wait_progress(runs, 3)
+    pid = engine_child(server)
+    assert pid is not None
+    os.kill(pid, sig)
+    return pid
+
+
 async def reference_then_start(client: httpx.AsyncClient, bodies: list[dict]):
     """Runs the bodies undisturbed for a reference, then starts them again as tasks to be disturbed."""
     reference = await asyncio.gather(*(stream(client, b) for b in bodies))
@@ -139,11 +148,8 @@ def test_streams_resume_exactly_after_two_kills(servers):
         async with httpx.AsyncClient(base_url=server.url, timeout=300) as client:
             reference, before, runs, tasks = await reference_then_start(client, bodies)
             waiting = []
-            for _ in range(2):
-                await wait_progress(runs, 3)  # mid-decode, and (the second time) after resuming
-                pid = engine_child(server)
-                assert pid is not None
-                os.kill(pid, signal.SIGKILL)
+            for _ in range(2):  # mid-decode, and (the second time) after resuming
+                pid = await signal_mid_stream(server, runs, signal.SIGKILL)
                 assert await wait_health(client, 503, timeout=5) < 2.0  # the socket monitor notices at once
                 assert "restarting" in (await client.get("/health")).json()["error"]["message"]
                 # A new request in the gap waits for the new engine (--engine-restart-timeout, 60 s here).
@@ -166,10 +172,7 @@ def test_hung_engine_is_replaced(servers):
     async def scenario() -> None:
         async with httpx.AsyncClient(base_url=server.url, timeout=300) as client:
             reference, before, runs, tasks = await reference_then_start(client, bodies)
-            await wait_progress(runs, 3)
-            pid = engine_child(server)
-            assert pid is not None
-            os.kill(pid, signal.SIGSTOP)  # alive and connected, but no longer stepping
+            pid = await signal_mid_stream(server, runs, signal.SIGSTOP)  # alive and connected, but no longer stepping
             # Detected by the ping: its timeout, plus up to one ping interval (1 s), plus polling slack.
             assert await wait_health(client, 503, timeout=30) < PING_TIMEOUT + 2.5
             await wait_health(client, 200, timeout=120)

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import signal
 
 import httpx
@@ -16,7 +15,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from tests.conftest import Server, engine_child
 from tests.engine_helpers import assert_matches_hf, hf_greedy, mixed_prompts, model_dir
 from tests.lora_helpers import ALL, merged, write_adapter
-from tests.test_api_crash import MAX_TOKENS, TOPICS, assert_same, reference_then_start, wait_health, wait_progress
+from tests.test_api_crash import MAX_TOKENS, TOPICS, assert_same, reference_then_start, signal_mid_stream, wait_health
 
 MODEL = "SmolLM2-135M-Instruct"
 
@@ -83,10 +82,7 @@ def test_adapter_streams_resume_exactly_after_a_kill(lora_server):
     async def scenario() -> None:
         async with httpx.AsyncClient(base_url=server.url, timeout=300) as client:
             reference, _, runs, tasks = await reference_then_start(client, bodies)
-            await wait_progress(runs, 3)
-            pid = engine_child(server)
-            assert pid is not None
-            os.kill(pid, signal.SIGKILL)
+            pid = await signal_mid_stream(server, runs, signal.SIGKILL)
             await wait_health(client, 503, timeout=5)
             await wait_health(client, 200, timeout=120)
             assert engine_child(server) not in (None, pid)

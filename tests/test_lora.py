@@ -6,15 +6,17 @@ from __future__ import annotations
 
 import json
 import random
+import shutil
+from pathlib import Path
 
 import msgspec
 import pytest
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from common.config import EngineConfig
-from common.lora import ADAPTER_WEIGHTS, lora_modules
+from common.lora import ADAPTER_WEIGHTS, LEGACY_WEIGHTS, lora_modules
 from common.messages import EngineRequest, FinishReason, SamplingParams
 from engine_core.core import EngineCore
 from engine_core.lora import LoraAdapters
@@ -94,6 +96,24 @@ def test_prefix_cache_keeps_adapters_apart(tiny):
     assert cached("base-2", "") == (64, base_tokens)
 
 
+def test_pefts_older_bin_format_answers_as_safetensors(tiny, tmp_path):
+    """adapter_model.bin, read with torch.load(weights_only=True): the same adapter, the same tokens."""
+    model, adapters = tiny
+    legacy = tmp_path / "legacy"
+    legacy.mkdir()
+    shutil.copy(Path(adapters["qv"]) / "adapter_config.json", legacy)
+    torch.save(load_file(str(Path(adapters["qv"]) / ADAPTER_WEIGHTS)), legacy / LEGACY_WEIGHTS)
+    core = EngineCore(fp32_config(model=model, enable_lora=True, lora_modules=[f"new={adapters['qv']}",
+                                                                               f"old={legacy}"]))  # fmt: skip
+    prompts = tiny_prompts()[:3]
+    results = run_engine(core, [lora_request(f"{name}-{i}", p, name) for i, p in enumerate(prompts)
+                                for name in ("new", "old", "")])  # fmt: skip
+    for i in range(len(prompts)):
+        new, old = tokens_of(results, [f"new-{i}", f"old-{i}"])
+        assert new == old and len(new) == MAX_NEW
+    assert any(tokens_of(results, [f"new-{i}"]) != tokens_of(results, [f"-{i}"]) for i in range(len(prompts)))
+
+
 def test_unknown_adapter_fails_alone(tiny):
     model, adapters = tiny
     core = EngineCore(fp32_config(model=model, enable_lora=True, lora_modules=[f"every={adapters['every']}"]))
@@ -170,6 +190,7 @@ def _config(tmp_path, entries: list[str], **kw) -> EngineConfig:
     (['{"name": "a"'], {}, {}, "is not JSON"),
     (["a={good}", "a={good}"], {}, {}, "given twice"),
     (["a={tmp}/missing"], {}, {}, "cannot read adapter_config.json"),
+    (["a={tmp}"], {}, {}, "no adapter_model.safetensors or adapter_model.bin"),
     (["a={good}"], {"max_lora_rank": 4}, {}, "above --max-lora-rank 4"),
     (["a={good}"], {}, {"use_dora": True}, "use_dora"),
     (["a={good}"], {}, {"modules_to_save": ["lm_head"]}, "modules_to_save"),
@@ -178,6 +199,7 @@ def _config(tmp_path, entries: list[str], **kw) -> EngineConfig:
 def test_flags_and_adapter_configs_are_checked(tiny, tmp_path, entries, kw, settings, message):
     model, _ = tiny
     good = write_adapter(tmp_path / "good", AutoConfig.from_pretrained(model), ["q_proj"], 8, 8, 0, **settings)
+    (tmp_path / "adapter_config.json").write_text((tmp_path / "good" / "adapter_config.json").read_text())
     entries = [e.replace("{good}", good).replace("{tmp}", str(tmp_path)) for e in entries]
     with pytest.raises(ValueError, match=message):
         lora_modules(_config(tmp_path, entries, **kw))
