@@ -78,6 +78,24 @@ def test_adapters_match_merged_weights_beside_the_base_model(tiny):
         assert sum(a != b for a, b in zip(ours[name], ours["base"], strict=True)) >= len(prompts) // 2
 
 
+def test_speculative_drafts_of_adapter_rows_keep_their_adapter(tiny):
+    """N-gram drafts are decode rows of their request: verified under its adapter, they change no token."""
+    model, adapters = tiny
+    motif = [11, 12, 13, 14, 15, 16, 17]
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)  # no min_tokens: it would bar drafts
+    requests = [EngineRequest(f"{lora}-{i}", (motif * 6)[i:], params, lora=lora) for i in range(4)
+                for lora in ("every", "")]  # fmt: skip
+    ids = [r.request_id for r in requests]
+    spec = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1}'
+    flags = {"model": model, "enable_lora": True, "lora_modules": [f"every={adapters['every']}"]}
+    plain = run_engine(EngineCore(fp32_config(**flags)), requests)
+    core = EngineCore(fp32_config(speculative_config=spec, **flags))
+    drafted = run_engine(core, requests, stagger=2)
+    assert tokens_of(drafted, ids) == tokens_of(plain, ids)
+    assert core.scheduler.stats().num_accepted_tokens > 0
+    assert tokens_of(plain, ids[0::2]) != tokens_of(plain, ids[1::2])  # the adapter's answers are its own
+
+
 def test_prefix_cache_keeps_adapters_apart(tiny):
     """The same prompt under another adapter reuses none of the K/V; under the same adapter it does."""
     model, adapters = tiny
