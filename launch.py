@@ -71,9 +71,10 @@ def bind_http(host: str, port: int) -> socket.socket:
 
 
 class Launch:
-    def __init__(self, engine_config: EngineConfig, config: ServerConfig) -> None:
+    def __init__(self, engine_config: EngineConfig, config: ServerConfig, adapters: dict[str, str]) -> None:
         self.engine_config = engine_config
         self.config = config
+        self.adapters = adapters  # --lora-modules, checked: name -> directory
         addresses = ipc.Addresses.new_ipc()
         self.client = AsyncEngineClient(addresses, supervisors(engine_config, addresses, config.data_parallel_size),
                                         config.engine_ping_timeout, config.max_queued_requests)  # fmt: skip
@@ -171,7 +172,7 @@ class Launch:
         # After EngineReady: the engine resolved (and for a .gguf, converted) the model, so this is a cache hit.
         source = resolve_model(self.engine_config.model)
         model_name = self.config.served_model_name or ready.model
-        adapters = {m.name: m.path for m in lora_modules(self.engine_config)}
+        adapters = self.adapters
         if model_name in adapters:
             print(f"error: --lora-modules: the adapter name {model_name!r} is the base model's name", file=sys.stderr)
             return 2
@@ -219,7 +220,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         tp_layout(engine_config)
         SpeculativeConfig.parse(engine_config.speculative_config)  # a bad one fails here, before the engine loads
-        lora_modules(engine_config)  # the flags and each adapter's config, likewise
+        adapters = {m.name: m.path for m in lora_modules(engine_config)}  # each adapter's config, likewise
         # The flags' own generation config and override, checked before the engine loads (the model's, once it has)
         gen = "vllm" if config.generation_config == "auto" else config.generation_config
         load_sampling_defaults(Path(), gen, config.override_generation_config)
@@ -235,7 +236,7 @@ def main(argv: list[str] | None = None) -> int:
         return run_node_agent(engine_config)
 
     async def run() -> int:  # the sockets and tasks belong to this loop
-        return await Launch(engine_config, config).run()
+        return await Launch(engine_config, config, adapters).run()
 
     return asyncio.run(run())
 

@@ -6,13 +6,15 @@ from __future__ import annotations
 import asyncio
 import json
 import signal
+import subprocess
+import sys
 
 import httpx
 import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from tests.conftest import Server, engine_child
+from tests.conftest import REPO, SERVER_ARGS, Server, engine_child, free_port
 from tests.engine_helpers import assert_matches_hf, hf_greedy, mixed_prompts, model_dir
 from tests.lora_helpers import ALL, merged, write_adapter
 from tests.test_api_crash import MAX_TOKENS, TOPICS, assert_same, reference_then_start, signal_mid_stream, wait_health
@@ -90,3 +92,18 @@ def test_adapter_streams_resume_exactly_after_a_kill(lora_server):
 
     asyncio.run(scenario())
     assert "resumed 6 unfinished requests" in server.log.read_text()
+
+
+@pytest.mark.parametrize(("flags", "message"), [
+    (["--lora-modules", "sql={sql}"], "--lora-modules needs --enable-lora"),
+    (["--enable-lora", "--lora-modules", "sql={sql}", "--max-lora-rank", "4"], "above --max-lora-rank 4"),
+    (["--enable-lora", "--lora-modules", "sql={sql}", "--served-model-name", "sql"], "is the base model's name"),
+])  # fmt: skip
+def test_launch_refuses_bad_lora_flags(lora_server, flags, message):
+    """Exit 2 and one line that says why: before the engine starts, or (a name taken by the model) once it has."""
+    _, adapters = lora_server
+    args = [f.replace("{sql}", adapters["sql"]) for f in flags]
+    proc = subprocess.run([sys.executable, "launch.py", "--port", str(free_port()), *SERVER_ARGS, *args], cwd=REPO,
+                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert message in proc.stderr and "Traceback" not in proc.stderr
