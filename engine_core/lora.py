@@ -76,15 +76,19 @@ def low_rank(a: torch.Tensor, b: torch.Tensor, device: torch.device, dtype: torc
 class LoraAdapters:
     """The loaded adapters, by name: slot 0 is the base model, adapter i is slot i + 1."""
 
-    def __init__(self, names: list[str], step: LoraStep, device: torch.device) -> None:
+    def __init__(self, names: list[str], step: LoraStep, device: torch.device,
+                 layers: dict[str, LoraLinear] | None = None) -> None:  # fmt: skip
         self.slots = {name: i + 1 for i, name in enumerate(names)}
         self.step, self.device = step, device
+        self.layers = layers or {}  # our layer's name -> its wrapper, put in the model by attach()
 
     @staticmethod
     def load(model: nn.Module, modules: list[LoraModule], max_rank: int, device: torch.device,
              dtype: torch.dtype) -> LoraAdapters:  # fmt: skip
-        """`dtype`: the model's. The adapters compute in it where its matmuls are fast (CUDA, fp32, bf16 on a CPU that
-        packs bf16 linears: a quarter of fp32's time for a prefill chunk's products), else in fp32."""
+        """Every adapter's weights, on the device (so that a GPU's memory profile counts them), in the wrappers that
+        attach() puts in the model. `dtype`: the model's. The adapters compute in it where its matmuls are fast (CUDA,
+        fp32, bf16 on a CPU that packs bf16 linears: a quarter of fp32's time for a prefill chunk's products), else
+        in fp32."""
         if not modules:
             return LoraAdapters([], LoraStep(), device)
         if not isinstance(model, LlamaForCausalLM):  # Gemma 3's layers are the Llama family's
@@ -102,13 +106,19 @@ class LoraAdapters:
         step = LoraStep()
         fast = device.type == "cuda" or dtype == torch.float32 or (dtype == torch.bfloat16 and can_pack_bf16())
         compute = dtype if fast and dtype in (torch.float32, torch.bfloat16, torch.float16) else torch.float32
+        layers = {}
         for target, adapters in found.items():
             base = model.get_submodule(target)
             updates = {index: low_rank(*_stack(base, shards, modules[index].name, target), device, compute)
                        for index, shards in adapters.items()}  # fmt: skip
+            layers[target] = LoraLinear(base, updates, compute, step)
+        return LoraAdapters([m.name for m in modules], step, device, layers)
+
+    def attach(self, model: nn.Module) -> None:
+        """Puts the wrappers in place of their base layers (after the decode stack and the CUDA graphs took those)."""
+        for target, wrapper in self.layers.items():
             parent, _, attr = target.rpartition(".")
-            setattr(model.get_submodule(parent), attr, LoraLinear(base, updates, compute, step))
-        return LoraAdapters([m.name for m in modules], step, device)
+            setattr(model.get_submodule(parent), attr, wrapper)
 
     @property
     def active(self) -> bool:

@@ -59,6 +59,8 @@ class ModelRunner:
         self.model = load_model(model_path, self.dtype, self.device, max_positions=max_model_len)
         # int8, or packed bf16 on CPU; min_rows keeps a row's result independent of the rows beside it.
         self.min_rows = prepare_linears(self.model, config.quantization, self.device, self.dtype)
+        # Before the KV cache is sized, so that their memory counts; put in the model once the base layers are taken.
+        self.lora = LoraAdapters.load(self.model, lora_modules(config), config.max_lora_rank, self.device, self.dtype)
         self.progress = Progress()  # liveness inside long steps (engine_core/pulse.py); the LM head is now final
         self.progress.watch(self.model)
         self.vocab_size = self.model.config.vocab_size
@@ -83,8 +85,7 @@ class ModelRunner:
                                               self.block_size, self.device, self.attn_backend.index_dtype,
                                               mixed=config.mixed_step_graphs)  # fmt: skip
             self.decode_graphs.capture_all()
-        # After the decode stack and the graphs, which hold the base layers: a step with adapter rows runs eagerly.
-        self.lora = LoraAdapters.load(self.model, lora_modules(config), config.max_lora_rank, self.device, self.dtype)
+        self.lora.attach(self.model)  # the decode stack and the graphs hold the base layers: adapter steps run eagerly
         self.sampler = Sampler(self.device, self.vocab_size, config.seed)
         self.last_forward_time = 0.0
 
