@@ -86,6 +86,7 @@ class EngineRequest(_Msg, tag="add"):
     # Tokens already streamed to the client: a restarted engine resumes after them.
     output_token_ids: list[int] = []
     lora: str = ""  # the LoRA adapter that serves it, by its --lora-modules name ("": the base model)
+    cache_salt: str = ""  # vLLM's: its prefix-cache blocks are shared only with requests of the same salt
 
 
 class AbortRequest(_Msg, tag="abort"):

@@ -5,8 +5,9 @@ A full block is identified by a hash chained over its parent's hash and its key:
 them are prompt positions (which ran through the prefill kernel; the rest ran as decode rows). So a hit means the
 whole prefix matches and each position was computed by the kernel the new request would use: a request whose prompt
 holds an earlier answer (a multi-turn chat) prefills that answer's blocks again instead of taking decode-made K/V.
-The key also names the LoRA adapter that served the request: another adapter's (or the base model's) K/V of the same
-tokens is another K/V. The key is compared too, so a hash collision is a miss.
+The key also names the LoRA adapter that served the request (another adapter's K/V of the same tokens is another K/V)
+and the request's cache_salt (a tenant's secret: nobody without it can tell from a hit's speed what it asked). The
+key is compared too, so a hash collision is a miss.
 """
 
 from __future__ import annotations
@@ -15,8 +16,8 @@ from collections import OrderedDict
 
 from engine_core.request import Request
 
-# (the LoRA adapter that computed it, prompt positions in the block, its token ids): an adapter's K/V differs
-BlockKey = tuple[int, int, tuple[int, ...]]
+# (the LoRA adapter that computed it, the request's cache_salt, prompt positions in the block, its token ids)
+BlockKey = tuple[int, str, int, tuple[int, ...]]
 
 
 class Block:
@@ -105,7 +106,7 @@ class KVCacheManager:
     def _block_key(self, req: Request, index: int) -> BlockKey:
         start = index * self.block_size
         num_prompt = min(max(req.num_prompt_tokens - start, 0), self.block_size)
-        return req.lora_slot, num_prompt, tuple(req.token_ids[start : start + self.block_size])
+        return req.lora_slot, req.cache_salt, num_prompt, tuple(req.token_ids[start : start + self.block_size])
 
     def _extend_hashes(self, req: Request, num_tokens: int) -> None:
         """Hashes every full block within the first num_tokens tokens that has none yet."""

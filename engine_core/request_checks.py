@@ -17,6 +17,7 @@ from common.messages import (
 )
 
 MAX_STOP_TOKEN_IDS = 64
+MAX_CACHE_SALT = 1024  # characters (the API takes 256)
 # vLLM's (0, 2], floored: logits are divided by it, and below this a float32 row overflows to inf
 # (1e-300 is 0.0 in float32), which turns sampling and logprobs into NaN.
 MIN_REPETITION_PENALTY = 1e-6
@@ -39,6 +40,8 @@ def invalid_request(msg: EngineRequest, vocab_size: int, max_model_len: int, run
         return "eos_token_ids out of range"
     if bad := [name for name, ok in _param_checks(msg.params, vocab_size, in_vocab) if not ok]:
         return f"sampling parameter {bad[0]} out of range"
+    if len(msg.cache_salt) > MAX_CACHE_SALT:
+        return "cache_salt too long"
     if msg.request_id in running:
         return f"request id {msg.request_id!r} is already running"
     return None

@@ -22,6 +22,7 @@ MAX_ALLOWED_TOKENS = 1 << 18  # allowed_token_ids: more than any vocabulary we s
 MAX_CHOICES = 1024  # guided_choice strings
 MIN_TOP_P = 1e-6  # any smaller keeps only the top token too; subnormals would read as 0 in the engine (flush-to-zero)
 SEED_BOUNDS = {"ge": -(2**63), "le": 2**63 - 1}  # what the wire (msgpack int64) carries
+MAX_CACHE_SALT = 256  # characters of a cache_salt
 DEFAULT_COMPLETION_TOKENS = 16  # /v1/completions with max_tokens absent or null, as OpenAI and vLLM
 
 
@@ -40,6 +41,9 @@ TemplateScalar = Text | bool | int | float | None
 TemplateKwargs = Annotated[dict[Text, TemplateScalar | list[TemplateScalar] | dict[Text, TemplateScalar]],
                            Field(max_length=64)]  # fmt: skip
 StopText = Annotated[Text, Field(max_length=MAX_STOP_CHARS)]
+# vLLM's: the prefix cache holds this request's blocks apart from those of requests without the same salt, so that
+# another user cannot learn from a cache hit's speed what was asked (a secret per tenant, e.g. 256 random bits).
+CacheSalt = Annotated[Text, Field(min_length=1, max_length=MAX_CACHE_SALT)]
 # OpenAI: token id (a JSON key, so a string) -> bias added to its logit before sampling.
 LogitBias = Annotated[dict[int, Annotated[float, Field(ge=-100, le=100)]], Field(max_length=MAX_LOGIT_BIAS)]
 
@@ -100,6 +104,7 @@ class SamplingFields(ApiModel):
     priority: int = Field(0, ge=-(2**31), le=2**31 - 1)
     # vLLM's: only the prompt's last k tokens are kept (-1: as many as the context holds)
     truncate_prompt_tokens: int | None = Field(None, ge=-1)
+    cache_salt: CacheSalt | None = None
 
     @property
     def stop_strings(self) -> list[str]:

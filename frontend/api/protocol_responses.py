@@ -14,6 +14,7 @@ from frontend.api.protocol import (
     MAX_TOOLS,
     SEED_BOUNDS,
     ApiModel,
+    CacheSalt,
     ChatCompletionRequest,
     ChatMessage,
     FunctionCall,
@@ -156,6 +157,7 @@ class ResponsesRequest(ApiModel):
     metadata: dict[MetadataKey, MetadataValue] | None = Field(None, max_length=MAX_METADATA)
     user: Text | None = None
     priority: int = Field(0, ge=-(2**31), le=2**31 - 1)  # vLLM's, as on chat (--scheduling-policy priority)
+    cache_salt: CacheSalt | None = None  # vLLM's, as on chat
     store: bool = True  # accepted, but nothing is stored: the response says store false
     # Server-side state, which this server does not keep: refused with a 400 saying what to send instead.
     previous_response_id: Text | None = None
@@ -235,6 +237,7 @@ def chat_request(req: ResponsesRequest) -> ChatCompletionRequest:
             "model": req.model, "messages": _messages(req), "max_completion_tokens": req.max_output_tokens,
             "temperature": req.temperature, "top_p": req.top_p, "seed": req.seed, "user": req.user,
             "stream": req.stream, "tools": tools or None, "tool_choice": named, "priority": req.priority,
+            "cache_salt": req.cache_salt,
             "parallel_tool_calls": req.parallel_tool_calls, "response_format": _response_format(req.text)})  # fmt: skip
     except ValidationError as exc:  # every field was checked above with chat's own bounds; a safety net
         raise from_validation_errors(list(exc.errors())) from None

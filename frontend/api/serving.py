@@ -136,8 +136,9 @@ class ServingContext:
 
         try:
             await self.client.wait_available()
+            shared = {"priority": self.priority(req), "lora": self.lora(req.model), "cache_salt": req.cache_salt or ""}
             return FanOut(self.client, request_id, prompts, req.n, params, detokenizer,
-                          req.include_stop_str_in_output, self.priority(req), self.lora(req.model))  # fmt: skip
+                          req.include_stop_str_in_output, shared)  # fmt: skip
         except (EngineUnavailable, QueueFull) as exc:  # the capacity others took while this one tokenized
             raise _unavailable(exc) from exc
 

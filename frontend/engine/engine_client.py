@@ -191,8 +191,8 @@ class AsyncEngineClient:
         stream = RequestStream(request, detokenizer, include_stop_token, self.pacing)
         live = [h for h in self.handles if h.healthy]  # a dead engine takes nothing new while it restarts
         while True:
-            router = self.router
-            handle = live[0] if router is None else router.choose(request.prompt_token_ids, live, request.lora)
+            scope = (request.lora, request.cache_salt)
+            handle = live[0] if self.router is None else self.router.choose(request.prompt_token_ids, live, scope)
             live.remove(handle)
             # An engine that refuses the send died a moment ago: another live one takes it, else it waits there.
             if handle.add(stream, park=not live):

@@ -29,7 +29,8 @@ class Choice:
 class FanOut:
     def __init__(self, client: AsyncEngineClient, request_id: str, prompts: list[list[int]], n: int,
                  params: SamplingParams, make_detokenizer: Callable[[list[int]], IncrementalDetokenizer],
-                 include_stop_token: bool = False, priority: int = 0, lora: str = "") -> None:  # fmt: skip
+                 include_stop_token: bool = False, shared: dict[str, Any] | None = None) -> None:  # fmt: skip
+        """shared: EngineRequest fields every choice takes (priority, lora, cache_salt)."""
         client.check_capacity(len(prompts) * n)  # all or nothing: no half-admitted request
         self.client = client
         self.prompts = prompts
@@ -45,8 +46,7 @@ class FanOut:
                     # reproducible and distinct.
                     p = params if j == 0 or params.seed is None else msgspec.structs.replace(
                         params, seed=(params.seed + j) % 2**63)  # fmt: skip
-                    req = EngineRequest(f"{request_id}-{index}", prompt, p, arrival_time=arrival, priority=priority,
-                                        lora=lora)  # fmt: skip
+                    req = EngineRequest(f"{request_id}-{index}", prompt, p, arrival_time=arrival, **(shared or {}))
                     stream = client.add(req, make_detokenizer(prompt), include_stop_token)
                     self.choices.append(Choice(index, prompt_index, stream))
         except BaseException:

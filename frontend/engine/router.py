@@ -36,20 +36,20 @@ class PrefixRouter:
         self.max_blocks = max_blocks
         self._engines: OrderedDict[int, int] = OrderedDict()  # chain hash -> bit mask of engine indices
 
-    def block_hashes(self, prompt: Sequence[int], lora: str = "") -> list[int]:
+    def block_hashes(self, prompt: Sequence[int], scope: tuple[str, str] = ("", "")) -> list[int]:
         # The engine caches a prompt's full blocks but the last token's (it must compute the first output's logits),
-        # each under the LoRA adapter that computed it.
+        # each under the LoRA adapter that computed it and the request's cache_salt: `scope`.
         n = min((len(prompt) - 1) // self.block_size, self.max_blocks)
-        hashes, h = [], hash(lora) if lora else 0
+        hashes, h = [], hash(scope) if any(scope) else 0
         for i in range(n):
             h = hash((h, tuple(prompt[i * self.block_size : (i + 1) * self.block_size])))
             hashes.append(h)
         return hashes
 
-    def choose(self, prompt: Sequence[int], engines: Sequence[E], lora: str = "") -> E:
-        """The engine for `prompt` (served by the adapter `lora`) among `engines` (those that take new requests now);
-        remembers the choice."""
-        hashes = self.block_hashes(prompt, lora)
+    def choose(self, prompt: Sequence[int], engines: Sequence[E], scope: tuple[str, str] = ("", "")) -> E:
+        """The engine for `prompt` (its LoRA adapter and cache_salt: `scope`) among `engines` (those that take new
+        requests now); remembers the choice."""
+        hashes = self.block_hashes(prompt, scope)
         masks = [self._engines.get(h, 0) for h in hashes]
 
         def cost(engine: E) -> tuple[int, int]:
