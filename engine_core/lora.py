@@ -81,6 +81,7 @@ class LoraAdapters:
         self.slots = {name: i + 1 for i, name in enumerate(names)}
         self.step, self.device = step, device
         self.layers = layers or {}  # our layer's name -> its wrapper, put in the model by attach()
+        self.in_stack = False  # whether the CPU decode stack adds the adapters itself (attach)
 
     @staticmethod
     def load(model: nn.Module, modules: list[LoraModule], max_rank: int, device: torch.device,
@@ -115,10 +116,13 @@ class LoraAdapters:
         return LoraAdapters([m.name for m in modules], step, device, layers)
 
     def attach(self, model: nn.Module) -> None:
-        """Puts the wrappers in place of their base layers (after the decode stack and the CUDA graphs took those)."""
+        """Puts the wrappers in place of their base layers (after the decode stack and the CUDA graphs took those),
+        and gives the decode stack the adapters where it can add them itself."""
         for target, wrapper in self.layers.items():
             parent, _, attr = target.rpartition(".")
             setattr(model.get_submodule(parent), attr, wrapper)
+        stack = getattr(model, "decode_stack", None)
+        self.in_stack = bool(self.layers) and stack is not None and stack.attach_lora(self.layers, self.step, len(self.slots))
 
     @property
     def active(self) -> bool:
@@ -140,8 +144,8 @@ class LoraAdapters:
 
     @contextmanager
     def eager(self, model: nn.Module) -> Iterator[None]:
-        """The Python layers for this step: the one-call C decode stack knows nothing of the adapters."""
-        stack = getattr(model, "decode_stack", None)
+        """The Python layers for this step, unless the one-call C decode stack adds the adapters itself."""
+        stack = None if self.in_stack else getattr(model, "decode_stack", None)
         if stack is not None:
             model.decode_stack = None
         try:

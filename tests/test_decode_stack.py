@@ -8,9 +8,12 @@ import pytest
 import torch
 import transformers
 
+from bench.make_random_lora import ALL, write_adapter
 from common.config import EngineConfig
+from common.lora import LoraModule
 from engine_core.attention import TorchBackend
 from engine_core.core import EngineCore
+from engine_core.lora import LoraAdapters
 from engine_core.models.cpu_decode import DecodeStack
 from engine_core.models.loader import build_model
 from engine_core.models.quant import prepare_linears
@@ -133,3 +136,31 @@ def test_engine_attaches_the_stack_on_cpu_bf16_with_the_same_tokens(tiny_dir: st
     assert ours == reference
     fp32 = EngineCore(EngineConfig(model=tiny_dir, dtype="float32", kv_cache_memory=0.05, max_num_seqs=8))
     assert fp32.runner.model.decode_stack is None
+
+
+@needs_linear_kernels
+@pytest.mark.parametrize("slots", [[1, 0, 2, 1, 2, 0, 1, 1, 2], [1] * 9])  # adapters among base rows; one on all
+def test_stack_adds_lora_adapters_as_the_layers_do(tmp_path, slots: list[int]) -> None:
+    """Two adapters (one on every linear, one on q and v) over a decode step's rows: the stack's logits are the
+    Python layers' bit for bit (gathered rows, and all rows at once), and not the base model's."""
+
+    def decodes(stack: bool, lora: bool) -> list[torch.Tensor]:
+        model = tiny_llama(False, None)
+        run = PagedRun(model, 9, 64, dtype=torch.bfloat16)
+        model.decode_stack = DecodeStack.build(model) if stack else None
+        config = model.config
+        modules = [LoraModule("every", write_adapter(tmp_path / "every", config, ALL, 8, 16, seed=1, std=0.1)),
+                   LoraModule("qv", write_adapter(tmp_path / "qv", config, ["q_proj", "v_proj"], 4, 8, seed=2,
+                                                  std=0.2))] if lora else []  # fmt: skip
+        adapters = LoraAdapters.load(model, modules, 16, CPU, torch.bfloat16)
+        adapters.attach(model)
+        assert adapters.in_stack == (stack and lora)
+        g = torch.Generator().manual_seed(1)
+        run.prefill([torch.randint(0, 96, (n,), generator=g).tolist() for n in (3, 17, 9, 5, 12, 8, 4, 20, 6)])
+        adapters.plan(slots)
+        return [run.decode(torch.randint(0, 96, (9,), generator=g).tolist()) for _ in range(6)]
+
+    reference, ours, base = decodes(stack=False, lora=True), decodes(stack=True, lora=True), decodes(True, False)
+    for i, (a, b) in enumerate(zip(ours, reference, strict=True)):
+        assert torch.equal(a, b), (i, (a.float() - b.float()).abs().max().item())
+    assert not torch.equal(ours[-1], base[-1])

@@ -25,13 +25,50 @@ typedef struct {
     int64_t q8;  // int8 panels
 } PackedWeight;
 
+// A LoRA adapter's update of one linear (engine_core/lora.py): x -> (x A^T) B^T, A and B bf16 panels.
+typedef struct {
+    const void* a;  // [rank, in]; NULL: the adapter leaves this linear alone
+    const void* b;  // [out, rank]
+    int64_t rank;
+} LoraPair;
+
 typedef struct {
     const uint16_t *input_norm, *post_norm;
     const uint16_t *q_norm, *k_norm;  // Qwen3's norms of each q and k head, or NULL
     PackedWeight qkv, o, gate_up, down;
     uint16_t *k_cache, *v_cache;  // [blocks, block_size, num_kv_heads, head_dim]
     int64_t window;  // sliding window (each query sees its last `window` keys), 0 for none
+    const LoraPair* lora[4];  // qkv, o, gate_up, down: one entry per adapter, or NULL where no adapter changes it
 } DecodeLayer;
+
+// This step's rows of each adapter: group g is adapter[g], rows[offsets[g] .. offsets[g + 1]).
+typedef struct {
+    int64_t num_groups;
+    const int64_t *adapter, *offsets, *rows;
+    uint16_t* work;  // the step's rows x (widest input + largest rank + widest output)
+} LoraGroups;
+
+// out[rows] += (x[rows] A^T) B^T for each group, as LoraLinear adds it: the same kernel on the gathered rows (a row's
+// result does not depend on the rows beside it), then a bf16 add rounded as torch rounds it.
+static void add_lora(const uint16_t* x, int64_t ldx, int64_t k, const LoraPair* pairs, const LoraGroups* g,
+                     uint16_t* out, int64_t ldo, int64_t n) {
+    if (pairs == NULL || g == NULL) return;
+    for (int64_t gi = 0; gi < g->num_groups; gi++) {
+        const LoraPair* p = &pairs[g->adapter[gi]];
+        if (p->a == NULL) continue;
+        const int64_t m = g->offsets[gi + 1] - g->offsets[gi];
+        const int64_t* rows = g->rows + g->offsets[gi];
+        uint16_t *xs = g->work, *t = xs + m * k, *d = t + m * p->rank;
+        for (int64_t r = 0; r < m; r++) memcpy(xs + r * k, x + rows[r] * ldx, k * sizeof(uint16_t));
+        linear(xs, k, m, p->a, 0, NULL, t, p->rank, p->rank, k);
+        linear(t, p->rank, m, p->b, 0, NULL, d, n, n, p->rank);
+        for (int64_t r = 0; r < m; r++) {
+            uint16_t* o = out + rows[r] * ldo;
+            const uint16_t* dr = d + r * n;
+            for (int64_t j = 0; j < n; j++) o[j] = bf16_store(bf16_load(o[j]) + bf16_load(dr[j]));
+        }
+    }
+}
 
 typedef struct {
     int64_t num_layers, hidden, num_q_heads, num_kv_heads, head_dim, intermediate, block_size;
@@ -45,11 +82,12 @@ int64_t decode_stack_work(const StackShape* s, int64_t rows) {
 }
 
 // x: [rows, hidden] the step's embeddings (used as scratch); out: [rows, hidden] the final norm's output.
-// positions, slots, seq_lens: [rows]; block_tables: [rows, max_blocks]; cos/sin: the fp32 rotary tables.
+// positions, slots, seq_lens: [rows]; block_tables: [rows, max_blocks]; cos/sin: the fp32 rotary tables; lora: the
+// step's adapter rows, or NULL.
 void decode_stack_bf16(const DecodeLayer* layers, const StackShape* s, const uint16_t* final_norm, uint16_t* x,
                        uint16_t* out, int64_t rows, const int64_t* positions, const float* cos, const float* sin,
                        const int64_t* slots, const int64_t* block_tables, int64_t max_blocks,
-                       const int64_t* seq_lens, uint16_t* work) {
+                       const int64_t* seq_lens, uint16_t* work, const LoraGroups* lora) {
     const int64_t hidden = s->hidden, inter = s->intermediate, hd = s->head_dim;
     const int64_t q_size = s->num_q_heads * hd, kv_size = s->num_kv_heads * hd, qkv_size = q_size + 2 * kv_size;
     uint16_t* residual = work;
@@ -65,6 +103,7 @@ void decode_stack_bf16(const DecodeLayer* layers, const StackShape* s, const uin
         if (i == 0) rms_norm_bf16(x, NULL, l->input_norm, normed, rows, (int)hidden, s->eps);
         else rms_norm_bf16(x, residual, l->input_norm, normed, rows, (int)hidden, s->eps);
         linear(normed, hidden, rows, l->qkv.packed, (int)l->qkv.q8, l->qkv.bias, qkv, qkv_size, qkv_size, hidden);
+        add_lora(normed, hidden, hidden, l->lora[0], lora, qkv, qkv_size, qkv_size);
         for (int64_t r = 0; l->q_norm && r < rows; r++) {  // in place: the kernel reads a row before writing it
             uint16_t* row = qkv + r * qkv_size;
             rms_norm_bf16(row, NULL, l->q_norm, row, s->num_q_heads, (int)hd, s->eps);
@@ -80,11 +119,14 @@ void decode_stack_bf16(const DecodeLayer* layers, const StackShape* s, const uin
         paged_decode_bf16(q, l->k_cache, l->v_cache, block_tables, seq_lens, attn, (int)rows, (int)s->num_q_heads,
                           (int)s->num_kv_heads, (int)hd, (int)s->block_size, (int)max_blocks, s->scale, l->window);
         linear(attn, q_size, rows, l->o.packed, (int)l->o.q8, l->o.bias, x, hidden, hidden, q_size);
+        add_lora(attn, q_size, q_size, l->lora[1], lora, x, hidden, hidden);
         rms_norm_bf16(x, residual, l->post_norm, normed, rows, (int)hidden, s->eps);
         linear(normed, hidden, rows, l->gate_up.packed, (int)l->gate_up.q8, l->gate_up.bias, gate_up, 2 * inter,
                2 * inter, hidden);
+        add_lora(normed, hidden, hidden, l->lora[2], lora, gate_up, 2 * inter, 2 * inter);
         silu_and_mul_bf16(gate_up, act, rows, (int)inter);
         linear(act, inter, rows, l->down.packed, (int)l->down.q8, l->down.bias, x, hidden, hidden, inter);
+        add_lora(act, inter, inter, l->lora[3], lora, x, hidden, hidden);
     }
     rms_norm_bf16(x, residual, final_norm, out, rows, (int)hidden, s->eps);
 }

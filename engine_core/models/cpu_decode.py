@@ -10,6 +10,7 @@ the tests compare it with. `DecodeStack.build` answers None for a model it canno
 from __future__ import annotations
 
 import ctypes
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -18,6 +19,9 @@ from engine_core.attention import AttentionMetadata, CpuKernelBackend
 from engine_core.cpu_kernels import CpuKernels, cpu_kernels
 from engine_core.models.layers import PackedLinear
 from engine_core.models.quant import Int8Linear
+
+if TYPE_CHECKING:
+    from engine_core.lora import LoraLinear, LoraStep
 
 _P, _I64 = ctypes.c_void_p, ctypes.c_int64
 
@@ -29,7 +33,18 @@ class _PackedWeight(ctypes.Structure):
 class _DecodeLayer(ctypes.Structure):
     _fields_ = [("input_norm", _P), ("post_norm", _P), ("q_norm", _P), ("k_norm", _P), ("qkv", _PackedWeight),
                 ("o", _PackedWeight), ("gate_up", _PackedWeight), ("down", _PackedWeight), ("k_cache", _P),
-                ("v_cache", _P), ("window", _I64)]  # fmt: skip
+                ("v_cache", _P), ("window", _I64), ("lora", _P * 4)]  # fmt: skip
+
+
+class _LoraPair(ctypes.Structure):
+    _fields_ = [("a", _P), ("b", _P), ("rank", _I64)]
+
+
+class _LoraGroups(ctypes.Structure):
+    _fields_ = [("num_groups", _I64), ("adapter", _P), ("offsets", _P), ("rows", _P), ("work", _P)]
+
+
+LORA_LINEARS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")  # the C order
 
 
 class _StackShape(ctypes.Structure):
@@ -63,7 +78,54 @@ class DecodeStack:
         self._work = lib.decode_stack_work
         self._work.argtypes, self._work.restype = [_P, _I64], _I64
         self._run = lib.decode_stack_bf16
-        self._run.argtypes = [_P, _P, _P, _P, _P, _I64, _P, _P, _P, _P, _P, _I64, _P, _P]
+        self._run.argtypes = [_P, _P, _P, _P, _P, _I64, _P, _P, _P, _P, _P, _I64, _P, _P, _P]
+        self.lora: LoraStep | None = None  # the adapters' rows of each step, once attach_lora took them
+        self._lora_pairs: list = []  # the ctypes arrays the layers' lora pointers point into
+        self._lora_width = 0  # bf16 elements of LoRA scratch per row
+
+    def attach_lora(self, wrappers: dict[str, LoraLinear], step: LoraStep, count: int) -> bool:
+        """Adds the LoRA adapters' updates (engine_core/lora.py) to the linears they change, where our kernel runs
+        every A and B; False (and nothing attached) otherwise: adapter steps then take the Python layers. `count`: the
+        adapters; each linear's array has an entry for every one (NULL where the adapter leaves it alone)."""
+        width = 0
+        per_layer = []
+        for i in range(len(self.layers)):
+            pointers = []
+            for name in LORA_LINEARS:
+                wrapper = wrappers.get(f"layers.{i}.{name}")
+                if wrapper is None:
+                    pointers.append(None)
+                    continue
+                pairs = (_LoraPair * count)()
+                for index, update in enumerate(wrapper.by_index):
+                    if update is None:
+                        continue
+                    shrink, expand = update
+                    if _weight(shrink) is None or _weight(expand) is None:  # an odd rank: not our kernel's
+                        return False
+                    pairs[index] = _LoraPair(shrink.packed_weight.data_ptr(), expand.packed_weight.data_ptr(),
+                                             shrink.out_features)  # fmt: skip
+                    width = max(width, shrink.in_features + shrink.out_features + expand.out_features)
+                self._lora_pairs.append(pairs)
+                pointers.append(ctypes.cast(pairs, _P).value)
+            per_layer.append(pointers)
+        for layer, pointers in zip(self.layers, per_layer, strict=True):
+            layer.lora = (_P * 4)(*pointers)
+        self.lora, self._lora_width = step, width
+        return True
+
+    def _lora_groups(self, rows: int) -> tuple[_LoraGroups, list[torch.Tensor]] | None:
+        """This step's adapter rows for the C call, and the tensors it points into (kept alive by the caller)."""
+        if self.lora is None or not self.lora.groups:
+            return None
+        adapter, offsets, ids = [], [0], []
+        for index, group_rows, n in self.lora.groups:
+            adapter.append(index)
+            ids.append(torch.arange(rows) if group_rows is None else group_rows[:n])
+            offsets.append(offsets[-1] + n)
+        tensors = [torch.tensor(adapter), torch.tensor(offsets), torch.cat(ids).contiguous(),
+                   torch.empty(rows * self._lora_width, dtype=torch.bfloat16)]  # fmt: skip
+        return _LoraGroups(len(adapter), *(t.data_ptr() for t in tensors)), tensors
 
     @staticmethod
     def build(model: nn.Module) -> DecodeStack | None:
@@ -120,7 +182,9 @@ class DecodeStack:
         slots = meta.slot_mapping.contiguous()
         out = torch.empty_like(x)
         work = torch.empty(self._work(ctypes.byref(self.shape), rows), dtype=torch.bfloat16)
+        lora = self._lora_groups(rows)
         self._run(self.layers, ctypes.byref(self.shape), self.model.norm.weight.data_ptr(), x.data_ptr(),
                   out.data_ptr(), rows, positions.data_ptr(), self.rotary.cos.data_ptr(), self.rotary.sin.data_ptr(),
-                  slots.data_ptr(), tables.data_ptr(), tables.shape[1], lens.data_ptr(), work.data_ptr())  # fmt: skip
+                  slots.data_ptr(), tables.data_ptr(), tables.shape[1], lens.data_ptr(), work.data_ptr(),
+                  None if lora is None else ctypes.byref(lora[0]))  # fmt: skip
         return out
