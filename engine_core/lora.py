@@ -3,8 +3,9 @@ start and stays resident: a layer an adapter changes is wrapped in a LoraLinear 
 and a step's rows that an adapter serves get x A^T B^T (scaled as PEFT scales) added to the base layer's output.
 Rows of other adapters and of the base model share the same step: the adapter is a property of each token row.
 
-The base layers run as they do without adapters (packed bf16 or int8 kernels on CPU); a step with adapter rows runs
-eagerly through the Python layers, since the one-call C decode stack and the CUDA graphs hold the base weights only.
+The base layers run as they do without adapters (packed bf16 or int8 kernels on CPU). The one-call CPU decode stack
+adds the adapters itself, bit for bit as the wrappers do (engine_core/models/cpu_decode.py: attach_lora); any other
+step with adapter rows runs eagerly through the Python layers, since the CUDA graphs hold the base weights only.
 """
 
 from __future__ import annotations
@@ -122,7 +123,8 @@ class LoraAdapters:
             parent, _, attr = target.rpartition(".")
             setattr(model.get_submodule(parent), attr, wrapper)
         stack = getattr(model, "decode_stack", None)
-        self.in_stack = bool(self.layers) and stack is not None and stack.attach_lora(self.layers, self.step, len(self.slots))
+        if self.layers and stack is not None:
+            self.in_stack = stack.attach_lora(self.layers, self.step, len(self.slots))
 
     @property
     def active(self) -> bool:

@@ -85,7 +85,7 @@ class ModelRunner:
                                               self.block_size, self.device, self.attn_backend.index_dtype,
                                               mixed=config.mixed_step_graphs)  # fmt: skip
             self.decode_graphs.capture_all()
-        self.lora.attach(self.model)  # the decode stack and the graphs hold the base layers: adapter steps run eagerly
+        self.lora.attach(self.model)  # after the graphs (base layers only) and the decode stack (it takes them too)
         self.sampler = Sampler(self.device, self.vocab_size, config.seed)
         self.last_forward_time = 0.0
 
@@ -178,7 +178,7 @@ class ModelRunner:
         return to_device(ids, dev, torch.long), to_device(positions, dev, torch.long), meta, sample_idx
 
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        if self.lora.active:  # rows of an adapter (engine_core/lora.py): eager, through the Python layers
+        if self.lora.active:  # rows of an adapter (engine_core/lora.py): no graph; the decode stack where it adds them
             with self.lora.eager(self.model):
                 return self.model(input_ids, positions, meta)
         if self.decode_graphs is not None and self.decode_graphs.fits(meta.num_decodes, meta):

@@ -4,7 +4,9 @@ A one-row decode step calls about ten small kernels per layer. Going through the
 microseconds of module dispatch, tensor allocation and ctypes: a third of a single stream's step. The stack
 runs the same kernels in the same order from C, so its results are bit for bit those of the layers, which stay
 the path of every other step (prefill, mixed steps, other devices and dtypes, tensor parallelism) and the reference
-the tests compare it with. `DecodeStack.build` answers None for a model it cannot run.
+the tests compare it with. `DecodeStack.build` answers None for a model it cannot run. With LoRA adapters
+(engine_core/lora.py), `attach_lora` gives the stack each adapter's packed A and B, and each step its adapters'
+rows: the stack adds their updates after each linear as the LoraLinear wrappers do.
 """
 
 from __future__ import annotations
