@@ -6,6 +6,7 @@ import subprocess
 import sys
 import time
 
+import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -27,11 +28,17 @@ def test_cli_answers_paris() -> None:
     assert "Paris" in proc.stdout
 
 
-def test_cli_reports_a_bad_model_in_one_line() -> None:
-    proc = subprocess.run([sys.executable, "-m", "frontend.offline.generate", "--model", "/no/such/model"],
-                          capture_output=True, text=True, timeout=120)  # fmt: skip
+@pytest.mark.parametrize(("args", "message"), [
+    (["--model", "/no/such/model"], ""),
+    (["--lora", "sql"], "--lora 'sql' is not an adapter of --lora-modules (none)"),
+    (["--lora-modules", "sql=/no/such/adapter"], "--lora-modules needs --enable-lora"),
+])  # fmt: skip
+def test_cli_reports_a_bad_model_or_adapter_in_one_line(args: list[str], message: str) -> None:
+    proc = subprocess.run([sys.executable, "-m", "frontend.offline.generate", *args], capture_output=True, text=True,
+                          timeout=120)  # fmt: skip
     assert proc.returncode == 1
     assert proc.stderr.strip().startswith("error:") and "Traceback" not in proc.stderr
+    assert message in proc.stderr
 
 
 def test_llm_matches_hf_greedy_and_keeps_order(tmp_path) -> None:
