@@ -22,9 +22,20 @@ def weights_file(folder: Path) -> Path | None:
 
 
 @dataclass(frozen=True)
+class AdapterConfig:
+    alpha: float
+    rslora: bool  # rank-stabilized: scaled by alpha / sqrt(rank) instead of alpha / rank
+
+    def scale(self, rank: int) -> float:
+        """Of a module whose weights have this rank (the config's r is checked against --max-lora-rank)."""
+        return self.alpha / (math.sqrt(rank) if self.rslora else rank)
+
+
+@dataclass(frozen=True)
 class LoraModule:
     name: str  # the `model` a request names to be served by this adapter
     path: str  # a PEFT adapter directory
+    config: AdapterConfig  # its adapter_config.json, checked
 
 
 def lora_modules(config: EngineConfig) -> list[LoraModule]:
@@ -50,25 +61,14 @@ def lora_modules(config: EngineConfig) -> list[LoraModule]:
             raise ValueError(f'--lora-modules: {entry!r} is neither name=path nor {{"name": ..., "path": ...}}')
         if any(m.name == name for m in modules):
             raise ValueError(f"--lora-modules: the name {name!r} is given twice")
-        modules.append(LoraModule(name, path))
-        read_adapter_config(modules[-1], config.max_lora_rank)
+        modules.append(LoraModule(name, path, read_adapter_config(name, path, config.max_lora_rank)))
     return modules
 
 
-@dataclass(frozen=True)
-class AdapterConfig:
-    alpha: float
-    rank: int  # the config's r; each module's own rank is its weights' (checked against max_rank at load)
-    rslora: bool  # rank-stabilized: scaled by alpha / sqrt(rank) instead of alpha / rank
-
-    def scale(self, rank: int) -> float:
-        return self.alpha / (math.sqrt(rank) if self.rslora else rank)
-
-
-def read_adapter_config(module: LoraModule, max_rank: int) -> AdapterConfig:
+def read_adapter_config(name: str, path: str, max_rank: int) -> AdapterConfig:
     """adapter_config.json, refused with the reason where it asks for more than plain LoRA on linear layers."""
-    folder = Path(module.path)
-    where = f"LoRA adapter {module.name!r} ({module.path})"
+    folder = Path(path)
+    where = f"LoRA adapter {name!r} ({path})"
     try:
         spec = json.loads((folder / "adapter_config.json").read_text())
     except (OSError, json.JSONDecodeError) as exc:
@@ -91,4 +91,4 @@ def read_adapter_config(module: LoraModule, max_rank: int) -> AdapterConfig:
         raise ValueError(f"{where}: r must be a positive integer and lora_alpha a number")
     if rank > max_rank:
         raise ValueError(f"{where}: rank {rank} is above --max-lora-rank {max_rank}")
-    return AdapterConfig(float(alpha), rank, bool(spec.get("use_rslora")))
+    return AdapterConfig(float(alpha), bool(spec.get("use_rslora")))

@@ -19,7 +19,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from common.lora import LoraModule, read_adapter_config, weights_file
+from common.lora import LoraModule, weights_file
 from engine_core.models.layers import PackedLinear, can_pack_bf16
 from engine_core.models.llama import LlamaForCausalLM
 from engine_core.transfer import to_device
@@ -43,16 +43,17 @@ class LoraLinear(nn.Module):
     """A linear layer and the low-rank update of it of each adapter that changes it: x -> (x A^T) B^T, two linears
     (`low_rank`), B block-diagonal over a fused layer's shards (q/k/v, gate/up), the scale folded in."""
 
-    def __init__(self, base: nn.Module, updates: dict[int, nn.Module], dtype: torch.dtype, step: LoraStep) -> None:
+    def __init__(self, base: nn.Module, updates: dict[int, nn.Module], count: int, dtype: torch.dtype,
+                 step: LoraStep) -> None:  # fmt: skip
         super().__init__()
         self.base, self.step, self.dtype = base, step, dtype
-        self.updates = nn.ModuleDict({str(i): update for i, update in updates.items()})
-        self.by_index = [updates.get(i) for i in range(max(updates) + 1)]
+        self.updates = nn.ModuleDict({str(i): update for i, update in updates.items()})  # registered as submodules
+        self.by_index = [updates.get(i) for i in range(count)]  # adapter index -> its update, None: it has none
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.base(x)
         for index, rows, n in self.step.groups:
-            update = self.by_index[index] if index < len(self.by_index) else None
+            update = self.by_index[index]
             if update is None:
                 continue
             delta = update((x if rows is None else x.index_select(0, rows)).to(self.dtype)).to(out.dtype)
@@ -98,12 +99,11 @@ class LoraAdapters:
         packed = model.packed_modules
         found: dict[str, dict[int, dict[int, tuple[torch.Tensor, torch.Tensor]]]] = {}  # layer -> adapter -> shard
         for index, module in enumerate(modules):
-            config = read_adapter_config(module, max_rank)
             for target, shard, a, b in _adapter_weights(model, module, packed):
                 if a.shape[0] > max_rank:
                     raise ValueError(f"LoRA adapter {module.name!r}: {target} has rank {a.shape[0]}, above "
                                      f"--max-lora-rank {max_rank}")  # fmt: skip
-                scaled = (a.float(), b.float() * config.scale(len(a)))
+                scaled = (a.float(), b.float() * module.config.scale(len(a)))
                 found.setdefault(target, {}).setdefault(index, {})[shard] = scaled
         step = LoraStep()
         fast = device.type == "cuda" or dtype == torch.float32 or (dtype == torch.bfloat16 and can_pack_bf16())
@@ -113,7 +113,7 @@ class LoraAdapters:
             base = model.get_submodule(target)
             updates = {index: low_rank(*_stack(base, shards, modules[index].name, target), device, compute)
                        for index, shards in adapters.items()}  # fmt: skip
-            layers[target] = LoraLinear(base, updates, compute, step)
+            layers[target] = LoraLinear(base, updates, len(modules), compute, step)
         return LoraAdapters([m.name for m in modules], step, device, layers)
 
     def attach(self, model: nn.Module) -> None:
@@ -124,7 +124,7 @@ class LoraAdapters:
             setattr(model.get_submodule(parent), attr, wrapper)
         stack = getattr(model, "decode_stack", None)
         if self.layers and stack is not None:
-            self.in_stack = stack.attach_lora(self.layers, self.step, len(self.slots))
+            self.in_stack = stack.attach_lora(self.layers, self.step)
 
     @property
     def active(self) -> bool:

@@ -11,10 +11,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from bench.make_random_lora import ALL, write_adapter
 from common.lora import ADAPTER_WEIGHTS
-
-__all__ = ["ALL", "merged", "write_adapter"]
 
 
 def merged(model: torch.nn.Module, adapter: str) -> torch.nn.Module:

@@ -14,9 +14,10 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
+from bench.make_random_lora import ALL, write_adapter
 from tests.conftest import REPO, SERVER_ARGS, Server, engine_child, free_port
 from tests.engine_helpers import assert_matches_hf, hf_greedy, mixed_prompts, model_dir
-from tests.lora_helpers import ALL, merged, write_adapter
+from tests.lora_helpers import merged
 from tests.test_api_crash import MAX_TOKENS, TOPICS, assert_same, reference_then_start, signal_mid_stream, wait_health
 
 MODEL = "SmolLM2-135M-Instruct"

@@ -10,7 +10,7 @@ import transformers
 
 from bench.make_random_lora import ALL, write_adapter
 from common.config import EngineConfig
-from common.lora import LoraModule
+from common.lora import lora_modules
 from engine_core.attention import TorchBackend
 from engine_core.core import EngineCore
 from engine_core.lora import LoraAdapters
@@ -149,9 +149,9 @@ def test_stack_adds_lora_adapters_as_the_layers_do(tmp_path, slots: list[int]) -
         run = PagedRun(model, 9, 64, dtype=torch.bfloat16)
         model.decode_stack = DecodeStack.build(model) if stack else None
         config = model.config
-        modules = [LoraModule("every", write_adapter(tmp_path / "every", config, ALL, 8, 16, seed=1, std=0.1)),
-                   LoraModule("qv", write_adapter(tmp_path / "qv", config, ["q_proj", "v_proj"], 4, 8, seed=2,
-                                                  std=0.2))] if lora else []  # fmt: skip
+        entries = [f"every={write_adapter(tmp_path / 'every', config, ALL, 8, 16, seed=1, std=0.1)}",
+                   f"qv={write_adapter(tmp_path / 'qv', config, ['q_proj', 'v_proj'], 4, 8, seed=2, std=0.2)}"]
+        modules = lora_modules(EngineConfig(enable_lora=True, lora_modules=entries)) if lora else []
         adapters = LoraAdapters.load(model, modules, 16, CPU, torch.bfloat16)
         adapters.attach(model)
         assert adapters.in_stack == (stack and lora)

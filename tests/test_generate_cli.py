@@ -10,11 +10,12 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from bench.make_random_lora import write_adapter
 from common.messages import SamplingParams
 from common.model_source import resolve_model
 from frontend.offline.llm import LLM
 from tests.engine_helpers import GPU_TEST_KV
-from tests.lora_helpers import merged, write_adapter
+from tests.lora_helpers import merged
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 

@@ -15,6 +15,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, AutoModelForCausalLM
 
+from bench.make_random_lora import ALL, write_adapter
 from common.config import EngineConfig
 from common.lora import ADAPTER_WEIGHTS, LEGACY_WEIGHTS, lora_modules
 from common.messages import EngineRequest, FinishReason, SamplingParams
@@ -33,7 +34,7 @@ from tests.engine_helpers import (
     save_tiny_llama,
     tokens_of,
 )
-from tests.lora_helpers import ALL, merged, write_adapter
+from tests.lora_helpers import merged
 
 MAX_NEW = 12
 
@@ -197,7 +198,7 @@ def test_bf16_seeded_adapter_rows_do_not_depend_on_the_batch(smol_bf16):
     assert tokens_of(alone, ["alone"]) == tokens_of(crowd, ["crowd"])
 
 
-def _config(tmp_path, entries: list[str], **kw) -> EngineConfig:
+def _config(entries: list[str], **kw) -> EngineConfig:
     return EngineConfig(**{"enable_lora": True, "lora_modules": entries, **kw})
 
 
@@ -220,13 +221,13 @@ def test_flags_and_adapter_configs_are_checked(tiny, tmp_path, entries, kw, sett
     (tmp_path / "adapter_config.json").write_text((tmp_path / "good" / "adapter_config.json").read_text())
     entries = [e.replace("{good}", good).replace("{tmp}", str(tmp_path)) for e in entries]
     with pytest.raises(ValueError, match=message):
-        lora_modules(_config(tmp_path, entries, **kw))
+        lora_modules(_config(entries, **kw))
 
 
-def test_json_form_names_an_adapter(tiny, tmp_path):
+def test_json_form_names_an_adapter(tiny):
     _, adapters = tiny
     entry = json.dumps({"name": "sql", "path": adapters["qv"], "base_model_name": "ignored"})
-    assert [(m.name, m.path) for m in lora_modules(_config(tmp_path, [entry]))] == [("sql", adapters["qv"])]
+    assert [(m.name, m.path) for m in lora_modules(_config([entry]))] == [("sql", adapters["qv"])]
 
 
 @pytest.mark.parametrize(("key", "shape", "message"), [
@@ -244,7 +245,7 @@ def test_adapter_weights_are_checked_at_load(tiny, tmp_path, key, shape, message
         weights[key.replace("lora_A", "lora_B")] = torch.zeros(64, 8)
     save_file(weights, str(tmp_path / "bad" / ADAPTER_WEIGHTS))
     ours = load_model(model, torch.float32, torch.device("cpu"), max_positions=64)
-    modules = lora_modules(_config(tmp_path, [f"bad={path}"]))
+    modules = lora_modules(_config([f"bad={path}"]))
     with pytest.raises(ValueError, match=message):
         LoraAdapters.load(ours, modules, 16, torch.device("cpu"), torch.float32)
 
@@ -255,6 +256,6 @@ def test_gpt2_refuses_adapters(tiny, tmp_path):
     config = GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=300, n_positions=64)
     GPT2LMHeadModel(config).save_pretrained(tmp_path / "gpt2")
     ours = load_model(tmp_path / "gpt2", torch.float32, torch.device("cpu"), max_positions=64)
-    modules = lora_modules(_config(tmp_path, [f"every={tiny[1]['every']}"]))
+    modules = lora_modules(_config([f"every={tiny[1]['every']}"]))
     with pytest.raises(ValueError, match="Llama family and Gemma 3, not GPT2LMHeadModel"):
         LoraAdapters.load(ours, modules, 16, torch.device("cpu"), torch.float32)

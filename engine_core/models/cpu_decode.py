@@ -85,10 +85,10 @@ class DecodeStack:
         self._lora_pairs: list = []  # the ctypes arrays the layers' lora pointers point into
         self._lora_width = 0  # bf16 elements of LoRA scratch per row
 
-    def attach_lora(self, wrappers: dict[str, LoraLinear], step: LoraStep, count: int) -> bool:
+    def attach_lora(self, wrappers: dict[str, LoraLinear], step: LoraStep) -> bool:
         """Adds the LoRA adapters' updates (engine_core/lora.py) to the linears they change, where our kernel runs
-        every A and B; False (and nothing attached) otherwise: adapter steps then take the Python layers. `count`: the
-        adapters; each linear's array has an entry for every one (NULL where the adapter leaves it alone)."""
+        every A and B; False (and nothing attached) otherwise: adapter steps then take the Python layers. Each linear's
+        array has an entry for every adapter (NULL where the adapter leaves it alone)."""
         width = 0
         per_layer = []
         for i in range(len(self.layers)):
@@ -98,7 +98,7 @@ class DecodeStack:
                 if wrapper is None:
                     pointers.append(None)
                     continue
-                pairs = (_LoraPair * count)()
+                pairs = (_LoraPair * len(wrapper.by_index))()
                 for index, update in enumerate(wrapper.by_index):
                     if update is None:
                         continue
