@@ -23,12 +23,13 @@ import uvicorn
 
 from common import ipc
 from common.config import EngineConfig, ServerConfig, SpeculativeConfig, add_cli_args, from_cli_args
-from common.lora import lora_modules
+from common.lora import LoraModule, lora_modules
 from common.model_source import ModelSourceError, resolve_model
 from engine_core.tp_procs import layout as tp_layout
 from engine_core.tp_procs import run_node_agent
 from frontend.api.api_server import create_app
 from frontend.api.http_limits import uvicorn_limits
+from frontend.api.lora_adapters import LoraRegistry, runtime_updates_allowed
 from frontend.api.sampling_defaults import GenerationConfigError, load_sampling_defaults
 from frontend.api.serving import ServingContext
 from frontend.engine.engine_client import AsyncEngineClient, supervisors
@@ -71,10 +72,10 @@ def bind_http(host: str, port: int) -> socket.socket:
 
 
 class Launch:
-    def __init__(self, engine_config: EngineConfig, config: ServerConfig, adapters: dict[str, str]) -> None:
+    def __init__(self, engine_config: EngineConfig, config: ServerConfig, adapters: list[LoraModule]) -> None:
         self.engine_config = engine_config
         self.config = config
-        self.adapters = adapters  # --lora-modules, checked: name -> directory
+        self.adapters = adapters  # --lora-modules, checked
         addresses = ipc.Addresses.new_ipc()
         self.client = AsyncEngineClient(addresses, supervisors(engine_config, addresses, config.data_parallel_size),
                                         config.engine_ping_timeout, config.max_queued_requests)  # fmt: skip
@@ -172,8 +173,12 @@ class Launch:
         # After EngineReady: the engine resolved (and for a .gguf, converted) the model, so this is a cache hit.
         source = resolve_model(self.engine_config.model)
         model_name = self.config.served_model_name or ready.model
-        adapters = self.adapters
-        if model_name in adapters:
+        loras = LoraRegistry(self.adapters, self.engine_config.enable_lora, self.engine_config.max_lora_rank,
+                             runtime_updates_allowed())  # fmt: skip
+        if loras.runtime_updates:
+            log.warning("LoRA adapters can be loaded and unloaded at run time (VLLM_ALLOW_RUNTIME_LORA_UPDATING): "
+                        "whoever can call the API can make the server read a directory of their choice")
+        if model_name in loras.refs:
             print(f"error: --lora-modules: the adapter name {model_name!r} is the base model's name", file=sys.stderr)
             return 2
         metrics = Metrics(model_name, len(self.client.handles))
@@ -193,7 +198,7 @@ class Launch:
                              reasoning_parser=self.config.reasoning_parser, thinking=thinking,
                              reasoning_tokens=ReasoningTokens.of(self.config.reasoning_parser, tokenizer),
                              priority_scheduling=self.engine_config.scheduling_policy == "priority",
-                             sampling_defaults=defaults, lora_modules=adapters)  # fmt: skip
+                             sampling_defaults=defaults, loras=loras)  # fmt: skip
         app = create_app(ctx, self.config, metrics)
         self.server = _Server(uvicorn.Config(app, host=self.config.host, port=self.config.port, lifespan="off",
                                              log_level=self.config.log_level,
@@ -220,7 +225,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         tp_layout(engine_config)
         SpeculativeConfig.parse(engine_config.speculative_config)  # a bad one fails here, before the engine loads
-        adapters = {m.name: m.path for m in lora_modules(engine_config)}  # each adapter's config, likewise
+        adapters = lora_modules(engine_config)  # each adapter's config, likewise
         # The flags' own generation config and override, checked before the engine loads (the model's, once it has)
         gen = "vllm" if config.generation_config == "auto" else config.generation_config
         load_sampling_defaults(Path(), gen, config.override_generation_config)

@@ -9,11 +9,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from common.messages import LoraRef
+
 if TYPE_CHECKING:
     from common.config import EngineConfig
 
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 LEGACY_WEIGHTS = "adapter_model.bin"  # what PEFT saved before safetensors (a pickle: read with torch's weights_only)
+
+
+class LoraNotFound(ValueError):
+    """The adapter's directory is not there (the API answers 404, as vLLM does)."""
 
 
 def weights_file(folder: Path) -> Path | None:
@@ -33,9 +39,19 @@ class AdapterConfig:
 
 @dataclass(frozen=True)
 class LoraModule:
+    id: int  # LoraRef.id: --lora-modules' are 1, 2, ... in their order
     name: str  # the `model` a request names to be served by this adapter
     path: str  # a PEFT adapter directory
     config: AdapterConfig  # its adapter_config.json, checked
+
+    @property
+    def ref(self) -> LoraRef:
+        return LoraRef(self.id, self.name, self.path)
+
+    @staticmethod
+    def read(ref: LoraRef, max_rank: int) -> LoraModule:
+        """An adapter loaded at run time (the API's /v1/load_lora_adapter), its config checked as at start."""
+        return LoraModule(ref.id, ref.name, ref.path, read_adapter_config(ref.name, ref.path, max_rank))
 
 
 def lora_modules(config: EngineConfig) -> list[LoraModule]:
@@ -61,7 +77,7 @@ def lora_modules(config: EngineConfig) -> list[LoraModule]:
             raise ValueError(f'--lora-modules: {entry!r} is neither name=path nor {{"name": ..., "path": ...}}')
         if any(m.name == name for m in modules):
             raise ValueError(f"--lora-modules: the name {name!r} is given twice")
-        modules.append(LoraModule(name, path, read_adapter_config(name, path, config.max_lora_rank)))
+        modules.append(LoraModule(len(modules) + 1, name, path, read_adapter_config(name, path, config.max_lora_rank)))
     return modules
 
 
@@ -69,6 +85,8 @@ def read_adapter_config(name: str, path: str, max_rank: int) -> AdapterConfig:
     """adapter_config.json, refused with the reason where it asks for more than plain LoRA on linear layers."""
     folder = Path(path)
     where = f"LoRA adapter {name!r} ({path})"
+    if not folder.is_dir():
+        raise LoraNotFound(f"{where}: no such directory")
     try:
         spec = json.loads((folder / "adapter_config.json").read_text())
     except (OSError, json.JSONDecodeError) as exc:

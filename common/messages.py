@@ -76,6 +76,17 @@ class FinishReason(enum.IntEnum):
 # ---- frontend -> engine ----
 
 
+class LoraRef(_Msg, frozen=True):
+    """A LoRA adapter as the engine knows it: `id` is unique to one load of it for the server's life (the API
+    numbers --lora-modules 1.. and each runtime load after them), so the prefix cache and the router never mix two
+    versions under one name; `path` lets an engine that has not loaded it (restarted, or another data-parallel
+    engine) load it on first use."""
+
+    id: int
+    name: str  # what requests name it by (`model`)
+    path: str  # its PEFT directory
+
+
 class EngineRequest(_Msg, tag="add"):
     request_id: str
     prompt_token_ids: list[int]
@@ -85,7 +96,7 @@ class EngineRequest(_Msg, tag="add"):
     priority: int = 0
     # Tokens already streamed to the client: a restarted engine resumes after them.
     output_token_ids: list[int] = []
-    lora: str = ""  # the LoRA adapter that serves it, by its --lora-modules name ("": the base model)
+    lora: LoraRef | None = None  # the LoRA adapter that serves it (None: the base model)
     cache_salt: str = ""  # vLLM's: its prefix-cache blocks are shared only with requests of the same salt
 
 
@@ -95,8 +106,9 @@ class AbortRequest(_Msg, tag="abort"):
 
 class UtilityCall(_Msg, tag="call"):
     call_id: int
-    method: str  # "health" | "stats" | "reset_prefix_cache" | "sleep" (debug)
+    method: str  # "health" | "stats" | "reset_prefix_cache" | "load_lora" | "unload_lora" | "sleep" (debug)
     arg: float = 0.0
+    lora: LoraRef | None = None  # of load_lora and unload_lora
 
 
 EngineInput = EngineRequest | AbortRequest | UtilityCall

@@ -95,7 +95,7 @@ def main() -> int:
     _die_with_parent()
     _signal_handlers(parent_pid, args.run_dir, stop_on_sigterm=args.parent_pid is None)
     _watch_parent(parent_pid, args.run_dir)  # after the prctl: no moment where a parent's death goes unnoticed
-    from engine_core.core import run_engine  # after argument parsing: importing torch takes a while
+    from engine_core.busy_loop import run_engine  # after argument parsing: importing torch takes a while
 
     try:
         code = run_engine(from_cli_args(EngineConfig, args), ipc.Addresses(args.input, args.output))

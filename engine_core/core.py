@@ -1,38 +1,25 @@
-"""EngineCore (add / abort / step, steppable in tests without sockets) and run_engine, the process's busy loop."""
+"""EngineCore: add / abort / step, steppable in tests without sockets (engine_core/busy_loop.py runs the process)."""
 
 from __future__ import annotations
 
 import logging
-import os
-import queue
-import threading
 import time
-import traceback
 
-import zmq
 from transformers import AutoConfig
 
-from common import ipc
 from common.config import EngineConfig
 from common.messages import (
-    AbortRequest,
-    EngineDead,
     EngineOutput,
-    EngineOutputs,
     EngineReady,
     EngineRequest,
-    EngineStarted,
     FinishReason,
-    UtilityCall,
-    UtilityResult,
+    LoraRef,
 )
 from common.model_source import model_eos_ids, resolve_model
 from engine_core.batch import SampledTokens, SchedulerOutput
 from engine_core.kv_cache import KVCacheManager
-from engine_core.memory_profile import KvCacheSizeError
 from engine_core.model_runner import ModelRunner
 from engine_core.overlap import DecodePipeline
-from engine_core.pulse import start_pulses
 from engine_core.request import Request
 from engine_core.request_checks import invalid_request
 from engine_core.scheduler import Scheduler
@@ -75,9 +62,8 @@ class EngineCore:
 
     def add_request(self, msg: EngineRequest) -> None:
         error = invalid_request(msg, self.vocab_size, self.max_model_len, self.scheduler.requests)
-        lora_slot = self.runner.lora.slots.get(msg.lora, 0) if msg.lora else 0
-        if error is None and msg.lora and not lora_slot:
-            error = f"LoRA adapter {msg.lora!r} is not loaded (--lora-modules)"
+        if error is None and msg.lora is not None:  # loaded on first use: a restarted engine resumes its requests
+            error = self.load_lora(msg.lora)
         if error is not None:
             self._rejected.append(EngineOutput(msg.request_id, [], FinishReason.ERROR, error=error))
             return
@@ -86,7 +72,7 @@ class EngineCore:
         self._seq_no += 1
         try:
             request = Request(msg, self._seq_no)
-            request.lora_slot = lora_slot
+            request.lora_slot = msg.lora.id if msg.lora is not None else 0
             request = self.grammars.attach(request)
         except Exception as exc:  # the request fails alone: it never started, so a crash would blame nobody
             log.exception("request %s could not be added", msg.request_id)
@@ -96,6 +82,21 @@ class EngineCore:
 
     def abort(self, request_ids: list[str]) -> None:
         self.scheduler.abort(request_ids)
+
+    def load_lora(self, ref: LoraRef) -> str | None:
+        """Why the adapter cannot serve here, or None once it is loaded."""
+        if not self.config.enable_lora:
+            return "LoRA adapters are not enabled (start the server with --enable-lora)"
+        return self.runner.lora.ensure(ref)
+
+    def unload_lora(self, ref: LoraRef) -> None:
+        """Its weights go once no live request uses it (at once if none does)."""
+        self.runner.lora.retire(ref.id)
+        self._release_loras()
+
+    def _release_loras(self) -> None:
+        if self.runner.lora.retiring:
+            self.runner.lora.release({r.lora_slot for r in self.scheduler.requests.values()})
 
     @property
     def has_work(self) -> bool:
@@ -141,6 +142,7 @@ class EngineCore:
             outputs += made
         if self.pipeline is not None:
             self.pipeline.sample_late()
+        self._release_loras()  # an unloaded adapter whose last request just ended
         self.last_step_time = time.perf_counter() - start
         return outputs
 
@@ -179,121 +181,3 @@ class EngineCore:
 
     def stats(self):
         return self.scheduler.stats(self.last_step_time, self.runner.last_forward_time)
-
-
-def run_engine(config: EngineConfig, addresses: ipc.Addresses) -> int:
-    """The engine-core process: socket threads around a busy loop that touches queues, and a socket of its own for
-    the one message that cannot wait for the sender thread (EngineStarted)."""
-    ctx = zmq.Context()
-    inputs: queue.Queue = queue.Queue()
-    outputs: queue.Queue = queue.Queue()
-    stop = threading.Event()
-    threading.Thread(target=_recv_loop, args=(ctx, addresses.input, config.engine_index, inputs, stop),
-                     daemon=True).start()  # fmt: skip
-    sender = threading.Thread(target=_send_loop, args=(ctx, addresses.output, outputs), daemon=True)
-    sender.start()
-    notices = ipc.make_socket(ctx, zmq.PUSH, addresses.output, bind=False)  # the busy loop's own, for EngineStarted
-    epoch = config.epoch
-    try:
-        core = EngineCore(config)
-        outputs.put(core.ready_message())
-        start_pulses(core.runner.progress, outputs, epoch, stop)
-        runner = core.runner
-        dtype = str(runner.dtype).removeprefix("torch.")
-        log.info("engine core ready: %s, %s on %s, %d KV blocks", core.model_name, dtype, runner.device.type,
-                 runner.num_blocks)  # fmt: skip
-        _busy_loop(core, inputs, outputs, notices, epoch)
-        code = 0
-    except KeyboardInterrupt:
-        code = 0
-    except BaseException as exc:  # fatal: tell the frontend before going away
-        # Memory that cannot hold the engine is the user's to fix, and the message says how: no traceback for it.
-        log.error("engine core died: %s", exc if isinstance(exc, KvCacheSizeError) else traceback.format_exc())
-        outputs.put(EngineDead(epoch, f"{type(exc).__name__}: {exc}"))
-        code = 1
-    outputs.put(None)
-    sender.join(timeout=5)
-    notices.close()
-    stop.set()
-    ctx.term()  # the recv thread's blocking recv fails with ETERM and closes its socket; destroy() would race it
-    return code
-
-
-def _busy_loop(core: EngineCore, inputs: queue.Queue, outputs: queue.Queue, notices: zmq.Socket, epoch: int) -> None:
-    # Debug, opt-in (crash tests): a request whose prompt holds this token id kills the process when its first
-    # step starts, as a poison would.
-    crash_on = os.environ.get("ROSEINFER_DEBUG_CRASH_ON_TOKEN")
-    crash_on_id = int(crash_on) if crash_on else None
-    poisoned: set[str] = set()
-
-    def announce_started(request_id: str) -> None:
-        # From this thread on its own socket (5 us), not through the sender's queue (a thread handoff, 100 us):
-        # out before the request's first step runs, so that a crash in that step can be blamed on it.
-        notices.send(ipc.encode(EngineStarted(epoch, request_id)), copy=False)
-        if request_id in poisoned:
-            time.sleep(0.05)  # a poison crashes in its step, not in the same microsecond
-            os._exit(1)
-
-    core.scheduler.on_start = announce_started
-
-    def drain(block: bool) -> None:
-        while True:
-            try:
-                msg = inputs.get(block=block, timeout=1.0 if block else None)
-            except queue.Empty:
-                return
-            block = False
-            if isinstance(msg, EngineRequest):
-                if crash_on_id is not None and crash_on_id in msg.prompt_token_ids:
-                    poisoned.add(msg.request_id)
-                core.add_request(msg)
-            elif isinstance(msg, AbortRequest):
-                core.abort(msg.request_ids)
-            elif isinstance(msg, UtilityCall):
-                outputs.put(_utility(core, msg))
-
-    while True:
-        drain(block=not core.has_work)
-        if not core.has_work:
-            continue
-        step_outputs = core.step(before_update=lambda: drain(block=False))
-        if step_outputs:
-            outputs.put(EngineOutputs(epoch, step_outputs, time.time(), core.stats()))
-
-
-def _utility(core: EngineCore, call: UtilityCall) -> UtilityResult:
-    if call.method == "reset_prefix_cache":
-        core.kv.reset_prefix_cache()
-    elif call.method == "sleep":  # debug: stop stepping for a while, as a hung engine would
-        time.sleep(call.arg)
-    elif call.method == "busy":  # debug: a step that takes a while but moves, as a long prefill does
-        end = time.monotonic() + call.arg
-        while time.monotonic() < end:
-            time.sleep(0.05)
-            core.runner.progress.tick()
-    elif call.method not in ("health", "stats"):
-        return UtilityResult(call.call_id, ok=False, error=f"unknown method {call.method!r}")
-    return UtilityResult(call.call_id, stats=core.stats())
-
-
-def _recv_loop(ctx: zmq.Context, address: str, index: int, inputs: queue.Queue, stop: threading.Event) -> None:
-    sock = ipc.make_socket(ctx, zmq.DEALER, address, bind=False, identity=ipc.engine_identity(index))
-    try:
-        while not stop.is_set():
-            data = sock.recv()
-            try:
-                inputs.put(ipc.decode_input(data))
-            except Exception:  # a malformed message is dropped, not fatal
-                log.exception("undecodable input message")
-    except zmq.ZMQError:
-        pass  # context terminated at shutdown
-    finally:
-        sock.close(0)
-
-
-def _send_loop(ctx: zmq.Context, address: str, outputs: queue.Queue) -> None:
-    sock = ipc.make_socket(ctx, zmq.PUSH, address, bind=False)
-    sock.setsockopt(zmq.LINGER, 2000)  # let the last messages (EngineDead) get out
-    while (msg := outputs.get()) is not None:
-        sock.send(ipc.encode(msg), copy=False)
-    sock.close()

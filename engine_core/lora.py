@@ -1,7 +1,8 @@
-"""LoRA adapters on the model's linear layers (vLLM's --enable-lora). Every adapter of --lora-modules is loaded at
-start and stays resident: a layer an adapter changes is wrapped in a LoraLinear that holds each adapter's A and B,
-and a step's rows that an adapter serves get x A^T B^T (scaled as PEFT scales) added to the base layer's output.
-Rows of other adapters and of the base model share the same step: the adapter is a property of each token row.
+"""LoRA adapters on the model's linear layers (vLLM's --enable-lora). The adapters of --lora-modules load at start,
+others when first named (a runtime load); each stays resident until unloaded. A layer an adapter changes is wrapped
+in a LoraLinear that holds each adapter's A and B, and a step's rows that an adapter serves get x A^T B^T (scaled as
+PEFT scales) added to the base layer's output. Rows of other adapters and of the base model share the same step:
+the adapter is a property of each token row.
 
 The base layers run as they do without adapters (packed bf16 or int8 kernels on CPU). The one-call CPU decode stack
 adds the adapters itself, bit for bit as the wrappers do (engine_core/models/cpu_decode.py: attach_lora); any other
@@ -10,8 +11,9 @@ step with adapter rows runs eagerly through the Python layers, since the CUDA gr
 
 from __future__ import annotations
 
+import logging
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -20,9 +22,12 @@ from safetensors import safe_open
 from torch import nn
 
 from common.lora import LoraModule, weights_file
+from common.messages import LoraRef
 from engine_core.models.layers import PackedLinear, can_pack_bf16
 from engine_core.models.llama import LlamaForCausalLM
 from engine_core.transfer import to_device
+
+log = logging.getLogger("roseinfer.lora")
 
 # PEFT's names: base_model.model.<the checkpoint's module>.lora_A.weight ([rank, in]) and .lora_B.weight ([out, rank])
 _KEY = re.compile(r"^base_model\.model\.(?P<module>.+)\.lora_(?P<ab>[AB])\.weight$")
@@ -43,12 +48,19 @@ class LoraLinear(nn.Module):
     """A linear layer and the low-rank update of it of each adapter that changes it: x -> (x A^T) B^T, two linears
     (`low_rank`), B block-diagonal over a fused layer's shards (q/k/v, gate/up), the scale folded in."""
 
-    def __init__(self, base: nn.Module, updates: dict[int, nn.Module], count: int, dtype: torch.dtype,
-                 step: LoraStep) -> None:  # fmt: skip
+    def __init__(self, base: nn.Module, dtype: torch.dtype, step: LoraStep, count: int) -> None:
         super().__init__()
         self.base, self.step, self.dtype = base, step, dtype
-        self.updates = nn.ModuleDict({str(i): update for i, update in updates.items()})  # registered as submodules
-        self.by_index = [updates.get(i) for i in range(count)]  # adapter index -> its update, None: it has none
+        self.updates = nn.ModuleDict()  # registered as submodules, by adapter index
+        self.by_index: list[nn.Module | None] = [None] * count  # adapter index (its id - 1) -> its update or None
+
+    def put(self, index: int, update: nn.Module | None) -> None:
+        self.by_index[index] = update
+        if update is None:
+            if str(index) in self.updates:
+                del self.updates[str(index)]
+        else:
+            self.updates[str(index)] = update
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.base(x)
@@ -76,54 +88,117 @@ def low_rank(a: torch.Tensor, b: torch.Tensor, device: torch.device, dtype: torc
 
 
 class LoraAdapters:
-    """The loaded adapters, by name: slot 0 is the base model, adapter i is slot i + 1."""
+    """The loaded adapters, by id (LoraRef.id; a request's slot, 0 for the base model). Those of --lora-modules load
+    at start; any other on first use (a runtime load, or a request resumed on a restarted engine). An unloaded one
+    retires: its weights go once no live request uses it. Ids are never reused, so a retired adapter's blocks in the
+    prefix cache (keyed by id) can never answer for another."""
 
-    def __init__(self, names: list[str], step: LoraStep, device: torch.device,
-                 layers: dict[str, LoraLinear] | None = None) -> None:  # fmt: skip
-        self.slots = {name: i + 1 for i, name in enumerate(names)}
-        self.step, self.device = step, device
-        self.layers = layers or {}  # our layer's name -> its wrapper, put in the model by attach()
+    def __init__(self, model: nn.Module, max_rank: int, device: torch.device, dtype: torch.dtype) -> None:
+        self.model, self.max_rank, self.device = model, max_rank, device
+        # The adapters compute in the model's dtype where its matmuls are fast (CUDA, fp32, bf16 on a CPU that packs
+        # bf16 linears: a quarter of fp32's time for a prefill chunk's products), else in fp32.
+        fast = device.type == "cuda" or dtype == torch.float32 or (dtype == torch.bfloat16 and can_pack_bf16())
+        self.compute = dtype if fast and dtype in (torch.float32, torch.bfloat16, torch.float16) else torch.float32
+        self.step = LoraStep()
+        self.layers: dict[str, LoraLinear] = {}  # our layer's name -> its wrapper (in the model once attached)
+        self.names: dict[int, str] = {}  # id -> name, of every adapter whose weights are loaded
+        self.unloaded: set[int] = set()  # ids the API unloaded (never served again but by requests sent before)
+        self.retiring: set[int] = set()  # of those, the ones whose weights wait for their last request
+        self.count = 0  # every wrapper's by_index length: the highest id loaded so far
+        self.attached = False
         self.in_stack = False  # whether the CPU decode stack adds the adapters itself (attach)
+        self.tick: Callable[[], None] = lambda: None  # liveness while a load runs (engine_core/pulse.py)
 
     @staticmethod
     def load(model: nn.Module, modules: list[LoraModule], max_rank: int, device: torch.device,
              dtype: torch.dtype) -> LoraAdapters:  # fmt: skip
-        """Every adapter's weights, on the device (so that a GPU's memory profile counts them), in the wrappers that
-        attach() puts in the model. `dtype`: the model's. The adapters compute in it where its matmuls are fast (CUDA,
-        fp32, bf16 on a CPU that packs bf16 linears: a quarter of fp32's time for a prefill chunk's products), else
-        in fp32."""
-        if not modules:
-            return LoraAdapters([], LoraStep(), device)
-        if not isinstance(model, LlamaForCausalLM):  # Gemma 3's layers are the Llama family's
-            raise ValueError(f"LoRA adapters are served on the Llama family and Gemma 3, not {type(model).__name__}")
-        packed = model.packed_modules
-        found: dict[str, dict[int, dict[int, tuple[torch.Tensor, torch.Tensor]]]] = {}  # layer -> adapter -> shard
-        for index, module in enumerate(modules):
-            for target, shard, a, b in _adapter_weights(model, module, packed):
-                if a.shape[0] > max_rank:
-                    raise ValueError(f"LoRA adapter {module.name!r}: {target} has rank {a.shape[0]}, above "
-                                     f"--max-lora-rank {max_rank}")  # fmt: skip
-                scaled = (a.float(), b.float() * module.config.scale(len(a)))
-                found.setdefault(target, {}).setdefault(index, {})[shard] = scaled
-        step = LoraStep()
-        fast = device.type == "cuda" or dtype == torch.float32 or (dtype == torch.bfloat16 and can_pack_bf16())
-        compute = dtype if fast and dtype in (torch.float32, torch.bfloat16, torch.float16) else torch.float32
-        layers = {}
-        for target, adapters in found.items():
-            base = model.get_submodule(target)
-            updates = {index: low_rank(*_stack(base, shards, modules[index].name, target), device, compute)
-                       for index, shards in adapters.items()}  # fmt: skip
-            layers[target] = LoraLinear(base, updates, len(modules), compute, step)
-        return LoraAdapters([m.name for m in modules], step, device, layers)
+        """The adapters of --lora-modules, on the device (so that a GPU's memory profile counts them), in wrappers
+        that attach() puts in the model. `dtype`: the model's."""
+        adapters = LoraAdapters(model, max_rank, device, dtype)
+        for module in modules:
+            adapters.add(module)
+        return adapters
 
-    def attach(self, model: nn.Module) -> None:
+    def add(self, module: LoraModule) -> None:
+        """Loads one adapter's weights; ValueError naming the problem, with nothing changed, if they do not fit."""
+        if not isinstance(self.model, LlamaForCausalLM):  # Gemma 3's layers are the Llama family's
+            raise ValueError(f"LoRA adapters are served on the Llama family and Gemma 3, not "
+                             f"{type(self.model).__name__}")  # fmt: skip
+        shards: dict[str, dict[int, tuple[torch.Tensor, torch.Tensor]]] = {}  # layer -> shard -> A, B
+        for target, shard, a, b in _adapter_weights(self.model, module, self.model.packed_modules):
+            if a.shape[0] > self.max_rank:
+                raise ValueError(f"LoRA adapter {module.name!r}: {target} has rank {a.shape[0]}, above "
+                                 f"--max-lora-rank {self.max_rank}")  # fmt: skip
+            shards.setdefault(target, {})[shard] = (a.float(), b.float() * module.config.scale(len(a)))
+            self.tick()
+        updates = {}
+        for target, parts in shards.items():
+            a, b = _stack(self._base(target), parts, module.name, target)
+            updates[target] = low_rank(a, b, self.device, self.compute)
+            self.tick()
+        self.count = max(self.count, module.id)
+        for wrapper in self.layers.values():
+            wrapper.by_index += [None] * (self.count - len(wrapper.by_index))
+        for target, update in updates.items():
+            if target not in self.layers:
+                self.layers[target] = LoraLinear(self._base(target), self.compute, self.step, self.count)
+                if self.attached:
+                    self._put_in_model(target)
+            self.layers[target].put(module.id - 1, update)
+        self.names[module.id] = module.name
+        self._restack()
+
+    def ensure(self, ref: LoraRef) -> str | None:
+        """The adapter of a request or a runtime load, loaded now if it is not yet; why it cannot be, or None."""
+        if ref.id in self.names:
+            return None
+        if ref.id < 1:
+            return f"LoRA adapter {ref.name!r}: id {ref.id} is not an adapter's"
+        try:
+            self.add(LoraModule.read(ref, self.max_rank))
+        except Exception as exc:  # the files it names: the request (or the load) fails alone
+            return str(exc) if isinstance(exc, ValueError) else f"LoRA adapter {ref.name!r}: {exc!r}"
+        log.info("loaded LoRA adapter %r (id %d) from %s", ref.name, ref.id, ref.path)
+        if ref.id in self.unloaded:  # a request sent just before the unload reached us: its weights go after it
+            self.retiring.add(ref.id)
+        return None
+
+    def retire(self, index: int) -> None:
+        """The API unloaded it: its weights go once no live request uses it (release)."""
+        self.unloaded.add(index)
+        if index in self.names:
+            self.retiring.add(index)
+
+    def release(self, in_use: set[int]) -> None:
+        """Frees the weights of every retiring adapter no live request uses (`in_use`: their ids)."""
+        done = self.retiring - in_use
+        for index in done:
+            for wrapper in self.layers.values():
+                wrapper.put(index - 1, None)
+            log.info("unloaded LoRA adapter %r (id %d)", self.names.pop(index), index)
+        self.retiring -= done
+        if done:
+            self._restack()
+
+    def attach(self) -> None:
         """Puts the wrappers in place of their base layers (after the decode stack and the CUDA graphs took those),
         and gives the decode stack the adapters where it can add them itself."""
-        for target, wrapper in self.layers.items():
-            parent, _, attr = target.rpartition(".")
-            setattr(model.get_submodule(parent), attr, wrapper)
-        stack = getattr(model, "decode_stack", None)
-        if self.layers and stack is not None:
+        self.attached = True
+        for target in self.layers:
+            self._put_in_model(target)
+        self._restack()
+
+    def _base(self, target: str) -> nn.Module:
+        wrapper = self.layers.get(target)
+        return wrapper.base if wrapper is not None else self.model.get_submodule(target)
+
+    def _put_in_model(self, target: str) -> None:
+        parent, _, attr = target.rpartition(".")
+        setattr(self.model.get_submodule(parent), attr, self.layers[target])
+
+    def _restack(self) -> None:
+        stack = getattr(self.model, "decode_stack", None)
+        if self.attached and stack is not None and self.layers:
             self.in_stack = stack.attach_lora(self.layers, self.step)
 
     @property
@@ -131,9 +206,9 @@ class LoraAdapters:
         return bool(self.step.groups)
 
     def plan(self, slots: list[int]) -> None:
-        """Sets this step's rows of each adapter from every row's slot (0: the base model only)."""
+        """Sets this step's rows of each adapter from every row's slot (its adapter's id; 0: the base model only)."""
         self.step.groups = []
-        if not self.slots:
+        if not self.names:
             return
         for slot in sorted(set(slots) - {0}):
             rows = [i for i, s in enumerate(slots) if s == slot]

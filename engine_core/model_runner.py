@@ -63,6 +63,7 @@ class ModelRunner:
         self.lora = LoraAdapters.load(self.model, lora_modules(config), config.max_lora_rank, self.device, self.dtype)
         self.progress = Progress()  # liveness inside long steps (engine_core/pulse.py); the LM head is now final
         self.progress.watch(self.model)
+        self.lora.tick = self.progress.tick  # a runtime adapter load is a step's work too
         self.vocab_size = self.model.config.vocab_size
         attn = self.model.attention_layers()[0]  # this rank's heads
         self.attn_backend: AttentionBackend = select_backend(
@@ -85,7 +86,7 @@ class ModelRunner:
                                               self.block_size, self.device, self.attn_backend.index_dtype,
                                               mixed=config.mixed_step_graphs)  # fmt: skip
             self.decode_graphs.capture_all()
-        self.lora.attach(self.model)  # after the graphs (base layers only) and the decode stack (it takes them too)
+        self.lora.attach()  # after the graphs (base layers only) and the decode stack (it takes them too)
         self.sampler = Sampler(self.device, self.vocab_size, config.seed)
         self.last_forward_time = 0.0
 

@@ -1,5 +1,5 @@
 """The reference a LoRA adapter must match: transformers' model with the adapter merged into its weights (W + scale
-B A, as PEFT merges one). The adapters themselves: bench/make_random_lora.py."""
+B A, as PEFT merges one), and what requests name adapters by. The adapters themselves: bench/make_random_lora.py."""
 
 from __future__ import annotations
 
@@ -11,7 +11,9 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from common.lora import ADAPTER_WEIGHTS
+from common.config import EngineConfig
+from common.lora import ADAPTER_WEIGHTS, lora_modules
+from common.messages import LoraRef
 
 
 def merged(model: torch.nn.Module, adapter: str) -> torch.nn.Module:
@@ -28,3 +30,8 @@ def merged(model: torch.nn.Module, adapter: str) -> torch.nn.Module:
             linear = out.get_submodule(key.removeprefix("base_model.model.").removesuffix(".lora_A.weight"))
             linear.weight.data = (linear.weight.double() + scale * b @ a).float()
     return out
+
+
+def refs(config: EngineConfig) -> dict[str, LoraRef]:
+    """What requests name the adapters of the config's --lora-modules by, as the API numbers them."""
+    return {m.name: m.ref for m in lora_modules(config)}

@@ -184,9 +184,9 @@ def test_router_keeps_lora_adapters_apart():
     shared = list(range(40))
     assert router.choose(shared + [100], [e0, e1]) is e0
     e0.load, e1.load = 20, 0
-    assert router.choose(shared + [101], [e0, e1], scope=("sql", "")) is e1  # no block of it under sql on e0
+    assert router.choose(shared + [101], [e0, e1], scope=(1, "")) is e1  # no block of it under sql on e0
     e1.load = 30
-    assert router.choose(shared + [102], [e0, e1], scope=("sql", "")) is e1  # now cached on e1 under sql
+    assert router.choose(shared + [102], [e0, e1], scope=(1, "")) is e1  # now cached on e1 under sql
     assert router.choose(shared + [103], [e0, e1]) is e0  # and the base model's on e0
 
 

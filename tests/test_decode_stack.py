@@ -153,7 +153,7 @@ def test_stack_adds_lora_adapters_as_the_layers_do(tmp_path, slots: list[int]) -
                    f"qv={write_adapter(tmp_path / 'qv', config, ['q_proj', 'v_proj'], 4, 8, seed=2, std=0.2)}"]
         modules = lora_modules(EngineConfig(enable_lora=True, lora_modules=entries)) if lora else []
         adapters = LoraAdapters.load(model, modules, 16, CPU, torch.bfloat16)
-        adapters.attach(model)
+        adapters.attach()
         assert adapters.in_stack == (stack and lora)
         g = torch.Generator().manual_seed(1)
         run.prefill([torch.randint(0, 96, (n,), generator=g).tolist() for n in (3, 17, 9, 5, 12, 8, 4, 20, 6)])

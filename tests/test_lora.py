@@ -18,7 +18,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from bench.make_random_lora import ALL, write_adapter
 from common.config import EngineConfig
 from common.lora import ADAPTER_WEIGHTS, LEGACY_WEIGHTS, lora_modules
-from common.messages import EngineRequest, FinishReason, SamplingParams
+from common.messages import EngineRequest, FinishReason, LoraRef, SamplingParams
 from engine_core.core import EngineCore
 from engine_core.lora import LoraAdapters
 from engine_core.models.loader import load_model
@@ -34,7 +34,7 @@ from tests.engine_helpers import (
     save_tiny_llama,
     tokens_of,
 )
-from tests.lora_helpers import merged
+from tests.lora_helpers import merged, refs
 
 MAX_NEW = 12
 
@@ -55,7 +55,8 @@ def tiny_prompts() -> list[list[int]]:
     return [[rng.randrange(4, 300) for _ in range(n)] for n in (3, 9, 17, 33, 48, 70)]
 
 
-def lora_request(rid: str, prompt: list[int], lora: str, max_tokens: int = MAX_NEW, **kw) -> EngineRequest:
+def lora_request(rid: str, prompt: list[int], lora: LoraRef | None, max_tokens: int = MAX_NEW,
+                 **kw) -> EngineRequest:  # fmt: skip
     return msgspec.structs.replace(greedy_request(rid, prompt, max_tokens, **kw), lora=lora)
 
 
@@ -63,10 +64,11 @@ def test_adapters_match_merged_weights_beside_the_base_model(tiny):
     """Base, `every` and `qv` requests arrive staggered, prefill in chunks beside each other's decodes: each matches
     transformers with its own adapter merged (the base: no adapter)."""
     model, adapters = tiny
-    core = EngineCore(fp32_config(model=model, enable_lora=True, max_num_batched_tokens=40,
-                                  lora_modules=[f"{name}={path}" for name, path in adapters.items()]))  # fmt: skip
+    config = fp32_config(model=model, enable_lora=True, max_num_batched_tokens=40,
+                         lora_modules=[f"{name}={path}" for name, path in adapters.items()])  # fmt: skip
+    core, served = EngineCore(config), refs(config)
     prompts = tiny_prompts()
-    requests = [lora_request(f"{lora or 'base'}-{i}", p, lora) for i, p in enumerate(prompts)
+    requests = [lora_request(f"{lora or 'base'}-{i}", p, served.get(lora)) for i, p in enumerate(prompts)
                 for lora in ("", "every", "qv")]  # fmt: skip
     results = run_engine(core, requests, stagger=4)
     hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
@@ -84,11 +86,12 @@ def test_speculative_drafts_of_adapter_rows_keep_their_adapter(tiny):
     model, adapters = tiny
     motif = [11, 12, 13, 14, 15, 16, 17]
     params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)  # no min_tokens: it would bar drafts
-    requests = [EngineRequest(f"{lora}-{i}", (motif * 6)[i:], params, lora=lora) for i in range(4)
-                for lora in ("every", "")]  # fmt: skip
+    flags = {"model": model, "enable_lora": True, "lora_modules": [f"every={adapters['every']}"]}
+    every = refs(fp32_config(**flags))["every"]
+    requests = [EngineRequest(f"{'every' if lora else 'base'}-{i}", (motif * 6)[i:], params, lora=lora)
+                for i in range(4) for lora in (every, None)]  # fmt: skip
     ids = [r.request_id for r in requests]
     spec = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1}'
-    flags = {"model": model, "enable_lora": True, "lora_modules": [f"every={adapters['every']}"]}
     plain = run_engine(EngineCore(fp32_config(**flags)), requests)
     core = EngineCore(fp32_config(speculative_config=spec, **flags))
     drafted = run_engine(core, requests, stagger=2)
@@ -100,19 +103,20 @@ def test_speculative_drafts_of_adapter_rows_keep_their_adapter(tiny):
 def test_prefix_cache_keeps_adapters_apart(tiny):
     """The same prompt under another adapter reuses none of the K/V; under the same adapter it does."""
     model, adapters = tiny
-    core = EngineCore(fp32_config(model=model, enable_lora=True, lora_modules=[f"every={adapters['every']}"]))
+    config = fp32_config(model=model, enable_lora=True, lora_modules=[f"every={adapters['every']}"])
+    core, every = EngineCore(config), refs(config)["every"]
     prompt = tiny_prompts()[-1]  # 70 tokens: four full blocks of 16
 
-    def cached(rid: str, lora: str) -> tuple[int, list[int]]:
+    def cached(rid: str, lora: LoraRef | None) -> tuple[int, list[int]]:
         outputs = run_engine(core, [lora_request(rid, prompt, lora)])[rid]
         return outputs[0].num_cached_tokens, [t for o in outputs for t in o.new_token_ids]
 
-    base_cached, base_tokens = cached("base", "")
+    base_cached, base_tokens = cached("base", None)
     assert base_cached == 0
-    first_cached, first_tokens = cached("every-1", "every")
+    first_cached, first_tokens = cached("every-1", every)
     assert first_cached == 0 and first_tokens != base_tokens
-    assert cached("every-2", "every") == (64, first_tokens)
-    assert cached("base-2", "") == (64, base_tokens)
+    assert cached("every-2", every) == (64, first_tokens)
+    assert cached("base-2", None) == (64, base_tokens)
 
 
 def test_pefts_older_bin_format_answers_as_safetensors(tiny, tmp_path):
@@ -122,10 +126,10 @@ def test_pefts_older_bin_format_answers_as_safetensors(tiny, tmp_path):
     legacy.mkdir()
     shutil.copy(Path(adapters["qv"]) / "adapter_config.json", legacy)
     torch.save(load_file(str(Path(adapters["qv"]) / ADAPTER_WEIGHTS)), legacy / LEGACY_WEIGHTS)
-    core = EngineCore(fp32_config(model=model, enable_lora=True, lora_modules=[f"new={adapters['qv']}",
-                                                                               f"old={legacy}"]))  # fmt: skip
+    config = fp32_config(model=model, enable_lora=True, lora_modules=[f"new={adapters['qv']}", f"old={legacy}"])
+    core, served = EngineCore(config), refs(config)
     prompts = tiny_prompts()[:3]
-    results = run_engine(core, [lora_request(f"{name}-{i}", p, name) for i, p in enumerate(prompts)
+    results = run_engine(core, [lora_request(f"{name}-{i}", p, served.get(name)) for i, p in enumerate(prompts)
                                 for name in ("new", "old", "")])  # fmt: skip
     for i in range(len(prompts)):
         new, old = tokens_of(results, [f"new-{i}", f"old-{i}"])
@@ -133,14 +137,66 @@ def test_pefts_older_bin_format_answers_as_safetensors(tiny, tmp_path):
     assert any(tokens_of(results, [f"new-{i}"]) != tokens_of(results, [f"-{i}"]) for i in range(len(prompts)))
 
 
-def test_unknown_adapter_fails_alone(tiny):
+def test_adapters_load_on_first_use_and_fail_alone(tiny, tmp_path):
+    """An adapter the engine has not loaded (a runtime load, or a request resumed on a restarted engine) loads when a
+    request first names it, and answers as one loaded at start; one it cannot load fails its own request only."""
     model, adapters = tiny
-    core = EngineCore(fp32_config(model=model, enable_lora=True, lora_modules=[f"every={adapters['every']}"]))
-    prompt = tiny_prompts()[1]
-    results = run_engine(core, [lora_request("bad", prompt, "nope"), lora_request("good", prompt, "every")])
-    assert results["bad"][-1].finish_reason == FinishReason.ERROR
-    assert "'nope' is not loaded" in (results["bad"][-1].error or "")
-    assert len(tokens_of(results, ["good"])[0]) == MAX_NEW
+    config = fp32_config(model=model, enable_lora=True, lora_modules=[f"every={adapters['every']}"])
+    prompt = tiny_prompts()[3]
+    at_start = run_engine(EngineCore(config), [lora_request("start", prompt, refs(config)["every"])])
+    core = EngineCore(fp32_config(model=model, enable_lora=True))  # none at start
+    later = LoraRef(7, "every", adapters["every"])
+    (tmp_path / "empty").mkdir()
+    results = run_engine(core, [lora_request("gone", prompt, LoraRef(8, "gone", str(tmp_path / "missing"))),
+                                lora_request("later", prompt, later),
+                                lora_request("empty", prompt, LoraRef(9, "empty", str(tmp_path / "empty")))])
+    assert tokens_of(results, ["later"]) == tokens_of(at_start, ["start"])
+    for rid, why in (("gone", "no such directory"), ("empty", "cannot read adapter_config.json")):
+        assert results[rid][-1].finish_reason == FinishReason.ERROR and why in (results[rid][-1].error or "")
+    assert set(core.runner.lora.names) == {7}
+    off = run_engine(EngineCore(fp32_config(model=model)), [lora_request("off", prompt, later)])
+    assert "not enabled" in (off["off"][-1].error or "")
+
+
+def test_unloaded_adapter_stays_until_its_last_request_ends(tiny):
+    """Unloading frees nothing a running request still uses: it finishes on the adapter, as it would have, and the
+    weights go after it. A request that arrives with the adapter after the unload (sent before it) is served, and
+    its weights go after that one too."""
+    model, adapters = tiny
+    config = fp32_config(model=model, enable_lora=True, lora_modules=[f"every={adapters['every']}"])
+    every = refs(config)["every"]
+    prompt = tiny_prompts()[2]
+    reference = run_engine(EngineCore(config), [lora_request("ref", prompt, every, 24)])
+    core = EngineCore(config)
+    core.add_request(lora_request("running", prompt, every, 24))
+    outputs = [out for _ in range(4) for out in core.step()]
+    core.unload_lora(every)
+    assert every.id in core.runner.lora.names  # still in use
+    while core.has_work:
+        outputs += core.step()
+    assert [t for o in outputs for t in o.new_token_ids] == tokens_of(reference, ["ref"])[0]
+    lora = core.runner.lora
+    assert not lora.names and all(w.by_index[every.id - 1] is None for w in lora.layers.values())
+    late = run_engine(core, [lora_request("late", prompt, every, 24)])
+    assert tokens_of(late, ["late"]) == tokens_of(reference, ["ref"]) and not lora.names
+
+
+def test_reloaded_adapter_shares_no_cached_blocks_with_its_old_weights(tiny, tmp_path):
+    """A name loaded again in place (new weights in the same directory) is a new id: the prefix cache, keyed by id,
+    cannot hand it the K/V the old weights computed, and it answers as its new weights do."""
+    model, adapters = tiny
+    path = shutil.copytree(adapters["qv"], tmp_path / "qv")
+    core = EngineCore(fp32_config(model=model, enable_lora=True))
+    prompt = tiny_prompts()[-1]  # four full blocks
+    old = run_engine(core, [lora_request("old", prompt, LoraRef(1, "qv", str(path)))])
+    shutil.copy(Path(adapters["every"]) / ADAPTER_WEIGHTS, path)  # the directory now holds other weights
+    shutil.copy(Path(adapters["every"]) / "adapter_config.json", path)
+    core.unload_lora(LoraRef(1, "qv", str(path)))
+    new = run_engine(core, [lora_request("new", prompt, LoraRef(2, "qv", str(path)))])
+    assert old["old"][0].num_cached_tokens == new["new"][0].num_cached_tokens == 0
+    every = run_engine(EngineCore(fp32_config(model=model, enable_lora=True)),
+                       [lora_request("every", prompt, LoraRef(1, "every", adapters["every"]))])  # fmt: skip
+    assert tokens_of(new, ["new"]) == tokens_of(every, ["every"]) != tokens_of(old, ["old"])
 
 
 @pytest.fixture(scope="module")
@@ -152,6 +208,9 @@ def smol_bf16(tmp_path_factory):
     core = EngineCore(engine_config(dtype="bfloat16", kv_cache_memory=0.5, enable_lora=True,
                                     lora_modules=[f"smol={adapter}"]))  # fmt: skip
     return core, adapter
+
+
+SMOL = LoraRef(1, "smol", "")  # loaded at start: the engine needs no path for it
 
 
 def _forced_logprobs(model, prompt: list[int], tokens: list[int]) -> list[float]:
@@ -167,8 +226,8 @@ def test_bf16_adapter_matches_merged_weights(smol_bf16):
     the merged model's, 0.090 against the base's, when tried)."""
     core, adapter = smol_bf16
     prompts = mixed_prompts()[::3]
-    requests = [lora_request(f"smol-{i}", p, "smol", 16, logprobs=0) for i, p in enumerate(prompts)]
-    requests += [lora_request(f"base-{i}", p, "", 16) for i, p in enumerate(prompts)]  # base rows in the same steps
+    requests = [lora_request(f"smol-{i}", p, SMOL, 16, logprobs=0) for i, p in enumerate(prompts)]
+    requests += [lora_request(f"base-{i}", p, None, 16) for i, p in enumerate(prompts)]  # base rows in the same steps
     results = run_engine(core, requests)
     hf = AutoModelForCausalLM.from_pretrained(model_dir(), dtype=torch.float32).eval()
     reference = merged(hf, adapter)
@@ -192,10 +251,30 @@ def test_bf16_seeded_adapter_rows_do_not_depend_on_the_batch(smol_bf16):
                                         lora_modules=[f"smol={adapter}"]))  # fmt: skip
     params = SamplingParams(max_tokens=16, temperature=0.9, seed=7, ignore_eos=True)
     prompt = mixed_prompts()[4]
-    alone = run_engine(core, [EngineRequest("alone", prompt, params, lora="smol")])
-    others = [EngineRequest(f"o{i}", p, params, lora="smol" if i % 2 else "") for i, p in enumerate(mixed_prompts())]
-    crowd = run_engine(core, [*others[:5], EngineRequest("crowd", prompt, params, lora="smol"), *others[5:]])
+    alone = run_engine(core, [EngineRequest("alone", prompt, params, lora=SMOL)])
+    others = [EngineRequest(f"o{i}", p, params, lora=SMOL if i % 2 else None) for i, p in enumerate(mixed_prompts())]
+    crowd = run_engine(core, [*others[:5], EngineRequest("crowd", prompt, params, lora=SMOL), *others[5:]])
     assert tokens_of(alone, ["alone"]) == tokens_of(crowd, ["crowd"])
+
+
+def test_bf16_adapter_loaded_at_run_time_answers_as_one_loaded_at_start(smol_bf16, tmp_path):
+    """The decode stack takes an adapter loaded while the engine runs (and lets one go when unloaded): a copy of the
+    start's adapter, loaded later, gives the same tokens bit for bit, and the start's still does afterwards."""
+    core, adapter = smol_bf16
+    copy = LoraRef(2, "copy", str(shutil.copytree(adapter, tmp_path / "copy")))
+    prompts = mixed_prompts()[1::4]
+
+    def answers(lora: LoraRef) -> list[list[int]]:
+        results = run_engine(core, [lora_request(f"{lora.name}-{i}", p, lora, 12) for i, p in enumerate(prompts)])
+        return tokens_of(results, [f"{lora.name}-{i}" for i in range(len(prompts))])
+
+    before = answers(SMOL)
+    assert core.load_lora(copy) is None
+    assert core.runner.lora.in_stack == (core.runner.model.decode_stack is not None)
+    assert answers(copy) == before
+    core.unload_lora(copy)
+    assert set(core.runner.lora.names) == {SMOL.id}
+    assert answers(SMOL) == before
 
 
 def _config(entries: list[str], **kw) -> EngineConfig:
@@ -208,7 +287,8 @@ def _config(entries: list[str], **kw) -> EngineConfig:
     (["no-equals-sign"], {}, {}, "neither name=path"),
     (['{"name": "a"'], {}, {}, "is not JSON"),
     (["a={good}", "a={good}"], {}, {}, "given twice"),
-    (["a={tmp}/missing"], {}, {}, "cannot read adapter_config.json"),
+    (["a={tmp}/missing"], {}, {}, "no such directory"),
+    (["a={tmp}/good/adapter_model.safetensors"], {}, {}, "no such directory"),
     (["a={tmp}"], {}, {}, "no adapter_model.safetensors or adapter_model.bin"),
     (["a={good}"], {"max_lora_rank": 4}, {}, "above --max-lora-rank 4"),
     (["a={good}"], {}, {"use_dora": True}, "use_dora"),

@@ -87,8 +87,12 @@ class DecodeStack:
 
     def attach_lora(self, wrappers: dict[str, LoraLinear], step: LoraStep) -> bool:
         """Adds the LoRA adapters' updates (engine_core/lora.py) to the linears they change, where our kernel runs
-        every A and B; False (and nothing attached) otherwise: adapter steps then take the Python layers. Each linear's
-        array has an entry for every adapter (NULL where the adapter leaves it alone)."""
+        every A and B; False (and none attached) otherwise: adapter steps then take the Python layers. Each linear's
+        array has an entry for every adapter (NULL where the adapter leaves it alone). Called again whenever the
+        adapters change: it replaces what the last call attached."""
+        for layer in self.layers:
+            layer.lora = (_P * 4)()
+        self.lora, self._lora_pairs, self._lora_width = None, [], 0
         width = 0
         per_layer = []
         for i in range(len(self.layers)):
@@ -98,7 +102,7 @@ class DecodeStack:
                 if wrapper is None:
                     pointers.append(None)
                     continue
-                pairs = (_LoraPair * len(wrapper.by_index))()
+                pairs = (_LoraPair * len(wrapper.by_index))()  # zeroed: NULL for the adapters it has none of
                 for index, update in enumerate(wrapper.by_index):
                     if update is None:
                         continue

@@ -7,12 +7,13 @@ import time
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from common.config import ServerConfig
 from frontend.api.http_guard import BodyRefused, HttpGuard
+from frontend.api.lora_adapters import LoadLoraAdapterRequest, UnloadLoraAdapterRequest
 from frontend.api.protocol import ChatCompletionRequest, CompletionRequest
 from frontend.api.protocol_responses import ResponsesRequest
 from frontend.api.protocol_tokens import DetokenizeRequest, GenerateRequest, TokenizeRequest
@@ -56,7 +57,8 @@ def create_app(ctx: ServingContext, config: ServerConfig, metrics: Metrics) -> F
 
     def model_card(model_id: str) -> dict:
         """The base model's card, or a LoRA adapter's: its directory as root, the base model as parent (vLLM's)."""
-        root, parent = ctx.lora_modules.get(model_id, ctx.model_name), ctx.model_name if ctx.lora(model_id) else None
+        lora = ctx.lora(model_id)
+        root, parent = (lora.path, ctx.model_name) if lora is not None else (ctx.model_name, None)
         return {"id": model_id, "object": "model", "created": int(start_time), "owned_by": "roseinfer",
                 "root": root, "parent": parent, "max_model_len": ctx.max_model_len}  # fmt: skip
 
@@ -66,12 +68,20 @@ def create_app(ctx: ServingContext, config: ServerConfig, metrics: Metrics) -> F
 
     @app.get("/v1/models")
     async def models() -> dict:
-        return {"object": "list", "data": [model_card(m) for m in [ctx.model_name, *ctx.lora_modules]]}
+        return {"object": "list", "data": [model_card(m) for m in [ctx.model_name, *ctx.loras.refs]]}
 
     @app.get("/v1/models/{model_id:path}")  # :path: ids such as "org/name" hold slashes
     async def model(model_id: str) -> dict:
         ctx.check_model(model_id)
         return model_card(model_id)
+
+    @app.post("/v1/load_lora_adapter")
+    async def load_lora_adapter(req: LoadLoraAdapterRequest) -> Response:
+        return PlainTextResponse(await ctx.loras.load(client, req, ctx.model_name))
+
+    @app.post("/v1/unload_lora_adapter")
+    async def unload_lora_adapter(req: UnloadLoraAdapterRequest) -> Response:
+        return PlainTextResponse(await ctx.loras.unload(client, req))
 
     @app.get("/health")
     async def health() -> Response:

@@ -12,8 +12,9 @@ import msgspec
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from common.messages import SamplingParams
+from common.messages import LoraRef, SamplingParams
 from common.structured import INVALID_CONSTRAINT
+from frontend.api.lora_adapters import LoraRegistry
 from frontend.api.protocol import SamplingFields
 from frontend.api.sampling_defaults import SamplingDefaults
 from frontend.api.sse import ResponseFormat, sse_stream
@@ -41,19 +42,20 @@ class ServingContext:
     reasoning_tokens: ReasoningTokens | None = None  # counts the thinking for usage (where `thinking` is known)
     priority_scheduling: bool = False  # --scheduling-policy priority: requests' `priority` orders the engine's queue
     sampling_defaults: SamplingDefaults = SamplingDefaults()  # --generation-config: what requests leave out
-    lora_modules: dict[str, str] = field(default_factory=dict)  # --lora-modules: adapter name -> its directory
+    loras: LoraRegistry = field(default_factory=LoraRegistry)  # the LoRA adapters served (api/lora_adapters.py)
 
     def check_model(self, model: str | None) -> None:
-        if model is not None and model != self.model_name and model not in self.lora_modules:
+        if model is not None and model != self.model_name and model not in self.loras.refs:
             raise ApiError(404, f"The model `{model}` does not exist.", "model", "model_not_found")
 
-    def lora(self, model: str | None) -> str:
-        """The LoRA adapter a request's `model` names, which serves it in the engine ("": the base model)."""
-        return model if model is not None and model != self.model_name and model in self.lora_modules else ""
+    def lora(self, model: str | None) -> LoraRef | None:
+        """The LoRA adapter a request's `model` names, which serves it in the engine (None: the base model)."""
+        return self.loras.get(model) if model != self.model_name else None
 
     def served_name(self, model: str | None) -> str:
         """The `model` a response names: the adapter's where one serves it, as vLLM answers."""
-        return self.lora(model) or self.model_name
+        ref = self.lora(model)
+        return ref.name if ref is not None else self.model_name
 
     def check_token_ids(self, ids: list[int], param: str) -> None:
         bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)

@@ -14,7 +14,7 @@ import zmq.asyncio
 
 from common import ipc
 from common.config import EngineConfig
-from common.messages import EngineReady, EngineRequest, UtilityResult
+from common.messages import EngineReady, EngineRequest, LoraRef, UtilityResult
 from frontend.engine.engine_handle import EngineHandle
 from frontend.engine.placement import place_engines
 from frontend.engine.recovery import ENGINE_GONE
@@ -191,7 +191,7 @@ class AsyncEngineClient:
         stream = RequestStream(request, detokenizer, include_stop_token, self.pacing)
         live = [h for h in self.handles if h.healthy]  # a dead engine takes nothing new while it restarts
         while True:
-            scope = (request.lora, request.cache_salt)
+            scope = (request.lora.id if request.lora is not None else 0, request.cache_salt)
             handle = live[0] if self.router is None else self.router.choose(request.prompt_token_ids, live, scope)
             live.remove(handle)
             # An engine that refuses the send died a moment ago: another live one takes it, else it waits there.
@@ -219,9 +219,9 @@ class AsyncEngineClient:
             if not stream.finished:
                 self.abort([stream.request_id])
 
-    async def call(self, method: str, arg: float = 0.0, timeout: float | None = None,
-                   engine: int = 0) -> UtilityResult:  # fmt: skip
-        return await self.handles[engine].call(method, arg, timeout)
+    async def call(self, method: str, arg: float = 0.0, timeout: float | None = None, engine: int = 0,
+                   lora: LoraRef | None = None) -> UtilityResult:  # fmt: skip
+        return await self.handles[engine].call(method, arg, timeout, lora)
 
     async def refresh_stats(self, timeout: float) -> None:
         """Fresh scheduler numbers from every live engine into the metrics (no step runs while one is idle)."""

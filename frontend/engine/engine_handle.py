@@ -23,6 +23,7 @@ from common.messages import (
     EngineReady,
     EngineRequest,
     EngineStarted,
+    LoraRef,
     UtilityCall,
     UtilityResult,
 )
@@ -144,7 +145,8 @@ class EngineHandle:
             with contextlib.suppress(zmq.ZMQError):  # an unreachable engine has nothing left to free
                 self.send(AbortRequest(request_ids))
 
-    async def call(self, method: str, arg: float = 0.0, timeout: float | None = None) -> UtilityResult:
+    async def call(self, method: str, arg: float = 0.0, timeout: float | None = None,
+                   lora: LoraRef | None = None) -> UtilityResult:  # fmt: skip
         if self.dead is not None:
             raise EngineUnavailable(self.dead)
         self._call_id += 1
@@ -152,7 +154,7 @@ class EngineHandle:
         future: asyncio.Future[UtilityResult] = asyncio.get_running_loop().create_future()
         self._calls[call_id] = future
         try:
-            self.send(UtilityCall(call_id, method, arg))
+            self.send(UtilityCall(call_id, method, arg, lora))
             return await asyncio.wait_for(future, timeout)
         except zmq.ZMQError as exc:
             raise EngineUnavailable(f"cannot reach the {self.label}: {exc}") from exc

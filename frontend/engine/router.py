@@ -36,7 +36,7 @@ class PrefixRouter:
         self.max_blocks = max_blocks
         self._engines: OrderedDict[int, int] = OrderedDict()  # chain hash -> bit mask of engine indices
 
-    def block_hashes(self, prompt: Sequence[int], scope: tuple[str, str] = ("", "")) -> list[int]:
+    def block_hashes(self, prompt: Sequence[int], scope: tuple[int, str] = (0, "")) -> list[int]:
         # The engine caches a prompt's full blocks but the last token's (it must compute the first output's logits),
         # each under the LoRA adapter that computed it and the request's cache_salt: `scope`.
         n = min((len(prompt) - 1) // self.block_size, self.max_blocks)
@@ -46,7 +46,7 @@ class PrefixRouter:
             hashes.append(h)
         return hashes
 
-    def choose(self, prompt: Sequence[int], engines: Sequence[E], scope: tuple[str, str] = ("", "")) -> E:
+    def choose(self, prompt: Sequence[int], engines: Sequence[E], scope: tuple[int, str] = (0, "")) -> E:
         """The engine for `prompt` (its LoRA adapter and cache_salt: `scope`) among `engines` (those that take new
         requests now); remembers the choice."""
         hashes = self.block_hashes(prompt, scope)

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from tqdm import tqdm
 
 from common.config import EngineConfig
+from common.lora import lora_modules
 from common.messages import EngineRequest, SamplingParams
 from common.model_source import resolve_model
 from frontend.offline.engine_link import EngineClient
@@ -32,6 +33,7 @@ class LLM:
         self.source = resolve_model(model)  # converts a GGUF once, before the engine needs it
         self.tokenizer = Tokenizer(self.source.path)
         config = dataclasses.replace(EngineConfig(), model=model, **engine_options)
+        self.loras = {m.name: m.ref for m in lora_modules(config)}  # bad flags or adapter configs: before the engine
         self.engine = EngineClient(config)
 
     def chat_prompt(self, messages: list[dict[str, str]]) -> list[int]:
@@ -45,10 +47,13 @@ class LLM:
         lora: str = "",
     ) -> list[CompletionOutput]:
         """`lora`: the adapter (by its `lora_modules` name, with `enable_lora=True`) that serves every prompt."""
+        ref = self.loras.get(lora) if lora else None
+        if lora and ref is None:
+            raise ValueError(f"{lora!r} is not an adapter of lora_modules ({', '.join(self.loras) or 'none'})")
         params_list = list(params) if isinstance(params, Sequence) else [params or SamplingParams()] * len(prompts)
         token_prompts = [p if isinstance(p, list) else self.tokenizer.encode(p) for p in prompts]
         for i, (p, sp) in enumerate(zip(token_prompts, params_list, strict=True)):
-            self.engine.send(EngineRequest(str(i), p, sp, lora=lora))
+            self.engine.send(EngineRequest(str(i), p, sp, lora=ref))
         outputs: list[list[int]] = [[] for _ in prompts]
         reasons: list[str | None] = [None] * len(prompts)
         with tqdm(total=len(prompts), desc="generating", disable=not use_tqdm) as bar:
