@@ -64,14 +64,15 @@ def dp_args(dp: int) -> list[str]:
 
 
 class Server:
-    def __init__(self, tmp: Path, *extra: str, new_session: bool = False) -> None:
-        """`new_session`: a process group of its own (with its engines), which a test may signal as a whole."""
+    def __init__(self, tmp: Path, *extra: str, new_session: bool = False, env: dict[str, str] | None = None) -> None:
+        """`new_session`: a process group of its own (with its engines), which a test may signal as a whole; `env`:
+        variables set for it beside ours."""
         self.num_engines = int(extra[extra.index("--data-parallel-size") + 1]) if "--data-parallel-size" in extra else 1
         self.tmp = tmp  # the server's TMPDIR: its ipc run directory lives here
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = tmp / "server.log"
-        env = {**os.environ, "HF_HUB_OFFLINE": "1", "TMPDIR": str(tmp)}
+        env = {**os.environ, "HF_HUB_OFFLINE": "1", "TMPDIR": str(tmp), **(env or {})}
         with open(self.log, "wb") as log:
             cmd = [sys.executable, "launch.py", "--port", str(self.port), *SERVER_ARGS, *extra]
             self.proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,

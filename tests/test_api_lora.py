@@ -6,8 +6,10 @@ from __future__ import annotations
 import asyncio
 import json
 import signal
+import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import httpx
 import pytest
@@ -15,6 +17,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from bench.make_random_lora import ALL, write_adapter
+from frontend.api.lora_adapters import RUNTIME_UPDATES
 from tests.conftest import REPO, SERVER_ARGS, Server, engine_child, free_port
 from tests.engine_helpers import assert_matches_hf, hf_greedy, mixed_prompts, model_dir
 from tests.lora_helpers import merged
@@ -32,7 +35,8 @@ def lora_server(tmp_path_factory: pytest.TempPathFactory):
                 "other": write_adapter(root / "other", config, ["q_proj", "v_proj"], rank=4, alpha=8, seed=4,
                                        std=0.1)}  # fmt: skip
     server = Server(root, "--enable-lora", "--lora-modules", f"sql={adapters['sql']}",
-                    json.dumps({"name": "other", "path": adapters["other"]})).wait_healthy()  # fmt: skip
+                    json.dumps({"name": "other", "path": adapters["other"]}),
+                    env={RUNTIME_UPDATES: "True"}).wait_healthy()  # fmt: skip
     yield server, adapters
     server.engine_pid = engine_child(server)  # after the kill test's restart
     server.assert_clean_exit()
@@ -75,12 +79,15 @@ def test_streamed_chat_names_its_adapter(lora_server):
     assert "".join(e["choices"][0]["delta"].get("content") or "" for e in events if e["choices"])
 
 
-def test_adapter_streams_resume_exactly_after_a_kill(lora_server):
-    """A restarted engine loads the adapters again, and each resumed stream goes on under its own adapter."""
-    server, _ = lora_server
-    bodies = [{"model": ("sql", "other", MODEL)[i % 3], "prompt": f"Write a short story about {TOPICS[i]}.",
+def test_adapter_streams_resume_exactly_after_a_kill(lora_server, tmp_path):
+    """A restarted engine loads the adapters again (one loaded at run time when a resumed request names it), and
+    each resumed stream goes on under its own adapter."""
+    server, adapters = lora_server
+    late = shutil.copytree(adapters["sql"], tmp_path / "late")
+    assert load(server, "late", str(late)).status_code == 200
+    bodies = [{"model": ("sql", "other", MODEL, "late")[i % 4], "prompt": f"Write a short story about {TOPICS[i]}.",
                "max_tokens": MAX_TOKENS, "ignore_eos": True, "temperature": 0.0 if i % 2 else 0.8, "seed": i}
-              for i in range(6)]  # fmt: skip
+              for i in range(8)]  # fmt: skip
 
     async def scenario() -> None:
         async with httpx.AsyncClient(base_url=server.url, timeout=300) as client:
@@ -92,7 +99,74 @@ def test_adapter_streams_resume_exactly_after_a_kill(lora_server):
             assert_same(await asyncio.gather(*tasks), reference)
 
     asyncio.run(scenario())
-    assert "resumed 6 unfinished requests" in server.log.read_text()
+    assert "resumed 8 unfinished requests" in server.log.read_text()
+    assert unload(server, "late").status_code == 200
+
+
+def load(server: Server, name: str, path: str, **kw) -> httpx.Response:
+    body = {"lora_name": name, "lora_path": path, **kw}
+    return httpx.post(server.url + "/v1/load_lora_adapter", json=body, timeout=120)
+
+
+def unload(server: Server, name: str) -> httpx.Response:
+    return httpx.post(server.url + "/v1/unload_lora_adapter", json={"lora_name": name}, timeout=120)
+
+
+def greedy(server: Server, model: str, prompts: list[str]) -> list[str] | httpx.Response:
+    """Each prompt's greedy continuation under `model`, or the refusal."""
+    body = {"model": model, "prompt": prompts, "max_tokens": 10, "temperature": 0, "ignore_eos": True}
+    r = httpx.post(server.url + "/v1/completions", json=body, timeout=120)
+    return [c["text"] for c in sorted(r.json()["choices"], key=lambda c: c["index"])] if r.status_code == 200 else r
+
+
+def test_adapters_load_and_unload_at_run_time(lora_server, tmp_path):
+    """vLLM's two routes: an adapter loaded while the server runs is listed and answers as the same weights loaded at
+    start; `load_inplace` swaps a name's weights; after an unload the name is unknown again."""
+    server, adapters = lora_server
+    prompts = ["The capital of France is", "def fibonacci(n):"]
+    sql, other = greedy(server, "sql", prompts), greedy(server, "other", prompts)
+    assert sql != other
+    copy = shutil.copytree(adapters["sql"], tmp_path / "copy")
+    r = load(server, "late", str(copy))
+    assert (r.status_code, r.text) == (200, "Success: LoRA adapter 'late' added successfully.")
+    card = httpx.get(server.url + "/v1/models/late", timeout=30).json()
+    assert (card["root"], card["parent"]) == (str(copy), MODEL)
+    assert greedy(server, "late", prompts) == sql
+    again = load(server, "late", adapters["other"])
+    assert again.status_code == 400 and "already been loaded" in again.json()["error"]["message"]
+    assert load(server, "late", adapters["other"], load_inplace=True).status_code == 200
+    assert greedy(server, "late", prompts) == other
+    r = unload(server, "late")
+    assert (r.status_code, r.text) == (200, "Success: LoRA adapter 'late' removed successfully.")
+    gone = greedy(server, "late", prompts)
+    assert isinstance(gone, httpx.Response) and gone.status_code == 404
+    assert unload(server, "late").status_code == 404
+    assert [m["id"] for m in httpx.get(server.url + "/v1/models", timeout=30).json()["data"]] == [MODEL, "sql", "other"]
+    assert greedy(server, "sql", prompts) == sql
+
+
+@pytest.mark.parametrize(("body", "status", "message"), [
+    ({"lora_name": "x", "lora_path": "{tmp}/missing"}, 404, "no such directory"),
+    ({"lora_name": "x", "lora_path": "{tmp}"}, 400, "cannot read adapter_config.json"),
+    ({"lora_name": "x", "lora_path": "{big}"}, 400, "above --max-lora-rank 16"),
+    ({"lora_name": "x", "lora_path": "{broken}"}, 400, "not a LoRA weight of a linear layer"),
+    ({"lora_name": MODEL, "lora_path": "{sql}"}, 400, "conflicts with the served base model"),
+    ({"lora_name": "x"}, 400, "lora_path"),
+    ({"lora_name": "", "lora_path": "{sql}"}, 400, "Both 'lora_name' and 'lora_path' must be provided"),
+])  # fmt: skip
+def test_bad_runtime_loads_are_refused_with_the_reason(lora_server, tmp_path, body, status, message):
+    """Refused in the API process where the config tells (no engine call), else by the engine, which is unchanged."""
+    server, adapters = lora_server
+    config = AutoConfig.from_pretrained(model_dir())
+    paths = {"tmp": str(tmp_path), "sql": adapters["sql"],
+             "big": write_adapter(tmp_path / "big", config, ["q_proj"], rank=32, alpha=32, seed=1),
+             "broken": write_adapter(tmp_path / "broken", config, ["q_proj"], rank=4, alpha=4, seed=1)}  # fmt: skip
+    (Path(paths["broken"]) / "adapter_model.safetensors").write_bytes(
+        (Path(adapters["sql"]) / "adapter_model.safetensors").read_bytes().replace(b"lora_A", b"lora_C"))
+    body = {k: v.format(**paths) if isinstance(v, str) else v for k, v in body.items()}
+    r = httpx.post(server.url + "/v1/load_lora_adapter", json=body, timeout=120)
+    assert r.status_code == status and message in r.json()["error"]["message"], r.text
+    assert [m["id"] for m in httpx.get(server.url + "/v1/models", timeout=30).json()["data"]] == [MODEL, "sql", "other"]
 
 
 @pytest.mark.parametrize(("flags", "message"), [
