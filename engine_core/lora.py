@@ -52,7 +52,7 @@ class LoraLinear(nn.Module):
         super().__init__()
         self.base, self.step, self.dtype = base, step, dtype
         self.updates = nn.ModuleDict()  # registered as submodules, by adapter index
-        self.by_index: list[nn.Module | None] = [None] * count  # adapter index (its id - 1) -> its update or None
+        self.by_index: list[nn.Module | None] = [None] * count  # adapter index (LoraAdapters.index) -> update or None
 
     def put(self, index: int, update: nn.Module | None) -> None:
         self.by_index[index] = update
@@ -91,7 +91,8 @@ class LoraAdapters:
     """The loaded adapters, by id (LoraRef.id; a request's slot, 0 for the base model). Those of --lora-modules load
     at start; any other on first use (a runtime load, or a request resumed on a restarted engine). An unloaded one
     retires: its weights go once no live request uses it. Ids are never reused, so a retired adapter's blocks in the
-    prefix cache (keyed by id) can never answer for another."""
+    prefix cache (keyed by id) can never answer for another; the wrappers hold the loaded ones at compact indices,
+    which are reused, so memory follows what is loaded, not how many loads there were."""
 
     def __init__(self, model: nn.Module, max_rank: int, device: torch.device, dtype: torch.dtype) -> None:
         self.model, self.max_rank, self.device = model, max_rank, device
@@ -102,9 +103,11 @@ class LoraAdapters:
         self.step = LoraStep()
         self.layers: dict[str, LoraLinear] = {}  # our layer's name -> its wrapper (in the model once attached)
         self.names: dict[int, str] = {}  # id -> name, of every adapter whose weights are loaded
+        self.index: dict[int, int] = {}  # id -> its place in every wrapper's by_index (and the decode stack's arrays)
+        self._free: list[int] = []  # places released adapters left
         self.unloaded: set[int] = set()  # ids the API unloaded (never served again but by requests sent before)
         self.retiring: set[int] = set()  # of those, the ones whose weights wait for their last request
-        self.count = 0  # every wrapper's by_index length: the highest id loaded so far
+        self.count = 0  # every wrapper's by_index length: the most adapters loaded at once so far
         self.attached = False
         self.in_stack = False  # whether the CPU decode stack adds the adapters itself (attach)
         self.tick: Callable[[], None] = lambda: None  # liveness while a load runs (engine_core/pulse.py)
@@ -136,7 +139,8 @@ class LoraAdapters:
             a, b = _stack(self._base(target), parts, module.name, target)
             updates[target] = low_rank(a, b, self.device, self.compute)
             self.tick()
-        self.count = max(self.count, module.id)
+        index = self._free.pop() if self._free else self.count
+        self.count = max(self.count, index + 1)
         for wrapper in self.layers.values():
             wrapper.by_index += [None] * (self.count - len(wrapper.by_index))
         for target, update in updates.items():
@@ -144,8 +148,8 @@ class LoraAdapters:
                 self.layers[target] = LoraLinear(self._base(target), self.compute, self.step, self.count)
                 if self.attached:
                     self._put_in_model(target)
-            self.layers[target].put(module.id - 1, update)
-        self.names[module.id] = module.name
+            self.layers[target].put(index, update)
+        self.names[module.id], self.index[module.id] = module.name, index
         self._restack()
 
     def ensure(self, ref: LoraRef) -> str | None:
@@ -163,19 +167,21 @@ class LoraAdapters:
             self.retiring.add(ref.id)
         return None
 
-    def retire(self, index: int) -> None:
+    def retire(self, lora_id: int) -> None:
         """The API unloaded it: its weights go once no live request uses it (release)."""
-        self.unloaded.add(index)
-        if index in self.names:
-            self.retiring.add(index)
+        self.unloaded.add(lora_id)
+        if lora_id in self.names:
+            self.retiring.add(lora_id)
 
     def release(self, in_use: set[int]) -> None:
         """Frees the weights of every retiring adapter no live request uses (`in_use`: their ids)."""
         done = self.retiring - in_use
-        for index in done:
+        for lora_id in done:
+            index = self.index.pop(lora_id)
             for wrapper in self.layers.values():
-                wrapper.put(index - 1, None)
-            log.info("unloaded LoRA adapter %r (id %d)", self.names.pop(index), index)
+                wrapper.put(index, None)
+            self._free.append(index)
+            log.info("unloaded LoRA adapter %r (id %d)", self.names.pop(lora_id), lora_id)
         self.retiring -= done
         if done:
             self._restack()
@@ -214,10 +220,10 @@ class LoraAdapters:
             rows = [i for i, s in enumerate(slots) if s == slot]
             n = len(rows)
             if n == len(slots) >= MIN_GROUP_ROWS:
-                self.step.groups.append((slot - 1, None, n))
+                self.step.groups.append((self.index[slot], None, n))
                 continue
             rows += rows[-1:] * (MIN_GROUP_ROWS - n)
-            self.step.groups.append((slot - 1, to_device(rows, self.device, torch.long), n))
+            self.step.groups.append((self.index[slot], to_device(rows, self.device, torch.long), n))
 
     @contextmanager
     def eager(self, model: nn.Module) -> Iterator[None]:

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import json
-import signal
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path

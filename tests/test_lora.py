@@ -176,7 +176,7 @@ def test_unloaded_adapter_stays_until_its_last_request_ends(tiny):
         outputs += core.step()
     assert [t for o in outputs for t in o.new_token_ids] == tokens_of(reference, ["ref"])[0]
     lora = core.runner.lora
-    assert not lora.names and all(w.by_index[every.id - 1] is None for w in lora.layers.values())
+    assert not lora.names and all(u is None for w in lora.layers.values() for u in w.by_index)
     late = run_engine(core, [lora_request("late", prompt, every, 24)])
     assert tokens_of(late, ["late"]) == tokens_of(reference, ["ref"]) and not lora.names
 
@@ -193,6 +193,7 @@ def test_reloaded_adapter_shares_no_cached_blocks_with_its_old_weights(tiny, tmp
     shutil.copy(Path(adapters["every"]) / "adapter_config.json", path)
     core.unload_lora(LoraRef(1, "qv", str(path)))
     new = run_engine(core, [lora_request("new", prompt, LoraRef(2, "qv", str(path)))])
+    assert core.runner.lora.index == {2: 0}  # the old weights' place, taken again
     assert old["old"][0].num_cached_tokens == new["new"][0].num_cached_tokens == 0
     every = run_engine(EngineCore(fp32_config(model=model, enable_lora=True)),
                        [lora_request("every", prompt, LoraRef(1, "every", adapters["every"]))])  # fmt: skip
