@@ -12,25 +12,21 @@ step with adapter rows runs eagerly through the Python layers, since the CUDA gr
 from __future__ import annotations
 
 import logging
-import re
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from pathlib import Path
 
 import torch
-from safetensors import safe_open
 from torch import nn
 
-from common.lora import LoraModule, weights_file
+from common.lora import LoraModule
 from common.messages import LoraRef
+from engine_core.lora_weights import adapter_weights, stack_shards
 from engine_core.models.layers import PackedLinear, can_pack_bf16
 from engine_core.models.llama import LlamaForCausalLM
 from engine_core.transfer import to_device
 
 log = logging.getLogger("roseinfer.lora")
 
-# PEFT's names: base_model.model.<the checkpoint's module>.lora_A.weight ([rank, in]) and .lora_B.weight ([out, rank])
-_KEY = re.compile(r"^base_model\.model\.(?P<module>.+)\.lora_(?P<ab>[AB])\.weight$")
 # A group's rows are padded to this many before its matmuls: MKL's fp32 GEMM and oneDNN's bf16 one sum very few rows
 # in another order, and a row's delta must not depend on how many rows its adapter serves in the step.
 MIN_GROUP_ROWS = 8
@@ -128,7 +124,7 @@ class LoraAdapters:
             raise ValueError(f"LoRA adapters are served on the Llama family and Gemma 3, not "
                              f"{type(self.model).__name__}")  # fmt: skip
         shards: dict[str, dict[int, tuple[torch.Tensor, torch.Tensor]]] = {}  # layer -> shard -> A, B
-        for target, shard, a, b in _adapter_weights(self.model, module, self.model.packed_modules):
+        for target, shard, a, b in adapter_weights(self.model, module, self.model.packed_modules):
             if a.shape[0] > self.max_rank:
                 raise ValueError(f"LoRA adapter {module.name!r}: {target} has rank {a.shape[0]}, above "
                                  f"--max-lora-rank {self.max_rank}")  # fmt: skip
@@ -136,7 +132,7 @@ class LoraAdapters:
             self.tick()
         updates = {}
         for target, parts in shards.items():
-            a, b = _stack(self._base(target), parts, module.name, target)
+            a, b = stack_shards(self._base(target), parts, module.name, target)
             updates[target] = low_rank(a, b, self.device, self.compute)
             self.tick()
         index = self._free.pop() if self._free else self.count
@@ -195,8 +191,7 @@ class LoraAdapters:
         self._restack()
 
     def _base(self, target: str) -> nn.Module:
-        wrapper = self.layers.get(target)
-        return wrapper.base if wrapper is not None else self.model.get_submodule(target)
+        return self.layers[target].base if target in self.layers else self.model.get_submodule(target)
 
     def _put_in_model(self, target: str) -> None:
         parent, _, attr = target.rpartition(".")
@@ -236,72 +231,3 @@ class LoraAdapters:
         finally:
             if stack is not None:
                 model.decode_stack = stack
-
-
-LayerWeights = tuple[str, int, torch.Tensor, torch.Tensor]  # our layer's name, its shard, A, B
-
-
-def _adapter_weights(
-    model: nn.Module, module: LoraModule, packed: dict[str, tuple[str, int]]
-) -> Iterator[LayerWeights]:
-    """(our layer's name, its shard, A, B) for every linear layer the adapter changes."""
-    where = f"LoRA adapter {module.name!r}"
-    pairs: dict[str, dict[str, torch.Tensor]] = {}
-    for key, tensor in _read_weights(module).items():
-        match = _KEY.match(key)
-        if match is None or not isinstance(tensor, torch.Tensor):
-            raise ValueError(f"{where}: {key} is not a LoRA weight of a linear layer (nothing else is supported)")
-        pairs.setdefault(match["module"], {})[match["ab"]] = tensor
-    for hf_name, ab in pairs.items():
-        name = model.checkpoint_name(hf_name + ".weight")
-        head, _, leaf = (name or "").removesuffix(".weight").rpartition(".")
-        if name is None or not head.startswith("layers.") or set(ab) != {"A", "B"}:
-            raise ValueError(f"{where}: {hf_name} is not a decoder layer's linear with both lora_A and lora_B")
-        if any(t.dim() != 2 or 0 in t.shape for t in ab.values()):
-            raise ValueError(f"{where}: {hf_name}'s lora_A and lora_B must be matrices of rank at least 1")
-        target, shard = (f"{head}.{packed[leaf][0]}", packed[leaf][1]) if leaf in packed else (f"{head}.{leaf}", 0)
-        try:
-            model.get_submodule(target)
-        except AttributeError:
-            raise ValueError(f"{where}: the model has no layer {hf_name}") from None
-        yield target, shard, ab["A"], ab["B"]
-
-
-def _read_weights(module: LoraModule) -> dict[str, torch.Tensor]:
-    path = weights_file(Path(module.path))
-    if path is None:
-        raise ValueError(f"LoRA adapter {module.name!r}: its weights are gone from {module.path}")
-    if path.suffix == ".safetensors":
-        with safe_open(str(path), framework="pt") as f:
-            return {key: f.get_tensor(key) for key in f.keys()}  # noqa: SIM118 (safe_open is not a mapping)
-    try:
-        state = torch.load(path, map_location="cpu", weights_only=True)  # tensors only: no pickled code runs
-    except Exception as exc:
-        raise ValueError(f"LoRA adapter {module.name!r}: cannot read {path}: {exc}") from None
-    if not isinstance(state, dict):
-        raise ValueError(f"LoRA adapter {module.name!r}: {path} does not hold a dict of tensors")
-    return state
-
-
-def _stack(base: nn.Module, shards: dict[int, tuple[torch.Tensor, torch.Tensor]], name: str,
-           target: str) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-    """One adapter's A and B of one layer as one pair: the shards' A stacked, [sum of ranks, in], and B [out, sum of
-    ranks] with each shard's B in its rows and its rank's columns (zeros elsewhere)."""
-    sizes = getattr(base, "shard_sizes", None) or [base.out_features]
-    offsets = [sum(sizes[:i]) for i in range(len(sizes))]
-    for shard, (a, b) in shards.items():
-        r = a.shape[0]
-        if a.shape != (r, base.in_features) or b.shape != (sizes[shard], r):
-            raise ValueError(
-                f"LoRA adapter {name!r}: {target} (shard {shard}) has A {tuple(a.shape)} and B "
-                f"{tuple(b.shape)}, the layer takes [r, {base.in_features}] and [{sizes[shard]}, r]"
-            )
-    order = sorted(shards)
-    a_all = torch.cat([shards[shard][0] for shard in order])
-    b_all = torch.zeros(sum(sizes), len(a_all))
-    column = 0
-    for shard in order:
-        b = shards[shard][1]
-        b_all[offsets[shard] : offsets[shard] + sizes[shard], column : column + b.shape[1]] = b
-        column += b.shape[1]
-    return a_all, b_all

@@ -5,6 +5,8 @@ with update's list and the finished ones were skipped, so their streams waited f
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 
 from common.messages import EngineOutput, EngineRequest, FinishReason, SamplingParams
@@ -22,6 +24,7 @@ class FakeRunner:
     """Samples TOKEN for every sampled row: no model, the step's bookkeeping is what is under test."""
 
     last_forward_time = 0.0
+    lora = SimpleNamespace(retiring=set())  # no LoRA adapters
 
     def execute(self, out: SchedulerOutput) -> SampledTokens:
         n = sum(1 + len(r.draft_token_ids) for r, s in zip(out.requests, out.sample, strict=True) if s)

@@ -5,11 +5,9 @@ and flags fail at start with the reason."""
 from __future__ import annotations
 
 import json
-import random
 import shutil
 from pathlib import Path
 
-import msgspec
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
@@ -18,7 +16,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from bench.make_random_lora import ALL, write_adapter
 from common.config import EngineConfig
 from common.lora import ADAPTER_WEIGHTS, LEGACY_WEIGHTS, lora_modules
-from common.messages import EngineRequest, FinishReason, LoraRef, SamplingParams
+from common.messages import EngineRequest, LoraRef, SamplingParams
 from engine_core.core import EngineCore
 from engine_core.lora import LoraAdapters
 from engine_core.models.loader import load_model
@@ -26,38 +24,18 @@ from tests.engine_helpers import (
     assert_matches_hf,
     engine_config,
     fp32_config,
-    greedy_request,
     hf_greedy,
     mixed_prompts,
     model_dir,
     run_engine,
-    save_tiny_llama,
     tokens_of,
 )
-from tests.lora_helpers import merged, refs
-
-MAX_NEW = 12
+from tests.lora_helpers import MAX_NEW, lora_request, merged, refs, tiny_model_and_adapters, tiny_prompts
 
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    """A tiny random Llama, an adapter on all seven linears (rank 8) and one on q and v (rank 4, rank-stabilized)."""
-    root = tmp_path_factory.mktemp("lora")
-    model = save_tiny_llama(root / "model", max_positions=512, init=0.2)
-    config = AutoConfig.from_pretrained(model)
-    every = write_adapter(root / "every", config, ALL, rank=8, alpha=16, seed=1, std=0.2)
-    qv = write_adapter(root / "qv", config, ["q_proj", "v_proj"], rank=4, alpha=8, seed=2, std=0.3, use_rslora=True)
-    return model, {"every": every, "qv": qv}
-
-
-def tiny_prompts() -> list[list[int]]:
-    rng = random.Random(0)
-    return [[rng.randrange(4, 300) for _ in range(n)] for n in (3, 9, 17, 33, 48, 70)]
-
-
-def lora_request(rid: str, prompt: list[int], lora: LoraRef | None, max_tokens: int = MAX_NEW,
-                 **kw) -> EngineRequest:  # fmt: skip
-    return msgspec.structs.replace(greedy_request(rid, prompt, max_tokens, **kw), lora=lora)
+    return tiny_model_and_adapters(tmp_path_factory.mktemp("lora"))
 
 
 def test_adapters_match_merged_weights_beside_the_base_model(tiny):
@@ -135,69 +113,6 @@ def test_pefts_older_bin_format_answers_as_safetensors(tiny, tmp_path):
         new, old = tokens_of(results, [f"new-{i}", f"old-{i}"])
         assert new == old and len(new) == MAX_NEW
     assert any(tokens_of(results, [f"new-{i}"]) != tokens_of(results, [f"-{i}"]) for i in range(len(prompts)))
-
-
-def test_adapters_load_on_first_use_and_fail_alone(tiny, tmp_path):
-    """An adapter the engine has not loaded (a runtime load, or a request resumed on a restarted engine) loads when a
-    request first names it, and answers as one loaded at start; one it cannot load fails its own request only."""
-    model, adapters = tiny
-    config = fp32_config(model=model, enable_lora=True, lora_modules=[f"every={adapters['every']}"])
-    prompt = tiny_prompts()[3]
-    at_start = run_engine(EngineCore(config), [lora_request("start", prompt, refs(config)["every"])])
-    core = EngineCore(fp32_config(model=model, enable_lora=True))  # none at start
-    later = LoraRef(7, "every", adapters["every"])
-    (tmp_path / "empty").mkdir()
-    results = run_engine(core, [lora_request("gone", prompt, LoraRef(8, "gone", str(tmp_path / "missing"))),
-                                lora_request("later", prompt, later),
-                                lora_request("empty", prompt, LoraRef(9, "empty", str(tmp_path / "empty")))])
-    assert tokens_of(results, ["later"]) == tokens_of(at_start, ["start"])
-    for rid, why in (("gone", "no such directory"), ("empty", "cannot read adapter_config.json")):
-        assert results[rid][-1].finish_reason == FinishReason.ERROR and why in (results[rid][-1].error or "")
-    assert set(core.runner.lora.names) == {7}
-    off = run_engine(EngineCore(fp32_config(model=model)), [lora_request("off", prompt, later)])
-    assert "not enabled" in (off["off"][-1].error or "")
-
-
-def test_unloaded_adapter_stays_until_its_last_request_ends(tiny):
-    """Unloading frees nothing a running request still uses: it finishes on the adapter, as it would have, and the
-    weights go after it. A request that arrives with the adapter after the unload (sent before it) is served, and
-    its weights go after that one too."""
-    model, adapters = tiny
-    config = fp32_config(model=model, enable_lora=True, lora_modules=[f"every={adapters['every']}"])
-    every = refs(config)["every"]
-    prompt = tiny_prompts()[2]
-    reference = run_engine(EngineCore(config), [lora_request("ref", prompt, every, 24)])
-    core = EngineCore(config)
-    core.add_request(lora_request("running", prompt, every, 24))
-    outputs = [out for _ in range(4) for out in core.step()]
-    core.unload_lora(every)
-    assert every.id in core.runner.lora.names  # still in use
-    while core.has_work:
-        outputs += core.step()
-    assert [t for o in outputs for t in o.new_token_ids] == tokens_of(reference, ["ref"])[0]
-    lora = core.runner.lora
-    assert not lora.names and all(u is None for w in lora.layers.values() for u in w.by_index)
-    late = run_engine(core, [lora_request("late", prompt, every, 24)])
-    assert tokens_of(late, ["late"]) == tokens_of(reference, ["ref"]) and not lora.names
-
-
-def test_reloaded_adapter_shares_no_cached_blocks_with_its_old_weights(tiny, tmp_path):
-    """A name loaded again in place (new weights in the same directory) is a new id: the prefix cache, keyed by id,
-    cannot hand it the K/V the old weights computed, and it answers as its new weights do."""
-    model, adapters = tiny
-    path = shutil.copytree(adapters["qv"], tmp_path / "qv")
-    core = EngineCore(fp32_config(model=model, enable_lora=True))
-    prompt = tiny_prompts()[-1]  # four full blocks
-    old = run_engine(core, [lora_request("old", prompt, LoraRef(1, "qv", str(path)))])
-    shutil.copy(Path(adapters["every"]) / ADAPTER_WEIGHTS, path)  # the directory now holds other weights
-    shutil.copy(Path(adapters["every"]) / "adapter_config.json", path)
-    core.unload_lora(LoraRef(1, "qv", str(path)))
-    new = run_engine(core, [lora_request("new", prompt, LoraRef(2, "qv", str(path)))])
-    assert core.runner.lora.index == {2: 0}  # the old weights' place, taken again
-    assert old["old"][0].num_cached_tokens == new["new"][0].num_cached_tokens == 0
-    every = run_engine(EngineCore(fp32_config(model=model, enable_lora=True)),
-                       [lora_request("every", prompt, LoraRef(1, "every", adapters["every"]))])  # fmt: skip
-    assert tokens_of(new, ["new"]) == tokens_of(every, ["every"]) != tokens_of(old, ["old"])
 
 
 @pytest.fixture(scope="module")
