@@ -129,6 +129,26 @@ def test_bf16_linear_matches_fp32_and_each_row_is_computed_alone(out_features, i
             assert torch.equal(alone, out[start : start + rows])
 
 
+@needs_linear_kernels
+@pytest.mark.parametrize("out_features,in_features",
+                         [(16, 1536), (32, 576), (40, 576), (576, 16), (3072, 32), (96, 64)])  # fmt: skip
+def test_a_prefills_rows_over_a_skinny_weight_split_over_threads_change_no_bit(out_features, in_features) -> None:
+    """LoRA's shapes (an A of 16 to 48 columns, a B over a rank's few k) at a prefill's rows: a weight of a panel or
+    two has its rows split over the threads too, and every row still comes out bit for bit as alone."""
+    kernels = cpu_kernels()
+    assert kernels is not None
+    torch.manual_seed(1)
+    weight = torch.randn(out_features, in_features, dtype=torch.bfloat16)
+    packed = kernels.pack_bf16_linear(weight)
+    x = torch.randn(1000, in_features, dtype=torch.bfloat16)
+    out = kernels.linear(x, packed, None, out_features)
+    ref = x.float() @ weight.float().T
+    assert float((out.float() - ref).abs().max()) <= 2 * float(ref.abs().max()) * 2**-8 + 1e-3
+    for start, rows in ((0, 1), (5, 8), (333, 17), (990, 10), (0, 1000)):
+        assert torch.equal(kernels.linear(x[start : start + rows], packed, None, out_features),
+                           out[start : start + rows])  # fmt: skip
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows,cols", [(1, 5), (3, 16), (64, 49152), (7, 1000), (2, 33)])
 def test_argmax_rows_matches_torch_first_index_on_ties(dtype, rows, cols) -> None:

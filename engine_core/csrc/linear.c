@@ -10,6 +10,7 @@
 // weights in the same pair layout and then each lane's scale; a tile widens them to bf16(q * scale) as it goes,
 // or, for more rows than one tile, the panel is widened once into a bf16 panel first. Without AVX512-BF16,
 // csrc/linear_avx2.c reads the same panels with fp32 FMAs (AVX2), widening each int8 panel to bf16 first.
+#include <omp.h>
 #include <stdlib.h>
 
 #include "kernel_common.h"
@@ -94,31 +95,27 @@ static inline __attribute__((always_inline)) void tile(const uint16_t* x, int64_
     }
 }
 
-#define TILE_CASE(MR, Q8) tile(x, ldx, MR, panel, Q8, PANEL_VECS, pairs, bias, out, ldo, cols, pf, pf_len)
-#define TILE_CASES(Q8)                   \
-    switch (mr) {                        \
-        case 8: TILE_CASE(8, Q8); break; \
-        case 7: TILE_CASE(7, Q8); break; \
-        case 6: TILE_CASE(6, Q8); break; \
-        case 5: TILE_CASE(5, Q8); break; \
-        case 4: TILE_CASE(4, Q8); break; \
-        case 3: TILE_CASE(3, Q8); break; \
-        case 2: TILE_CASE(2, Q8); break; \
-        default: TILE_CASE(1, Q8); break; \
+#define TILE_CASE(MR, Q8, NV) tile(x, ldx, MR, panel, Q8, NV, pairs, bias, out, ldo, cols, pf, pf_len)
+#define TILE_CASES(Q8, NV)                   \
+    switch (mr) {                            \
+        case 8: TILE_CASE(8, Q8, NV); break; \
+        case 7: TILE_CASE(7, Q8, NV); break; \
+        case 6: TILE_CASE(6, Q8, NV); break; \
+        case 5: TILE_CASE(5, Q8, NV); break; \
+        case 4: TILE_CASE(4, Q8, NV); break; \
+        case 3: TILE_CASE(3, Q8, NV); break; \
+        case 2: TILE_CASE(2, Q8, NV); break; \
+        default: TILE_CASE(1, Q8, NV); break; \
     }
+// The last panel of a weight whose rows are not a multiple of 48 has one or two vectors: a LoRA adapter's A (8 to
+// 48 columns) is only that panel, so it gets whole tiles of rows too (one row at a time, its lone accumulator chain
+// ran at a fifth of the speed).
 static void any_tile(const uint16_t* x, int64_t ldx, int mr, const void* panel, int q8, int nv, int64_t pairs,
                      const uint16_t* bias, uint16_t* out, int64_t ldo, int64_t cols, const char* pf, int64_t pf_len) {
-    if (nv == PANEL_VECS) {
-        if (q8) TILE_CASES(1) else TILE_CASES(0)
-    } else {  // the last panel of a weight whose rows are not a multiple of 48: rare, one row at a time
-        for (int i = 0; i < mr; i++) {
-            const uint16_t* xi = x + i * ldx;
-            uint16_t* oi = out + i * ldo;
-            if (nv == 2 && q8) tile(xi, ldx, 1, panel, 1, 2, pairs, bias, oi, ldo, cols, pf, pf_len);
-            else if (nv == 2) tile(xi, ldx, 1, panel, 0, 2, pairs, bias, oi, ldo, cols, pf, pf_len);
-            else if (q8) tile(xi, ldx, 1, panel, 1, 1, pairs, bias, oi, ldo, cols, pf, pf_len);
-            else tile(xi, ldx, 1, panel, 0, 1, pairs, bias, oi, ldo, cols, pf, pf_len);
-        }
+    if (q8) {
+        if (nv == PANEL_VECS) TILE_CASES(1, PANEL_VECS) else if (nv == 2) TILE_CASES(1, 2) else TILE_CASES(1, 1)
+    } else {
+        if (nv == PANEL_VECS) TILE_CASES(0, PANEL_VECS) else if (nv == 2) TILE_CASES(0, 2) else TILE_CASES(0, 1)
     }
 }
 
@@ -142,9 +139,17 @@ static void panel_linear(const uint16_t* x, int64_t ldx, int64_t m_len, const vo
     const int64_t padded_n = (n_len + 15) / 16 * 16, tiles = (m_len + TILE_ROWS - 1) / TILE_ROWS;
     const int64_t bytes_per_col = q8 ? k_len / GROUP * GROUP_VEC_BYTES / 16 : 2 * k_len;
     const int widen = q8 && tiles > 1;
-    _Pragma("omp parallel if (n_len * k_len >= 1 << 16)") {
+    // Work items: a panel and a share of the row tiles. A weight of few panels (a LoRA adapter's A, 8 to 48 columns,
+    // or its B over a rank's few k) has its rows split too, or a prefill's rows would keep all threads but one idle;
+    // every output is still one tile's sum over all k, in the same order, so no bit depends on the split.
+    const int threads = omp_get_max_threads();
+    int64_t row_parts = (2 * threads + panels - 1) / panels;
+    row_parts = panels >= 2 * threads ? 1 : row_parts < tiles ? row_parts : tiles;
+    const int parallel = n_len * k_len >= 1 << 16 || m_len * n_len * k_len >= 1 << 22;
+    _Pragma("omp parallel if (parallel)") {
         uint16_t* wide = widen ? malloc(PANEL_COLS * k_len * sizeof(uint16_t)) : NULL;
-        _Pragma("omp for schedule(static)") for (int64_t b = 0; b < panels; b++) {
+        _Pragma("omp for schedule(static)") for (int64_t item = 0; item < panels * row_parts; item++) {
+            const int64_t b = item / row_parts, part = item % row_parts;
             const int64_t n0 = b * PANEL_COLS;
             const int64_t cols = n_len - n0 < PANEL_COLS ? n_len - n0 : PANEL_COLS;
             const int nv = (int)((cols + 15) / 16);
@@ -158,7 +163,7 @@ static void panel_linear(const uint16_t* x, int64_t ldx, int64_t m_len, const vo
             const char* next = (const char*)packed + next_n0 * bytes_per_col;
             const int64_t next_bytes = next_cols > 0 ? next_cols * bytes_per_col : 0;
             if (wide) widen_panel(panel, nv, pairs, wide, next, next_bytes);
-            for (int64_t t = 0; t < tiles; t++) {
+            for (int64_t t = part * tiles / row_parts; t < (part + 1) * tiles / row_parts; t++) {
                 const int64_t m0 = t * TILE_ROWS;
                 const int mr = m_len - m0 < TILE_ROWS ? (int)(m_len - m0) : TILE_ROWS;
                 any_tile(x + m0 * ldx, ldx, mr, wide ? (const void*)wide : panel, q8 && !wide, nv, pairs,

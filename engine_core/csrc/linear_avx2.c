@@ -20,6 +20,7 @@
 //   bf16's 17-19: 8 instructions of widening per 8 weights cost more here than the bytes they save.
 // Every output adds its k products one after the other in k order whatever the number of rows: a row's result
 // never depends on its neighbours.
+#include <omp.h>
 #include <stdlib.h>
 
 #include "kernel_common.h"
@@ -193,15 +194,22 @@ void linear_avx2(const uint16_t* x, int64_t ldx, int64_t m_len, const void* pack
     // rows per block: whole tiles of x that fit L2; one block for int8, whose panels are widened once per block
     const int64_t fit = L2_X_BYTES / (k_len * (int64_t)sizeof(float)) / STRIP_ROWS * STRIP_ROWS;
     const int64_t block = q8 || m_len <= WIDE_MAX_ROWS || fit == 0 ? m_len : fit;
-    const int parallel = n_len * k_len >= 1 << 16;
+    const int parallel = n_len * k_len >= 1 << 16 || m_len * n_len * k_len >= 1 << 22;
+    // As csrc/linear.c: a weight of few panels has each block's strips split over the threads too (no bit moves).
+    const int threads = omp_get_max_threads();
+    int64_t row_parts = (2 * threads + panels - 1) / panels;
+    row_parts = panels >= 2 * threads || m_len <= WIDE_MAX_ROWS ? 1 : row_parts;
     _Pragma("omp parallel if (parallel)") {
         uint16_t* wide = q8 ? malloc(PANEL_COLS * k_len * sizeof(uint16_t)) : NULL;  // an int8 panel, widened
         widen_rows(x, ldx, m_len, k_len, xf);
         for (int64_t m_start = 0; m_start < m_len; m_start += block) {
             const int64_t m_end = m_len - m_start < block ? m_len : m_start + block;
+            const int64_t strips = (m_end - m_start + STRIP_ROWS - 1) / STRIP_ROWS;
             // each thread keeps its panels from block to block: no wait between blocks
-            _Pragma("omp for schedule(static) nowait") for (int64_t b = 0; b < panels; b++) {
-                const int64_t n0 = b * PANEL_COLS;
+            _Pragma("omp for schedule(static) nowait") for (int64_t item = 0; item < panels * row_parts; item++) {
+                const int64_t part = item % row_parts, n0 = item / row_parts * PANEL_COLS;
+                const int64_t s0 = m_start + part * strips / row_parts * STRIP_ROWS;
+                const int64_t s1 = m_start + (part + 1) * strips / row_parts * STRIP_ROWS;
                 const int cols = n_len - n0 < PANEL_COLS ? (int)(n_len - n0) : PANEL_COLS;
                 const int64_t pair_u16 = 2 * ((cols + 15) / 16 * 16);  // the panel's columns as packed, x 2
                 const uint16_t* panel = (const uint16_t*)((const char*)packed + n0 * bytes_per_col);
@@ -214,7 +222,7 @@ void linear_avx2(const uint16_t* x, int64_t ldx, int64_t m_len, const void* pack
                     continue;
                 }
                 for (int c0 = 0; c0 < cols; c0 += 16)
-                    for (int64_t m0 = m_start; m0 < m_end; m0 += STRIP_ROWS)
+                    for (int64_t m0 = s0; m0 < s1 && m0 < m_end; m0 += STRIP_ROWS)
                         strip_rows(xf + m0 * k_len, k_len, m_end - m0 < STRIP_ROWS ? (int)(m_end - m0) : STRIP_ROWS,
                                    panel + 2 * c0, pair_u16, b ? b + c0 : NULL, out + m0 * ldo + n0 + c0, ldo,
                                    cols - c0 < 16 ? cols - c0 : 16);
