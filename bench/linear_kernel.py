@@ -1,12 +1,14 @@
 """The linears alone: the compiled CPU kernel (csrc/linear.c with AVX512-BF16, csrc/linear_avx2.c with AVX2,
 through CpuKernels.linear) over SmolLM2-135M's 30 layers of linears (qkv 576 -> 960, o 576 -> 576, gate_up
 576 -> 3072, down 1536 -> 576) and its LM head (576 -> 49152, only at decode's row counts: a prefill runs it on
-each prompt's last row), each layer its own weights, so that they come from memory as in the engine.
+each prompt's last row), each layer its own weights, so that they come from memory as in the engine. With
+--lora-rank R: a rank-R LoRA adapter's two products on each of those linears instead (engine_core/lora.py).
 
 Prints, per row count (1 and 8: decode latency; 64: W's full decode batch; 2048: a prefill step), the fastest and
 the median of --repeats passes in ms, and the fastest as GFLOP/s. To compare two checkouts, run it from outside
 both, in turn (python -m puts the working directory first on the path):
-cd /tmp && PYTHONPATH=<checkout> python -m bench.linear_kernel [--repeats 5] [--quantization int8] [--result-json F]
+cd /tmp && PYTHONPATH=<checkout> python -m bench.linear_kernel [--repeats 5] [--quantization int8 | --lora-rank 16]
+    [--result-json F]
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from engine_core.models.quant import quantize_groups
 
 LAYERS, HIDDEN, VOCAB = 30, 576, 49152
 LAYER_SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # (out_features, in_features)
+SHARDS = [3, 1, 2, 1]  # fused parts of each: a LoRA adapter's A stacks one rank per part, its B is block-diagonal
 ROWS = [1, 8, 64, 2048]
 
 
@@ -35,17 +38,23 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--quantization", choices=["int8"])
+    parser.add_argument("--lora-rank", type=int, help="time a LoRA adapter's products of this rank on every linear "
+                        "(engine_core/lora.py: A, then B) instead of the base linears")  # fmt: skip
     parser.add_argument("--result-json")
     args = parser.parse_args()
     kernels = cpu_kernels()
     assert kernels is not None and kernels.has_linear, "needs the compiled linear kernel (AVX-512 or AVX2 + FMA)"
     torch.manual_seed(0)
+    shapes = LAYER_SHAPES
+    if args.lora_rank:  # A [parts x rank, in], then B [out, parts x rank]
+        ranks = [parts * args.lora_rank for parts in SHARDS]
+        shapes = [s for (n, k), r in zip(LAYER_SHAPES, ranks, strict=True) for s in ((r, k), (n, r))]
     layers = [(pack(kernels, torch.randn(n, k, dtype=torch.bfloat16) / k**0.5, args.quantization), n, k)
-              for _ in range(LAYERS) for n, k in LAYER_SHAPES]  # fmt: skip
+              for _ in range(LAYERS) for n, k in shapes]  # fmt: skip
     head = (pack(kernels, torch.randn(VOCAB, HIDDEN, dtype=torch.bfloat16), args.quantization), VOCAB, HIDDEN)
     results = {}
     for rows in ROWS:
-        linears = layers + ([head] if rows <= 64 else [])
+        linears = layers + ([head] if rows <= 64 and not args.lora_rank else [])
         inputs = {k: torch.randn(rows, k, dtype=torch.bfloat16) for k in {k for _, _, k in linears}}
         flop = sum(2 * rows * n * k for _, n, k in linears)
         times = []
@@ -56,13 +65,14 @@ def main() -> None:
             times.append(time.perf_counter() - start)
         best, median = min(times[1:]), statistics.median(times[1:])
         results[rows] = {"best_ms": best * 1e3, "median_ms": median * 1e3, "gflops": flop / best / 1e9}
-        head_note = " + LM head" if rows <= 64 else ""
+        head_note = " + LM head" if rows <= 64 and not args.lora_rank else ""
         print(f"{rows:5d} rows{head_note:>10}: best {best * 1e3:8.2f} ms, median {median * 1e3:8.2f} ms, "
               f"{flop / best / 1e9:6.1f} GFLOP/s")  # fmt: skip
     if args.result_json:
         machine = {"cpu": platform.processor() or platform.machine(), "threads": torch.get_num_threads()}
         with open(args.result_json, "w") as f:
-            json.dump({"quantization": args.quantization, "machine": machine, "results": results}, f, indent=1)
+            json.dump({"quantization": args.quantization, "lora_rank": args.lora_rank, "machine": machine,
+                       "results": results}, f, indent=1)  # fmt: skip
 
 
 if __name__ == "__main__":
