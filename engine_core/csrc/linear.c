@@ -145,7 +145,7 @@ static void panel_linear(const uint16_t* x, int64_t ldx, int64_t m_len, const vo
     const int threads = omp_get_max_threads();
     int64_t row_parts = (2 * threads + panels - 1) / panels;
     row_parts = panels >= 2 * threads ? 1 : row_parts < tiles ? row_parts : tiles;
-    const int parallel = n_len * k_len >= 1 << 16 || m_len * n_len * k_len >= 1 << 22;
+    const int parallel = n_len * k_len >= 1 << 16 || m_len * n_len * k_len >= 1 << 20;
     _Pragma("omp parallel if (parallel)") {
         uint16_t* wide = widen ? malloc(PANEL_COLS * k_len * sizeof(uint16_t)) : NULL;
         _Pragma("omp for schedule(static)") for (int64_t item = 0; item < panels * row_parts; item++) {
