@@ -115,7 +115,8 @@ def settings(args: argparse.Namespace, clients: list[str]) -> dict[str, Any]:
         "orders": pair_orders(NAMES, args.pairs),
         "server_commands": {n: server_command(n, "PORT", args) for n in NAMES},
         "workload_w": {"num_prompts": args.num_prompts, "input_len": args.input_len, "output_len": args.output_len,
-                       "ignore_eos": True, "max_concurrency": args.max_concurrency, "num_warmups": args.num_warmups,
+                       "prefix_len": args.prefix_len, "range_ratio": args.range_ratio, "ignore_eos": True,
+                       "max_concurrency": args.max_concurrency, "num_warmups": args.num_warmups,
                        "vllm_client_lengths": "128 in, 128 out (fixed by vllm_bench_client.sh)"},  # fmt: skip
         "workload_chat": {"dataset": os.path.relpath(args.chat_dataset, REPO), "num_prompts": args.chat_prompts,
                           "max_concurrency": None, "output_len_default": args.output_len, "ignore_eos": False},
