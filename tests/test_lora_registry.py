@@ -1,6 +1,7 @@
 """The API's side of runtime LoRA loads (frontend/api/lora_adapters.py) over several engines: every live engine loads
-an adapter before its name is served, a refusal anywhere undoes the load everywhere, ids are never reused, and the
-routes stay off unless VLLM_ALLOW_RUNTIME_LORA_UPDATING says otherwise."""
+an adapter before its name is served, a refusal anywhere undoes the load everywhere (an engine that did not answer
+is told too: it may still be loading), ids are never reused, and the routes stay off unless
+VLLM_ALLOW_RUNTIME_LORA_UPDATING says otherwise."""
 
 from __future__ import annotations
 
@@ -79,7 +80,7 @@ def test_a_refusal_undoes_the_load_on_every_engine(adapter):
     registry = _registry()
     error = _error(lambda: _load(registry, client, "sql", adapter))
     assert error.status == 400 and "has no layer x" in error.message
-    assert client.calls == [(0, "load_lora", 1), (1, "load_lora", 1), (0, "unload_lora", 1)]
+    assert client.calls == [(0, "load_lora", 1), (1, "load_lora", 1), (0, "unload_lora", 1), (1, "unload_lora", 1)]
     assert registry.get("sql") is None
     client.handles[1].refuse = None
     _load(registry, client, "sql", adapter)
@@ -89,7 +90,7 @@ def test_a_refusal_undoes_the_load_on_every_engine(adapter):
 def test_an_engine_dying_mid_load_fails_it_with_503(adapter):
     client, registry = _Client([_Handle(), _Handle(gone=True)]), _registry()
     assert _error(lambda: _load(registry, client, "sql", adapter)).status == 503
-    assert (0, "unload_lora", 1) in client.calls and registry.get("sql") is None
+    assert client.calls[2:] == [(0, "unload_lora", 1), (1, "unload_lora", 1)] and registry.get("sql") is None
     client.handles[0].healthy = client.handles[1].healthy = False
     assert _error(lambda: _load(registry, client, "sql", adapter)).status == 503  # no engine up to check weights
 

@@ -73,9 +73,9 @@ class LoraRegistry:
             except ValueError as exc:
                 raise bad_request(str(exc), "lora_path") from None
             self._next_id += 1  # spent even if an engine refuses: an id names one set of weights only
-            loaded, error = await _on_every_engine(client, "load_lora", ref)
-            if error is not None:
-                await _on_every_engine(client, "unload_lora", ref, loaded)
+            error = await _on_every_engine(client, "load_lora", ref)
+            if error is not None:  # every engine forgets it, one still loading it (a timeout) once it is done
+                await _on_every_engine(client, "unload_lora", ref)
                 raise error
             self.refs[ref.name] = ref
             if old is not None:  # its running requests finish on the old weights, which go after them
@@ -104,14 +104,13 @@ class LoraRegistry:
             raise bad_request("LoRA adapters are not enabled (start the server with --enable-lora)", None)
 
 
-async def _on_every_engine(client: AsyncEngineClient, method: str, ref: LoraRef,
-                           engines: list[int] | None = None) -> tuple[list[int], ApiError | None]:  # fmt: skip
-    """Calls every live engine (or those listed); returns those that did it and the first refusal as an ApiError. An
-    engine that is down is skipped: a restarted one loads an adapter on first use."""
-    targets = [i for i, h in enumerate(client.handles) if h.healthy and (engines is None or i in engines)]
+async def _on_every_engine(client: AsyncEngineClient, method: str, ref: LoraRef) -> ApiError | None:
+    """Calls every live engine; returns the first refusal as an ApiError. An engine that is down is skipped: a
+    restarted one loads an adapter on first use."""
+    targets = [i for i, h in enumerate(client.handles) if h.healthy]
     results = await asyncio.gather(*(client.call(method, timeout=LOAD_TIMEOUT_S, engine=i, lora=ref)
                                      for i in targets), return_exceptions=True)  # fmt: skip
-    done, error = [], None
+    error = None
     for i, result in zip(targets, results, strict=True):
         if isinstance(result, EngineUnavailable | TimeoutError):
             error = error or ApiError(503, f"engine core {i} went down while loading the adapter: {result}", None,
@@ -120,6 +119,4 @@ async def _on_every_engine(client: AsyncEngineClient, method: str, ref: LoraRef,
             error = error or ApiError(500, f"engine core {i}: {result!r}")
         elif not result.ok:
             error = error or bad_request(result.error or "the engine refused the adapter", "lora_path")
-        else:
-            done.append(i)
-    return done, error
+    return error
