@@ -113,7 +113,7 @@ async def _on_every_engine(client: AsyncEngineClient, method: str, ref: LoraRef)
     error = None
     for i, result in zip(targets, results, strict=True):
         if isinstance(result, EngineUnavailable | TimeoutError):
-            error = error or ApiError(503, f"engine core {i} went down while loading the adapter: {result}", None,
+            error = error or ApiError(503, f"engine core {i} did not answer {method}: {result!r}", None,
                                       "engine_unavailable")  # fmt: skip
         elif isinstance(result, BaseException):
             error = error or ApiError(500, f"engine core {i}: {result!r}")
