@@ -124,8 +124,9 @@ def _utility(core: EngineCore, call: UtilityCall) -> UtilityResult:
     elif call.method in ("load_lora", "unload_lora"):
         if call.lora is None:
             return UtilityResult(call.call_id, ok=False, error=f"{call.method} names no adapter")
-        error = core.load_lora(call.lora) if call.method == "load_lora" else core.unload_lora(call.lora)
-        if error is not None:
+        if call.method == "unload_lora":
+            core.unload_lora(call.lora)
+        elif (error := core.load_lora(call.lora)) is not None:
             return UtilityResult(call.call_id, ok=False, error=error)
     elif call.method not in ("health", "stats"):
         return UtilityResult(call.call_id, ok=False, error=f"unknown method {call.method!r}")

@@ -354,6 +354,17 @@ DECLARE_ATTEND_TILE(attend_avx2_tile_f32, float);
 // or int8. csrc/linear_avx2.c reads the same panels where the CPU has AVX2 + FMA and no AVX512-BF16 (1 from
 // linear_avx2_available()); elsewhere linear_avx2 does nothing.
 #define LINEAR_PANEL_COLS 48
+
+// Both linear kernels' work split: threads from 64k weights or a million multiply-adds; and the shares each panel's
+// row tiles are cut into (`tiles` of them at most), so that a weight of few panels (a LoRA adapter's A or B) still
+// gives every thread rows. Every output stays one tile's sum over all k in order: no split moves a bit.
+static inline int linear_parallel(int64_t m_len, int64_t n_len, int64_t k_len) {
+    return n_len * k_len >= 1 << 16 || m_len * n_len * k_len >= 1 << 20;
+}
+static inline int64_t linear_row_parts(int64_t panels, int64_t tiles, int threads) {
+    const int64_t parts = (2 * threads + panels - 1) / panels;
+    return panels >= 2 * threads ? 1 : parts < tiles ? parts : tiles;
+}
 int linear_avx2_available(void);
 void linear_avx2(const uint16_t* x, int64_t ldx, int64_t m_len, const void* packed, int q8, const uint16_t* bias,
                  uint16_t* out, int64_t ldo, int64_t n_len, int64_t k_len);

@@ -139,14 +139,9 @@ static void panel_linear(const uint16_t* x, int64_t ldx, int64_t m_len, const vo
     const int64_t padded_n = (n_len + 15) / 16 * 16, tiles = (m_len + TILE_ROWS - 1) / TILE_ROWS;
     const int64_t bytes_per_col = q8 ? k_len / GROUP * GROUP_VEC_BYTES / 16 : 2 * k_len;
     const int widen = q8 && tiles > 1;
-    // Work items: a panel and a share of the row tiles. A weight of few panels (a LoRA adapter's A, 8 to 48 columns,
-    // or its B over a rank's few k) has its rows split too, or a prefill's rows would keep all threads but one idle;
-    // every output is still one tile's sum over all k, in the same order, so no bit depends on the split.
-    const int threads = omp_get_max_threads();
-    int64_t row_parts = (2 * threads + panels - 1) / panels;
-    row_parts = panels >= 2 * threads ? 1 : row_parts < tiles ? row_parts : tiles;
-    const int parallel = n_len * k_len >= 1 << 16 || m_len * n_len * k_len >= 1 << 20;
-    _Pragma("omp parallel if (parallel)") {
+    // Work items: a panel and a share of its row tiles (linear_row_parts, kernel_common.h).
+    const int64_t row_parts = linear_row_parts(panels, tiles, omp_get_max_threads());
+    _Pragma("omp parallel if (linear_parallel(m_len, n_len, k_len))") {
         uint16_t* wide = widen ? malloc(PANEL_COLS * k_len * sizeof(uint16_t)) : NULL;
         _Pragma("omp for schedule(static)") for (int64_t item = 0; item < panels * row_parts; item++) {
             const int64_t b = item / row_parts, part = item % row_parts;

@@ -194,12 +194,9 @@ void linear_avx2(const uint16_t* x, int64_t ldx, int64_t m_len, const void* pack
     // rows per block: whole tiles of x that fit L2; one block for int8, whose panels are widened once per block
     const int64_t fit = L2_X_BYTES / (k_len * (int64_t)sizeof(float)) / STRIP_ROWS * STRIP_ROWS;
     const int64_t block = q8 || m_len <= WIDE_MAX_ROWS || fit == 0 ? m_len : fit;
-    const int parallel = n_len * k_len >= 1 << 16 || m_len * n_len * k_len >= 1 << 20;
-    // As csrc/linear.c: a weight of few panels has each block's strips split over the threads too (no bit moves).
-    const int threads = omp_get_max_threads();
-    int64_t row_parts = (2 * threads + panels - 1) / panels;
-    row_parts = panels >= 2 * threads || m_len <= WIDE_MAX_ROWS ? 1 : row_parts;
-    _Pragma("omp parallel if (parallel)") {
+    // As csrc/linear.c: each block's strips are cut into shares (linear_row_parts, kernel_common.h); few rows go whole.
+    const int64_t row_parts = m_len <= WIDE_MAX_ROWS ? 1 : linear_row_parts(panels, tiles, omp_get_max_threads());
+    _Pragma("omp parallel if (linear_parallel(m_len, n_len, k_len))") {
         uint16_t* wide = q8 ? malloc(PANEL_COLS * k_len * sizeof(uint16_t)) : NULL;  // an int8 panel, widened
         widen_rows(x, ldx, m_len, k_len, xf);
         for (int64_t m_start = 0; m_start < m_len; m_start += block) {
