@@ -1,7 +1,7 @@
 """Offline throughput: N requests x input-len random prompt tokens x output-len tokens, all at once,
 roseinfer's engine core (direct ZMQ, no HTTP) next to transformers `generate` measured in the same run.
 
-python -m bench.offline [--num-prompts 64 --input-len 128 --output-len 128] [--hf-batch-sizes 64,32]
+python -m bench.offline [--num-prompts 64 --input-len 128 --output-len 128] [--hf-batch-sizes 64,32] [--model DIR]
 """
 
 from __future__ import annotations
@@ -102,17 +102,18 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_workload_args(parser)
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    parser.add_argument("--model", default=None, help="an HF directory or .gguf (default: the default model)")
     parser.add_argument("--hf-batch-sizes", default="64", help="comma-separated; the best is reported")
     parser.add_argument("--skip-hf", action="store_true")
     parser.add_argument("--result-json", default=None)
     args = parser.parse_args()
 
     prompts = random_prompts(args.num_prompts, args.input_len, args.seed)
-    config = EngineConfig(dtype=args.dtype, max_num_batched_tokens=args.max_num_batched_tokens,
+    config = EngineConfig(model=args.model, dtype=args.dtype, max_num_batched_tokens=args.max_num_batched_tokens,
                           max_num_seqs=max(args.num_prompts, 1))  # fmt: skip
     ours = bench_roseinfer(prompts, args.output_len, config)
     hf_runs = [] if args.skip_hf else [
-        bench_hf(prompts, args.output_len, args.dtype, int(b)) for b in args.hf_batch_sizes.split(",")
+        bench_hf(prompts, args.output_len, args.dtype, int(b), args.model) for b in args.hf_batch_sizes.split(",")
     ]  # fmt: skip
     best_hf = max(hf_runs, key=lambda r: r["output_tok_s"]) if hf_runs else None
     result = {

@@ -28,7 +28,9 @@ _SIGNATURES = {
     "paged_decode": [_P] * 6 + [_I] * 6 + [_F, _I64],
     "paged_prefill": [_P, _I64, _P, _P, _P, _I, _P, _I, _P] + [_I] * 4 + [_F, _I64],
     "rms_norm": [_P] * 4 + [_I64, _I, _F],
+    "gemma_rms_norm": [_P] * 3 + [_I64, _I, _F],
     "silu_and_mul": [_P, _P, _I64, _I],
+    "gelu_tanh_and_mul": [_P, _P, _I64, _I],
     "rotary": [_P] * 4 + [_I64, _I64, _I, _I],
     "argmax_rows": [_P, _I64, _I64, _P],
     "sample_rows": [_P, _I64, _I64] + [_P] * 6,
@@ -173,10 +175,18 @@ class CpuKernels:
                                          x.shape[1], eps)  # fmt: skip
         return out
 
-    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+    def gemma_rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """Gemma's: norm(x) * (1 + weight), in fp32 and rounded once."""
+        out = torch.empty_like(x)
+        self._funcs["gemma_rms_norm", x.dtype](x.data_ptr(), weight.data_ptr(), out.data_ptr(), x.shape[0],
+                                               x.shape[1], eps)  # fmt: skip
+        return out
+
+    def act_and_mul(self, x: torch.Tensor, act: str) -> torch.Tensor:
+        """x [T, 2 * width] holding gate then up: act(gate) * up; act: "silu" or "gelu_tanh"."""
         width = x.shape[1] // 2
         out = torch.empty((x.shape[0], width), dtype=x.dtype)
-        self._funcs["silu_and_mul", x.dtype](x.data_ptr(), out.data_ptr(), x.shape[0], width)
+        self._funcs[f"{act}_and_mul", x.dtype](x.data_ptr(), out.data_ptr(), x.shape[0], width)
         return out
 
     def rotary_(self, x: torch.Tensor, num_heads: int, head_dim: int, positions, cos, sin) -> None:

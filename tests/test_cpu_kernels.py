@@ -10,10 +10,18 @@ from transformers import LlamaConfig
 
 from engine_core.cpu_kernels import cpu_kernels
 from engine_core.models import layers
-from engine_core.models.layers import RMSNorm, RotaryEmbedding, StepRotary, silu_and_mul
+from engine_core.models.layers import (
+    GemmaRMSNorm,
+    RMSNorm,
+    RotaryEmbedding,
+    StepRotary,
+    gelu_tanh_and_mul,
+    silu_and_mul,
+)
 from tests.cpu_features import needs_linear_kernels
 
 DTYPES = [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)]
+GELU_U = (2 / torch.pi) ** 0.5  # GELU's tanh approximation: 0.5 x (1 + tanh(GELU_U (x + 0.044715 x^3)))
 ONEDNN_BF16 = bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
@@ -51,11 +59,45 @@ def test_rms_norm_with_and_without_residual(torch_path, dtype, tol, rows) -> Non
 
 
 @pytest.mark.parametrize("dtype,tol", DTYPES)
+@pytest.mark.parametrize("rows", [1, 300])
+def test_gemma_rms_norm_scales_by_one_plus_weight(torch_path, dtype, tol, rows) -> None:
+    torch.manual_seed(0)
+    norm = GemmaRMSNorm(640, 1e-6).to(dtype)
+    norm.weight.data.uniform_(-0.5, 0.5)  # Gemma's checkpoints store the weight minus one
+    x = torch.randn(rows, 640, dtype=dtype) * 3
+    ours, reference = norm(x), torch_path(lambda: norm(x))
+    assert close(ours, reference, tol)
+    if dtype == torch.bfloat16:  # one rounding to bf16, in the same place: only rare near-ties differ
+        assert (ours == reference).float().mean() > 0.99
+
+
+@pytest.mark.parametrize("dtype,tol", DTYPES)
 @pytest.mark.parametrize("rows", [1, 64, 129])
-def test_silu_and_mul(torch_path, dtype, tol, rows) -> None:
+@pytest.mark.parametrize("act_and_mul", [silu_and_mul, gelu_tanh_and_mul])
+def test_act_and_mul(torch_path, dtype, tol, rows, act_and_mul) -> None:
+    """Against float64 math rounded where the kernel rounds (the activation, then the product), and against torch,
+    whose GELU loses digits where 1 + tanh cancels (gates below about -3): ours is written as x sigmoid(2u)."""
     torch.manual_seed(0)
     x = torch.randn(rows, 2 * 1536, dtype=dtype) * 4
-    assert close(silu_and_mul(x), torch_path(lambda: silu_and_mul(x)), tol)
+    ours = act_and_mul(x)
+    gate, up = x.double().chunk(2, dim=-1)
+    act = gate * torch.sigmoid(gate if act_and_mul is silu_and_mul else 2 * GELU_U * (gate + 0.044715 * gate**3))
+    if dtype == torch.bfloat16:
+        assert (ours == (act.to(dtype).double() * up).to(dtype)).float().mean() > 0.99
+    else:
+        assert close(ours, (act * up).to(dtype), tol)
+    assert close(ours, torch_path(lambda: act_and_mul(x)), 1e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("act_and_mul", [silu_and_mul, gelu_tanh_and_mul])
+def test_act_and_mul_of_very_negative_gates_is_zero_not_nan(dtype, act_and_mul) -> None:
+    """exp(-gate) overflows below -88; -ffast-math's division by infinity then gave NaN (SwiGLU had this bug)."""
+    gate = torch.linspace(-300, 20, 1536).to(dtype)
+    out = act_and_mul(torch.cat([gate, torch.full_like(gate, 3.0)]).reshape(1, -1))
+    assert not out.isnan().any()
+    assert out[0, gate < -100].abs().max().item() < 1e-30
+    assert out[0, -1].item() == pytest.approx(60.0, rel=1e-2)
 
 
 @pytest.mark.parametrize("dtype,tol", DTYPES)

@@ -1,6 +1,6 @@
 """Decode-only CPU steps through the layer stack in one C call (engine_core/models/cpu_decode.py): bit for bit the
-logits of the Python layers, in bf16 and int8, with and without biases, with Qwen3's q/k norms; taken only by
-decode-only steps; attached by the model runner where it can run, and nowhere else."""
+logits of the Python layers, in bf16 and int8, with and without biases, with Qwen3's q/k norms, and Gemma 3's
+layer; taken only by decode-only steps; attached by the model runner where it can run, and nowhere else."""
 
 from __future__ import annotations
 
@@ -20,26 +20,34 @@ from engine_core.models.quant import prepare_linears
 from tests.cpu_features import HAS_LINEAR, needs_int8_kernels, needs_linear_kernels
 from tests.engine_helpers import greedy_request, run_engine, save_tiny_llama, tokens_of
 from tests.model_harness import PagedRun
+from tests.test_model_parity import tiny_hf_model
 
 CPU = torch.device("cpu")
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU-only: the stack runs our CPU kernels")
 
 
-def tiny_llama(bias: bool, quantization: str | None, qwen3: bool = False, window: int | None = None) -> torch.nn.Module:
-    """Llama (with q/k/v/o biases or none), Qwen3 (q and k heads normed; head_dim * heads != hidden), or Mistral
-    with a sliding window."""
+def tiny_llama(bias: bool, quantization: str | None, qwen3: bool = False, window: int | None = None,
+               gemma: bool = False) -> torch.nn.Module:  # fmt: skip
+    """Llama (with q/k/v/o biases or none), Qwen3 (q and k heads normed; head_dim * heads != hidden), Mistral with a
+    sliding window, or Gemma 3 (its four norms a layer, GeGLU, a sliding layer of window 24 and full layers with
+    their own rotary base)."""
     torch.manual_seed(0)
     shape = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=3, vocab_size=96, num_attention_heads=4,
                  num_key_value_heads=2)  # fmt: skip
     config = (transformers.Qwen3Config(**shape, head_dim=64, architectures=["Qwen3ForCausalLM"]) if qwen3 else
               transformers.MistralConfig(**shape, sliding_window=window, architectures=["MistralForCausalLM"])
               if window else
+              transformers.Gemma3TextConfig(**shape, head_dim=32, sliding_window=24, query_pre_attn_scalar=24,
+                                            layer_types=["full_attention", "sliding_attention", "full_attention"],
+                                            final_logit_softcapping=5.0, architectures=["Gemma3ForCausalLM"])
+              if gemma else
               transformers.LlamaConfig(**shape, attention_bias=bias, architectures=["LlamaForCausalLM"]))  # fmt: skip
     model = build_model(config, torch.bfloat16, CPU, 256)
     with torch.no_grad():
         for name, param in model.named_parameters():
-            param.copy_(1 + 0.1 * torch.randn_like(param) if "norm" in name else 0.1 * torch.randn_like(param))
+            norm_one = 0.0 if gemma else 1.0  # Gemma's norms scale by 1 + weight
+            param.copy_(norm_one + 0.1 * torch.randn_like(param) if "norm" in name else 0.1 * torch.randn_like(param))
     prepare_linears(model, quantization, CPU, torch.bfloat16)
     return model
 
@@ -83,11 +91,13 @@ class _Spy:
 
 
 @needs_linear_kernels
-@pytest.mark.parametrize(("bias", "qwen3"), [(False, False), (True, False), (False, True)])
+@pytest.mark.parametrize(("bias", "qwen3", "gemma"), [(False, False, False), (True, False, False),
+                                                      (False, True, False), (False, False, True)])  # fmt: skip
 @pytest.mark.parametrize("quantization", [None, pytest.param("int8", marks=needs_int8_kernels)])
-def test_stack_gives_the_layers_logits_bit_for_bit(bias: bool, qwen3: bool, quantization: str | None) -> None:
-    model = tiny_llama(bias, quantization, qwen3)
-    assert (model.layers[0].self_attn.q_norm is not None) == qwen3
+def test_stack_gives_the_layers_logits_bit_for_bit(bias: bool, qwen3: bool, gemma: bool,
+                                                   quantization: str | None) -> None:  # fmt: skip
+    model = tiny_llama(bias, quantization, qwen3, gemma=gemma)
+    assert (model.layers[0].self_attn.q_norm is not None) == (qwen3 or gemma)
     reference, none = steps(model, stack=False)
     ours, calls = steps(model, stack=True)
     assert none == 0 and calls == 15  # the 15 decode-only steps; never the prefills or the mixed step
@@ -124,8 +134,17 @@ def tiny_dir(tmp_path_factory) -> str:
     return save_tiny_llama(tmp_path_factory.mktemp("tiny-stack"), max_positions=512, init=0.3)
 
 
-def test_engine_attaches_the_stack_on_cpu_bf16_with_the_same_tokens(tiny_dir: str) -> None:
-    config = EngineConfig(model=tiny_dir, dtype="bfloat16", kv_cache_memory=0.05, max_num_seqs=8)
+@pytest.fixture(scope="module")
+def tiny_gemma_dir(tmp_path_factory) -> str:
+    path = tmp_path_factory.mktemp("tiny-gemma-stack")
+    tiny_hf_model("gemma3").save_pretrained(path)  # a sliding window of 8: the decodes cross it
+    return str(path)
+
+
+@pytest.mark.parametrize("model_dir", ["tiny_dir", "tiny_gemma_dir"])
+def test_engine_attaches_the_stack_on_cpu_bf16_with_the_same_tokens(model_dir: str, request) -> None:
+    model_dir = request.getfixturevalue(model_dir)
+    config = EngineConfig(model=model_dir, dtype="bfloat16", kv_cache_memory=0.05, max_num_seqs=8)
     with_stack, without = EngineCore(config), EngineCore(config)
     assert (with_stack.runner.model.decode_stack is not None) == HAS_LINEAR  # see cpu_features
     without.runner.model.decode_stack = None
@@ -134,7 +153,7 @@ def test_engine_attaches_the_stack_on_cpu_bf16_with_the_same_tokens(tiny_dir: st
     ours = tokens_of(run_engine(with_stack, requests, stagger=2), [r.request_id for r in requests])
     reference = tokens_of(run_engine(without, requests, stagger=2), [r.request_id for r in requests])
     assert ours == reference
-    fp32 = EngineCore(EngineConfig(model=tiny_dir, dtype="float32", kv_cache_memory=0.05, max_num_seqs=8))
+    fp32 = EngineCore(EngineConfig(model=model_dir, dtype="float32", kv_cache_memory=0.05, max_num_seqs=8))
     assert fp32.runner.model.decode_stack is None
 
 

@@ -1,14 +1,16 @@
 // A decode-only step through a Llama-family layer stack on CPU in one call (engine_core/models/cpu_decode.py):
 // the same kernels, in the same order and on the same buffers' values, as the Python layers call them one by
-// one (engine_core/models/llama.py), so the results are bit for bit the same. A one-row step calls about ten
-// kernels per layer; from Python each call cost microseconds of module dispatch, tensor allocation and ctypes,
-// which added up to about a third of a single stream's step.
+// one (engine_core/models/llama.py, engine_core/models/gemma3.py), so the results are bit for bit the same. A
+// one-row step calls about ten kernels per layer; from Python each call cost microseconds of module dispatch,
+// tensor allocation and ctypes, which added up to about a third of a single stream's step.
 #include "kernel_common.h"
 
 // The kernels of the other files that a layer calls.
 void rms_norm_bf16(const uint16_t* x, uint16_t* residual, const uint16_t* weight, uint16_t* out, int64_t rows,
                    int dim, float eps);
+void gemma_rms_norm_bf16(const uint16_t* x, const uint16_t* weight, uint16_t* out, int64_t rows, int dim, float eps);
 void silu_and_mul_bf16(const uint16_t* x, uint16_t* out, int64_t rows, int width);
+void gelu_tanh_and_mul_bf16(const uint16_t* x, uint16_t* out, int64_t rows, int width);
 void rotary_bf16(uint16_t* x, const int64_t* positions, const float* cos, const float* sin, int64_t rows,
                  int64_t row_stride, int num_heads, int head_dim);
 void linear(const uint16_t* x, int64_t ldx, int64_t m_len, const void* packed, int q8, const uint16_t* bias,
@@ -33,8 +35,10 @@ typedef struct {
 } LoraPair;
 
 typedef struct {
-    const uint16_t *input_norm, *post_norm;
-    const uint16_t *q_norm, *k_norm;  // Qwen3's norms of each q and k head, or NULL
+    const uint16_t *input_norm, *post_norm;  // before attention, before the MLP
+    const uint16_t *attn_out_norm, *mlp_out_norm;  // Gemma's norms of attention's and the MLP's outputs, or NULL
+    const uint16_t *q_norm, *k_norm;  // Qwen3's and Gemma's norms of each q and k head, or NULL
+    const float *cos, *sin;  // this layer's rotary tables (Gemma's sliding and full layers have their own)
     PackedWeight qkv, o, gate_up, down;
     uint16_t *k_cache, *v_cache;  // [blocks, block_size, num_kv_heads, head_dim]
     int64_t window;  // sliding window (each query sees its last `window` keys), 0 for none
@@ -72,8 +76,22 @@ static void add_lora(const uint16_t* x, int64_t ldx, int64_t k, const LoraPair* 
 
 typedef struct {
     int64_t num_layers, hidden, num_q_heads, num_kv_heads, head_dim, intermediate, block_size;
+    int64_t gemma;  // Gemma 3's layer: norms scale by 1 + weight, outputs normed before the residual add, GeGLU
     float eps, scale;
 } StackShape;
+
+// A norm of `rows` rows of `dim`: Llama's (with residual: residual += x first, then norm(residual)) or Gemma's.
+static void norm(const StackShape* s, const uint16_t* x, uint16_t* residual, const uint16_t* weight, uint16_t* out,
+                 int64_t rows, int64_t dim) {
+    if (s->gemma) gemma_rms_norm_bf16(x, weight, out, rows, (int)dim, s->eps);
+    else rms_norm_bf16(x, residual, weight, out, rows, (int)dim, s->eps);
+}
+
+// Gemma's residual add: residual += norm(x) (x, a layer's output, normed in place), rounded as torch adds.
+static void add_normed(const StackShape* s, uint16_t* x, const uint16_t* weight, uint16_t* residual, int64_t rows) {
+    gemma_rms_norm_bf16(x, weight, x, rows, (int)s->hidden, s->eps);
+    for (int64_t j = 0; j < rows * s->hidden; j++) residual[j] = bf16_store(bf16_load(residual[j]) + bf16_load(x[j]));
+}
 
 // bf16 elements of scratch a step of `rows` rows needs.
 int64_t decode_stack_work(const StackShape* s, int64_t rows) {
@@ -82,12 +100,12 @@ int64_t decode_stack_work(const StackShape* s, int64_t rows) {
 }
 
 // x: [rows, hidden] the step's embeddings (used as scratch); out: [rows, hidden] the final norm's output.
-// positions, slots, seq_lens: [rows]; block_tables: [rows, max_blocks]; cos/sin: the fp32 rotary tables; lora: the
-// step's adapter rows, or NULL.
+// positions, slots, seq_lens: [rows]; block_tables: [rows, max_blocks]; lora: the step's adapter rows, or NULL.
+// Llama's residual stream is added lazily, by the next norm; Gemma's is `residual` itself, added after each half.
 void decode_stack_bf16(const DecodeLayer* layers, const StackShape* s, const uint16_t* final_norm, uint16_t* x,
-                       uint16_t* out, int64_t rows, const int64_t* positions, const float* cos, const float* sin,
-                       const int64_t* slots, const int64_t* block_tables, int64_t max_blocks,
-                       const int64_t* seq_lens, uint16_t* work, const LoraGroups* lora) {
+                       uint16_t* out, int64_t rows, const int64_t* positions, const int64_t* slots,
+                       const int64_t* block_tables, int64_t max_blocks, const int64_t* seq_lens, uint16_t* work,
+                       const LoraGroups* lora) {
     const int64_t hidden = s->hidden, inter = s->intermediate, hd = s->head_dim;
     const int64_t q_size = s->num_q_heads * hd, kv_size = s->num_kv_heads * hd, qkv_size = q_size + 2 * kv_size;
     uint16_t* residual = work;
@@ -100,16 +118,15 @@ void decode_stack_bf16(const DecodeLayer* layers, const StackShape* s, const uin
     memcpy(residual, x, rows * hidden * sizeof(uint16_t));  // the first layer's residual is its input
     for (int64_t i = 0; i < s->num_layers; i++) {
         const DecodeLayer* l = &layers[i];
-        if (i == 0) rms_norm_bf16(x, NULL, l->input_norm, normed, rows, (int)hidden, s->eps);
-        else rms_norm_bf16(x, residual, l->input_norm, normed, rows, (int)hidden, s->eps);
+        norm(s, s->gemma ? residual : x, i == 0 ? NULL : residual, l->input_norm, normed, rows, hidden);
         linear(normed, hidden, rows, l->qkv.packed, (int)l->qkv.q8, l->qkv.bias, qkv, qkv_size, qkv_size, hidden);
         add_lora(normed, hidden, hidden, l->lora[0], lora, qkv, qkv_size, qkv_size);
         for (int64_t r = 0; l->q_norm && r < rows; r++) {  // in place: the kernel reads a row before writing it
             uint16_t* row = qkv + r * qkv_size;
-            rms_norm_bf16(row, NULL, l->q_norm, row, s->num_q_heads, (int)hd, s->eps);
-            rms_norm_bf16(row + q_size, NULL, l->k_norm, row + q_size, s->num_kv_heads, (int)hd, s->eps);
+            norm(s, row, NULL, l->q_norm, row, s->num_q_heads, hd);
+            norm(s, row + q_size, NULL, l->k_norm, row + q_size, s->num_kv_heads, hd);
         }
-        rotary_bf16(qkv, positions, cos, sin, rows, qkv_size, (int)(s->num_q_heads + s->num_kv_heads), (int)hd);
+        rotary_bf16(qkv, positions, l->cos, l->sin, rows, qkv_size, (int)(s->num_q_heads + s->num_kv_heads), (int)hd);
         for (int64_t r = 0; r < rows; r++) {  // the new token's K/V into its slot; q made contiguous
             const uint16_t* row = qkv + r * qkv_size;
             memcpy(l->k_cache + slots[r] * kv_size, row + q_size, kv_size * sizeof(uint16_t));
@@ -120,13 +137,16 @@ void decode_stack_bf16(const DecodeLayer* layers, const StackShape* s, const uin
                           (int)s->num_kv_heads, (int)hd, (int)s->block_size, (int)max_blocks, s->scale, l->window);
         linear(attn, q_size, rows, l->o.packed, (int)l->o.q8, l->o.bias, x, hidden, hidden, q_size);
         add_lora(attn, q_size, q_size, l->lora[1], lora, x, hidden, hidden);
-        rms_norm_bf16(x, residual, l->post_norm, normed, rows, (int)hidden, s->eps);
+        if (s->gemma) add_normed(s, x, l->attn_out_norm, residual, rows);
+        norm(s, s->gemma ? residual : x, residual, l->post_norm, normed, rows, hidden);
         linear(normed, hidden, rows, l->gate_up.packed, (int)l->gate_up.q8, l->gate_up.bias, gate_up, 2 * inter,
                2 * inter, hidden);
         add_lora(normed, hidden, hidden, l->lora[2], lora, gate_up, 2 * inter, 2 * inter);
-        silu_and_mul_bf16(gate_up, act, rows, (int)inter);
+        if (s->gemma) gelu_tanh_and_mul_bf16(gate_up, act, rows, (int)inter);
+        else silu_and_mul_bf16(gate_up, act, rows, (int)inter);
         linear(act, inter, rows, l->down.packed, (int)l->down.q8, l->down.bias, x, hidden, hidden, inter);
         add_lora(act, inter, inter, l->lora[3], lora, x, hidden, hidden);
+        if (s->gemma) add_normed(s, x, l->mlp_out_norm, residual, rows);
     }
-    rms_norm_bf16(x, residual, final_norm, out, rows, (int)hidden, s->eps);
+    norm(s, s->gemma ? residual : x, residual, final_norm, out, rows, hidden);
 }

@@ -1,4 +1,5 @@
-// Fused elementwise layers for CPU: residual add + RMSNorm, SiLU-and-multiply, rotary embedding.
+// Fused elementwise layers for CPU: residual add + RMSNorm, Gemma's RMSNorm, SiLU- and GELU-and-multiply, rotary
+// embedding.
 // Each replaces several torch ops (and their temporaries) with one pass over the rows; fp32 math.
 // Intermediate results are rounded to the storage type where the torch path rounds them, so the two
 // differ only by the order of float additions.
@@ -29,8 +30,30 @@ void NAME(const T* x, T* residual, const T* weight, T* out, int64_t rows, int di
     }                                                                                                    \
 }
 
-// x: [rows, 2 * width] holding gate then up; out: [rows, width] = silu(gate) * up.
-#define DEFINE_SILU_AND_MUL(NAME, T, LOAD, STORE)                                                        \
+// Gemma's RMSNorm: out = norm(x) * (1 + weight) in fp32, rounded once (its checkpoints store the weight minus one).
+// out may be x: each element is read before it is written.
+#define DEFINE_GEMMA_RMS_NORM(NAME, T, LOAD, STORE)                                                      \
+void NAME(const T* x, const T* weight, T* out, int64_t rows, int dim, float eps) {                       \
+    _Pragma("omp parallel for if (rows * dim >= PARALLEL_MIN_ELEMENTS)")                                \
+    for (int64_t r = 0; r < rows; r++) {                                                                 \
+        const T* xr = x + r * dim;                                                                       \
+        float squares = 0.f;                                                                             \
+        for (int d = 0; d < dim; d++) squares += LOAD(xr[d]) * LOAD(xr[d]);                              \
+        const float inv_rms = 1.f / sqrtf(squares / dim + eps);                                          \
+        T* o = out + r * dim;                                                                            \
+        for (int d = 0; d < dim; d++) o[d] = STORE(LOAD(xr[d]) * inv_rms * (1.f + LOAD(weight[d])));     \
+    }                                                                                                    \
+}
+
+// x: [rows, 2 * width] holding gate then up; out: [rows, width] = act(gate) * up, the activation rounded to T first
+// as torch rounds it. ACT: SiLU (SwiGLU) or GELU's tanh approximation (Gemma's GeGLU), each g / (1 + exp(-t)) with
+// t clamped below exp's overflow: under -ffast-math a division by infinity is not 0 but NaN (a gate below -88 made
+// SwiGLU's output NaN). GELU's 0.5 g (1 + tanh(u)) is written as g sigmoid(2u): the same function, without
+// 1 + tanh(u) cancelling to nothing for negative g.
+#define SIGMOID_DIV(g, t) ((g) / (1.f + expf(fminf(-(t), 88.f))))
+#define SILU(g) SIGMOID_DIV(g, g)
+#define GELU_TANH(g) SIGMOID_DIV(g, 1.5957691216f * ((g) + 0.044715f * (g) * (g) * (g)))
+#define DEFINE_ACT_AND_MUL(NAME, T, LOAD, STORE, ACT)                                                    \
 void NAME(const T* x, T* out, int64_t rows, int width) {                                                 \
     _Pragma("omp parallel for if (rows * width >= PARALLEL_MIN_ELEMENTS)")                              \
     for (int64_t r = 0; r < rows; r++) {                                                                 \
@@ -39,7 +62,7 @@ void NAME(const T* x, T* out, int64_t rows, int width) {                        
         T* o = out + r * width;                                                                          \
         for (int i = 0; i < width; i++) {                                                                \
             const float g = LOAD(gate[i]);                                                               \
-            o[i] = STORE(LOAD(STORE(g / (1.f + expf(-g)))) * LOAD(up[i]));                               \
+            o[i] = STORE(LOAD(STORE(ACT(g))) * LOAD(up[i]));                                             \
         }                                                                                                \
     }                                                                                                    \
 }
@@ -68,8 +91,12 @@ void NAME(T* x, const int64_t* positions, const float* cos, const float* sin, in
 
 DEFINE_RMS_NORM(rms_norm_bf16, uint16_t, bf16_load, bf16_store)
 DEFINE_RMS_NORM(rms_norm_f32, float, F32_LOAD, F32_STORE)
-DEFINE_SILU_AND_MUL(silu_and_mul_bf16, uint16_t, bf16_load, bf16_store)
-DEFINE_SILU_AND_MUL(silu_and_mul_f32, float, F32_LOAD, F32_STORE)
+DEFINE_GEMMA_RMS_NORM(gemma_rms_norm_bf16, uint16_t, bf16_load, bf16_store)
+DEFINE_GEMMA_RMS_NORM(gemma_rms_norm_f32, float, F32_LOAD, F32_STORE)
+DEFINE_ACT_AND_MUL(silu_and_mul_bf16, uint16_t, bf16_load, bf16_store, SILU)
+DEFINE_ACT_AND_MUL(silu_and_mul_f32, float, F32_LOAD, F32_STORE, SILU)
+DEFINE_ACT_AND_MUL(gelu_tanh_and_mul_bf16, uint16_t, bf16_load, bf16_store, GELU_TANH)
+DEFINE_ACT_AND_MUL(gelu_tanh_and_mul_f32, float, F32_LOAD, F32_STORE, GELU_TANH)
 DEFINE_ROTARY(rotary_bf16, uint16_t, bf16_load, bf16_store)
 DEFINE_ROTARY(rotary_f32, float, F32_LOAD, F32_STORE)
 

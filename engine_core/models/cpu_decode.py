@@ -1,4 +1,4 @@
-"""Decode-only CPU steps of a Llama-family model in one C call (csrc/decode_stack.c).
+"""Decode-only CPU steps of a Llama-family model (Gemma 3's too) in one C call (csrc/decode_stack.c).
 
 A one-row decode step calls about ten small kernels per layer. Going through the Python layers, each call cost
 microseconds of module dispatch, tensor allocation and ctypes: a third of a single stream's step. The stack
@@ -33,9 +33,10 @@ class _PackedWeight(ctypes.Structure):
 
 
 class _DecodeLayer(ctypes.Structure):
-    _fields_ = [("input_norm", _P), ("post_norm", _P), ("q_norm", _P), ("k_norm", _P), ("qkv", _PackedWeight),
-                ("o", _PackedWeight), ("gate_up", _PackedWeight), ("down", _PackedWeight), ("k_cache", _P),
-                ("v_cache", _P), ("window", _I64), ("lora", _P * 4)]  # fmt: skip
+    _fields_ = [("input_norm", _P), ("post_norm", _P), ("attn_out_norm", _P), ("mlp_out_norm", _P), ("q_norm", _P),
+                ("k_norm", _P), ("cos", _P), ("sin", _P), ("qkv", _PackedWeight), ("o", _PackedWeight),
+                ("gate_up", _PackedWeight), ("down", _PackedWeight), ("k_cache", _P), ("v_cache", _P),
+                ("window", _I64), ("lora", _P * 4)]  # fmt: skip
 
 
 class _LoraPair(ctypes.Structure):
@@ -51,8 +52,8 @@ LORA_LINEARS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "m
 
 class _StackShape(ctypes.Structure):
     _fields_ = [(name, _I64) for name in ("num_layers", "hidden", "num_q_heads", "num_kv_heads", "head_dim",
-                                           "intermediate", "block_size")] + [("eps", ctypes.c_float),
-                                                                             ("scale", ctypes.c_float)]  # fmt: skip
+                                           "intermediate", "block_size", "gemma")]  # fmt: skip
+    _fields_ += [("eps", ctypes.c_float), ("scale", ctypes.c_float)]
 
 
 def _weight(linear: nn.Module) -> _PackedWeight | None:
@@ -66,21 +67,34 @@ def _weight(linear: nn.Module) -> _PackedWeight | None:
     return _PackedWeight(packed.data_ptr(), None if bias is None else bias.data_ptr(), packed.dtype == torch.int8)
 
 
+def _is_gemma(model: nn.Module) -> bool:
+    from engine_core.models.gemma3 import Gemma3ForCausalLM  # imports the Llama model, which imports this module
+
+    return type(model) is Gemma3ForCausalLM
+
+
+def _norms(layer: nn.Module) -> tuple[nn.Module | None, ...]:
+    """The layer's norms in the C order: before attention, before the MLP, of attention's and the MLP's outputs."""
+    if hasattr(layer, "pre_feedforward_layernorm"):  # Gemma 3's four
+        return (layer.input_layernorm, layer.pre_feedforward_layernorm, layer.post_attention_layernorm,
+                layer.post_feedforward_layernorm)  # fmt: skip
+    return layer.input_layernorm, layer.post_attention_layernorm, None, None
+
+
 class DecodeStack:
     def __init__(self, model: nn.Module, kernels: CpuKernels, layers: list[_DecodeLayer]) -> None:
         self.model = model  # keeps every tensor the layers' pointers point into alive
-        self.rotary = model.rotary
         self.layers = (_DecodeLayer * len(layers))(*layers)
         first = model.layers[0]
         attn = first.self_attn
         self.shape = _StackShape(len(layers), model.config.hidden_size, attn.num_heads, attn.num_kv_heads,
                                  attn.head_dim, first.mlp.down_proj.in_features, attn.k_cache.shape[1],
-                                 model.norm.eps, attn.scale)  # fmt: skip
+                                 _is_gemma(model), model.norm.eps, attn.scale)  # fmt: skip
         lib = kernels.lib
         self._work = lib.decode_stack_work
         self._work.argtypes, self._work.restype = [_P, _I64], _I64
         self._run = lib.decode_stack_bf16
-        self._run.argtypes = [_P, _P, _P, _P, _P, _I64, _P, _P, _P, _P, _P, _I64, _P, _P, _P]
+        self._run.argtypes = [_P, _P, _P, _P, _P, _I64, _P, _P, _P, _I64, _P, _P, _P]
         self.lora: LoraStep | None = None  # the adapters' rows of each step, once attach_lora took them
         self._lora_pairs: list = []  # the ctypes arrays the layers' lora pointers point into
         self._lora_width = 0  # bf16 elements of LoRA scratch per row
@@ -135,19 +149,19 @@ class DecodeStack:
 
     @staticmethod
     def build(model: nn.Module) -> DecodeStack | None:
-        """For a bf16 Llama-family model whose linears our kernels run and whose layers attend with the CPU
-        kernels (the KV caches bound already); None otherwise."""
+        """For a bf16 Llama-family or Gemma 3 model whose linears our kernels run and whose layers attend with the
+        CPU kernels (the KV caches bound already); None otherwise."""
         from engine_core.models.llama import LlamaForCausalLM  # the model imports this module's type
 
         kernels = cpu_kernels()
-        if type(model) is not LlamaForCausalLM or kernels is None or not kernels.has_linear:  # not Gemma 3's layer
+        if not (type(model) is LlamaForCausalLM or _is_gemma(model)) or kernels is None or not kernels.has_linear:
             return None
         if model.norm.weight.dtype != torch.bfloat16:
             return None
-        if model.rotary.cos.device.type != "cpu" or model.config.hidden_size > kernels.max_hidden:
+        if model.embed_tokens.weight.device.type != "cpu" or model.config.hidden_size > kernels.max_hidden:
             return None
         structs = []
-        for layer in model.layers:
+        for i, layer in enumerate(model.layers):
             attn, mlp = layer.self_attn, layer.mlp
             weights = [_weight(m) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
             caches_ok = attn.k_cache.dtype == torch.bfloat16 and attn.k_cache.is_contiguous()
@@ -158,9 +172,11 @@ class DecodeStack:
                 return None
             if any(n is not None and n.eps != model.norm.eps for n in (attn.q_norm, attn.k_norm)):
                 return None  # the stack has one eps
-            qk_norms = [None if n is None else n.weight.data_ptr() for n in (attn.q_norm, attn.k_norm)]
-            structs.append(_DecodeLayer(layer.input_layernorm.weight.data_ptr(),
-                                        layer.post_attention_layernorm.weight.data_ptr(), *qk_norms, *weights,
+            norms = [None if n is None else n.weight.data_ptr() for n in (*_norms(layer), attn.q_norm, attn.k_norm)]
+            if any(n is not None and n.weight.dtype != torch.bfloat16 for n in (attn.q_norm, attn.k_norm)):
+                return None
+            rotary = model.rotary[model.layer_types[i]] if _is_gemma(model) else model.rotary
+            structs.append(_DecodeLayer(*norms, rotary.cos.data_ptr(), rotary.sin.data_ptr(), *weights,
                                         attn.k_cache.data_ptr(), attn.v_cache.data_ptr(),
                                         attn.window or 0))  # fmt: skip
         return DecodeStack(model, kernels, structs)
@@ -190,7 +206,6 @@ class DecodeStack:
         work = torch.empty(self._work(ctypes.byref(self.shape), rows), dtype=torch.bfloat16)
         lora = self._lora_groups(rows)
         self._run(self.layers, ctypes.byref(self.shape), self.model.norm.weight.data_ptr(), x.data_ptr(),
-                  out.data_ptr(), rows, positions.data_ptr(), self.rotary.cos.data_ptr(), self.rotary.sin.data_ptr(),
-                  slots.data_ptr(), tables.data_ptr(), tables.shape[1], lens.data_ptr(), work.data_ptr(),
-                  None if lora is None else ctypes.byref(lora[0]))  # fmt: skip
+                  out.data_ptr(), rows, positions.data_ptr(), slots.data_ptr(), tables.data_ptr(), tables.shape[1],
+                  lens.data_ptr(), work.data_ptr(), None if lora is None else ctypes.byref(lora[0]))  # fmt: skip
         return out

@@ -10,29 +10,12 @@ the sliding ones their window. Weights, tensor-parallel slices and the LM head a
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from engine_core.attention import AttentionMetadata
-from engine_core.models.layers import RotaryEmbedding, StepRotary
+from engine_core.models.layers import GemmaRMSNorm, RotaryEmbedding, StepRotary, gelu_tanh_and_mul
 from engine_core.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP
 from engine_core.models.parallel import HeadSplit
-
-
-class GemmaRMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float) -> None:
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.zeros(dim))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
-        return (normed * (1.0 + self.weight.float())).to(x.dtype)
-
-
-def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
-    gate, up = x.chunk(2, dim=-1)
-    return F.gelu(gate, approximate="tanh") * up
 
 
 class Gemma3DecoderLayer(nn.Module):
@@ -60,7 +43,6 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         super().__init__(config, max_positions)
         self.layer_types = list(config.layer_types)
         self.embed_scale = config.hidden_size**0.5
-        # The one-call CPU decode stack runs Llama's layer only: the model runner attaches none here.
 
     def decoder_layer(self, window: int | None) -> nn.Module:
         return Gemma3DecoderLayer(self.config, self.heads, self.columns, window)
@@ -76,6 +58,8 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
         x = x * torch.tensor(self.embed_scale, dtype=x.dtype)  # rounded to the weights' dtype first, as transformers
+        if self.decode_stack is not None and self.decode_stack.takes(meta, x.shape[0]):
+            return self.decode_stack(x, positions, meta)  # the same layers' kernels, called from C
         ropes = {kind: rotary.for_step(positions, x.dtype) for kind, rotary in self.rotary.items()}
         for layer, kind in zip(self.layers, self.layer_types, strict=True):
             x = layer(x, ropes[kind], meta)

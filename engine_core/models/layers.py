@@ -39,6 +39,22 @@ class RMSNorm(nn.Module):
         return normed if residual is None else (normed, residual)
 
 
+class GemmaRMSNorm(nn.Module):
+    """Gemma's: scales by 1 + weight, in fp32 before the cast (its checkpoints store the weight minus one)."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.zeros(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        kernels = _kernels_for(x)
+        if kernels is not None and kernels.supports_rms_norm(x, None, self.weight):
+            return kernels.gemma_rms_norm(x, self.weight, self.eps)
+        normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
+        return (normed * (1.0 + self.weight.float())).to(x.dtype)
+
+
 def layer_windows(config, max_positions: int) -> list[int | None]:
     """Each layer's sliding window as transformers applies it (a query sees its last `window` keys), None where the
     layer attends to everything: Mistral 7B v0.1 windows every layer; configs that list `layer_types` (Qwen2 with
@@ -121,9 +137,18 @@ class MergedLinear(nn.Linear):
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     kernels = _kernels_for(x)
     if kernels is not None:
-        return kernels.silu_and_mul(x)
+        return kernels.act_and_mul(x, "silu")
     gate, up = x.chunk(2, dim=-1)
     return F.silu(gate) * up
+
+
+def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """Gemma's GeGLU."""
+    kernels = _kernels_for(x)
+    if kernels is not None:
+        return kernels.act_and_mul(x, "gelu_tanh")
+    gate, up = x.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up
 
 
 class PackedLinear(nn.Module):
