@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
@@ -17,7 +18,7 @@ class Metrics:
     """One registry per app (tests create several apps in one process). Series about one engine core's scheduler
     carry an `engine` label (its data-parallel index); request series are the server's."""
 
-    def __init__(self, model_name: str, num_engines: int = 1) -> None:
+    def __init__(self, model_name: str, num_engines: int = 1, lora: bool = False) -> None:
         self.registry = CollectorRegistry()
         r, labels = self.registry, ["model_name"]
         engines = [str(i) for i in range(num_engines)]
@@ -53,6 +54,12 @@ class Metrics:
         self.e2e = histogram("e2e_request_latency_seconds", "Arrival to the last output")
         self.request_success = Counter("roseinfer:request_success", "Finished requests by finish reason",
                                        ["model_name", "finished_reason"], registry=r)  # fmt: skip
+        # vLLM's vllm:lora_requests_info, which inference gateways read for LoRA affinity (with --enable-lora only).
+        self.lora_requests_info = Gauge(
+            "roseinfer:lora_requests_info", "LoRA adapters of the requests in flight (the labels, comma-separated) "
+            "and when they were counted (the value)", ["max_lora", "waiting_lora_adapters", "running_lora_adapters"],
+            registry=r,
+        ) if lora else None  # fmt: skip
         self._model_name = model_name
         self._last = [SchedulerStats() for _ in engines]
 
@@ -89,6 +96,20 @@ class Metrics:
         if num_tokens:
             self.generation_tokens.inc(num_tokens)
             self.generation_tokens_by_engine[engine].inc(num_tokens)
+
+    def observe_loras(self, streams: Iterable[RequestStream], max_lora: int) -> None:
+        """The adapters with a request admitted into a step (running) and with one not yet admitted (waiting), in
+        order of first sight; max_lora: how many adapters are loaded (each can run in any step). One series at a
+        time: vLLM keeps every label set it ever reported, and gateways read only the newest."""
+        if self.lora_requests_info is None:
+            return
+        running: dict[str, None] = {}
+        waiting: dict[str, None] = {}
+        for stream in streams:
+            if (lora := stream.request.lora) is not None and not stream.finished:
+                (running if stream.started else waiting)[lora.name] = None
+        self.lora_requests_info.clear()
+        self.lora_requests_info.labels(str(max_lora), ",".join(waiting), ",".join(running)).set(time.time())
 
     def engine_down(self, engine: int = 0) -> None:
         self.num_requests_running[engine].set(0)

@@ -79,6 +79,27 @@ def test_streamed_chat_names_its_adapter(lora_server):
     assert "".join(e["choices"][0]["delta"].get("content") or "" for e in events if e["choices"])
 
 
+def test_metrics_name_the_adapter_of_a_running_stream(lora_server):
+    """roseinfer:lora_requests_info, as vLLM's: the adapter of a stream in flight is running; then none is."""
+    server, _ = lora_server
+
+    def lora_info() -> str:
+        text = httpx.get(server.url + "/metrics", timeout=30).text
+        [line] = [line for line in text.splitlines() if line.startswith("roseinfer:lora_requests_info{")]
+        return line.split("} ")[0]
+
+    body = {"model": "sql", "prompt": "SELECT", "max_tokens": 200, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=120) as r:
+        lines = r.iter_lines()
+        next(line for line in lines if line.startswith("data: {"))
+        during = lora_info()
+        assert sum(1 for line in lines if line.startswith("data: {")) > 100  # it was still running
+    loaded = len(httpx.get(server.url + "/v1/models", timeout=30).json()["data"]) - 1
+    labels = f'roseinfer:lora_requests_info{{max_lora="{loaded}",running_lora_adapters='
+    assert during == labels + '"sql",waiting_lora_adapters=""'
+    assert lora_info() == labels + '"",waiting_lora_adapters=""'
+
+
 def test_adapter_streams_resume_exactly_after_a_kill(lora_server, tmp_path):
     """A restarted engine loads the adapters again (one loaded at run time when a resumed request names it), and
     each resumed stream goes on under its own adapter."""

@@ -159,12 +159,13 @@ def test_engine_attaches_the_stack_on_cpu_bf16_with_the_same_tokens(model_dir: s
 
 @needs_linear_kernels
 @pytest.mark.parametrize("slots", [[1, 0, 2, 1, 2, 0, 1, 1, 2], [1] * 9])  # adapters among base rows; one on all
-def test_stack_adds_lora_adapters_as_the_layers_do(tmp_path, slots: list[int]) -> None:
+@pytest.mark.parametrize("gemma", [False, True])
+def test_stack_adds_lora_adapters_as_the_layers_do(tmp_path, slots: list[int], gemma: bool) -> None:
     """Two adapters (one on every linear, one on q and v) over a decode step's rows: the stack's logits are the
     Python layers' bit for bit (gathered rows, and all rows at once), and not the base model's."""
 
     def decodes(stack: bool, lora: bool) -> list[torch.Tensor]:
-        model = tiny_llama(False, None)
+        model = tiny_llama(False, None, gemma=gemma)
         run = PagedRun(model, 9, 64, dtype=torch.bfloat16)
         model.decode_stack = DecodeStack.build(model) if stack else None
         config = model.config

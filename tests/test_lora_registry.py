@@ -1,25 +1,28 @@
 """The API's side of runtime LoRA loads (frontend/api/lora_adapters.py) over several engines: every live engine loads
 an adapter before its name is served, a refusal anywhere undoes the load everywhere (an engine that did not answer
 is told too: it may still be loading), ids are never reused, and the routes stay off unless
-VLLM_ALLOW_RUNTIME_LORA_UPDATING says otherwise."""
+VLLM_ALLOW_RUNTIME_LORA_UPDATING says otherwise. Also the adapters metric gateways read (lora_requests_info)."""
 
 from __future__ import annotations
 
 import asyncio
+import time
 from dataclasses import dataclass, field
 
 import pytest
 from transformers import LlamaConfig
 
 from bench.make_random_lora import write_adapter
-from common.messages import LoraRef, UtilityResult
+from common.messages import EngineRequest, LoraRef, SamplingParams, UtilityResult
 from frontend.api.lora_adapters import (
     LoadLoraAdapterRequest,
     LoraRegistry,
     UnloadLoraAdapterRequest,
     runtime_updates_allowed,
 )
+from frontend.engine.request_stream import RequestStream
 from frontend.errors import ApiError, EngineUnavailable
+from frontend.metrics import Metrics
 
 
 @dataclass
@@ -113,3 +116,33 @@ def test_routes_are_off_unless_asked_for(adapter, monkeypatch: pytest.MonkeyPatc
     for value, allowed in (("True", True), ("1", True), (" true ", True), ("0", False), ("yes", False)):
         monkeypatch.setenv("VLLM_ALLOW_RUNTIME_LORA_UPDATING", value)
         assert runtime_updates_allowed() is allowed, value
+
+
+def _lora_info(metrics: Metrics) -> list[str]:
+    return [line for line in metrics.render().decode().splitlines() if line.startswith("roseinfer:lora_requests_info")]
+
+
+def test_lora_requests_info_names_running_and_waiting_adapters() -> None:
+    """vLLM's labels: an adapter with a request admitted into a step is running, one with a request not yet admitted
+    is waiting (both, where it has both); base-model and finished requests count for nothing. One series at a time,
+    its value the time it was taken."""
+    refs = {name: LoraRef(i + 1, name, f"/adapters/{name}") for i, name in enumerate(["sql", "chat", "code", "x"])}
+    streams = []
+    for i, (lora, started, finished) in enumerate([("sql", True, False), ("chat", False, False), (None, True, False),
+                                                    ("sql", False, False), ("code", True, False), ("x", True, True)]):
+        stream = RequestStream(EngineRequest(f"r{i}", [1, 2], SamplingParams(), lora=lora and refs[lora]), None)
+        stream.started, stream.finished = started, finished
+        streams.append(stream)
+    metrics = Metrics("base", lora=True)
+    metrics.observe_loras(streams, max_lora=4)
+    [line] = _lora_info(metrics)
+    labels, value = line.split("} ")
+    assert labels == ('roseinfer:lora_requests_info{max_lora="4",running_lora_adapters="sql,code",'
+                      'waiting_lora_adapters="chat,sql"')
+    assert abs(float(value) - time.time()) < 60
+    metrics.observe_loras([], max_lora=3)
+    assert [line.split("} ")[0] for line in _lora_info(metrics)] == [
+        'roseinfer:lora_requests_info{max_lora="3",running_lora_adapters="",waiting_lora_adapters=""']
+    without = Metrics("base")
+    without.observe_loras(streams, max_lora=4)
+    assert _lora_info(without) == []  # no --enable-lora: no series, as vLLM

@@ -100,6 +100,7 @@ def create_app(ctx: ServingContext, config: ServerConfig, metrics: Metrics) -> F
     @app.get("/metrics")
     async def prometheus_metrics() -> Response:
         await client.refresh_stats(timeout=1.0)  # fresh scheduler numbers: no step runs while an engine is idle
+        metrics.observe_loras(client.in_flight(), max_lora=len(ctx.loras.refs))
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     @app.post("/tokenize")

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 
 import msgspec
 import zmq
@@ -154,6 +154,9 @@ class AsyncEngineClient:
     @property
     def num_in_flight(self) -> int:
         return sum(len(h.streams) for h in self.handles)
+
+    def in_flight(self) -> Iterator[RequestStream]:
+        return (stream for h in self.handles for stream in h.streams.values())
 
     # ---- requests ----
 
