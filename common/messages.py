@@ -156,6 +156,7 @@ class SchedulerStats(_Msg):
     num_blocks_in_use: int = 0
     num_draft_tokens: int = 0  # speculative decoding, since the engine started: tokens proposed
     num_accepted_tokens: int = 0  # of which the model agreed with
+    num_loras: int = 0  # LoRA adapters whose weights the engine holds
 
 
 class EngineOutputs(_Msg, tag="out"):

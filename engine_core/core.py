@@ -14,6 +14,7 @@ from common.messages import (
     EngineRequest,
     FinishReason,
     LoraRef,
+    SchedulerStats,
 )
 from common.model_source import model_eos_ids, resolve_model
 from engine_core.batch import SampledTokens, SchedulerOutput
@@ -179,5 +180,7 @@ class EngineCore:
             failed.append(EngineOutput(req.request_id, [], FinishReason.ERROR, error=error))
         return failed
 
-    def stats(self):
-        return self.scheduler.stats(self.last_step_time, self.runner.last_forward_time)
+    def stats(self) -> SchedulerStats:
+        stats = self.scheduler.stats(self.last_step_time, self.runner.last_forward_time)
+        stats.num_loras = len(self.runner.lora.names)
+        return stats

@@ -47,6 +47,8 @@ class Metrics:
                                                       "Speculative tokens the model agreed with")  # fmt: skip
         self.generation_tokens_by_engine = per_engine(Counter, "engine_generation_tokens", "Tokens generated")
         self.engine_restarts = per_engine(Counter, "engine_restarts", "Engine core restarts after a crash or a hang")
+        self.lora_adapters_loaded = per_engine(Gauge, "lora_adapters_loaded",
+                                               "LoRA adapters whose weights the engine holds")  # fmt: skip
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens sent to the engine")
         self.generation_tokens = counter("generation_tokens", "Tokens generated")
         self.ttft = histogram("time_to_first_token_seconds", "Arrival to first token")
@@ -68,6 +70,7 @@ class Metrics:
         self.num_requests_waiting[engine].set(stats.num_waiting)
         self.kv_cache_usage_perc[engine].set(stats.kv_usage)
         self.kv_cache_blocks_in_use[engine].set(stats.num_blocks_in_use)
+        self.lora_adapters_loaded[engine].set(stats.num_loras)
         # The engine reports running totals; a restarted engine starts again from zero.
         last = self._last[engine]
         for counter, now, before in (

@@ -102,7 +102,9 @@ def test_metrics_name_the_adapter_of_a_running_stream(lora_server):
 
 def test_adapter_streams_resume_exactly_after_a_kill(lora_server, tmp_path):
     """A restarted engine loads the adapters again (one loaded at run time when a resumed request names it), and
-    each resumed stream goes on under its own adapter."""
+    each resumed stream goes on under its own adapter. Two adapters unloaded while it restarts (one of
+    --lora-modules, one loaded at run time, each with a stream in flight) finish their streams; then their weights
+    go: the restarted engine is told of every unload it missed."""
     server, adapters = lora_server
     late = shutil.copytree(adapters["sql"], tmp_path / "late")
     assert load(server, "late", str(late)).status_code == 200
@@ -115,13 +117,25 @@ def test_adapter_streams_resume_exactly_after_a_kill(lora_server, tmp_path):
             reference, _, runs, tasks = await reference_then_start(client, bodies)
             pid = await signal_mid_stream(server, runs, signal.SIGKILL)
             await wait_health(client, 503, timeout=5)
+            for name in ("late", "other"):
+                r = await client.post("/v1/unload_lora_adapter", json={"lora_name": name})
+                assert r.status_code == 200, r.text
+            assert (await client.get("/health")).status_code == 503  # both unloads while no engine was up
             await wait_health(client, 200, timeout=120)
             assert engine_child(server) not in (None, pid)
             assert_same(await asyncio.gather(*tasks), reference)
 
     asyncio.run(scenario())
     assert "resumed 8 unfinished requests" in server.log.read_text()
-    assert unload(server, "late").status_code == 200
+    assert loaded_adapters(server) == 1  # sql's: the others' went after their resumed streams
+    assert load(server, "other", adapters["other"]).status_code == 200  # for the tests after this one
+    assert loaded_adapters(server) == 2
+
+
+def loaded_adapters(server: Server) -> float:
+    text = httpx.get(server.url + "/metrics", timeout=30).text
+    [value] = [line.split()[-1] for line in text.splitlines() if line.startswith("roseinfer:lora_adapters_loaded{")]
+    return float(value)
 
 
 def load(server: Server, name: str, path: str, **kw) -> httpx.Response:

@@ -36,6 +36,7 @@ class _Handle:
 class _Client:
     handles: list[_Handle]
     calls: list[tuple[int, str, int]] = field(default_factory=list)  # (engine, method, adapter id)
+    retired_loras: list[LoraRef] = field(default_factory=list)  # what a restarted engine is told to unload
 
     async def call(self, method: str, timeout: float, engine: int, lora: LoraRef) -> UtilityResult:
         self.calls.append((engine, method, lora.id))
@@ -76,6 +77,7 @@ def test_every_live_engine_loads_it_and_unloads_it(adapter):
     client.calls.clear()
     asyncio.run(registry.unload(client, UnloadLoraAdapterRequest(lora_name="sql")))  # type: ignore[arg-type]
     assert client.calls == [(0, "unload_lora", 1), (2, "unload_lora", 1)] and registry.get("sql") is None
+    assert client.retired_loras == [LoraRef(1, "sql", adapter)]  # engine 1 unloads it once it is back
 
 
 def test_a_refusal_undoes_the_load_on_every_engine(adapter):
@@ -84,7 +86,7 @@ def test_a_refusal_undoes_the_load_on_every_engine(adapter):
     error = _error(lambda: _load(registry, client, "sql", adapter))
     assert error.status == 400 and "has no layer x" in error.message
     assert client.calls == [(0, "load_lora", 1), (1, "load_lora", 1), (0, "unload_lora", 1), (1, "unload_lora", 1)]
-    assert registry.get("sql") is None
+    assert registry.get("sql") is None and [r.id for r in client.retired_loras] == [1]
     client.handles[1].refuse = None
     _load(registry, client, "sql", adapter)
     assert registry.get("sql").id == 2  # type: ignore[union-attr]  # id 1 named the refused load's weights
@@ -104,6 +106,7 @@ def test_load_in_place_is_a_new_id_and_retires_the_old(adapter):
     _load(registry, client, "sql", adapter, inplace=True)
     assert registry.get("sql").id == 2  # type: ignore[union-attr]
     assert client.calls == [(0, "load_lora", 1), (0, "load_lora", 2), (0, "unload_lora", 1)]
+    assert [r.id for r in client.retired_loras] == [1]
 
 
 def test_routes_are_off_unless_asked_for(adapter, monkeypatch: pytest.MonkeyPatch):

@@ -73,9 +73,9 @@ def _is_gemma(model: nn.Module) -> bool:
     return type(model) is Gemma3ForCausalLM
 
 
-def _norms(layer: nn.Module) -> tuple[nn.Module | None, ...]:
+def _norms(layer: nn.Module, gemma: bool) -> tuple[nn.Module | None, ...]:
     """The layer's norms in the C order: before attention, before the MLP, of attention's and the MLP's outputs."""
-    if hasattr(layer, "pre_feedforward_layernorm"):  # Gemma 3's four
+    if gemma:  # Gemma 3's four
         return (layer.input_layernorm, layer.pre_feedforward_layernorm, layer.post_attention_layernorm,
                 layer.post_feedforward_layernorm)  # fmt: skip
     return layer.input_layernorm, layer.post_attention_layernorm, None, None
@@ -153,8 +153,8 @@ class DecodeStack:
         CPU kernels (the KV caches bound already); None otherwise."""
         from engine_core.models.llama import LlamaForCausalLM  # the model imports this module's type
 
-        kernels = cpu_kernels()
-        if not (type(model) is LlamaForCausalLM or _is_gemma(model)) or kernels is None or not kernels.has_linear:
+        kernels, gemma = cpu_kernels(), _is_gemma(model)
+        if not (type(model) is LlamaForCausalLM or gemma) or kernels is None or not kernels.has_linear:
             return None
         if model.norm.weight.dtype != torch.bfloat16:
             return None
@@ -172,10 +172,9 @@ class DecodeStack:
                 return None
             if any(n is not None and n.eps != model.norm.eps for n in (attn.q_norm, attn.k_norm)):
                 return None  # the stack has one eps
-            norms = [None if n is None else n.weight.data_ptr() for n in (*_norms(layer), attn.q_norm, attn.k_norm)]
-            if any(n is not None and n.weight.dtype != torch.bfloat16 for n in (attn.q_norm, attn.k_norm)):
-                return None
-            rotary = model.rotary[model.layer_types[i]] if _is_gemma(model) else model.rotary
+            norms = [None if n is None else n.weight.data_ptr() for n in (*_norms(layer, gemma), attn.q_norm,
+                                                                          attn.k_norm)]  # fmt: skip
+            rotary = model.rotary[model.layer_types[i]] if gemma else model.rotary  # Gemma's: one per kind of layer
             structs.append(_DecodeLayer(*norms, rotary.cos.data_ptr(), rotary.sin.data_ptr(), *weights,
                                         attn.k_cache.data_ptr(), attn.v_cache.data_ptr(),
                                         attn.window or 0))  # fmt: skip

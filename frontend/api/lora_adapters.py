@@ -75,11 +75,11 @@ class LoraRegistry:
             self._next_id += 1  # spent even if an engine refuses: an id names one set of weights only
             error = await _on_every_engine(client, "load_lora", ref)
             if error is not None:  # every engine forgets it, one still loading it (a timeout) once it is done
-                await _on_every_engine(client, "unload_lora", ref)
+                await _retire(client, ref)
                 raise error
             self.refs[ref.name] = ref
             if old is not None:  # its running requests finish on the old weights, which go after them
-                await _on_every_engine(client, "unload_lora", old)
+                await _retire(client, old)
         log.info("loaded LoRA adapter %r (id %d) from %s", ref.name, ref.id, ref.path)
         return f"Success: LoRA adapter '{ref.name}' added successfully."
 
@@ -92,7 +92,7 @@ class LoraRegistry:
             if ref is None:
                 raise ApiError(404, f"The lora adapter '{req.lora_name}' cannot be found.", "lora_name",
                                "lora_not_found")  # fmt: skip
-            await _on_every_engine(client, "unload_lora", ref)  # requests already sent finish first
+            await _retire(client, ref)  # requests already sent finish first
         log.info("unloaded LoRA adapter %r (id %d)", ref.name, ref.id)
         return f"Success: LoRA adapter '{ref.name}' removed successfully."
 
@@ -104,9 +104,16 @@ class LoraRegistry:
             raise bad_request("LoRA adapters are not enabled (start the server with --enable-lora)", None)
 
 
+async def _retire(client: AsyncEngineClient, ref: LoraRef) -> None:
+    """Unloads it from every live engine; an engine that is down unloads it once restarted (recovery.py), since it
+    may load it again: from its start flags, or for a resumed request."""
+    client.retired_loras.append(ref)
+    await _on_every_engine(client, "unload_lora", ref)
+
+
 async def _on_every_engine(client: AsyncEngineClient, method: str, ref: LoraRef) -> ApiError | None:
     """Calls every live engine; returns the first refusal as an ApiError. An engine that is down is skipped: a
-    restarted one loads an adapter on first use."""
+    restarted one loads an adapter on first use, and unloads the retired ones when it is ready."""
     targets = [i for i, h in enumerate(client.handles) if h.healthy]
     results = await asyncio.gather(*(client.call(method, timeout=LOAD_TIMEOUT_S, engine=i, lora=ref)
                                      for i in targets), return_exceptions=True)  # fmt: skip

@@ -68,6 +68,11 @@ class AsyncEngineClient:
             label = f"engine core {i}" if several else "engine core"
             self.handles.append(EngineHandle(i, label, out, self._send, process, self._changed.set, ping_timeout))
         self.router: PrefixRouter | None = None  # several engines: set once the block size is known
+        # LoRA adapters the API unloaded (or replaced, or failed to load) that an engine may hold: each restarted
+        # engine is told to unload them (frontend/api/lora_adapters.py adds to it before it calls the live ones).
+        self.retired_loras: list[LoraRef] = []
+        for handle in self.handles:
+            handle.retired_loras = self.retired_loras
         self.metrics = metrics
         self.pacing = StreamPacing(lambda: self.num_in_flight)  # many streams: several tokens per consumer wakeup
         self._tasks: list[asyncio.Task] = []

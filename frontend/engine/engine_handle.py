@@ -54,6 +54,7 @@ class EngineHandle:
         self.budget: RestartBudget | None = None  # set by whoever supervises (launch.py)
         self.restarts = 0
         self.streams: dict[str, RequestStream] = {}  # in flight on this engine
+        self.retired_loras: list[LoraRef] = []  # the client's list: a restarted engine unloads them (recovery.py)
         self._calls: dict[int, asyncio.Future[UtilityResult]] = {}
         self._call_id = 0
         self._notify = on_change

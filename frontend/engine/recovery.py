@@ -10,7 +10,7 @@ from typing import Protocol
 
 import zmq
 
-from common.messages import AbortRequest, EngineReady, EngineRequest, UtilityCall
+from common.messages import AbortRequest, EngineReady, EngineRequest, LoraRef, UtilityCall
 from frontend.engine.request_stream import RequestStream
 from frontend.engine.spawn import EngineStartError
 from frontend.engine.supervisor import EngineSupervisor
@@ -27,6 +27,7 @@ class Recoverable(Protocol):
     label: str
     process: EngineSupervisor | None
     streams: dict[str, RequestStream]  # in flight on this engine
+    retired_loras: list[LoraRef]  # LoRA adapters the API no longer serves
 
     def send(self, msg: EngineRequest | AbortRequest | UtilityCall) -> None: ...
     def fail_calls(self, error: Exception) -> None: ...
@@ -72,6 +73,10 @@ class EngineRecovery:
         try:
             for stream in resumed:
                 self.engine.send(stream.mark_sent())
+            # Adapters unloaded while it was down, or loaded again from its start flags: their weights go once no
+            # resumed request uses them. Call id 0: nobody waits for the answer.
+            for ref in self.engine.retired_loras:
+                self.engine.send(UtilityCall(0, "unload_lora", lora=ref))
         except zmq.ZMQError as exc:
             self.engine_down(f"cannot reach the {self.engine.label} (epoch {msg.epoch}): {exc}", msg.epoch)
             return
