@@ -144,8 +144,8 @@ def server(server_started: Server) -> Server:
 @pytest.fixture(scope="session")
 def tool_servers(tmp_path_factory: pytest.TempPathFactory):
     """For test_api_tools and test_api_responses, by --tool-call-parser (hermes; llama3_json with vLLM's
-    --enable-auto-tool-choice, and --reasoning-parser deepseek_r1; mistral; pythonic), started together: a template
-    that writes earlier calls and their results into the prompt."""
+    --enable-auto-tool-choice, and --reasoning-parser deepseek_r1; mistral; pythonic; functiongemma), started
+    together: a template that writes earlier calls and their results into the prompt."""
     template = str(REPO / "tests" / "data" / "tool_template.jinja")
     servers = {"hermes": Server(tmp_path_factory.mktemp("tools"), "--tool-call-parser", "hermes",
                                 "--chat-template", template),
@@ -155,7 +155,9 @@ def tool_servers(tmp_path_factory: pytest.TempPathFactory):
                "mistral": Server(tmp_path_factory.mktemp("tools_mistral"), "--tool-call-parser", "mistral",
                                  "--chat-template", template),
                "pythonic": Server(tmp_path_factory.mktemp("tools_pythonic"), "--tool-call-parser", "pythonic",
-                                  "--chat-template", template)}  # fmt: skip
+                                  "--chat-template", template),
+               "functiongemma": Server(tmp_path_factory.mktemp("tools_functiongemma"), "--tool-call-parser",
+                                       "functiongemma", "--chat-template", template)}  # fmt: skip
     try:
         healthy = {name: server.wait_healthy() for name, server in servers.items()}
     except BaseException:  # one that does not start takes the others down, rather than leaving them running

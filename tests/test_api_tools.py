@@ -1,7 +1,6 @@
 """Tool calling end to end with the official openai client: forced calls (tool_choice "required" and a named
-function, through constrained decoding) streamed and not, tool results sent back, the hermes and llama3_json
-parsers on servers started with --tool-call-parser and a tool-aware --chat-template, and 400s for bad tool
-requests."""
+function, through constrained decoding) streamed and not, tool results sent back, each model format's parser on a
+server started with --tool-call-parser and a tool-aware --chat-template, and 400s for bad tool requests."""
 
 from __future__ import annotations
 
@@ -126,6 +125,9 @@ def test_conversation_with_calls_and_results(server: Server):
     ("llama3_json", '{"name": "get_weather", "parameters": {"city": "Paris", "days": 3}}', None),
     ("mistral", 'Sure. [TOOL_CALLS]get_weather[ARGS]{"city": "Paris", "days": 3}', "Sure."),
     ("pythonic", '[get_weather(city="Paris", days=3)]', None),
+    # Stopped where FunctionGemma would go on to imagine the function's answer.
+    ("functiongemma", "Sure.<start_function_call>call:get_weather{city:<escape>Paris<escape>,days:3}"
+                      "<end_function_call><start_function_response>response:get_weather{t:9}", "Sure."),
 ])  # fmt: skip
 def test_auto_tool_choice_parsers_on_the_server(tool_servers: dict[str, Server], parser, output, content):
     """tool_choice auto with the server's --tool-call-parser (llama3_json's server started as vLLM's docs start one

@@ -139,6 +139,9 @@ async def start_chat(ctx: ServingContext, req: ChatCompletionRequest, rid: str) 
     tools = await off_loop(plan_tools, req, ctx.tool_call_parser) if req.tools else plan_tools(req, None)
     if tools.keeps_special_tokens:
         req = req.model_copy(update={"skip_special_tokens": False})
+    if tools.stop:  # the user's stop strings were checked already: these are the format's own
+        stop = [req.stop] if isinstance(req.stop, str) else req.stop or []
+        req = req.model_copy(update={"stop": [*stop, *(s for s in tools.stop if s not in stop)]})
     await ctx.admit(req.n)
     prompt = await off_loop(chat_prompt, ctx, req.messages, req.add_generation_prompt, tools.template_tools,
                             req.continue_final_message, req.chat_template_kwargs, req.truncate_prompt_tokens,

@@ -24,6 +24,8 @@ from frontend.api.protocol import (
     ToolDefinition,
 )
 from frontend.errors import bad_request
+from frontend.tools.functiongemma_parser import STOP as FUNCTIONGEMMA_STOP
+from frontend.tools.functiongemma_parser import FunctionGemmaParser
 from frontend.tools.mistral_parser import MistralParser
 from frontend.tools.pythonic_parser import PythonicParser
 from frontend.tools.tool_forced import ForcedCallsParser, NamedCallParser
@@ -31,8 +33,8 @@ from frontend.tools.tool_parsers import CLOSE, OPEN, HermesParser, Llama3JsonPar
 
 # --tool-call-parser NAME -> the parser's class, called with max_calls
 PARSERS: dict[str, Callable[[int | None], ToolParser]] = {"hermes": HermesParser, "llama3_json": Llama3JsonParser,
-                                                          "pythonic": PythonicParser,
-                                                          "mistral": MistralParser}  # fmt: skip
+                                                          "pythonic": PythonicParser, "mistral": MistralParser,
+                                                          "functiongemma": FunctionGemmaParser}  # fmt: skip
 _EMPTY_PARAMETERS = {"type": "object", "properties": {}}  # OpenAI: no parameters is a function without arguments
 
 Mode = Literal["none", "auto", "required", "named"]
@@ -51,8 +53,14 @@ class ToolPlan:
 
     @property
     def keeps_special_tokens(self) -> bool:
-        """Mistral's tags are special tokens: its parser reads them only where the text keeps them (as in vLLM)."""
-        return self.mode == "auto" and self.parser == "mistral"
+        """Mistral's and FunctionGemma's tags are special tokens: their parsers read them only where the text keeps
+        them (as in vLLM)."""
+        return self.mode == "auto" and self.parser in ("mistral", "functiongemma")
+
+    @property
+    def stop(self) -> list[str]:
+        """Stop strings the format needs: FunctionGemma goes on after its calls with the function's answer."""
+        return [FUNCTIONGEMMA_STOP] if self.mode == "auto" and self.parser == "functiongemma" else []
 
     def make_parser(self) -> Callable[[], ToolParser] | None:
         """A factory for one choice's parser, or None when the output is plain content."""

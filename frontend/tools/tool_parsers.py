@@ -121,8 +121,12 @@ class HermesParser(CallsUpTo):
     Text outside the tags is content; whitespace that only separates content from a call is dropped. A call is
     held until its closing tag (or the end of the text), then emitted whole: a malformed one stays content, exactly
     as written. A call the model ends without its closing tag still counts if its JSON is complete. Calls past
-    `max_calls` (parallel_tool_calls false: one) are dropped.
+    `max_calls` (parallel_tool_calls false: one) are dropped. A format of other tags around each call (FunctionGemma's)
+    changes `open_tag`, `close_tag` and `parse`.
     """
+
+    open_tag, close_tag = OPEN, CLOSE
+    parse = staticmethod(parse_call)  # the text between the tags -> (name, arguments as JSON text), or None
 
     def __init__(self, max_calls: int | None = None) -> None:
         super().__init__(max_calls)
@@ -145,15 +149,15 @@ class HermesParser(CallsUpTo):
                 text, self.after_call = stripped, False
             buf, self.pending = self.pending + text, ""
             text = ""
-            at = buf.find(OPEN)
+            at = buf.find(self.open_tag)
             if at >= 0:
                 before = buf[:at]
                 body = before.rstrip()
                 self._content(events, body)
                 self.call_ws, self.in_call, self.call_text = before[len(body) :], True, ""
-                text = buf[at + len(OPEN) :]
+                text = buf[at + len(self.open_tag) :]
                 continue
-            keep = partial_tag(buf, OPEN)
+            keep = partial_tag(buf, self.open_tag)
             head = buf[: len(buf) - keep]
             body = head.rstrip()
             self._content(events, body)
@@ -162,18 +166,19 @@ class HermesParser(CallsUpTo):
 
     def _in_call(self, text: str, events: list[Event]) -> str:
         """Consumes call text; returns what follows the closing tag (empty while the call is open)."""
-        start = max(0, len(self.call_text) - len(CLOSE) + 1)  # only where a new closing tag can be
+        close = self.close_tag
+        start = max(0, len(self.call_text) - len(close) + 1)  # only where a new closing tag can be
         self.call_text += text
-        at = self.call_text.find(CLOSE, start)
+        at = self.call_text.find(close, start)
         if at < 0:
             return ""
-        inner, rest = self.call_text[:at], self.call_text[at + len(CLOSE) :]
+        inner, rest = self.call_text[:at], self.call_text[at + len(close) :]
         self.in_call, self.call_text = False, ""
-        self._end_call(events, inner, OPEN + inner + CLOSE)
+        self._end_call(events, inner, self.open_tag + inner + close)
         return rest
 
     def _end_call(self, events: list[Event], inner: str, raw: str) -> None:
-        call = parse_call(inner)
+        call = self.parse(inner)
         if call is None:
             self._content(events, self.call_ws + raw)
             return
@@ -189,7 +194,7 @@ class HermesParser(CallsUpTo):
         events: list[Event] = []
         if self.in_call:
             self.in_call = False
-            self._end_call(events, self.call_text, OPEN + self.call_text)
+            self._end_call(events, self.call_text, self.open_tag + self.call_text)
         elif not self.after_call:
             self._content(events, self.pending)
         self.pending = ""
