@@ -1,0 +1,86 @@
+"""A Gemma 3 GGUF, as llama.cpp writes one (the form gemma-3-270m is most often shared in): converted once through
+transformers and served with the greedy tokens of the HF model it was written from."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import gguf
+import torch
+import transformers
+
+from common.config import EngineConfig
+from common.model_source import resolve_model
+from engine_core.core import EngineCore
+from tests.engine_helpers import greedy_request, run_engine, tokens_of
+from tests.test_model_source import _default_gguf_path
+
+VOCAB = 49152  # the default model's tokenizer, whose GGUF fields the file takes
+
+
+def tiny_gemma3() -> transformers.Gemma3ForCausalLM:
+    """Gemma 3 270M's layout in small: five sliding layers of window 8 to one full one, heads of 32, a global rotary
+    base of 1e6 and the local one of 1e4 (what a GGUF's fields and the config's defaults give back)."""
+    torch.manual_seed(0)
+    config = transformers.Gemma3TextConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=6, num_attention_heads=4,
+        num_key_value_heads=1, head_dim=32, sliding_window=8, max_position_embeddings=512, query_pre_attn_scalar=256,
+        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                         "full_attention": {"rope_type": "default", "rope_theta": 1e6}},
+        architectures=["Gemma3ForCausalLM"], bos_token_id=1, eos_token_id=2, pad_token_id=2,
+    )  # fmt: skip
+    model = transformers.Gemma3ForCausalLM(config).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            param.copy_(0.1 * torch.randn_like(param) if "norm" in name else 0.15 * torch.randn_like(param))
+    return model
+
+
+def write_gguf(model: transformers.Gemma3ForCausalLM, path: Path) -> None:
+    """What llama.cpp's converter writes for Gemma 3: its fields, norms stored as 1 + weight, q and k as they are; the
+    tokenizer's fields copied from the default model's GGUF."""
+    c = model.config
+    writer = gguf.GGUFWriter(str(path), "gemma3")
+    writer.add_context_length(c.max_position_embeddings)
+    writer.add_embedding_length(c.hidden_size)
+    writer.add_block_count(c.num_hidden_layers)
+    writer.add_feed_forward_length(c.intermediate_size)
+    writer.add_head_count(c.num_attention_heads)
+    writer.add_head_count_kv(c.num_key_value_heads)
+    writer.add_key_length(c.head_dim)
+    writer.add_value_length(c.head_dim)
+    writer.add_layer_norm_rms_eps(c.rms_norm_eps)
+    writer.add_rope_freq_base(c.rope_parameters["full_attention"]["rope_theta"])
+    writer.add_sliding_window(c.sliding_window)
+    for field in gguf.GGUFReader(_default_gguf_path()).fields.values():
+        if field.name.startswith("tokenizer."):
+            sub_type = field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
+            writer.add_key_value(field.name, field.contents(), field.types[0], sub_type)
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.GEMMA3, c.num_hidden_layers)
+    for name, tensor in model.state_dict().items():
+        if name == "lm_head.weight":  # tied to the embeddings
+            continue
+        data = tensor.float() + 1 if name.endswith("norm.weight") else tensor.float()
+        writer.add_tensor(names.get_name(name, try_suffixes=(".weight",)), data.numpy())
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def test_a_gemma3_gguf_serves_the_tokens_of_the_model_it_came_from(tmp_path: Path) -> None:
+    """In fp32: the conversion's norms, names, rotary bases and windows all come back, token for token."""
+    model = tiny_gemma3()
+    path = tmp_path / "gemma3-tiny.gguf"
+    write_gguf(model, path)
+    resolved = resolve_model(str(path), cache_dir=tmp_path / "cache")
+    assert transformers.AutoConfig.from_pretrained(resolved.path).architectures == ["Gemma3ForCausalLM"]
+    prompts = [[5, 900, 1200, 33], [7, 4000] * 9, [300 + i for i in range(20)]]  # past the window of 8
+    config = EngineConfig(model=str(resolved.path), dtype="float32", num_kv_blocks=64, max_model_len=256)
+    requests = [greedy_request(f"g{i}", p, 12) for i, p in enumerate(prompts)]
+    ours = tokens_of(run_engine(EngineCore(config), requests), [r.request_id for r in requests])
+    with torch.inference_mode():
+        refs = [model.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                            max_new_tokens=12, min_new_tokens=12, do_sample=False)[0, len(p) :].tolist()
+                for p in prompts]  # fmt: skip
+    assert ours == refs
