@@ -181,7 +181,7 @@ class Launch:
         if model_name in loras.refs:
             print(f"error: --lora-modules: the adapter name {model_name!r} is the base model's name", file=sys.stderr)
             return 2
-        metrics = Metrics(model_name, len(self.client.handles), lora=loras.enabled)
+        metrics = Metrics(model_name, len(self.client.handles), lora=loras.enabled, prefix=self.config.metrics_prefix)
         self.client.metrics = metrics
         tokenizer = Tokenizer(source.path, parse_special_in_content=self.config.parse_special_tokens_in_content,
                               chat_template=self.config.chat_template)  # fmt: skip

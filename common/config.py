@@ -82,6 +82,9 @@ class ServerConfig:
     api_key: str | None = flag(None, "require 'Authorization: Bearer KEY' on every route but /health and /metrics")
     api_key_on_health: bool = flag(False, "with --api-key: also require the key on /health and /metrics")
     enable_docs: bool = flag(False, "serve /docs, /redoc and /openapi.json (behind --api-key when set)")
+    metrics_prefix: str = flag("roseinfer", "prefix of the Prometheus metrics' names: vllm gives vLLM's names, for "
+                               "dashboards, autoscalers and inference gateways set up for vLLM",
+                               choices=["roseinfer", "vllm"])  # fmt: skip
     allowed_origins: list[str] = flag(list, "CORS origins allowed (none by default)", nargs="*")
     max_queued_requests: int = flag(1024, "requests waiting or running beyond which new ones get 429")
     max_request_bytes: int = flag(8 << 20, "largest request body accepted; larger ones get 413 before parsing")

@@ -1,4 +1,6 @@
-"""Prometheus metrics of the API process, named like vLLM's with the `roseinfer:` prefix."""
+"""Prometheus metrics of the API process, named like vLLM's with the `roseinfer:` prefix (`vllm:` with
+--metrics-prefix vllm: then the series vLLM also has carry its names; its request series also carry an `engine`
+label, ours the model's only)."""
 
 from __future__ import annotations
 
@@ -18,20 +20,20 @@ class Metrics:
     """One registry per app (tests create several apps in one process). Series about one engine core's scheduler
     carry an `engine` label (its data-parallel index); request series are the server's."""
 
-    def __init__(self, model_name: str, num_engines: int = 1, lora: bool = False) -> None:
+    def __init__(self, model_name: str, num_engines: int = 1, lora: bool = False, prefix: str = "roseinfer") -> None:
         self.registry = CollectorRegistry()
         r, labels = self.registry, ["model_name"]
         engines = [str(i) for i in range(num_engines)]
 
         def per_engine(kind: type[Gauge] | type[Counter], name: str, doc: str) -> list:
-            metric = kind(f"roseinfer:{name}", doc, ["model_name", "engine"], registry=r)
+            metric = kind(f"{prefix}:{name}", doc, ["model_name", "engine"], registry=r)
             return [metric.labels(model_name, e) for e in engines]  # every engine's series exists from the start
 
         def counter(name: str, doc: str) -> Counter:
-            return Counter(f"roseinfer:{name}", doc, labels, registry=r).labels(model_name)
+            return Counter(f"{prefix}:{name}", doc, labels, registry=r).labels(model_name)
 
         def histogram(name: str, doc: str) -> Histogram:
-            return Histogram(f"roseinfer:{name}", doc, labels, buckets=_LATENCY_BUCKETS, registry=r).labels(model_name)
+            return Histogram(f"{prefix}:{name}", doc, labels, buckets=_LATENCY_BUCKETS, registry=r).labels(model_name)
 
         self.num_requests_running = per_engine(Gauge, "num_requests_running", "Requests in the engine's running batch")
         self.num_requests_waiting = per_engine(Gauge, "num_requests_waiting", "Requests waiting in the engine")
@@ -54,11 +56,11 @@ class Metrics:
         self.ttft = histogram("time_to_first_token_seconds", "Arrival to first token")
         self.itl = histogram("inter_token_latency_seconds", "Time between two outputs of one request")
         self.e2e = histogram("e2e_request_latency_seconds", "Arrival to the last output")
-        self.request_success = Counter("roseinfer:request_success", "Finished requests by finish reason",
+        self.request_success = Counter(f"{prefix}:request_success", "Finished requests by finish reason",
                                        ["model_name", "finished_reason"], registry=r)  # fmt: skip
         # vLLM's vllm:lora_requests_info, which inference gateways read for LoRA affinity (with --enable-lora only).
         self.lora_requests_info = Gauge(
-            "roseinfer:lora_requests_info", "LoRA adapters of the requests in flight (the labels, comma-separated) "
+            f"{prefix}:lora_requests_info", "LoRA adapters of the requests in flight (the labels, comma-separated) "
             "and when they were counted (the value)", ["max_lora", "waiting_lora_adapters", "running_lora_adapters"],
             registry=r,
         ) if lora else None  # fmt: skip
