@@ -93,7 +93,7 @@ def test_metrics_name_the_adapter_of_a_running_stream(lora_server):
         lines = r.iter_lines()
         next(line for line in lines if line.startswith("data: {"))
         during = lora_info()
-        assert sum(1 for line in lines if line.startswith("data: {")) > 100  # it was still running
+        assert any(line.startswith("data: {") for line in lines)  # more came after: it was still running
     loaded = len(httpx.get(server.url + "/v1/models", timeout=30).json()["data"]) - 1
     labels = f'roseinfer:lora_requests_info{{max_lora="{loaded}",running_lora_adapters='
     assert during == labels + '"sql",waiting_lora_adapters=""'
