@@ -140,7 +140,7 @@ async def start_chat(ctx: ServingContext, req: ChatCompletionRequest, rid: str) 
     if tools.keeps_special_tokens:
         req = req.model_copy(update={"skip_special_tokens": False})
     if tools.stop:  # the user's stop strings were checked already: these are the format's own
-        stop = [req.stop] if isinstance(req.stop, str) else req.stop or []
+        stop = req.stop_strings
         req = req.model_copy(update={"stop": [*stop, *(s for s in tools.stop if s not in stop)]})
     await ctx.admit(req.n)
     prompt = await off_loop(chat_prompt, ctx, req.messages, req.add_generation_prompt, tools.template_tools,

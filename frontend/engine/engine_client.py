@@ -62,17 +62,16 @@ class AsyncEngineClient:
         self._changed = asyncio.Event()  # an engine became ready, went down or was given up
         processes = processes or [None]
         several = len(processes) > 1
+        # LoRA adapters the API unloaded (or replaced, or failed to load) that an engine may hold: each restarted
+        # engine is told to unload them (frontend/api/lora_adapters.py adds to it before it calls the live ones).
+        self.retired_loras: list[LoraRef] = []
         self.handles: list[EngineHandle] = []
         for i, process in enumerate(processes):
             out = ipc.make_socket(self._ctx, zmq.PULL, output_address(addresses, i).output, bind=True)
             label = f"engine core {i}" if several else "engine core"
-            self.handles.append(EngineHandle(i, label, out, self._send, process, self._changed.set, ping_timeout))
+            self.handles.append(EngineHandle(i, label, out, self._send, process, self._changed.set, ping_timeout,
+                                             self.retired_loras))  # fmt: skip
         self.router: PrefixRouter | None = None  # several engines: set once the block size is known
-        # LoRA adapters the API unloaded (or replaced, or failed to load) that an engine may hold: each restarted
-        # engine is told to unload them (frontend/api/lora_adapters.py adds to it before it calls the live ones).
-        self.retired_loras: list[LoraRef] = []
-        for handle in self.handles:
-            handle.retired_loras = self.retired_loras
         self.metrics = metrics
         self.pacing = StreamPacing(lambda: self.num_in_flight)  # many streams: several tokens per consumer wakeup
         self._tasks: list[asyncio.Task] = []

@@ -40,8 +40,8 @@ Sender = Callable[[bytes, bytes], None]  # (identity, encoded message) through t
 
 class EngineHandle:
     def __init__(self, index: int, label: str, output: zmq.asyncio.Socket, send: Sender,
-                 process: EngineSupervisor | None, on_change: Callable[[], None],
-                 ping_timeout: float) -> None:  # fmt: skip
+                 process: EngineSupervisor | None, on_change: Callable[[], None], ping_timeout: float,
+                 retired_loras: list[LoraRef]) -> None:  # fmt: skip
         self.index = index
         self.label = label
         self.identity = ipc.engine_identity(index)
@@ -54,7 +54,7 @@ class EngineHandle:
         self.budget: RestartBudget | None = None  # set by whoever supervises (launch.py)
         self.restarts = 0
         self.streams: dict[str, RequestStream] = {}  # in flight on this engine
-        self.retired_loras: list[LoraRef] = []  # the client's list: a restarted engine unloads them (recovery.py)
+        self.retired_loras = retired_loras  # the client's list: a restarted engine unloads them (recovery.py)
         self._calls: dict[int, asyncio.Future[UtilityResult]] = {}
         self._call_id = 0
         self._notify = on_change
