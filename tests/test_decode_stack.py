@@ -1,6 +1,7 @@
 """Decode-only CPU steps through the layer stack in one C call (engine_core/models/cpu_decode.py): bit for bit the
-logits of the Python layers, in bf16 and int8, with and without biases, with Qwen3's q/k norms, and Gemma 3's
-layer; taken only by decode-only steps; attached by the model runner where it can run, and nowhere else."""
+logits of the Python layers, in bf16 and int8, with and without biases, with Qwen3's q/k norms, SmolLM3's layers
+without rotary embeddings and Gemma 3's layer; taken only by decode-only steps; attached by the model runner where
+it can run, and nowhere else."""
 
 from __future__ import annotations
 
@@ -27,22 +28,27 @@ CPU = torch.device("cpu")
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU-only: the stack runs our CPU kernels")
 
 
-def tiny_llama(bias: bool, quantization: str | None, qwen3: bool = False, window: int | None = None,
-               gemma: bool = False) -> torch.nn.Module:  # fmt: skip
-    """Llama (with q/k/v/o biases or none), Qwen3 (q and k heads normed; head_dim * heads != hidden), Mistral with a
-    sliding window, or Gemma 3 (its four norms a layer, GeGLU, a sliding layer of window 24 and full layers with
-    their own rotary base)."""
+def tiny_llama(variant: str, quantization: str | None = None, window: int | None = None) -> torch.nn.Module:
+    """`variant`: Llama ("llama", or "llama-bias" with q/k/v/o biases), Qwen3 (q and k heads normed; head_dim *
+    heads != hidden), SmolLM3 (its middle layer without rotary embeddings), Gemma 3 (its four norms a layer, GeGLU,
+    a sliding layer of window 24 and full layers with their own rotary base); `window`: Mistral's sliding window."""
     torch.manual_seed(0)
     shape = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=3, vocab_size=96, num_attention_heads=4,
                  num_key_value_heads=2)  # fmt: skip
-    config = (transformers.Qwen3Config(**shape, head_dim=64, architectures=["Qwen3ForCausalLM"]) if qwen3 else
+    gemma = variant == "gemma"
+    config = (transformers.Qwen3Config(**shape, head_dim=64, architectures=["Qwen3ForCausalLM"])
+              if variant == "qwen3" else
               transformers.MistralConfig(**shape, sliding_window=window, architectures=["MistralForCausalLM"])
               if window else
+              transformers.SmolLM3Config(**shape, no_rope_layers=[1, 0, 1], pad_token_id=None,
+                                        architectures=["SmolLM3ForCausalLM"])
+              if variant == "smollm3" else
               transformers.Gemma3TextConfig(**shape, head_dim=32, sliding_window=24, query_pre_attn_scalar=24,
                                             layer_types=["full_attention", "sliding_attention", "full_attention"],
                                             final_logit_softcapping=5.0, architectures=["Gemma3ForCausalLM"])
               if gemma else
-              transformers.LlamaConfig(**shape, attention_bias=bias, architectures=["LlamaForCausalLM"]))  # fmt: skip
+              transformers.LlamaConfig(**shape, attention_bias=variant == "llama-bias",
+                                       architectures=["LlamaForCausalLM"]))  # fmt: skip
     model = build_model(config, torch.bfloat16, CPU, 256)
     with torch.no_grad():
         for name, param in model.named_parameters():
@@ -91,13 +97,12 @@ class _Spy:
 
 
 @needs_linear_kernels
-@pytest.mark.parametrize(("bias", "qwen3", "gemma"), [(False, False, False), (True, False, False),
-                                                      (False, True, False), (False, False, True)])  # fmt: skip
+@pytest.mark.parametrize("variant", ["llama", "llama-bias", "qwen3", "smollm3", "gemma"])
 @pytest.mark.parametrize("quantization", [None, pytest.param("int8", marks=needs_int8_kernels)])
-def test_stack_gives_the_layers_logits_bit_for_bit(bias: bool, qwen3: bool, gemma: bool,
-                                                   quantization: str | None) -> None:  # fmt: skip
-    model = tiny_llama(bias, quantization, qwen3, gemma=gemma)
-    assert (model.layers[0].self_attn.q_norm is not None) == (qwen3 or gemma)
+def test_stack_gives_the_layers_logits_bit_for_bit(variant: str, quantization: str | None) -> None:
+    model = tiny_llama(variant, quantization)
+    assert (model.layers[0].self_attn.q_norm is not None) == (variant in ("qwen3", "gemma"))
+    assert [layer.self_attn.rotate for layer in model.layers] == [True, variant != "smollm3", True]
     reference, none = steps(model, stack=False)
     ours, calls = steps(model, stack=True)
     assert none == 0 and calls == 15  # the 15 decode-only steps; never the prefills or the mixed step
@@ -109,7 +114,7 @@ def test_stack_gives_the_layers_logits_bit_for_bit(bias: bool, qwen3: bool, gemm
 def test_the_stack_attends_a_sliding_window_as_the_layers_do() -> None:
     """Mistral's window of 48: the decode steps' contexts grow from 41 to 55 keys across it; the stack passes each
     layer's window to the decode kernel, bit for bit what the layers get."""
-    model = tiny_llama(False, None, window=48)
+    model = tiny_llama("llama", window=48)
     reference, _ = steps(model, stack=False)
     ours, calls = steps(model, stack=True)
     assert calls == 15
@@ -118,7 +123,7 @@ def test_the_stack_attends_a_sliding_window_as_the_layers_do() -> None:
 
 
 def test_build_declines_what_it_cannot_run() -> None:
-    model = tiny_llama(False, None)
+    model = tiny_llama("llama")
     assert DecodeStack.build(model) is None  # no KV cache bound yet: the layers attend with the torch reference
     PagedRun(model, 1, 16, dtype=torch.bfloat16)
     assert (DecodeStack.build(model) is not None) == HAS_LINEAR  # needs our packed bf16 linears
@@ -165,7 +170,7 @@ def test_stack_adds_lora_adapters_as_the_layers_do(tmp_path, slots: list[int], g
     Python layers' bit for bit (gathered rows, and all rows at once), and not the base model's."""
 
     def decodes(stack: bool, lora: bool) -> list[torch.Tensor]:
-        model = tiny_llama(False, None, gemma=gemma)
+        model = tiny_llama("gemma" if gemma else "llama")
         run = PagedRun(model, 9, 64, dtype=torch.bfloat16)
         model.decode_stack = DecodeStack.build(model) if stack else None
         config = model.config

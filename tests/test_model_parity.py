@@ -54,6 +54,11 @@ TINY_CONFIGS = {
         tie_word_embeddings=True,
         architectures=["Qwen3ForCausalLM"],
     ),
+    "smollm3": lambda: transformers.SmolLM3Config(  # its first layer without rotary embeddings (NoPE), tied embeddings
+        **LLAMA_LIKE, num_attention_heads=4, num_key_value_heads=2, no_rope_layers=[0, 1], tie_word_embeddings=True,
+        pad_token_id=None, bos_token_id=None, eos_token_id=None,
+        architectures=["SmolLM3ForCausalLM"],
+    ),  # fmt: skip
     "mistral": lambda: transformers.MistralConfig(  # head_dim * heads != hidden, a single KV head
         **LLAMA_LIKE,
         num_attention_heads=4,
@@ -95,6 +100,7 @@ HF_CLASSES = {
     "llama3-rope": transformers.LlamaForCausalLM,
     "qwen2": transformers.Qwen2ForCausalLM,
     "qwen3": transformers.Qwen3ForCausalLM,
+    "smollm3": transformers.SmolLM3ForCausalLM,
     "mistral": transformers.MistralForCausalLM,
     "mistral-window": transformers.MistralForCausalLM,
     "qwen2-window": transformers.Qwen2ForCausalLM,

@@ -98,6 +98,12 @@ def test_unsupported_architecture_is_named(tmp_path: Path) -> None:
     assert all(arch in message for arch in SUPPORTED_ARCHITECTURES)
 
 
+def test_the_frontend_names_what_the_engine_loads() -> None:
+    from engine_core.models.loader import ARCHITECTURES
+
+    assert set(SUPPORTED_ARCHITECTURES) == set(ARCHITECTURES)
+
+
 def test_unreadable_config_is_wrapped(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text("{not json")
     with pytest.raises(ModelSourceError, match="config.json"):

@@ -38,7 +38,8 @@ typedef struct {
     const uint16_t *input_norm, *post_norm;  // before attention, before the MLP
     const uint16_t *attn_out_norm, *mlp_out_norm;  // Gemma's norms of attention's and the MLP's outputs, or NULL
     const uint16_t *q_norm, *k_norm;  // Qwen3's and Gemma's norms of each q and k head, or NULL
-    const float *cos, *sin;  // this layer's rotary tables (Gemma's sliding and full layers have their own)
+    const float *cos, *sin;  // this layer's rotary tables (Gemma's sliding and full layers have their own); NULL:
+                             // a layer without position encoding (SmolLM3's NoPE layers)
     PackedWeight qkv, o, gate_up, down;
     uint16_t *k_cache, *v_cache;  // [blocks, block_size, num_kv_heads, head_dim]
     int64_t window;  // sliding window (each query sees its last `window` keys), 0 for none
@@ -126,7 +127,8 @@ void decode_stack_bf16(const DecodeLayer* layers, const StackShape* s, const uin
             norm(s, row, NULL, l->q_norm, row, s->num_q_heads, hd);
             norm(s, row + q_size, NULL, l->k_norm, row + q_size, s->num_kv_heads, hd);
         }
-        rotary_bf16(qkv, positions, l->cos, l->sin, rows, qkv_size, (int)(s->num_q_heads + s->num_kv_heads), (int)hd);
+        if (l->cos)
+            rotary_bf16(qkv, positions, l->cos, l->sin, rows, qkv_size, (int)(s->num_q_heads + s->num_kv_heads), (int)hd);
         for (int64_t r = 0; r < rows; r++) {  // the new token's K/V into its slot; q made contiguous
             const uint16_t* row = qkv + r * qkv_size;
             memcpy(l->k_cache + slots[r] * kv_size, row + q_size, kv_size * sizeof(uint16_t));

@@ -175,7 +175,8 @@ class DecodeStack:
             norms = [None if n is None else n.weight.data_ptr() for n in (*_norms(layer, gemma), attn.q_norm,
                                                                           attn.k_norm)]  # fmt: skip
             rotary = model.rotary[model.layer_types[i]] if gemma else model.rotary  # Gemma's: one per kind of layer
-            structs.append(_DecodeLayer(*norms, rotary.cos.data_ptr(), rotary.sin.data_ptr(), *weights,
+            cos, sin = (rotary.cos.data_ptr(), rotary.sin.data_ptr()) if attn.rotate else (None, None)  # NULL: NoPE
+            structs.append(_DecodeLayer(*norms, cos, sin, *weights,
                                         attn.k_cache.data_ptr(), attn.v_cache.data_ptr(),
                                         attn.window or 0))  # fmt: skip
         return DecodeStack(model, kernels, structs)

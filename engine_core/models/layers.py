@@ -66,6 +66,13 @@ def layer_windows(config, max_positions: int) -> list[int | None]:
     return [window if kind == "sliding_attention" else None for kind in kinds]
 
 
+def rope_layers(config) -> list[bool]:
+    """Which layers rotate q and k: every one but SmolLM3's NoPE layers (`no_rope_layers`: 0 where a layer has no
+    position encoding; transformers fills it in, one layer in four by default)."""
+    flags = getattr(config, "no_rope_layers", None)
+    return [bool(f) for f in flags] if flags else [True] * config.num_hidden_layers
+
+
 class RotaryEmbedding(nn.Module):
     """Precomputed cos/sin per position; rope scaling comes from transformers' own init functions. `layer_type`:
     the layers' kind where the config gives each its own parameters (Gemma 3: sliding_attention, full_attention)."""

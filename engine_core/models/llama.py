@@ -1,4 +1,5 @@
-"""The Llama family (Llama, SmolLM, Qwen2, Qwen3, Mistral): RMSNorm, RoPE, grouped-query attention, SwiGLU."""
+"""The Llama family (Llama, SmolLM2 and SmolLM3, Qwen2, Qwen3, Mistral): RMSNorm, RoPE, grouped-query attention,
+SwiGLU."""
 
 from __future__ import annotations
 
@@ -9,7 +10,15 @@ from torch import nn
 
 from engine_core import distributed
 from engine_core.attention import AttentionBackend, AttentionMetadata, TorchBackend
-from engine_core.models.layers import MergedLinear, RMSNorm, RotaryEmbedding, StepRotary, layer_windows, silu_and_mul
+from engine_core.models.layers import (
+    MergedLinear,
+    RMSNorm,
+    RotaryEmbedding,
+    StepRotary,
+    layer_windows,
+    rope_layers,
+    silu_and_mul,
+)
 from engine_core.models.parallel import (
     HeadSplit,
     RowParallelLinear,
@@ -35,11 +44,14 @@ def _heads(config) -> tuple[int, int, int]:
 
 class LlamaAttention(nn.Module):
     """With tensor parallelism: this rank's heads (`heads`); o_proj sums the ranks' partial outputs. `qk_norm`
-    (Qwen3's RMSNorm, Gemma 3's): every head's q and k normed (one weight over head_dim each) before the rotation."""
+    (Qwen3's RMSNorm, Gemma 3's): every head's q and k normed (one weight over head_dim each) before the rotation.
+    `rotate` False: a layer without position encoding (SmolLM3's NoPE layers, one in four)."""
 
     def __init__(self, config, qkv_bias: bool, o_bias: bool, heads: HeadSplit, window: int | None,
-                 qk_norm: type[nn.Module] | None = None, scale: float | None = None) -> None:  # fmt: skip
+                 qk_norm: type[nn.Module] | None = None, scale: float | None = None,
+                 rotate: bool = True) -> None:  # fmt: skip
         super().__init__()
+        self.rotate = rotate
         self.num_heads, self.num_kv_heads = heads.num_heads, heads.num_kv_heads
         self.window = window  # sliding window: each query sees its last `window` keys (None: all)
         self.head_dim = _heads(config)[2]
@@ -65,8 +77,8 @@ class LlamaAttention(nn.Module):
                            dim=1)  # fmt: skip
         else:
             qk = qkv[:, :qk_size].view(-1, self.num_heads + self.num_kv_heads, self.head_dim)
-        # q and k rotated together: one set of elementwise ops (or one kernel call) per layer instead of two.
-        qk = rope(qk)
+        if self.rotate:  # q and k rotated together: one set of elementwise ops (or one kernel call), not two
+            qk = rope(qk)
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         v = qkv[:, qk_size:].view(-1, self.num_kv_heads, self.head_dim)
         out = self.attn_backend.forward(q, k, v, self.k_cache, self.v_cache, meta, self.scale, self.window)
@@ -89,10 +101,10 @@ class LlamaMLP(nn.Module):
 
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, config, qkv_bias: bool, o_bias: bool, heads: HeadSplit, columns: tuple[int, int],
-                 window: int | None) -> None:  # fmt: skip
+                 window: int | None, rotate: bool) -> None:  # fmt: skip
         super().__init__()
         qk_norm = RMSNorm if config.model_type == "qwen3" else None
-        self.self_attn = LlamaAttention(config, qkv_bias, o_bias, heads, window, qk_norm)
+        self.self_attn = LlamaAttention(config, qkv_bias, o_bias, heads, window, qk_norm, rotate=rotate)
         self.mlp = LlamaMLP(config, getattr(config, "mlp_bias", False), columns)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -124,7 +136,8 @@ class LlamaForCausalLM(nn.Module):
         self.heads = head_split(*_heads(config)[:2], size, rank)
         self.columns = split(config.intermediate_size, size, rank)
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(self.decoder_layer(window) for window in layer_windows(config, max_positions))
+        windows = layer_windows(config, max_positions)
+        self.layers = nn.ModuleList(self.decoder_layer(w, r) for w, r in zip(windows, rope_layers(config), strict=True))
         self.norm = self.final_norm()
         attn = self.layers[0].self_attn
         self.rotary = self.rotary_embedding(attn.head_dim, max_positions)
@@ -135,9 +148,9 @@ class LlamaForCausalLM(nn.Module):
         self.decode_stack: DecodeStack | None = None  # set by the model runner where it can run (CPU, bf16)
 
     # What a variant of the family (engine_core/models/gemma3.py) builds its own way:
-    def decoder_layer(self, window: int | None) -> nn.Module:
+    def decoder_layer(self, window: int | None, rotate: bool) -> nn.Module:
         qkv_bias, o_bias = self.attention_biases(self.config)
-        return LlamaDecoderLayer(self.config, qkv_bias, o_bias, self.heads, self.columns, window)
+        return LlamaDecoderLayer(self.config, qkv_bias, o_bias, self.heads, self.columns, window, rotate)
 
     def final_norm(self) -> nn.Module:
         return RMSNorm(self.config.hidden_size, self.config.rms_norm_eps)
