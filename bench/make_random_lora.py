@@ -18,17 +18,20 @@ from transformers import AutoConfig
 from common.lora import ADAPTER_WEIGHTS
 
 ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+ALL_FUSED = ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]  # Phi-3's layers, as its checkpoints name them
 _PART = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
-         "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}  # fmt: skip
+         "qkv_proj": "self_attn", "gate_proj": "mlp", "up_proj": "mlp", "gate_up_proj": "mlp",
+         "down_proj": "mlp"}  # fmt: skip
 
 
 def layer_shapes(config) -> dict[str, tuple[int, int]]:
-    """(in, out) of each linear of a Llama-family decoder layer."""
+    """(in, out) of each linear of a Llama-family decoder layer (and of Phi-3's fused ones)."""
     hidden, inter = config.hidden_size, config.intermediate_size
     head_dim = getattr(config, "head_dim", None) or hidden // config.num_attention_heads
     q, kv = config.num_attention_heads * head_dim, config.num_key_value_heads * head_dim
     return {"q_proj": (hidden, q), "k_proj": (hidden, kv), "v_proj": (hidden, kv), "o_proj": (q, hidden),
-            "gate_proj": (hidden, inter), "up_proj": (hidden, inter), "down_proj": (inter, hidden)}  # fmt: skip
+            "gate_proj": (hidden, inter), "up_proj": (hidden, inter), "down_proj": (inter, hidden),
+            "qkv_proj": (hidden, q + 2 * kv), "gate_up_proj": (hidden, 2 * inter)}  # fmt: skip
 
 
 def write_adapter(path: Path, config, targets: list[str], rank: int, alpha: float, seed: int, std: float = 0.05,

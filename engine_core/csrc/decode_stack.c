@@ -12,7 +12,7 @@ void gemma_rms_norm_bf16(const uint16_t* x, const uint16_t* weight, uint16_t* ou
 void silu_and_mul_bf16(const uint16_t* x, uint16_t* out, int64_t rows, int width);
 void gelu_tanh_and_mul_bf16(const uint16_t* x, uint16_t* out, int64_t rows, int width);
 void rotary_bf16(uint16_t* x, const int64_t* positions, const float* cos, const float* sin, int64_t rows,
-                 int64_t row_stride, int num_heads, int head_dim);
+                 int64_t row_stride, int num_heads, int head_dim, int rotary_dim);
 void linear(const uint16_t* x, int64_t ldx, int64_t m_len, const void* packed, int q8, const uint16_t* bias,
             uint16_t* out, int64_t ldo, int64_t n_len, int64_t k_len);
 void paged_decode_bf16(const uint16_t* q, const uint16_t* k_cache, const uint16_t* v_cache,
@@ -78,6 +78,7 @@ static void add_lora(const uint16_t* x, int64_t ldx, int64_t k, const LoraPair* 
 typedef struct {
     int64_t num_layers, hidden, num_q_heads, num_kv_heads, head_dim, intermediate, block_size;
     int64_t gemma;  // Gemma 3's layer: norms scale by 1 + weight, outputs normed before the residual add, GeGLU
+    int64_t rotary_dim;  // the leading dims of each head that rotate (Phi-4-mini's partial rotary: 3/4 of them)
     float eps, scale;
 } StackShape;
 
@@ -128,7 +129,8 @@ void decode_stack_bf16(const DecodeLayer* layers, const StackShape* s, const uin
             norm(s, row + q_size, NULL, l->k_norm, row + q_size, s->num_kv_heads, hd);
         }
         if (l->cos)
-            rotary_bf16(qkv, positions, l->cos, l->sin, rows, qkv_size, (int)(s->num_q_heads + s->num_kv_heads), (int)hd);
+            rotary_bf16(qkv, positions, l->cos, l->sin, rows, qkv_size, (int)(s->num_q_heads + s->num_kv_heads), (int)hd,
+                        (int)s->rotary_dim);
         for (int64_t r = 0; r < rows; r++) {  // the new token's K/V into its slot; q made contiguous
             const uint16_t* row = qkv + r * qkv_size;
             memcpy(l->k_cache + slots[r] * kv_size, row + q_size, kv_size * sizeof(uint16_t));

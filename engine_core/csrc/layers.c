@@ -67,16 +67,17 @@ void NAME(const T* x, T* out, int64_t rows, int width) {                        
     }                                                                                                    \
 }
 
-// In place on the first num_heads heads of each row (q and k heads lie next to each other);
-// rotate-half layout; cos/sin: fp32 tables [max_positions, head_dim] whose two halves are equal.
+// In place on the first num_heads heads of each row (q and k heads lie next to each other), on the first rotary_dim
+// dims of each head (head_dim, or fewer for a partial rotary: the rest pass through); rotate-half layout over those;
+// cos/sin: fp32 tables [max_positions, rotary_dim] whose two halves are equal.
 #define DEFINE_ROTARY(NAME, T, LOAD, STORE)                                                              \
 void NAME(T* x, const int64_t* positions, const float* cos, const float* sin, int64_t rows,             \
-          int64_t row_stride, int num_heads, int head_dim) {                                             \
-    const int half = head_dim / 2;                                                                       \
+          int64_t row_stride, int num_heads, int head_dim, int rotary_dim) {                             \
+    const int half = rotary_dim / 2;                                                                     \
     _Pragma("omp parallel for if (rows * num_heads * head_dim >= PARALLEL_MIN_ELEMENTS)")               \
     for (int64_t r = 0; r < rows; r++) {                                                                 \
-        const float* c = cos + positions[r] * head_dim;                                                  \
-        const float* s = sin + positions[r] * head_dim;                                                  \
+        const float* c = cos + positions[r] * rotary_dim;                                                \
+        const float* s = sin + positions[r] * rotary_dim;                                                \
         for (int h = 0; h < num_heads; h++) {                                                            \
             T* x1 = x + r * row_stride + (int64_t)h * head_dim;                                          \
             T* x2 = x1 + half;                                                                           \

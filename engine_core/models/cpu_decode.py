@@ -52,7 +52,7 @@ LORA_LINEARS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "m
 
 class _StackShape(ctypes.Structure):
     _fields_ = [(name, _I64) for name in ("num_layers", "hidden", "num_q_heads", "num_kv_heads", "head_dim",
-                                           "intermediate", "block_size", "gemma")]  # fmt: skip
+                                           "intermediate", "block_size", "gemma", "rotary_dim")]  # fmt: skip
     _fields_ += [("eps", ctypes.c_float), ("scale", ctypes.c_float)]
 
 
@@ -73,6 +73,12 @@ def _is_gemma(model: nn.Module) -> bool:
     return type(model) is Gemma3ForCausalLM
 
 
+def _rotary_dim(model: nn.Module) -> int:
+    rotaries = model.rotary.values() if isinstance(model.rotary, nn.ModuleDict) else [model.rotary]
+    (dim,) = {r.dim for r in rotaries}  # one for all of Gemma's kinds of layer
+    return dim
+
+
 def _norms(layer: nn.Module, gemma: bool) -> tuple[nn.Module | None, ...]:
     """The layer's norms in the C order: before attention, before the MLP, of attention's and the MLP's outputs."""
     if gemma:  # Gemma 3's four
@@ -89,7 +95,7 @@ class DecodeStack:
         attn = first.self_attn
         self.shape = _StackShape(len(layers), model.config.hidden_size, attn.num_heads, attn.num_kv_heads,
                                  attn.head_dim, first.mlp.down_proj.in_features, attn.k_cache.shape[1],
-                                 _is_gemma(model), model.norm.eps, attn.scale)  # fmt: skip
+                                 _is_gemma(model), _rotary_dim(model), model.norm.eps, attn.scale)  # fmt: skip
         lib = kernels.lib
         self._work = lib.decode_stack_work
         self._work.argtypes, self._work.restype = [_P, _I64], _I64

@@ -75,19 +75,23 @@ def rope_layers(config) -> list[bool]:
 
 class RotaryEmbedding(nn.Module):
     """Precomputed cos/sin per position; rope scaling comes from transformers' own init functions. `layer_type`:
-    the layers' kind where the config gives each its own parameters (Gemma 3: sliding_attention, full_attention)."""
+    the layers' kind where the config gives each its own parameters (Gemma 3: sliding_attention, full_attention).
+    `dim`: the leading dims of each head that rotate, all but with a partial_rotary_factor (Phi-4-mini's 0.75)."""
 
     def __init__(self, config, head_dim: int, max_positions: int, layer_type: str | None = None) -> None:
         super().__init__()
         params = getattr(config, "rope_parameters", None) or {}
         params = params[layer_type] if layer_type is not None else params
         rope_type = params.get("rope_type", "default")
+        self.dim = int(head_dim * params.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0)))
         if rope_type == "default":
             base = params.get("rope_theta", getattr(config, "rope_theta", 10000.0))
-            inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
+            inv_freq = 1.0 / (base ** (torch.arange(0, self.dim, 2, dtype=torch.float) / self.dim))
             scale = 1.0
         else:
             kind = {} if layer_type is None else {"layer_type": layer_type}
+            if rope_type == "longrope":  # its long factors where a context can pass the original length, as vLLM
+                kind["seq_len"] = max_positions  # (transformers switches per forward, so a cached K would not match)
             inv_freq, scale = ROPE_INIT_FUNCTIONS[rope_type](config, torch.device("cpu"), **kind)
         inv_freq = inv_freq.float().to(torch.get_default_device())  # the init functions may answer on CPU
         freqs = torch.outer(torch.arange(max_positions, dtype=torch.float, device=inv_freq.device), inv_freq)
@@ -117,6 +121,9 @@ class StepRotary:
         if self.cos is None:
             cpu_kernels().rotary_(x, x.shape[1], x.shape[2], self.positions, self.rotary.cos, self.rotary.sin)
             return x
+        dim = self.rotary.dim
+        if dim < x.shape[2]:  # a partial rotary: the rest of each head passes through
+            return torch.cat((apply_rotary(x[..., :dim], self.cos, self.sin), x[..., dim:]), dim=-1)
         return apply_rotary(x, self.cos, self.sin)
 
 

@@ -1,5 +1,6 @@
-"""The Llama family (Llama, SmolLM2 and SmolLM3, Qwen2, Qwen3, Mistral): RMSNorm, RoPE, grouped-query attention,
-SwiGLU."""
+"""The Llama family (Llama, SmolLM2 and SmolLM3, Qwen2, Qwen3, Mistral, Phi-3): RMSNorm, RoPE, grouped-query
+attention, SwiGLU. Our q/k/v and gate/up linears are fused; Phi-3's checkpoints fuse them too, so they load as
+they are (tensor parallelism slices them part by part, `_unfused_parts`)."""
 
 from __future__ import annotations
 
@@ -196,6 +197,9 @@ class LlamaForCausalLM(nn.Module):
         """Loader hook, with HF names: this rank's rows (column-parallel) or columns (row-parallel) of a weight."""
         if distributed.tp_size() == 1:
             return tensor
+        fused = self._unfused_parts(name, tensor)
+        if fused is not None:  # each part's slice, fused again
+            return torch.cat([self.shard_weight(part_name, part) for part_name, part in fused])
         h, hd, (c0, c1) = self.heads, self.head_dim, self.columns
         if name in ("embed_tokens.weight", "lm_head.weight"):
             return take_vocab_rows(tensor, self.config.vocab_size)
@@ -210,3 +214,16 @@ class LlamaForCausalLM(nn.Module):
         if ".down_proj." in name:
             return take_cols(tensor, c0, c1)
         return tensor
+
+    def _unfused_parts(self, name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]] | None:
+        """A checkpoint's fused q/k/v or gate/up weight (Phi-3 stores them so) as its parts under the separate
+        names, or None for any other weight."""
+        num_heads, num_kv_heads, head_dim = _heads(self.config)
+        q, kv = num_heads * head_dim, num_kv_heads * head_dim
+        half = tensor.shape[0] // 2
+        for fused, parts, sizes in ((".qkv_proj.", ("q_proj", "k_proj", "v_proj"), [q, kv, kv]),
+                                    (".gate_up_proj.", ("gate_proj", "up_proj"), [half, half])):  # fmt: skip
+            if fused in name:
+                pieces = tensor.split(sizes)
+                return [(name.replace(fused, f".{p}."), t) for p, t in zip(parts, pieces, strict=True)]
+        return None
