@@ -135,11 +135,15 @@ def _convert_gguf(gguf_path: Path, out_dir: Path) -> None:
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
+    from common.gguf_fields import complete_phi3_config
+
     # from_pretrained(gguf_file=...) requires `accelerate` (not a dependency) and leaves a GGUF quantizer
     # on the model that blocks save_pretrained. Building the model from the GGUF config and loading the
     # dequantized tensors ourselves gives bit-identical weights without either problem.
     try:
         config = AutoConfig.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+        if config.model_type == "phi3":
+            complete_phi3_config(gguf_path, config)
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
         _check_supported(type(model).__name__, gguf_path)  # before the slow tensor load
         tensors = load_gguf_checkpoint(

@@ -13,9 +13,7 @@ from common.config import EngineConfig
 from common.model_source import resolve_model
 from engine_core.core import EngineCore
 from tests.engine_helpers import greedy_request, run_engine, tokens_of
-from tests.test_model_source import _default_gguf_path
-
-VOCAB = 49152  # the default model's tokenizer, whose GGUF fields the file takes
+from tests.gguf_helpers import VOCAB, write_gguf
 
 
 def tiny_gemma3() -> transformers.Gemma3ForCausalLM:
@@ -36,43 +34,34 @@ def tiny_gemma3() -> transformers.Gemma3ForCausalLM:
     return model
 
 
-def write_gguf(model: transformers.Gemma3ForCausalLM, path: Path) -> None:
-    """What llama.cpp's converter writes for Gemma 3: its fields, norms stored as 1 + weight, q and k as they are; the
-    tokenizer's fields copied from the default model's GGUF."""
+def write_gemma3_gguf(model: transformers.Gemma3ForCausalLM, path: Path) -> None:
+    """What llama.cpp's converter writes for Gemma 3: its fields, norms stored as 1 + weight, q and k as they are."""
     c = model.config
-    writer = gguf.GGUFWriter(str(path), "gemma3")
-    writer.add_context_length(c.max_position_embeddings)
-    writer.add_embedding_length(c.hidden_size)
-    writer.add_block_count(c.num_hidden_layers)
-    writer.add_feed_forward_length(c.intermediate_size)
-    writer.add_head_count(c.num_attention_heads)
-    writer.add_head_count_kv(c.num_key_value_heads)
-    writer.add_key_length(c.head_dim)
-    writer.add_value_length(c.head_dim)
-    writer.add_layer_norm_rms_eps(c.rms_norm_eps)
-    writer.add_rope_freq_base(c.rope_parameters["full_attention"]["rope_theta"])
-    writer.add_sliding_window(c.sliding_window)
-    for field in gguf.GGUFReader(_default_gguf_path()).fields.values():
-        if field.name.startswith("tokenizer."):
-            sub_type = field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
-            writer.add_key_value(field.name, field.contents(), field.types[0], sub_type)
-    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.GEMMA3, c.num_hidden_layers)
-    for name, tensor in model.state_dict().items():
-        if name == "lm_head.weight":  # tied to the embeddings
-            continue
-        data = tensor.float() + 1 if name.endswith("norm.weight") else tensor.float()
-        writer.add_tensor(names.get_name(name, try_suffixes=(".weight",)), data.numpy())
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+
+    def fields(writer: gguf.GGUFWriter) -> None:
+        writer.add_context_length(c.max_position_embeddings)
+        writer.add_embedding_length(c.hidden_size)
+        writer.add_block_count(c.num_hidden_layers)
+        writer.add_feed_forward_length(c.intermediate_size)
+        writer.add_head_count(c.num_attention_heads)
+        writer.add_head_count_kv(c.num_key_value_heads)
+        writer.add_key_length(c.head_dim)
+        writer.add_value_length(c.head_dim)
+        writer.add_layer_norm_rms_eps(c.rms_norm_eps)
+        writer.add_rope_freq_base(c.rope_parameters["full_attention"]["rope_theta"])
+        writer.add_sliding_window(c.sliding_window)
+
+    # lm_head is tied to the embeddings: the file has no copy of it
+    tensors = {name: t.float() + 1 if name.endswith("norm.weight") else t
+               for name, t in model.state_dict().items() if name != "lm_head.weight"}  # fmt: skip
+    write_gguf(path, gguf.MODEL_ARCH.GEMMA3, fields, tensors)
 
 
 def test_a_gemma3_gguf_serves_the_tokens_of_the_model_it_came_from(tmp_path: Path) -> None:
     """In fp32: the conversion's norms, names, rotary bases and windows all come back, token for token."""
     model = tiny_gemma3()
     path = tmp_path / "gemma3-tiny.gguf"
-    write_gguf(model, path)
+    write_gemma3_gguf(model, path)
     resolved = resolve_model(str(path), cache_dir=tmp_path / "cache")
     assert transformers.AutoConfig.from_pretrained(resolved.path).architectures == ["Gemma3ForCausalLM"]
     prompts = [[5, 900, 1200, 33], [7, 4000] * 9, [300 + i for i in range(20)]]  # past the window of 8
