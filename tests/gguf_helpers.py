@@ -1,6 +1,7 @@
-"""Writing a GGUF as llama.cpp's converter does, for the tests that convert one (tests/test_gguf_*.py): the
-architecture's fields are the test's; the tokenizer's are copied from the default model's GGUF; the tensors take the
-names of `gguf`'s own map."""
+"""Writing a GGUF as llama.cpp's converter does, for the tests that convert one (tests/test_gguf_*.py): the shape's
+fields from the model's config, the architecture's own from the test; the tokenizer's copied from the default model's
+GGUF; the tensors under the names of `gguf`'s own map. And the check each test ends with: the converted model, served,
+gives the greedy tokens of the model the file was written from."""
 
 from __future__ import annotations
 
@@ -10,23 +11,32 @@ from pathlib import Path
 import gguf
 import torch
 
+from common.config import EngineConfig
+from engine_core.core import EngineCore
+from tests.engine_helpers import greedy_request, run_engine, tokens_of
 from tests.test_model_source import _default_gguf_path
 
 VOCAB = 49152  # the default model's tokenizer, whose GGUF fields the files take
 
 
-def write_gguf(path: Path, arch: gguf.MODEL_ARCH, fields: Callable[[gguf.GGUFWriter], None],
+def write_gguf(path: Path, arch: gguf.MODEL_ARCH, config, fields: Callable[[gguf.GGUFWriter], None],
                tensors: dict[str, torch.Tensor], extra: dict[str, torch.Tensor] | None = None) -> None:  # fmt: skip
-    """`fields` adds the architecture's fields; `tensors` are the HF model's (renamed here); `extra` go in under
+    """`fields` adds the architecture's own fields; `tensors` are the HF model's (renamed here); `extra` go in under
     their own GGUF names."""
-    num_layers = 1 + max(int(name.split(".")[2]) for name in tensors if name.startswith("model.layers."))
     writer = gguf.GGUFWriter(str(path), gguf.MODEL_ARCH_NAMES[arch])
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     fields(writer)
     for field in gguf.GGUFReader(_default_gguf_path()).fields.values():
         if field.name.startswith("tokenizer."):
             sub_type = field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
             writer.add_key_value(field.name, field.contents(), field.types[0], sub_type)
-    names = gguf.get_tensor_name_map(arch, num_layers)
+    names = gguf.get_tensor_name_map(arch, config.num_hidden_layers)
     for name, tensor in tensors.items():
         writer.add_tensor(names.get_name(name, try_suffixes=(".weight",)), tensor.float().numpy())
     for name, tensor in (extra or {}).items():
@@ -35,3 +45,15 @@ def write_gguf(path: Path, arch: gguf.MODEL_ARCH, fields: Callable[[gguf.GGUFWri
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+
+
+def assert_serves_hf_greedy(model_dir: Path, model, prompts: list[list[int]], max_new: int = 12) -> None:
+    """Our engine on the converted `model_dir` (fp32) gives `model`'s own greedy tokens for each prompt."""
+    config = EngineConfig(model=str(model_dir), dtype="float32", num_kv_blocks=64, max_model_len=256)
+    requests = [greedy_request(f"r{i}", p, max_new) for i, p in enumerate(prompts)]
+    ours = tokens_of(run_engine(EngineCore(config), requests), [r.request_id for r in requests])
+    with torch.inference_mode():
+        refs = [model.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                               max_new_tokens=max_new, min_new_tokens=max_new, do_sample=False)[0, len(p) :].tolist()
+                for p in prompts]  # fmt: skip
+    assert ours == refs

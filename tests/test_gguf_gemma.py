@@ -9,11 +9,8 @@ import gguf
 import torch
 import transformers
 
-from common.config import EngineConfig
 from common.model_source import resolve_model
-from engine_core.core import EngineCore
-from tests.engine_helpers import greedy_request, run_engine, tokens_of
-from tests.gguf_helpers import VOCAB, write_gguf
+from tests.gguf_helpers import VOCAB, assert_serves_hf_greedy, write_gguf
 
 
 def tiny_gemma3() -> transformers.Gemma3ForCausalLM:
@@ -39,22 +36,15 @@ def write_gemma3_gguf(model: transformers.Gemma3ForCausalLM, path: Path) -> None
     c = model.config
 
     def fields(writer: gguf.GGUFWriter) -> None:
-        writer.add_context_length(c.max_position_embeddings)
-        writer.add_embedding_length(c.hidden_size)
-        writer.add_block_count(c.num_hidden_layers)
-        writer.add_feed_forward_length(c.intermediate_size)
-        writer.add_head_count(c.num_attention_heads)
-        writer.add_head_count_kv(c.num_key_value_heads)
         writer.add_key_length(c.head_dim)
         writer.add_value_length(c.head_dim)
-        writer.add_layer_norm_rms_eps(c.rms_norm_eps)
         writer.add_rope_freq_base(c.rope_parameters["full_attention"]["rope_theta"])
         writer.add_sliding_window(c.sliding_window)
 
     # lm_head is tied to the embeddings: the file has no copy of it
     tensors = {name: t.float() + 1 if name.endswith("norm.weight") else t
                for name, t in model.state_dict().items() if name != "lm_head.weight"}  # fmt: skip
-    write_gguf(path, gguf.MODEL_ARCH.GEMMA3, fields, tensors)
+    write_gguf(path, gguf.MODEL_ARCH.GEMMA3, c, fields, tensors)
 
 
 def test_a_gemma3_gguf_serves_the_tokens_of_the_model_it_came_from(tmp_path: Path) -> None:
@@ -65,11 +55,4 @@ def test_a_gemma3_gguf_serves_the_tokens_of_the_model_it_came_from(tmp_path: Pat
     resolved = resolve_model(str(path), cache_dir=tmp_path / "cache")
     assert transformers.AutoConfig.from_pretrained(resolved.path).architectures == ["Gemma3ForCausalLM"]
     prompts = [[5, 900, 1200, 33], [7, 4000] * 9, [300 + i for i in range(20)]]  # past the window of 8
-    config = EngineConfig(model=str(resolved.path), dtype="float32", num_kv_blocks=64, max_model_len=256)
-    requests = [greedy_request(f"g{i}", p, 12) for i, p in enumerate(prompts)]
-    ours = tokens_of(run_engine(EngineCore(config), requests), [r.request_id for r in requests])
-    with torch.inference_mode():
-        refs = [model.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
-                            max_new_tokens=12, min_new_tokens=12, do_sample=False)[0, len(p) :].tolist()
-                for p in prompts]  # fmt: skip
-    assert ours == refs
+    assert_serves_hf_greedy(resolved.path, model, prompts)

@@ -13,12 +13,9 @@ import pytest
 import torch
 import transformers
 
-from common.config import EngineConfig
 from common.gguf_fields import complete_config
 from common.model_source import resolve_model
-from engine_core.core import EngineCore
-from tests.engine_helpers import greedy_request, run_engine, tokens_of
-from tests.gguf_helpers import VOCAB, write_gguf
+from tests.gguf_helpers import VOCAB, assert_serves_hf_greedy, write_gguf
 
 HEAD_DIM, THETA = 16, 10000.0
 SCALING = {"rope_type": "llama3", "rope_theta": THETA, "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
@@ -59,14 +56,7 @@ def write_llama3_gguf(model: transformers.LlamaForCausalLM, path: Path, divisors
     c = model.config
 
     def fields(writer: gguf.GGUFWriter) -> None:
-        writer.add_context_length(c.max_position_embeddings)
-        writer.add_embedding_length(c.hidden_size)
-        writer.add_block_count(c.num_hidden_layers)
-        writer.add_feed_forward_length(c.intermediate_size)
         writer.add_rope_dimension_count(HEAD_DIM)
-        writer.add_head_count(c.num_attention_heads)
-        writer.add_head_count_kv(c.num_key_value_heads)
-        writer.add_layer_norm_rms_eps(c.rms_norm_eps)
         writer.add_rope_freq_base(THETA)
 
     def permute(w: torch.Tensor, heads: int) -> torch.Tensor:
@@ -76,7 +66,7 @@ def write_llama3_gguf(model: transformers.LlamaForCausalLM, path: Path, divisors
     for name, t in model.state_dict().items():
         heads = c.num_attention_heads if ".q_proj." in name else c.num_key_value_heads if ".k_proj." in name else 0
         tensors[name] = permute(t, heads) if heads else t
-    write_gguf(path, gguf.MODEL_ARCH.LLAMA, fields, tensors, {"rope_freqs.weight": divisors})
+    write_gguf(path, gguf.MODEL_ARCH.LLAMA, c, fields, tensors, {"rope_freqs.weight": divisors})
 
 
 def test_a_llama3_gguf_keeps_its_rope_scaling(tmp_path: Path) -> None:
@@ -89,14 +79,7 @@ def test_a_llama3_gguf_keeps_its_rope_scaling(tmp_path: Path) -> None:
     rope = transformers.AutoConfig.from_pretrained(resolved.path).rope_parameters
     assert {k: rope[k] for k in SCALING} == SCALING
     prompts = [[5, 900, 1200, 33] * 9, [300 + i for i in range(60)]]
-    config = EngineConfig(model=str(resolved.path), dtype="float32", num_kv_blocks=64, max_model_len=256)
-    requests = [greedy_request(f"l{i}", p, 12) for i, p in enumerate(prompts)]
-    ours = tokens_of(run_engine(EngineCore(config), requests), [r.request_id for r in requests])
-    with torch.inference_mode():
-        refs = [model.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
-                               max_new_tokens=12, min_new_tokens=12, do_sample=False)[0, len(p) :].tolist()
-                for p in prompts]  # fmt: skip
-    assert ours == refs
+    assert_serves_hf_greedy(resolved.path, model, prompts)
 
 
 def test_rope_freqs_that_are_not_llama3s_are_refused(tmp_path: Path) -> None:

@@ -10,11 +10,8 @@ import gguf
 import torch
 import transformers
 
-from common.config import EngineConfig
 from common.model_source import resolve_model
-from engine_core.core import EngineCore
-from tests.engine_helpers import greedy_request, run_engine, tokens_of
-from tests.gguf_helpers import VOCAB, write_gguf
+from tests.gguf_helpers import VOCAB, assert_serves_hf_greedy, write_gguf
 
 ORIGINAL = 32  # LongRoPE's original context; every prompt below passes it, so both sides take the long factors
 HEAD_DIM, ROTATED = 16, 12  # Phi-4-mini rotates 3/4 of each head
@@ -45,20 +42,13 @@ def write_phi3_gguf(model: transformers.Phi3ForCausalLM, path: Path) -> None:
     c, rope = model.config, model.config.rope_parameters
 
     def fields(writer: gguf.GGUFWriter) -> None:
-        writer.add_context_length(c.max_position_embeddings)
         writer.add_rope_scaling_orig_ctx_len(ORIGINAL)
-        writer.add_embedding_length(c.hidden_size)
-        writer.add_feed_forward_length(c.intermediate_size)
-        writer.add_block_count(c.num_hidden_layers)
-        writer.add_head_count(c.num_attention_heads)
-        writer.add_head_count_kv(c.num_key_value_heads)
-        writer.add_layer_norm_rms_eps(c.rms_norm_eps)
         writer.add_rope_dimension_count(ROTATED)
         writer.add_rope_freq_base(rope["rope_theta"])
         writer.add_sliding_window(c.sliding_window)
 
     factors = {f"rope_factors_{kind}.weight": torch.tensor(rope[f"{kind}_factor"]) for kind in ("long", "short")}
-    write_gguf(path, gguf.MODEL_ARCH.PHI3, fields, model.state_dict(), factors)
+    write_gguf(path, gguf.MODEL_ARCH.PHI3, c, fields, model.state_dict(), factors)
 
 
 def test_a_phi3_gguf_serves_the_tokens_of_the_model_it_came_from(tmp_path: Path) -> None:
@@ -72,11 +62,4 @@ def test_a_phi3_gguf_serves_the_tokens_of_the_model_it_came_from(tmp_path: Path)
     assert converted.rope_parameters["partial_rotary_factor"] == ROTATED / HEAD_DIM
     assert (converted.rope_parameters["rope_type"], converted.sliding_window) == ("longrope", 24)
     prompts = [[5, 900, 1200, 33] * 9, [300 + i for i in range(40)]]
-    config = EngineConfig(model=str(resolved.path), dtype="float32", num_kv_blocks=64, max_model_len=256)
-    requests = [greedy_request(f"p{i}", p, 12) for i, p in enumerate(prompts)]
-    ours = tokens_of(run_engine(EngineCore(config), requests), [r.request_id for r in requests])
-    with torch.inference_mode():
-        refs = [model.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
-                               max_new_tokens=12, min_new_tokens=12, do_sample=False)[0, len(p) :].tolist()
-                for p in prompts]  # fmt: skip
-    assert ours == refs
+    assert_serves_hf_greedy(resolved.path, model, prompts)
