@@ -1,5 +1,7 @@
 """What transformers' GGUF loader leaves out of a config, read back from the file's own fields and tensors as
 llama.cpp's converter writes them. Without these the model would load and answer wrongly, in silence:
+- linear and YaRN rope scaling (`rope.scaling.*`: Gemma 3 4B and larger scale their global layers linearly; the
+  128k Qwen GGUFs use YaRN);
 - Llama 3's rope scaling (Llama 3.1 to 3.3, and 3.2's 1B and 3B, the most shared GGUFs), stored as the per-frequency
   divisors of a `rope_freqs` tensor: matched against Llama 3's scaling and refused when they do not match it;
 - Phi-3's rotated share of each head (Phi-4-mini rotates 3/4), its sliding window, and LongRoPE's factors
@@ -21,13 +23,15 @@ def complete_config(gguf_path: Path, config) -> None:
     """Sets on `config` (from transformers' GGUF loader) what the file says and the loader drops; ValueError for a
     rope scaling we cannot express."""
     reader = gguf.GGUFReader(gguf_path)
-    prefix = f"{config.model_type}."
+    prefix = reader.fields["general.architecture"].contents() + "."
     fields = {name.removeprefix(prefix): f.contents() for name, f in reader.fields.items() if name.startswith(prefix)}
     tensors = {t.name: t.data.tolist() for t in reader.tensors if t.name.startswith(("rope_freqs", "rope_factors_"))}
     if config.model_type == "phi3":
         _complete_phi3(config, fields, tensors)
     elif "rope_freqs.weight" in tensors:
         config.rope_parameters = _llama3_rope(config, tensors["rope_freqs.weight"])
+    elif fields.get("rope.scaling.type", "none") != "none":
+        _scaled_rope(config, fields)
 
 
 def _head_dim(config) -> int:
@@ -45,6 +49,21 @@ def _llama3_rope(config, divisors: list[float]) -> dict:
     if len(divisors) != len(plain) or not torch.allclose(plain / torch.tensor(divisors), scaled, rtol=1e-4):
         raise ValueError("its rope_freqs are not Llama 3's rope scaling; serve the model's HF directory instead")
     return params
+
+
+def _scaled_rope(config, fields: dict) -> None:
+    kind, factor = fields["rope.scaling.type"], fields.get("rope.scaling.factor", 1.0)
+    if kind not in ("linear", "yarn"):
+        raise ValueError(f"its rope scaling {kind!r} is not one this conversion reads; serve the HF directory instead")
+    scaling = {"rope_type": kind, "factor": factor}
+    if kind == "yarn":
+        scaling["original_max_position_embeddings"] = fields["rope.scaling.original_context_length"]
+    params = copy.deepcopy(config.rope_parameters)
+    if "full_attention" in params:  # Gemma 3: its global layers scale; the sliding ones keep their local base
+        params["full_attention"].update(scaling)
+    else:
+        params.update(scaling)
+    config.rope_parameters = params
 
 
 def _complete_phi3(config, fields: dict, tensors: dict[str, list[float]]) -> None:

@@ -20,9 +20,10 @@ VOCAB = 49152  # the default model's tokenizer, whose GGUF fields the files take
 
 
 def write_gguf(path: Path, arch: gguf.MODEL_ARCH, config, fields: Callable[[gguf.GGUFWriter], None],
-               tensors: dict[str, torch.Tensor], extra: dict[str, torch.Tensor] | None = None) -> None:  # fmt: skip
+               tensors: dict[str, torch.Tensor], extra: dict[str, torch.Tensor] | None = None,
+               tokenizer: bool = True) -> None:  # fmt: skip
     """`fields` adds the architecture's own fields; `tensors` are the HF model's (renamed here); `extra` go in under
-    their own GGUF names."""
+    their own GGUF names; `tokenizer` False: no tokenizer (a file only its fields are read from)."""
     writer = gguf.GGUFWriter(str(path), gguf.MODEL_ARCH_NAMES[arch])
     writer.add_context_length(config.max_position_embeddings)
     writer.add_embedding_length(config.hidden_size)
@@ -32,7 +33,7 @@ def write_gguf(path: Path, arch: gguf.MODEL_ARCH, config, fields: Callable[[gguf
     writer.add_head_count_kv(config.num_key_value_heads)
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     fields(writer)
-    for field in gguf.GGUFReader(_default_gguf_path()).fields.values():
+    for field in gguf.GGUFReader(_default_gguf_path()).fields.values() if tokenizer else []:
         if field.name.startswith("tokenizer."):
             sub_type = field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
             writer.add_key_value(field.name, field.contents(), field.types[0], sub_type)

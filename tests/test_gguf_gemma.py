@@ -1,5 +1,5 @@
-"""A Gemma 3 GGUF, as llama.cpp writes one (the form gemma-3-270m is most often shared in): converted once through
-transformers and served with the greedy tokens of the HF model it was written from."""
+"""A Gemma 3 GGUF, as llama.cpp writes one (the form gemma-3 models are most often shared in): converted once
+through transformers and served with the greedy tokens of the HF model it was written from."""
 
 from __future__ import annotations
 
@@ -14,14 +14,15 @@ from tests.gguf_helpers import VOCAB, assert_serves_hf_greedy, write_gguf
 
 
 def tiny_gemma3() -> transformers.Gemma3ForCausalLM:
-    """Gemma 3 270M's layout in small: five sliding layers of window 8 to one full one, heads of 32, a global rotary
-    base of 1e6 and the local one of 1e4 (what a GGUF's fields and the config's defaults give back)."""
+    """Gemma 3's layout in small: five sliding layers of window 8 to one full one, heads of 32, a global rotary base
+    of 1e6 scaled linearly by 8 as from the 4B up, and the local base of 1e4 (what a GGUF's fields and the config's
+    defaults give back)."""
     torch.manual_seed(0)
     config = transformers.Gemma3TextConfig(
         vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=6, num_attention_heads=4,
         num_key_value_heads=1, head_dim=32, sliding_window=8, max_position_embeddings=512, query_pre_attn_scalar=256,
         rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
-                         "full_attention": {"rope_type": "default", "rope_theta": 1e6}},
+                         "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6}},
         architectures=["Gemma3ForCausalLM"], bos_token_id=1, eos_token_id=2, pad_token_id=2,
     )  # fmt: skip
     model = transformers.Gemma3ForCausalLM(config).eval()
@@ -40,6 +41,8 @@ def write_gemma3_gguf(model: transformers.Gemma3ForCausalLM, path: Path) -> None
         writer.add_value_length(c.head_dim)
         writer.add_rope_freq_base(c.rope_parameters["full_attention"]["rope_theta"])
         writer.add_sliding_window(c.sliding_window)
+        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)  # the global layers' (Gemma 3 4B and larger)
+        writer.add_rope_scaling_factor(c.rope_parameters["full_attention"]["factor"])
 
     # lm_head is tied to the embeddings: the file has no copy of it
     tensors = {name: t.float() + 1 if name.endswith("norm.weight") else t
@@ -53,6 +56,8 @@ def test_a_gemma3_gguf_serves_the_tokens_of_the_model_it_came_from(tmp_path: Pat
     path = tmp_path / "gemma3-tiny.gguf"
     write_gemma3_gguf(model, path)
     resolved = resolve_model(str(path), cache_dir=tmp_path / "cache")
-    assert transformers.AutoConfig.from_pretrained(resolved.path).architectures == ["Gemma3ForCausalLM"]
+    converted = transformers.AutoConfig.from_pretrained(resolved.path)
+    assert converted.architectures == ["Gemma3ForCausalLM"]
+    assert converted.rope_parameters == model.config.rope_parameters  # the global layers' scaling read back
     prompts = [[5, 900, 1200, 33], [7, 4000] * 9, [300 + i for i in range(20)]]  # past the window of 8
     assert_serves_hf_greedy(resolved.path, model, prompts)

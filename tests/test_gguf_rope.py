@@ -1,7 +1,7 @@
-"""A Llama 3 GGUF as llama.cpp writes one (Llama 3.2 1B and 3B are the most shared GGUFs): its rope scaling is a
-`rope_freqs` tensor of per-frequency divisors, which transformers' GGUF loader drops; the conversion reads it back as
-Llama 3's scaling (common/gguf_fields.py), and refuses divisors that are not Llama 3's rather than serve a model
-that answers wrongly."""
+"""Rope scaling in GGUFs as llama.cpp writes it, which transformers' GGUF loader drops and the conversion reads back
+(common/gguf_fields.py) rather than serve a model that answers wrongly: Llama 3's (Llama 3.2 1B and 3B are the most
+shared GGUFs) as a `rope_freqs` tensor of per-frequency divisors, refused when they are not Llama 3's; linear and
+YaRN scaling as `rope.scaling.*` fields (Gemma 3's linear scaling is served in tests/test_gguf_gemma.py)."""
 
 from __future__ import annotations
 
@@ -89,3 +89,26 @@ def test_rope_freqs_that_are_not_llama3s_are_refused(tmp_path: Path) -> None:
     config = transformers.LlamaConfig(**{**model.config.to_dict(), "rope_parameters": {"rope_theta": THETA}})
     with pytest.raises(ValueError, match="not Llama 3's rope scaling"):
         complete_config(path, config)
+
+
+@pytest.mark.parametrize(("kind", "expected"), [
+    ("linear", {"rope_type": "linear", "factor": 4.0}),
+    ("yarn", {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}),
+    ("longrope", None),  # only Phi-3's, whose factors are tensors of their own
+])  # fmt: skip
+def test_rope_scaling_fields_are_read_back(kind: str, expected: dict | None, tmp_path: Path) -> None:
+    model, path = tiny_llama3(), tmp_path / f"{kind}.gguf"
+    config = transformers.LlamaConfig(**{**model.config.to_dict(), "rope_parameters": {"rope_theta": THETA}})
+
+    def fields(writer: gguf.GGUFWriter) -> None:
+        writer.add_rope_scaling_type(gguf.RopeScalingType(kind))
+        writer.add_rope_scaling_factor(4.0)
+        writer.add_rope_scaling_orig_ctx_len(32768)
+
+    write_gguf(path, gguf.MODEL_ARCH.LLAMA, config, fields, {}, tokenizer=False)
+    if expected is None:
+        with pytest.raises(ValueError, match="not one this conversion reads"):
+            complete_config(path, config)
+        return
+    complete_config(path, config)
+    assert config.rope_parameters == {"rope_theta": THETA, **expected}
