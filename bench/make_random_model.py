@@ -1,8 +1,9 @@
-"""Random-weight Llama (and Gemma 3) models for benchmarks: an HF directory (config.json, sharded bf16 safetensors, the
-default model's tokenizer and chat template) of a named shape. Speed depends on the shape, not on the values.
+"""Random-weight Llama-family (and Gemma 3) models for benchmarks: an HF directory (config.json, sharded bf16
+safetensors, the default model's tokenizer and chat template) of a named shape. Speed depends on the shape, not on
+the values.
 
 python -m bench.make_random_model NAME OUT_DIR [--seed 0] [--base DIR]
-NAME: smollm2-135m | llama-1b | llama-7b | gemma3-270m | tiny
+NAME: smollm2-135m | llama-1b | llama-7b | smollm3-3b | gemma3-270m | tiny
 
 --base: a directory holding the default model's config.json and tokenizer files (TOKENIZER_FILES), to use instead
 of the default model itself: 4 MB to bring to a GPU machine rather than its 93 MB GGUF package.
@@ -36,6 +37,12 @@ SHAPES: dict[str, dict] = {
                  "intermediate_size": 11008, "head_dim": 128, "vocab_size": 49152, "tie_word_embeddings": False,
                  "max_position_embeddings": 4096, "rms_norm_eps": 1e-5,
                  "rope_parameters": {"rope_theta": 10000.0, "rope_type": "default"}},
+    # SmolLM3-3B's layers (every fourth without rotary embeddings) with the default vocabulary.
+    "smollm3-3b": {"architectures": ["SmolLM3ForCausalLM"], "model_type": "smollm3", "hidden_size": 2048,
+                   "num_hidden_layers": 36, "num_attention_heads": 16, "num_key_value_heads": 4, "head_dim": 128,
+                   "intermediate_size": 11008, "vocab_size": 49152, "tie_word_embeddings": True,
+                   "max_position_embeddings": 65536, "rms_norm_eps": 1e-6, "no_rope_layer_interval": 4,
+                   "rope_parameters": {"rope_theta": 5000000.0, "rope_type": "default"}},
     # Gemma 3 270M's layers (five sliding-window layers to one global, heads of 256) with the default vocabulary.
     "gemma3-270m": {"architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text", "hidden_size": 640,
                     "num_hidden_layers": 18, "num_attention_heads": 4, "num_key_value_heads": 1, "head_dim": 256,
