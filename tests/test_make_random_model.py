@@ -26,6 +26,7 @@ def test_named_shapes() -> None:
     assert 1.0e9 < params_of("llama-1b") < 1.1e9  # tied embeddings, as Llama-3.2-1B
     assert 1.3e8 < params_of("smollm2-135m") < 1.4e8
     assert 1.3e8 < params_of("gemma3-270m") < 1.35e8  # gemma-3-270m's 100M outside the embedding, 49152 tokens
+    assert 2.9e9 < params_of("smollm3-3b") < 2.95e9  # SmolLM3-3B's 3.08e9 with 49152 tokens instead of 128256
 
 
 def test_a_written_gemma3_loads_and_generates(tmp_path) -> None:
