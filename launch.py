@@ -172,16 +172,16 @@ class Launch:
         ready = starting.result()
         # After EngineReady: the engine resolved (and for a .gguf, converted) the model, so this is a cache hit.
         source = resolve_model(self.engine_config.model)
-        model_name = self.config.served_model_name or ready.model
+        names = self.config.served_model_name or [ready.model]
         loras = LoraRegistry(self.adapters, self.engine_config.enable_lora, self.engine_config.max_lora_rank,
                              runtime_updates_allowed())  # fmt: skip
         if loras.runtime_updates:
             log.warning("LoRA adapters can be loaded and unloaded at run time (VLLM_ALLOW_RUNTIME_LORA_UPDATING): "
                         "whoever can call the API can make the server read a directory of their choice")
-        if model_name in loras.refs:
-            print(f"error: --lora-modules: the adapter name {model_name!r} is the base model's name", file=sys.stderr)
+        if taken := [name for name in names if name in loras.refs]:
+            print(f"error: --lora-modules: the adapter name {taken[0]!r} is the base model's name", file=sys.stderr)
             return 2
-        metrics = Metrics(model_name, len(self.client.handles), lora=loras.enabled, prefix=self.config.metrics_prefix)
+        metrics = Metrics(names[0], len(self.client.handles), lora=loras.enabled, prefix=self.config.metrics_prefix)
         self.client.metrics = metrics
         tokenizer = Tokenizer(source.path, parse_special_in_content=self.config.parse_special_tokens_in_content,
                               chat_template=self.config.chat_template)  # fmt: skip
@@ -193,12 +193,12 @@ class Launch:
         if self.config.reasoning_parser and thinking is None:
             log.warning("--reasoning-parser: <think> and </think> are not tokens of their own in this tokenizer, so a "
                         "grammar (response format, forced call) holds a whole answer, which is not split")
-        ctx = ServingContext(self.client, tokenizer, model_name, ready.max_model_len, ready.vocab_size,
+        ctx = ServingContext(self.client, tokenizer, names[0], ready.max_model_len, ready.vocab_size,
                              tool_call_parser=self.config.tool_call_parser,
                              reasoning_parser=self.config.reasoning_parser, thinking=thinking,
                              reasoning_tokens=ReasoningTokens.of(self.config.reasoning_parser, tokenizer),
                              priority_scheduling=self.engine_config.scheduling_policy == "priority",
-                             sampling_defaults=defaults, loras=loras)  # fmt: skip
+                             sampling_defaults=defaults, loras=loras, model_aliases=tuple(names[1:]))  # fmt: skip
         app = create_app(ctx, self.config, metrics)
         self.server = _Server(uvicorn.Config(app, host=self.config.host, port=self.config.port, lifespan="off",
                                              log_level=self.config.log_level,

@@ -78,7 +78,8 @@ class EngineConfig:
 class ServerConfig:
     host: str = flag("127.0.0.1", "address the HTTP server binds")
     port: int = flag(8000, "HTTP port")
-    served_model_name: str | None = flag(None, "model name in the API (default: the model's name)")
+    served_model_name: list[str] = flag(list, "model name(s) in the API, as vLLM's: a request may name any of them, "
+                                        "responses and metrics name the first (default: the model's name)", nargs="+")
     api_key: str | None = flag(None, "require 'Authorization: Bearer KEY' on every route but /health and /metrics")
     api_key_on_health: bool = flag(False, "with --api-key: also require the key on /health and /metrics")
     enable_docs: bool = flag(False, "serve /docs, /redoc and /openapi.json (behind --api-key when set)")

@@ -28,28 +28,43 @@ MODEL = "SmolLM2-135M-Instruct"
 
 @pytest.fixture(scope="module")
 def lora_server(tmp_path_factory: pytest.TempPathFactory):
-    """`sql` on all seven linears (given as name=path) and `other` on q and v (given as JSON)."""
+    """`sql` on all seven linears (given as name=path) and `other` on q and v (given as JSON); the base model also
+    answers to `smol` (a second --served-model-name)."""
     root = tmp_path_factory.mktemp("lora-server")
     config = AutoConfig.from_pretrained(model_dir())
     adapters = {"sql": write_adapter(root / "sql", config, ALL, rank=8, alpha=8, seed=3, std=0.04),
                 "other": write_adapter(root / "other", config, ["q_proj", "v_proj"], rank=4, alpha=8, seed=4,
                                        std=0.1)}  # fmt: skip
     server = Server(root, "--enable-lora", "--lora-modules", f"sql={adapters['sql']}",
-                    json.dumps({"name": "other", "path": adapters["other"]}),
+                    json.dumps({"name": "other", "path": adapters["other"]}), "--served-model-name", MODEL, "smol",
                     env={RUNTIME_UPDATES: "True"}).wait_healthy()  # fmt: skip
     yield server, adapters
     server.engine_pid = engine_child(server)  # after the kill test's restart
     server.assert_clean_exit()
 
 
+def model_ids(server: Server) -> list[str]:
+    return [m["id"] for m in httpx.get(server.url + "/v1/models", timeout=30).json()["data"]]
+
+
 def test_models_lists_each_adapter(lora_server):
+    """And each served name of the base model, as vLLM lists them; a request may name any, and its answer names the
+    first, as vLLM's do; no adapter can take one of them."""
     server, adapters = lora_server
     listed = httpx.get(server.url + "/v1/models", timeout=30).json()["data"]
     assert [(m["id"], m["root"], m["parent"]) for m in listed] == [
-        (MODEL, MODEL, None), ("sql", adapters["sql"], MODEL), ("other", adapters["other"], MODEL)]  # fmt: skip
+        (MODEL, MODEL, None), ("smol", MODEL, None), ("sql", adapters["sql"], MODEL),
+        ("other", adapters["other"], MODEL)]  # fmt: skip
     assert httpx.get(server.url + "/v1/models/other", timeout=30).json()["parent"] == MODEL
     unknown = httpx.post(server.url + "/v1/completions", json={"model": "sq", "prompt": "x"}, timeout=30)
     assert unknown.status_code == 404 and unknown.json()["error"]["code"] == "model_not_found"
+    body = {"prompt": "Hello", "max_tokens": 4, "temperature": 0}
+    by_alias, by_name = (httpx.post(server.url + "/v1/completions", json={**body, "model": m}, timeout=60).json()
+                         for m in ("smol", MODEL))  # fmt: skip
+    assert by_alias["model"] == MODEL and by_alias["choices"][0]["text"] == by_name["choices"][0]["text"]
+    taken = httpx.post(server.url + "/v1/load_lora_adapter", json={"lora_name": "smol", "lora_path": adapters["sql"]},
+                       timeout=30)  # fmt: skip
+    assert taken.status_code == 400 and "conflicts with the served base model" in taken.text
 
 
 def test_adapter_completions_match_merged_weights(lora_server):
@@ -94,7 +109,7 @@ def test_metrics_name_the_adapter_of_a_running_stream(lora_server):
         next(line for line in lines if line.startswith("data: {"))
         during = lora_info()
         assert any(line.startswith("data: {") for line in lines)  # more came after: it was still running
-    loaded = len(httpx.get(server.url + "/v1/models", timeout=30).json()["data"]) - 1
+    loaded = sum(m["parent"] is not None for m in httpx.get(server.url + "/v1/models", timeout=30).json()["data"])
     labels = f'roseinfer:lora_requests_info{{max_lora="{loaded}",running_lora_adapters='
     assert during == labels + '"sql",waiting_lora_adapters=""'
     assert lora_info() == labels + '"",waiting_lora_adapters=""'
@@ -176,7 +191,7 @@ def test_adapters_load_and_unload_at_run_time(lora_server, tmp_path):
     gone = greedy(server, "late", prompts)
     assert isinstance(gone, httpx.Response) and gone.status_code == 404
     assert unload(server, "late").status_code == 404
-    assert [m["id"] for m in httpx.get(server.url + "/v1/models", timeout=30).json()["data"]] == [MODEL, "sql", "other"]
+    assert model_ids(server) == [MODEL, "smol", "sql", "other"]
     assert greedy(server, "sql", prompts) == sql
 
 
@@ -201,7 +216,7 @@ def test_bad_runtime_loads_are_refused_with_the_reason(lora_server, tmp_path, bo
     body = {k: v.format(**paths) if isinstance(v, str) else v for k, v in body.items()}
     r = httpx.post(server.url + "/v1/load_lora_adapter", json=body, timeout=120)
     assert r.status_code == status and message in r.json()["error"]["message"], r.text
-    assert [m["id"] for m in httpx.get(server.url + "/v1/models", timeout=30).json()["data"]] == [MODEL, "sql", "other"]
+    assert model_ids(server) == [MODEL, "smol", "sql", "other"]
 
 
 @pytest.mark.parametrize(("flags", "message"), [

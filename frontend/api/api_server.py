@@ -68,7 +68,7 @@ def create_app(ctx: ServingContext, config: ServerConfig, metrics: Metrics) -> F
 
     @app.get("/v1/models")
     async def models() -> dict:
-        return {"object": "list", "data": [model_card(m) for m in [ctx.model_name, *ctx.loras.refs]]}
+        return {"object": "list", "data": [model_card(m) for m in [*ctx.base_names, *ctx.loras.refs]]}
 
     @app.get("/v1/models/{model_id:path}")  # :path: ids such as "org/name" hold slashes
     async def model(model_id: str) -> dict:
@@ -77,7 +77,7 @@ def create_app(ctx: ServingContext, config: ServerConfig, metrics: Metrics) -> F
 
     @app.post("/v1/load_lora_adapter")
     async def load_lora_adapter(req: LoadLoraAdapterRequest) -> Response:
-        return PlainTextResponse(await ctx.loras.load(client, req, ctx.model_name))
+        return PlainTextResponse(await ctx.loras.load(client, req, ctx.base_names))
 
     @app.post("/v1/unload_lora_adapter")
     async def unload_lora_adapter(req: UnloadLoraAdapterRequest) -> Response:

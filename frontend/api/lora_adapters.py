@@ -51,11 +51,11 @@ class LoraRegistry:
     def get(self, name: str | None) -> LoraRef | None:
         return self.refs.get(name) if name is not None else None
 
-    async def load(self, client: AsyncEngineClient, req: LoadLoraAdapterRequest, base_model: str) -> str:
+    async def load(self, client: AsyncEngineClient, req: LoadLoraAdapterRequest, base_names: tuple[str, ...]) -> str:
         self._check_allowed()
         if not req.lora_name or not req.lora_path:
             raise bad_request("Both 'lora_name' and 'lora_path' must be provided.", "lora_name")
-        if req.lora_name == base_model:
+        if req.lora_name in base_names:
             raise bad_request(f"The lora adapter '{req.lora_name}' conflicts with the served base model.", "lora_name")
         async with self._lock:
             old = self.refs.get(req.lora_name)

@@ -33,7 +33,7 @@ T = TypeVar("T")
 class ServingContext:
     client: AsyncEngineClient
     tokenizer: Tokenizer
-    model_name: str
+    model_name: str  # what responses name the base model: --served-model-name's first name
     max_model_len: int
     vocab_size: int
     tool_call_parser: str | None = None  # --tool-call-parser: reads calls in the model's own format (tool_choice auto)
@@ -43,14 +43,19 @@ class ServingContext:
     priority_scheduling: bool = False  # --scheduling-policy priority: requests' `priority` orders the engine's queue
     sampling_defaults: SamplingDefaults = SamplingDefaults()  # --generation-config: what requests leave out
     loras: LoraRegistry = field(default_factory=LoraRegistry)  # the LoRA adapters served (api/lora_adapters.py)
+    model_aliases: tuple[str, ...] = ()  # --served-model-name's other names: requests may name the base model so
+
+    @property
+    def base_names(self) -> tuple[str, ...]:
+        return self.model_name, *self.model_aliases
 
     def check_model(self, model: str | None) -> None:
-        if model is not None and model != self.model_name and model not in self.loras.refs:
+        if model is not None and model not in self.base_names and model not in self.loras.refs:
             raise ApiError(404, f"The model `{model}` does not exist.", "model", "model_not_found")
 
     def lora(self, model: str | None) -> LoraRef | None:
         """The LoRA adapter a request's `model` names, which serves it in the engine (None: the base model)."""
-        return self.loras.get(model) if model != self.model_name else None
+        return self.loras.get(model) if model not in self.base_names else None
 
     def served_name(self, model: str | None) -> str:
         """The `model` a response names: the adapter's where one serves it, as vLLM answers."""
