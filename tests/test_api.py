@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.metadata
 import math
 from pathlib import Path
 
@@ -265,3 +266,11 @@ def test_api_process_loads_torch_only_for_a_grammar(tmp_path):
         assert torch_loaded()  # the check sees it once it is there
     finally:
         server.stop()
+
+
+def test_ping_answers_as_health_and_version_names_the_package(server) -> None:
+    """vLLM's /ping (GET or POST: load balancers and SageMaker probe it) and /version."""
+    health = httpx.get(server.url + "/health", timeout=30).json()
+    assert health["status"] == "ok"
+    assert all(httpx.request(m, server.url + "/ping", timeout=30).json() == health for m in ("GET", "POST"))
+    assert httpx.get(server.url + "/version", timeout=30).json() == {"version": importlib.metadata.version("roseinfer")}

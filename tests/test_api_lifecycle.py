@@ -41,7 +41,7 @@ def servers(tmp_path_factory: pytest.TempPathFactory):
 GUARDED = [("GET", "/v1/models", None), ("POST", "/v1/completions", {"prompt": "x", "max_tokens": 1}),
            ("POST", "/generate", {"prompt": "x", "max_tokens": 1}), ("POST", "/tokenize", {"prompt": "x"}),
            ("POST", "/detokenize", {"tokens": [1]}), ("GET", "/docs", None), ("GET", "/openapi.json", None),
-           ("GET", "/redoc", None), ("GET", "/no/such/route", None)]  # fmt: skip
+           ("GET", "/redoc", None), ("GET", "/version", None), ("GET", "/no/such/route", None)]  # fmt: skip
 
 
 @pytest.mark.parametrize(("method", "path", "body"), GUARDED, ids=[g[1] for g in GUARDED])
@@ -55,7 +55,8 @@ def test_api_key_guards_every_route_but_health_and_metrics(servers, method, path
     # With the key: served, except the docs, which are off unless --enable-docs.
     docs = path in ("/docs", "/openapi.json", "/redoc", "/no/such/route")
     assert r.status_code == (404 if docs else 200), r.text
-    assert httpx.get(url + "/health").status_code == 200 and httpx.get(url + "/metrics").status_code == 200
+    assert all(httpx.request(m, url + p).status_code == 200
+               for m, p in (("GET", "/health"), ("GET", "/ping"), ("POST", "/ping"), ("GET", "/metrics")))  # fmt: skip
 
 
 def test_cors_allows_only_the_configured_origin(servers):

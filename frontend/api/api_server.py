@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.metadata
 import time
 
 from fastapi import FastAPI, Request
@@ -25,9 +26,16 @@ from frontend.errors import ApiError, bad_request, from_validation_errors
 from frontend.metrics import Metrics
 
 
+def _version() -> str:
+    try:
+        return importlib.metadata.version("roseinfer")
+    except importlib.metadata.PackageNotFoundError:  # run from a checkout on PYTHONPATH, not installed
+        return "unknown"
+
+
 def create_app(ctx: ServingContext, config: ServerConfig, metrics: Metrics) -> FastAPI:
     docs = config.enable_docs  # off by default: the schema tells a prober every route and field
-    app = FastAPI(title="roseinfer", version="0.1.0", docs_url="/docs" if docs else None,
+    app = FastAPI(title="roseinfer", version=_version(), docs_url="/docs" if docs else None,
                   redoc_url="/redoc" if docs else None, openapi_url="/openapi.json" if docs else None)  # fmt: skip
     client = ctx.client
 
@@ -96,6 +104,15 @@ def create_app(ctx: ServingContext, config: ServerConfig, metrics: Metrics) -> F
             why = f"the engine core is restarting after: {why}"
         body = ApiError(503, why, None, "engine_unavailable").body()
         return JSONResponse({**body, "status": "unavailable", "engines": engines}, status_code=503)
+
+    @app.api_route("/ping", methods=["GET", "POST"])
+    async def ping() -> Response:
+        """vLLM's (and SageMaker's) name for /health."""
+        return await health()
+
+    @app.get("/version")
+    async def version() -> dict:
+        return {"version": _version()}
 
     @app.get("/metrics")
     async def prometheus_metrics() -> Response:

@@ -38,7 +38,7 @@ class HttpGuard:
     def __init__(self, app: ASGIApp, config: ServerConfig) -> None:
         self.app = app
         self.expected = f"Bearer {config.api_key}".encode() if config.api_key else None
-        self.open_paths = frozenset() if config.api_key_on_health else frozenset({"/health", "/metrics"})
+        self.open_paths = frozenset() if config.api_key_on_health else frozenset({"/health", "/ping", "/metrics"})
         self.max_bytes = config.max_request_bytes
         self.body_timeout = config.body_timeout
 
