@@ -5,7 +5,9 @@ llama.cpp's converter writes them. Without these the model would load and answer
 - Llama 3's rope scaling (Llama 3.1 to 3.3, and 3.2's 1B and 3B, the most shared GGUFs), stored as the per-frequency
   divisors of a `rope_freqs` tensor: matched against Llama 3's scaling and refused when they do not match it;
 - Phi-3's rotated share of each head (Phi-4-mini rotates 3/4), its sliding window, and LongRoPE's factors
-  (Phi-3.5-mini, Phi-4-mini)."""
+  (Phi-3.5-mini, Phi-4-mini);
+- the head size (`attention.key_length`) where the loader reads none, as for Qwen3, whose config would otherwise
+  take its default of 128 (the weights then fail to load)."""
 
 from __future__ import annotations
 
@@ -26,6 +28,8 @@ def complete_config(gguf_path: Path, config) -> None:
     prefix = reader.fields["general.architecture"].contents() + "."
     fields = {name.removeprefix(prefix): f.contents() for name, f in reader.fields.items() if name.startswith(prefix)}
     tensors = {t.name: t.data.tolist() for t in reader.tensors if t.name.startswith(("rope_freqs", "rope_factors_"))}
+    if "attention.key_length" in fields and hasattr(config, "head_dim"):
+        config.head_dim = fields["attention.key_length"]
     if config.model_type == "phi3":
         _complete_phi3(config, fields, tensors)
     elif "rope_freqs.weight" in tensors:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.resources
 import importlib.util
@@ -11,6 +12,7 @@ import shutil
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from importlib.resources.abc import Traversable
 from pathlib import Path
@@ -142,7 +144,7 @@ def _convert_gguf(gguf_path: Path, out_dir: Path) -> None:
     # from_pretrained(gguf_file=...) requires `accelerate` (not a dependency) and leaves a GGUF quantizer
     # on the model that blocks save_pretrained. Building the model from the GGUF config and loading the
     # dequantized tensors ourselves gives bit-identical weights without either problem.
-    try:
+    with _converting(gguf_path):
         config = AutoConfig.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
         complete_config(gguf_path, config)  # what the loader drops: rope scaling, Phi-3's rotary share
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
@@ -150,13 +152,12 @@ def _convert_gguf(gguf_path: Path, out_dir: Path) -> None:
         tensors = load_gguf_checkpoint(
             str(gguf_path), return_tensors=True, model_to_load=model, torch_dtype=torch.float32
         )["tensors"]
-        tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
-    except ModelSourceError:
-        raise
-    except Exception as exc:  # the GGUF readers raise many types (ValueError, KeyError, OSError, ...)
-        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise ModelSourceError(f"cannot convert {gguf_path}: {reason}") from exc
-    result = model.load_state_dict(tensors, strict=False)
+    try:
+        result = model.load_state_dict(tensors, strict=False)
+    except RuntimeError as exc:  # a size mismatch: the file's shapes are not the config's
+        reason = str(exc).strip().splitlines()[-1].strip()
+        raise ModelSourceError(f"cannot convert {gguf_path}: weights do not match {type(model).__name__} "
+                               f"({reason})") from exc  # fmt: skip
     # Tied weights (lm_head = embed_tokens) are absent from the GGUF by design; anything else missing
     # would silently stay random, so refuse it.
     tie = getattr(config, "tie_word_embeddings", False)
@@ -167,8 +168,23 @@ def _convert_gguf(gguf_path: Path, out_dir: Path) -> None:
             f"cannot convert {gguf_path}: weights do not match {type(model).__name__} "
             f"(missing {missing[:3]}, unexpected {result.unexpected_keys[:3]})"
         )
+    with _converting(gguf_path):
+        tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
     model.save_pretrained(out_dir)  # config.json, generation_config.json, model.safetensors (fp32)
     tokenizer.save_pretrained(out_dir)  # tokenizer.json, tokenizer_config.json, chat_template.jinja
+
+
+@contextlib.contextmanager
+def _converting(gguf_path: Path) -> Iterator[None]:
+    """Any failure reading the file becomes one line naming it (the GGUF readers raise many types: ValueError,
+    KeyError, OSError, ...)."""
+    try:
+        yield
+    except ModelSourceError:
+        raise
+    except Exception as exc:
+        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ModelSourceError(f"cannot convert {gguf_path}: {reason}") from exc
 
 
 def model_eos_ids(path: Path, hf_config) -> list[int]:
