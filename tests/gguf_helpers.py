@@ -58,3 +58,14 @@ def assert_serves_hf_greedy(model_dir: Path, model, prompts: list[list[int]], ma
                                max_new_tokens=max_new, min_new_tokens=max_new, do_sample=False)[0, len(p) :].tolist()
                 for p in prompts]  # fmt: skip
     assert ours == refs
+
+
+def random_model(hf_class, config, norm: float = 1.0, std: float = 0.15):
+    """transformers' `hf_class` of `config` with every weight drawn (seeded): norms around `norm` (Gemma's scale by
+    1 + weight: 0), the rest N(0, std), large enough that the logits are O(1) and a wrong conversion shows."""
+    torch.manual_seed(0)
+    model = hf_class(config).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            param.copy_(norm + 0.1 * torch.randn_like(param) if "norm" in name else std * torch.randn_like(param))
+    return model

@@ -6,18 +6,16 @@ from __future__ import annotations
 from pathlib import Path
 
 import gguf
-import torch
 import transformers
 
 from common.model_source import resolve_model
-from tests.gguf_helpers import VOCAB, assert_serves_hf_greedy, write_gguf
+from tests.gguf_helpers import VOCAB, assert_serves_hf_greedy, random_model, write_gguf
 
 
 def tiny_gemma3() -> transformers.Gemma3ForCausalLM:
     """Gemma 3's layout in small: five sliding layers of window 8 to one full one, heads of 32, a global rotary base
     of 1e6 scaled linearly by 8 as from the 4B up, and the local base of 1e4 (what a GGUF's fields and the config's
     defaults give back)."""
-    torch.manual_seed(0)
     config = transformers.Gemma3TextConfig(
         vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=6, num_attention_heads=4,
         num_key_value_heads=1, head_dim=32, sliding_window=8, max_position_embeddings=512, query_pre_attn_scalar=256,
@@ -25,11 +23,7 @@ def tiny_gemma3() -> transformers.Gemma3ForCausalLM:
                          "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6}},
         architectures=["Gemma3ForCausalLM"], bos_token_id=1, eos_token_id=2, pad_token_id=2,
     )  # fmt: skip
-    model = transformers.Gemma3ForCausalLM(config).eval()
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            param.copy_(0.1 * torch.randn_like(param) if "norm" in name else 0.15 * torch.randn_like(param))
-    return model
+    return random_model(transformers.Gemma3ForCausalLM, config, norm=0.0)
 
 
 def write_gemma3_gguf(model: transformers.Gemma3ForCausalLM, path: Path) -> None:

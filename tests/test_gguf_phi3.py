@@ -11,7 +11,7 @@ import torch
 import transformers
 
 from common.model_source import resolve_model
-from tests.gguf_helpers import VOCAB, assert_serves_hf_greedy, write_gguf
+from tests.gguf_helpers import VOCAB, assert_serves_hf_greedy, random_model, write_gguf
 
 ORIGINAL = 32  # LongRoPE's original context; every prompt below passes it, so both sides take the long factors
 HEAD_DIM, ROTATED = 16, 12  # Phi-4-mini rotates 3/4 of each head
@@ -19,7 +19,6 @@ HEAD_DIM, ROTATED = 16, 12  # Phi-4-mini rotates 3/4 of each head
 
 def tiny_phi4_mini() -> transformers.Phi3ForCausalLM:
     """Phi-4-mini's layout in small (partial rotary, LongRoPE), with a sliding window of 24 as Phi-3-mini-4k has."""
-    torch.manual_seed(0)
     rope = {"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": ROTATED / HEAD_DIM,
             "short_factor": [1.0 + 0.3 * i for i in range(ROTATED // 2)],
             "long_factor": [2.0 + i for i in range(ROTATED // 2)]}  # fmt: skip
@@ -29,11 +28,7 @@ def tiny_phi4_mini() -> transformers.Phi3ForCausalLM:
         sliding_window=24, rope_parameters=rope, bos_token_id=1, eos_token_id=2, pad_token_id=2,
         architectures=["Phi3ForCausalLM"],
     )  # fmt: skip
-    model = transformers.Phi3ForCausalLM(config).eval()
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            param.copy_(1 + 0.1 * torch.randn_like(param) if "norm" in name else 0.15 * torch.randn_like(param))
-    return model
+    return random_model(transformers.Phi3ForCausalLM, config)
 
 
 def write_phi3_gguf(model: transformers.Phi3ForCausalLM, path: Path) -> None:

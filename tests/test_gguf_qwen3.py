@@ -8,26 +8,20 @@ from pathlib import Path
 
 import gguf
 import pytest
-import torch
 import transformers
 
 from common.model_source import ModelSourceError, resolve_model
-from tests.gguf_helpers import VOCAB, assert_serves_hf_greedy, write_gguf
+from tests.gguf_helpers import VOCAB, assert_serves_hf_greedy, random_model, write_gguf
 
 HEAD_DIM = 64  # not Qwen3's default of 128: only the file's field can say it
 
 
 def tiny_qwen3() -> transformers.Qwen3ForCausalLM:
-    torch.manual_seed(0)
     config = transformers.Qwen3Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                       num_attention_heads=4, num_key_value_heads=2, head_dim=HEAD_DIM,
                                       max_position_embeddings=512, tie_word_embeddings=True, bos_token_id=1,
                                       eos_token_id=2, architectures=["Qwen3ForCausalLM"])  # fmt: skip
-    model = transformers.Qwen3ForCausalLM(config).eval()
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            param.copy_(1 + 0.1 * torch.randn_like(param) if "norm" in name else 0.15 * torch.randn_like(param))
-    return model
+    return random_model(transformers.Qwen3ForCausalLM, config)
 
 
 def write_qwen3_gguf(model: transformers.Qwen3ForCausalLM, path: Path, head_dim: int = HEAD_DIM,

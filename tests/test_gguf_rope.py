@@ -15,7 +15,7 @@ import transformers
 
 from common.gguf_fields import complete_config
 from common.model_source import resolve_model
-from tests.gguf_helpers import VOCAB, assert_serves_hf_greedy, write_gguf
+from tests.gguf_helpers import VOCAB, assert_serves_hf_greedy, random_model, write_gguf
 
 HEAD_DIM, THETA = 16, 10000.0
 SCALING = {"rope_type": "llama3", "rope_theta": THETA, "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
@@ -25,16 +25,11 @@ SCALING = {"rope_type": "llama3", "rope_theta": THETA, "factor": 8.0, "low_freq_
 def tiny_llama3() -> transformers.LlamaForCausalLM:
     """Heads of 16 with base 1e4: of the 8 frequencies, the slowest is divided by the factor and the next one
     smoothed, as Llama 3's longest wavelengths are."""
-    torch.manual_seed(0)
     config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=4 * HEAD_DIM, intermediate_size=128,
                                       num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                                       max_position_embeddings=131072, rope_parameters=SCALING, bos_token_id=1,
                                       eos_token_id=2, architectures=["LlamaForCausalLM"])  # fmt: skip
-    model = transformers.LlamaForCausalLM(config).eval()
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            param.copy_(1 + 0.1 * torch.randn_like(param) if "norm" in name else 0.3 * torch.randn_like(param))
-    return model
+    return random_model(transformers.LlamaForCausalLM, config, std=0.3)
 
 
 def rope_freqs(scaling: dict) -> torch.Tensor:
