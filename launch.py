@@ -172,7 +172,7 @@ class Launch:
         ready = starting.result()
         # After EngineReady: the engine resolved (and for a .gguf, converted) the model, so this is a cache hit.
         source = resolve_model(self.engine_config.model)
-        names = self.config.served_model_name or [ready.model]
+        names = list(dict.fromkeys(self.config.served_model_name)) or [ready.model]  # each once, in order
         loras = LoraRegistry(self.adapters, self.engine_config.enable_lora, self.engine_config.max_lora_rank,
                              runtime_updates_allowed())  # fmt: skip
         if loras.runtime_updates:

@@ -80,7 +80,8 @@ class ServerConfig:
     port: int = flag(8000, "HTTP port")
     served_model_name: list[str] = flag(list, "model name(s) in the API, as vLLM's: a request may name any of them, "
                                         "responses and metrics name the first (default: the model's name)", nargs="+")
-    api_key: str | None = flag(None, "require 'Authorization: Bearer KEY' on every route but /health and /metrics")
+    api_key: str | None = flag(None, "require 'Authorization: Bearer KEY' on every route but /health, /ping and "
+                               "/metrics")
     api_key_on_health: bool = flag(False, "with --api-key: also require the key on /health, /ping and /metrics")
     enable_docs: bool = flag(False, "serve /docs, /redoc and /openapi.json (behind --api-key when set)")
     metrics_prefix: str = flag("roseinfer", "prefix of the Prometheus metrics' names: vllm gives vLLM's names, for "
