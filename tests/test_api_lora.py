@@ -29,14 +29,15 @@ MODEL = "SmolLM2-135M-Instruct"
 @pytest.fixture(scope="module")
 def lora_server(tmp_path_factory: pytest.TempPathFactory):
     """`sql` on all seven linears (given as name=path) and `other` on q and v (given as JSON); the base model also
-    answers to `smol` (a second --served-model-name)."""
+    answers to `smol` (a second --served-model-name, given twice: listed once)."""
     root = tmp_path_factory.mktemp("lora-server")
     config = AutoConfig.from_pretrained(model_dir())
     adapters = {"sql": write_adapter(root / "sql", config, ALL, rank=8, alpha=8, seed=3, std=0.04),
                 "other": write_adapter(root / "other", config, ["q_proj", "v_proj"], rank=4, alpha=8, seed=4,
                                        std=0.1)}  # fmt: skip
     server = Server(root, "--enable-lora", "--lora-modules", f"sql={adapters['sql']}",
-                    json.dumps({"name": "other", "path": adapters["other"]}), "--served-model-name", MODEL, "smol",
+                    json.dumps({"name": "other", "path": adapters["other"]}),
+                    "--served-model-name", MODEL, "smol", "smol",
                     env={RUNTIME_UPDATES: "True"}).wait_healthy()  # fmt: skip
     yield server, adapters
     server.engine_pid = engine_child(server)  # after the kill test's restart
