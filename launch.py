@@ -25,6 +25,7 @@ from common import ipc
 from common.config import EngineConfig, ServerConfig, SpeculativeConfig, add_cli_args, from_cli_args
 from common.lora import LoraModule, lora_modules
 from common.model_source import ModelSourceError, resolve_model
+from common.pooling import read_pooling
 from engine_core.tp_procs import layout as tp_layout
 from engine_core.tp_procs import run_node_agent
 from frontend.api.api_server import create_app
@@ -198,7 +199,8 @@ class Launch:
                              reasoning_parser=self.config.reasoning_parser, thinking=thinking,
                              reasoning_tokens=ReasoningTokens.of(self.config.reasoning_parser, tokenizer),
                              priority_scheduling=self.engine_config.scheduling_policy == "priority",
-                             sampling_defaults=defaults, loras=loras, model_aliases=tuple(names[1:]))  # fmt: skip
+                             sampling_defaults=defaults, loras=loras, model_aliases=tuple(names[1:]),
+                             pooling=read_pooling(source.path) if ready.runner == "pooling" else None)  # fmt: skip
         app = create_app(ctx, self.config, metrics)
         self.server = _Server(uvicorn.Config(app, host=self.config.host, port=self.config.port, lifespan="off",
                                              log_level=self.config.log_level,

@@ -22,6 +22,11 @@ def flag(default: Any, help: str, **kw: Any) -> Any:
 class EngineConfig:
     model: str | None = flag(None, "HF model dir, .gguf file, or empty for the default SmolLM2-135M-Instruct")
     dtype: str = flag("auto", "auto | float32 | bfloat16 | float16 (auto: bf16 on CUDA, AVX512-BF16 or AVX2 CPUs)")
+    runner: str = flag(
+        "auto", "auto | generate | pooling (vLLM's): pooling serves /v1/embeddings, not generation (auto: pooling for "
+        "a sentence-transformers directory or a checkpoint without an LM head, such as Qwen3Model)",
+        choices=["auto", "generate", "pooling"],
+    )
     quantization: str = flag(
         "none", "none | int8: weight-only int8 linears and LM head (CPU bf16; faster at small batches)",
         choices=["none", "int8"],

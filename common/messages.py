@@ -98,6 +98,8 @@ class EngineRequest(_Msg, tag="add"):
     output_token_ids: list[int] = []
     lora: LoraRef | None = None  # the LoRA adapter that serves it (None: the base model)
     cache_salt: str = ""  # vLLM's: its prefix-cache blocks are shared only with requests of the same salt
+    # An embedding (--runner pooling; params.max_tokens 0): the prompt's last hidden state comes back, no token.
+    embed: bool = False
 
 
 class AbortRequest(_Msg, tag="abort"):
@@ -138,6 +140,8 @@ class EngineOutput(_Msg):
     # first (the first has no logprob), in prompt order.
     prompt_logprobs: Logprobs | None = None
     error_code: str | None = None  # why it failed, where the API answers other than "the engine failed"
+    # An embed request's: the final hidden state of its prompt's last position, little-endian float32.
+    embedding: bytes | None = None
 
     @property
     def finished(self) -> bool:
@@ -181,6 +185,7 @@ class EngineReady(_Msg, tag="ready"):
     num_blocks: int
     vocab_size: int
     eos_token_ids: list[int] = []
+    runner: str = "generate"  # or "pooling": it serves embed requests only (common/pooling.py)
 
 
 class EngineDead(_Msg, tag="dead"):

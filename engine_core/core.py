@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 
@@ -17,6 +18,7 @@ from common.messages import (
     SchedulerStats,
 )
 from common.model_source import model_eos_ids, resolve_model
+from common.pooling import pick_runner
 from engine_core.batch import SampledTokens, SchedulerOutput
 from engine_core.kv_cache import KVCacheManager
 from engine_core.model_runner import ModelRunner
@@ -34,9 +36,12 @@ RanParts = list[tuple[SchedulerOutput, SampledTokens]]  # sub-batches of a step 
 
 class EngineCore:
     def __init__(self, config: EngineConfig) -> None:
-        self.config = config
         source = resolve_model(config.model)
         self.model_name = source.name
+        # generate or pooling (common/pooling.py), decided once here: the TP workers take the engine's config
+        self.config = config = dataclasses.replace(config, runner=pick_runner(config.runner, source.path,
+                                                                              source.architecture))  # fmt: skip
+        self.pooling = config.runner == "pooling"
         hf_config = AutoConfig.from_pretrained(source.path)
         limit = getattr(hf_config, "max_position_embeddings", None) or getattr(hf_config, "n_positions", 2048)
         max_model_len = min(config.max_model_len or min(limit, 8192), limit)
@@ -57,12 +62,12 @@ class EngineCore:
 
     def ready_message(self) -> EngineReady:
         return EngineReady(self.config.epoch, self.model_name, self.max_model_len, self.config.block_size,
-                           self.runner.num_blocks, self.vocab_size, self.eos_token_ids)  # fmt: skip
+                           self.runner.num_blocks, self.vocab_size, self.eos_token_ids, self.config.runner)  # fmt: skip
 
     # ---- requests ----
 
     def add_request(self, msg: EngineRequest) -> None:
-        error = invalid_request(msg, self.vocab_size, self.max_model_len, self.scheduler.requests)
+        error = invalid_request(msg, self.vocab_size, self.max_model_len, self.scheduler.requests, self.pooling)
         if error is None and msg.lora is not None:  # loaded on first use: a restarted engine resumes its requests
             error = self.load_lora(msg.lora)
         if error is not None:

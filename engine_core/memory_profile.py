@@ -193,6 +193,8 @@ def _profile_step(runner: Any, max_model_len: int, pad_rows: Callable[[int], int
         batch.add(req, n)
     input_ids, positions, meta, _ = runner._prepare(batch)
     hidden = runner.model(input_ids, positions, meta)
+    if runner.pooling:  # no LM head and no sampler: a pooled row is a slice of `hidden`
+        return
     num_rows = cfg.max_num_seqs
     rows = torch.arange(pad_rows(num_rows), device=runner.device) % hidden.shape[0]
     if distributed.tp_size() > 1:  # the LM head's own slice only: the gather would start the worker protocol

@@ -56,7 +56,8 @@ class ModelRunner:
             memory_profile.check_num_kv_blocks(config.num_kv_blocks, max_model_len, self.block_size)
         profiling = self.device.type == "cuda" and not config.num_kv_blocks
         start = memory_profile.snapshot_at_start(self.device, config.gpu_memory_utilization) if profiling else None
-        self.model = load_model(model_path, self.dtype, self.device, max_positions=max_model_len)
+        self.pooling = config.runner == "pooling"  # embeddings only: no LM head, no decode steps
+        self.model = load_model(model_path, self.dtype, self.device, max_positions=max_model_len, pooling=self.pooling)
         # int8, or packed bf16 on CPU; min_rows keeps a row's result independent of the rows beside it.
         self.min_rows = prepare_linears(self.model, config.quantization, self.device, self.dtype)
         # Before the KV cache is sized, so that their memory counts; put in the model once the base layers are taken.
@@ -77,10 +78,9 @@ class ModelRunner:
         if self.tp is not None:  # every rank holds a slice of every block: one count for all
             self.num_blocks = distributed.all_min(self.num_blocks)
         self._allocate_kv_cache()
-        if self.device.type == "cpu" and self.tp is None and hasattr(self.model, "decode_stack"):
+        if not self.pooling and self.device.type == "cpu" and self.tp is None and hasattr(self.model, "decode_stack"):
             self.model.decode_stack = DecodeStack.build(self.model)  # decode-only steps in one C call
-        # Graphs only where the attention's cost does not grow with their fixed full-width block tables.
-        if self.device.type == "cuda" and not config.enforce_eager and self.tp is None and self.attn_backend.graphable:
+        if self._captures_graphs:
             width = -(-max_model_len // self.block_size)
             self.decode_graphs = DecodeGraphs(self.model, graph_rows(config), width, self.scratch_slot,
                                               self.block_size, self.device, self.attn_backend.index_dtype,
@@ -89,6 +89,13 @@ class ModelRunner:
         self.lora.attach()  # after the graphs (base layers only) and the decode stack (it takes them too)
         self.sampler = Sampler(self.device, self.vocab_size, config.seed)
         self.last_forward_time = 0.0
+
+    @property
+    def _captures_graphs(self) -> bool:
+        """Decode steps replayed from CUDA graphs: only where the attention's cost does not grow with their fixed
+        full-width block tables, and where there are decode steps (a pooling engine has none)."""
+        return (self.device.type == "cuda" and not self.config.enforce_eager and self.tp is None
+                and self.attn_backend.graphable and not self.pooling)  # fmt: skip
 
     # ---- KV cache ----
 
@@ -101,8 +108,7 @@ class ModelRunner:
         """Raises KvCacheSizeError (engine_core/memory_profile.py) when one max_model_len request would not fit."""
         per_block, bs = self._bytes_per_block(), self.block_size
         if start is not None:
-            graphs = not self.config.enforce_eager and self.tp is None and self.attn_backend.graphable
-            reserve = memory_profile.CUDA_GRAPH_RESERVE if graphs else 0
+            reserve = memory_profile.CUDA_GRAPH_RESERVE if self._captures_graphs else 0
             mem = memory_profile.profile_gpu(self, start, max_model_len, reserve, self.padded_size)
             return memory_profile.gpu_kv_blocks(mem, self.config.gpu_memory_utilization, per_block, max_model_len, bs)
         gib = self.config.kv_cache_memory  # CPU: the whole group's
@@ -244,6 +250,8 @@ class ModelRunner:
         hidden = self._forward(input_ids, positions, meta)
         if wants_prompt_logprobs(out):
             score_prompts(self.model, hidden, out, self.vocab_size, self.padded_size)
+        if self.pooling:
+            return self._pool(hidden, out, sample_idx, start)
         # One sampled row per entry, or 1 + its drafts; each row's output position, for seeded draws.
         rows_of = [(r, i) for r, s in zip(out.requests, out.sample, strict=True) if s
                    for i in range(1 + len(r.draft_token_ids))]  # fmt: skip
@@ -257,3 +265,13 @@ class ModelRunner:
         self.last_forward_time = time.perf_counter() - start
         tokens, logprobs = self.sampler(logits, sampled_reqs, offsets)
         return SampledTokens(tokens, logprobs)
+
+    def _pool(self, hidden: torch.Tensor, out: SchedulerOutput, sample_idx: list[int], start: float) -> SampledTokens:
+        """A pooling engine's step (every request embeds): each prompt that ends here leaves its last position's
+        hidden state on its request, for its output (Scheduler.update). No token: max_tokens is 0."""
+        if sample_idx:
+            rows = hidden[to_device(sample_idx, self.device, torch.long)].float().cpu().numpy().astype("<f4")
+            for req, row in zip(out.sampled_requests, rows, strict=True):
+                req.embedding = row.tobytes()
+        self.last_forward_time = time.perf_counter() - start
+        return SampledTokens([], [])

@@ -261,11 +261,11 @@ class Scheduler:
             if not is_sampled:
                 self.kv.cache_full_blocks(req)
                 continue
-            if req.params.max_tokens == 0:  # scoring a prompt: prefill only, no token
+            if req.params.max_tokens == 0:  # scoring a prompt or embedding it: prefill only, no token
                 self.kv.cache_full_blocks(req)
                 self.finish(req, FinishReason.LENGTH)
                 outputs.append(EngineOutput(req.request_id, [], FinishReason.LENGTH, None, req.num_cached_tokens,
-                                            prompt_logprobs=take_prompt_logprobs(req)))  # fmt: skip
+                                            prompt_logprobs=take_prompt_logprobs(req), embedding=req.embedding))
                 continue
             kept: list[int] = []
             for i, token in enumerate(tokens):  # row i counts only while every draft before it was right

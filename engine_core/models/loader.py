@@ -23,7 +23,19 @@ ARCHITECTURES: dict[str, type[nn.Module]] = {
     "Phi3ForCausalLM": LlamaForCausalLM,  # q/k/v and gate/up fused in the checkpoint, as ours are
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
     "GPT2LMHeadModel": GPT2LMHeadModel,
+    # The decoder alone, saved from transformers' base classes: embeddings only (common/pooling.py)
+    "LlamaModel": LlamaForCausalLM,
+    "Qwen2Model": LlamaForCausalLM,
+    "Qwen3Model": LlamaForCausalLM,
+    "MistralModel": LlamaForCausalLM,
 }
+
+
+class NoLmHead(nn.Module):
+    """A pooling engine's LM head (--runner pooling): none. A checkpoint's is left unread, and nothing calls this."""
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("this engine serves embeddings (--runner pooling): it has no LM head")
 
 
 def model_class(config) -> type[nn.Module]:
@@ -50,9 +62,10 @@ def load_weights(model: nn.Module, state: dict[str, torch.Tensor] | Path) -> Non
     """Copies checkpoint tensors into `model`, fusing q/k/v and gate/up; fails loudly on a missing weight."""
     params = dict(model.named_parameters())
     loaded: set[str] = set()
+    headless = isinstance(getattr(model, "lm_head", None), NoLmHead)
     for key, tensor in _iter_checkpoint(state):
         name = model.checkpoint_name(key)
-        if name is None:
+        if name is None or (headless and name.startswith("lm_head.")):
             continue
         if hasattr(model, "convert_weight"):  # a layout fix-up, e.g. GPT-2's Conv1D [in, out] weights
             tensor = model.convert_weight(name, tensor)
@@ -88,8 +101,11 @@ def _iter_checkpoint(state: dict[str, torch.Tensor] | Path):
                 yield key, f.get_tensor(key)
 
 
-def load_model(path: str | Path, dtype: torch.dtype, device: torch.device, max_positions: int) -> nn.Module:
+def load_model(path: str | Path, dtype: torch.dtype, device: torch.device, max_positions: int,
+               pooling: bool = False) -> nn.Module:  # fmt: skip
     config = AutoConfig.from_pretrained(path)
     model = build_model(config, dtype, device, max_positions)
+    if pooling:
+        model.lm_head = NoLmHead()
     load_weights(model, Path(path))
     return model

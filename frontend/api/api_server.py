@@ -5,7 +5,7 @@ from __future__ import annotations
 import importlib.metadata
 import time
 
-from fastapi import FastAPI, Request
+from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
@@ -16,11 +16,13 @@ from common.config import ServerConfig
 from frontend.api.http_guard import BodyRefused, HttpGuard
 from frontend.api.lora_adapters import LoadLoraAdapterRequest, UnloadLoraAdapterRequest
 from frontend.api.protocol import ChatCompletionRequest, CompletionRequest
+from frontend.api.protocol_embeddings import EmbeddingRequest
 from frontend.api.protocol_responses import ResponsesRequest
 from frontend.api.protocol_tokens import DetokenizeRequest, GenerateRequest, TokenizeRequest
 from frontend.api.serving import ServingContext, off_loop, stream_text
 from frontend.api.serving_chat import chat_prompt, create_chat_completion
 from frontend.api.serving_completion import create_completion
+from frontend.api.serving_embeddings import create_embedding
 from frontend.api.serving_responses import create_response
 from frontend.errors import ApiError, bad_request, from_validation_errors
 from frontend.metrics import Metrics
@@ -55,13 +57,24 @@ def create_app(ctx: ServingContext, config: ServerConfig, metrics: Metrics) -> F
     async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
         return ApiError(exc.status_code, str(exc.detail)).response(getattr(exc, "headers", None))
 
-    @app.post("/v1/completions")
+    def generating() -> None:
+        """A pooling server's engines have no LM head (common/pooling.py): its generation routes are 400s."""
+        if ctx.pooling is not None:
+            raise bad_request("this server serves embeddings (--runner pooling), not text: POST /v1/embeddings", None)
+
+    generates = [Depends(generating)]
+
+    @app.post("/v1/completions", dependencies=generates)
     async def completions(req: CompletionRequest, raw: Request) -> Response:
         return await create_completion(ctx, req, raw, raw.state.request_id)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", dependencies=generates)
     async def chat_completions(req: ChatCompletionRequest, raw: Request) -> Response:
         return await create_chat_completion(ctx, req, raw, raw.state.request_id)
+
+    @app.post("/v1/embeddings")
+    async def embeddings(req: EmbeddingRequest, raw: Request) -> Response:
+        return await create_embedding(ctx, req, raw, raw.state.request_id)
 
     def model_card(model_id: str) -> dict:
         """The base model's card, or a LoRA adapter's: its directory as root, the base model as parent (vLLM's)."""
@@ -70,7 +83,7 @@ def create_app(ctx: ServingContext, config: ServerConfig, metrics: Metrics) -> F
         return {"id": model_id, "object": "model", "created": int(start_time), "owned_by": "roseinfer",
                 "root": root, "parent": parent, "max_model_len": ctx.max_model_len}  # fmt: skip
 
-    @app.post("/v1/responses")
+    @app.post("/v1/responses", dependencies=generates)
     async def responses(req: ResponsesRequest, raw: Request) -> Response:
         return await create_response(ctx, req, raw, raw.state.request_id)
 
@@ -141,7 +154,7 @@ def create_app(ctx: ServingContext, config: ServerConfig, metrics: Metrics) -> F
         ctx.check_token_ids(req.tokens, "tokens")
         return {"prompt": await off_loop(ctx.tokenizer.decode, req.tokens, False)}
 
-    @app.post("/generate")
+    @app.post("/generate", dependencies=generates)
     async def generate(req: GenerateRequest, raw: Request) -> Response:
         ctx.check_model(req.model)
         if req.n != 1:

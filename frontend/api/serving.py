@@ -13,6 +13,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from common.messages import LoraRef, SamplingParams
+from common.pooling import Pooling
 from common.structured import INVALID_CONSTRAINT
 from frontend.api.lora_adapters import LoraRegistry
 from frontend.api.protocol import SamplingFields
@@ -44,6 +45,7 @@ class ServingContext:
     sampling_defaults: SamplingDefaults = SamplingDefaults()  # --generation-config: what requests leave out
     loras: LoraRegistry = field(default_factory=LoraRegistry)  # the LoRA adapters served (api/lora_adapters.py)
     model_aliases: tuple[str, ...] = ()  # --served-model-name's other names: requests may name the base model so
+    pooling: Pooling | None = None  # --runner pooling: the server embeds (api/serving_embeddings.py), never generates
 
     @property
     def base_names(self) -> tuple[str, ...]:
@@ -129,11 +131,12 @@ class ServingContext:
         except (EngineUnavailable, QueueFull) as exc:
             raise _unavailable(exc) from exc
 
-    def priority(self, req: SamplingFields) -> int:
-        if req.priority != 0 and not self.priority_scheduling:  # as vLLM: it would be ignored
+    def request_fields(self, model: str | None, priority: int, cache_salt: str | None) -> dict[str, Any]:
+        """The EngineRequest fields of every engine request behind an API request."""
+        if priority != 0 and not self.priority_scheduling:  # as vLLM: it would be ignored
             raise bad_request("priority scheduling is not enabled (start the server with --scheduling-policy "
                               "priority)", "priority")  # fmt: skip
-        return req.priority
+        return {"priority": priority, "lora": self.lora(model), "cache_salt": cache_salt or ""}
 
     async def fan_out(self, request_id: str, prompts: list[list[int]], req: SamplingFields,
                       params: SamplingParams) -> FanOut:  # fmt: skip
@@ -141,11 +144,15 @@ class ServingContext:
             return IncrementalDetokenizer(self.tokenizer, prompt, req.stop_strings, req.include_stop_str_in_output,
                                           req.skip_special_tokens, req.min_tokens)  # fmt: skip
 
+        shared = self.request_fields(req.model, req.priority, req.cache_salt)
+        return await self.start(lambda: FanOut(self.client, request_id, prompts, req.n, params, detokenizer,
+                                               req.include_stop_str_in_output, shared))  # fmt: skip
+
+    async def start(self, fan_out: Callable[[], FanOut]) -> FanOut:
+        """Sends an API request's engine requests once an engine is up (a 503 if none comes back in time)."""
         try:
             await self.client.wait_available()
-            shared = {"priority": self.priority(req), "lora": self.lora(req.model), "cache_salt": req.cache_salt or ""}
-            return FanOut(self.client, request_id, prompts, req.n, params, detokenizer,
-                          req.include_stop_str_in_output, shared)  # fmt: skip
+            return fan_out()
         except (EngineUnavailable, QueueFull) as exc:  # the capacity others took while this one tokenized
             raise _unavailable(exc) from exc
 

@@ -116,21 +116,22 @@ class CompletionFormat:
 
 
 def completion_prompts(ctx: ServingContext, prompt: str | list[str] | list[int] | list[list[int]],
-                       keep: int | None = None,
-                       add_special_tokens: bool = True) -> tuple[list[list[int]], list[str]]:  # fmt: skip
+                       keep: int | None = None, add_special_tokens: bool = True,
+                       param: str = "prompt") -> tuple[list[list[int]], list[str]]:  # fmt: skip
     """Every accepted prompt form -> (token ids, text) per prompt; `keep`: truncate_prompt_tokens;
-    `add_special_tokens`: the tokenizer's own (a BOS) around a text prompt."""
+    `add_special_tokens`: the tokenizer's own (a BOS) around a text prompt; `param`: the field's name (embeddings
+    take the same forms as `input`)."""
     if isinstance(prompt, str):
         prompt = [prompt]
     if not prompt:
-        raise bad_request("prompt is empty", "prompt")
+        raise bad_request(f"{param} is empty", param)
     if isinstance(prompt[0], int):
         prompt = [prompt]  # type: ignore[list-item]
     ids_list: list[list[int]] = []
     texts: list[str] = []
     for p in prompt:
         whole = ctx.tokenizer.encode(p, add_special_tokens) if isinstance(p, str) else list(p)  # type: ignore[arg-type]
-        ids = ctx.check_prompt(whole, "prompt", keep)  # ids out of range must not reach the decode below
+        ids = ctx.check_prompt(whole, param, keep)  # ids out of range must not reach the decode below
         texts.append(p if isinstance(p, str) and ids == whole else ctx.tokenizer.decode(ids, skip_special_tokens=False))
         ids_list.append(ids)
     return ids_list, texts

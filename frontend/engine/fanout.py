@@ -28,9 +28,10 @@ class Choice:
 
 class FanOut:
     def __init__(self, client: AsyncEngineClient, request_id: str, prompts: list[list[int]], n: int,
-                 params: SamplingParams, make_detokenizer: Callable[[list[int]], IncrementalDetokenizer],
+                 params: SamplingParams, make_detokenizer: Callable[[list[int]], IncrementalDetokenizer | None],
                  include_stop_token: bool = False, shared: dict[str, Any] | None = None) -> None:  # fmt: skip
-        """shared: EngineRequest fields every choice takes (priority, lora, cache_salt)."""
+        """shared: EngineRequest fields every choice takes (priority, lora, cache_salt, embed). make_detokenizer
+        may give None where no text comes back (embeddings)."""
         client.check_capacity(len(prompts) * n)  # all or nothing: no half-admitted request
         self.client = client
         self.prompts = prompts
