@@ -3,7 +3,7 @@ safetensors, the default model's tokenizer and chat template) of a named shape. 
 the values.
 
 python -m bench.make_random_model NAME OUT_DIR [--seed 0] [--base DIR]
-NAME: smollm2-135m | llama-1b | llama-7b | smollm3-3b | gemma3-270m | tiny
+NAME: smollm2-135m | llama-1b | llama-7b | smollm3-3b | gemma3-270m | qwen3-embedding-0.6b | tiny
 
 --base: a directory holding the default model's config.json and tokenizer files (TOKENIZER_FILES), to use instead
 of the default model itself: 4 MB to bring to a GPU machine rather than its 93 MB GGUF package.
@@ -52,7 +52,15 @@ SHAPES: dict[str, dict] = {
                     "layer_types": ["full_attention" if i % 6 == 5 else "sliding_attention" for i in range(18)],
                     "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
                                         "full_attention": {"rope_type": "default", "rope_theta": 1000000.0}}},
+    # Qwen3-Embedding-0.6B (tied embeddings, so no LM head of its own) with the default vocabulary, and its
+    # sentence-transformers files (SENTENCE_TRANSFORMERS), which make the server embed rather than generate.
+    "qwen3-embedding-0.6b": {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_size": 1024,
+                             "num_hidden_layers": 28, "num_attention_heads": 16, "num_key_value_heads": 8,
+                             "head_dim": 128, "intermediate_size": 3072, "vocab_size": 49152,
+                             "tie_word_embeddings": True, "max_position_embeddings": 32768, "rms_norm_eps": 1e-6,
+                             "rope_parameters": {"rope_theta": 1000000.0, "rope_type": "default"}},
 }  # fmt: skip
+SENTENCE_TRANSFORMERS = {"qwen3-embedding-0.6b"}
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json",
                    "special_tokens_map.json")  # fmt: skip
 SHARD_BYTES = 2 * 2**30
@@ -66,7 +74,7 @@ def model_config(name: str, base_dir: Path | None = None) -> dict:
 
 
 def tensor_shapes(config: dict) -> Iterator[tuple[str, tuple[int, ...]]]:
-    """HF Llama (or Gemma 3) checkpoint names and shapes."""
+    """HF Llama (or Gemma 3, Qwen3) checkpoint names and shapes."""
     gemma = config.get("model_type") == "gemma3_text"
     h, inter, vocab = config["hidden_size"], config["intermediate_size"], config["vocab_size"]
     d = config.get("head_dim") or h // config["num_attention_heads"]
@@ -80,8 +88,9 @@ def tensor_shapes(config: dict) -> Iterator[tuple[str, tuple[int, ...]]]:
         yield p + "self_attn.v_proj.weight", (kv, h)
         yield p + "self_attn.o_proj.weight", (h, q)
         yield p + "post_attention_layernorm.weight", (h,)
-        if gemma:
+        if gemma or config.get("model_type") == "qwen3":
             yield from ((p + name, (d,)) for name in ("self_attn.q_norm.weight", "self_attn.k_norm.weight"))
+        if gemma:
             yield from ((p + name, (h,)) for name in ("pre_feedforward_layernorm.weight",
                                                       "post_feedforward_layernorm.weight"))  # fmt: skip
         yield p + "mlp.gate_proj.weight", (inter, h)
@@ -127,7 +136,25 @@ def write_model(name: str, out: Path, seed: int = 0, base_dir: Path | None = Non
         (out / f"part-{i}.safetensors").rename(out / files[i])
     index = {"metadata": {"total_size": total}, "weight_map": {k: files[i] for k, i in weight_map.items()}}
     (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+    if name in SENTENCE_TRANSFORMERS:
+        write_sentence_transformers(out, config["hidden_size"])
     return out
+
+
+def write_sentence_transformers(out: Path, hidden_size: int) -> None:
+    """The files of a sentence-transformers embedding model pooled at the last token and normalized, as
+    Qwen3-Embedding's: modules.json (Transformer, Pooling, Normalize) and the Pooling's config."""
+    st = "sentence_transformers.models."
+    modules = [{"idx": 0, "name": "0", "path": "", "type": st + "Transformer"},
+               {"idx": 1, "name": "1", "path": "1_Pooling", "type": st + "Pooling"},
+               {"idx": 2, "name": "2", "path": "2_Normalize", "type": st + "Normalize"}]  # fmt: skip
+    (out / "modules.json").write_text(json.dumps(modules, indent=2))
+    (out / "1_Pooling").mkdir(exist_ok=True)
+    pooling = {"word_embedding_dimension": hidden_size, "pooling_mode_cls_token": False,
+               "pooling_mode_mean_tokens": False, "pooling_mode_max_tokens": False,
+               "pooling_mode_mean_sqrt_len_tokens": False, "pooling_mode_weightedmean_tokens": False,
+               "pooling_mode_lasttoken": True, "include_prompt": True}  # fmt: skip
+    (out / "1_Pooling" / "config.json").write_text(json.dumps(pooling, indent=2))
 
 
 def _flush(out: Path, shards: list[dict[str, torch.Tensor]], i: int) -> None:

@@ -14,6 +14,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
+
 from common.model_source import HEADLESS_ARCHITECTURES, ModelSourceError
 
 _ST = "sentence_transformers.models."
@@ -26,6 +28,14 @@ class Pooling:
     # The lengths `dimensions` may cut an embedding to, as vLLM reads a config: None, only its whole length (the
     # model says nothing); (), any (is_matryoshka); else those of matryoshka_dimensions.
     dimensions: tuple[int, ...] | None
+
+    def embedding(self, hidden: bytes, length: int | None = None) -> np.ndarray:
+        """The embedding from an engine's hidden state (EngineOutput.embedding): its first `length` values (all by
+        default), scaled to length 1 if the model normalizes (a zero vector stays zero, as torch's normalize)."""
+        vector = np.frombuffer(hidden, dtype="<f4")[: length or self.size]
+        if self.normalize:
+            vector = vector / max(float(np.linalg.norm(vector)), 1e-12)
+        return vector.astype("<f4")
 
 
 def pick_runner(requested: str, model_dir: Path, architecture: str) -> str:

@@ -5,9 +5,14 @@ default tokenizer. Each embedding equals transformers' base model's normalized l
 from __future__ import annotations
 
 import base64
+import concurrent.futures
 import json
+import os
 import shutil
+import signal
+import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 import numpy as np
@@ -16,10 +21,12 @@ import pytest
 import torch
 import transformers
 
-from bench.make_random_model import TOKENIZER_FILES
+from bench.make_random_model import TOKENIZER_FILES, write_sentence_transformers
 from common.model_source import resolve_model
-from tests.conftest import Server
-from tests.test_api_streaming import assert_engine_idle_within
+from frontend.offline.llm import LLM
+from tests.conftest import Server, engine_child
+from tests.engine_helpers import GPU_TEST_KV
+from tests.test_api_streaming import assert_engine_idle_within, metric
 
 NAME = "tiny-embed"
 HIDDEN = 64
@@ -43,26 +50,26 @@ def write_embedding_model(path) -> transformers.Qwen3Model:
     for name in TOKENIZER_FILES:
         if (tokenizer_dir / name).is_file():
             shutil.copy(tokenizer_dir / name, path / name)
-    st = "sentence_transformers.models."
-    (path / "modules.json").write_text(json.dumps([
-        {"idx": 0, "name": "0", "path": "", "type": st + "Transformer"},
-        {"idx": 1, "name": "1", "path": "1_Pooling", "type": st + "Pooling"},
-        {"idx": 2, "name": "2", "path": "2_Normalize", "type": st + "Normalize"},
-    ]))  # fmt: skip
-    (path / "1_Pooling").mkdir()
-    (path / "1_Pooling" / "config.json").write_text(json.dumps({
-        "word_embedding_dimension": HIDDEN, "pooling_mode_cls_token": False, "pooling_mode_mean_tokens": False,
-        "pooling_mode_max_tokens": False, "pooling_mode_lasttoken": True, "include_prompt": True}))  # fmt: skip
+    write_sentence_transformers(path, HIDDEN)
     return model
 
 
 @pytest.fixture(scope="module")
-def embed_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Server, transformers.Qwen3Model]]:
-    tmp = tmp_path_factory.mktemp("embed")
-    model = write_embedding_model(tmp / "model")
-    # No --runner: a sentence-transformers directory starts as a pooling server by itself.
-    server = Server(tmp, "--model", str(tmp / "model"), "--served-model-name", NAME, "--max-model-len", "64")
+def embedding_model(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, transformers.Qwen3Model]:
+    path = tmp_path_factory.mktemp("embedding-model")
+    return path, write_embedding_model(path)
+
+
+@pytest.fixture(scope="module")
+def embed_server(tmp_path_factory: pytest.TempPathFactory,
+                 embedding_model) -> Iterator[tuple[Server, transformers.Qwen3Model]]:  # fmt: skip
+    path, model = embedding_model
+    # No --runner: a sentence-transformers directory starts as a pooling server by itself. Steps of 64 tokens: a
+    # long input is chunked, and a request of many inputs takes a few seconds (long enough to crash mid-way).
+    server = Server(tmp_path_factory.mktemp("embed"), "--model", str(path), "--served-model-name", NAME,
+                    "--max-model-len", "64", "--max-num-batched-tokens", "64")  # fmt: skip
     yield server.wait_healthy(), model
+    server.engine_pid = engine_child(server)  # a restarted one, after the crash test
     server.assert_clean_exit()
 
 
@@ -152,3 +159,40 @@ def test_a_generating_server_refuses_embeddings(server: Server) -> None:
     r = httpx.post(server.url + "/v1/embeddings", json={"input": "hello"})
     assert r.status_code == 400
     assert "--runner pooling" in r.json()["error"]["message"]
+
+
+def test_the_offline_llm_embeds_as_the_server_does(embed_server, embedding_model) -> None:
+    server, model = embed_server
+    path, _ = embedding_model
+    ids = token_ids(server, TEXTS[1])
+    with LLM(str(path), dtype="float32", **GPU_TEST_KV) as llm:
+        vectors = llm.embed([TEXTS[1], ids[:3]], use_tqdm=False)
+    np.testing.assert_allclose(vectors[0], expected(model, ids), atol=1e-5)
+    np.testing.assert_allclose(vectors[1], expected(model, ids[:3]), atol=1e-5)
+
+
+def test_an_embedding_request_survives_an_engine_crash(embed_server) -> None:
+    """kill -9 of the engine core while a request of 1000 inputs runs: the restarted engine embeds what was left,
+    and the answer is whole and right. (Last in this file: its server's engine is a new one afterwards.)"""
+    server, model = embed_server
+    rng = np.random.default_rng(7)
+    inputs = [rng.integers(10, 40000, 60).tolist() for _ in range(1000)]
+    restarts = metric(server, "engine_restarts_total")
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        answer = pool.submit(httpx.post, server.url + "/v1/embeddings", json={"input": inputs}, timeout=300)
+        deadline = time.monotonic() + 60
+        while metric(server, "num_requests_running") == 0:
+            assert time.monotonic() < deadline and not answer.done(), "the request never ran"
+            time.sleep(0.01)
+        pid = engine_child(server)
+        assert pid is not None
+        os.kill(pid, signal.SIGKILL)
+        assert not answer.done(), "the request ended before the crash"
+        r = answer.result()
+    assert r.status_code == 200, r.text
+    assert metric(server, "engine_restarts_total") == restarts + 1 and engine_child(server) != pid
+    data = r.json()["data"]
+    assert [d["index"] for d in data] == list(range(1000))
+    for i in range(0, 1000, 50):
+        np.testing.assert_allclose(data[i]["embedding"], expected(model, inputs[i]), atol=1e-5)
+    assert "resumed" in server.log_text()

@@ -27,6 +27,10 @@ def test_named_shapes() -> None:
     assert 1.3e8 < params_of("smollm2-135m") < 1.4e8
     assert 1.3e8 < params_of("gemma3-270m") < 1.35e8  # gemma-3-270m's 100M outside the embedding, 49152 tokens
     assert 2.9e9 < params_of("smollm3-3b") < 2.95e9  # SmolLM3-3B's 3.08e9 with 49152 tokens instead of 128256
+    # Qwen3-Embedding-0.6B's 5.96e8 with 49152 tokens instead of 151669: tied, each head's q and k normed
+    assert 4.9e8 < params_of("qwen3-embedding-0.6b") < 4.92e8
+    names = [name for name, _ in tensor_shapes(model_config("qwen3-embedding-0.6b"))]
+    assert "model.layers.0.self_attn.q_norm.weight" in names and "lm_head.weight" not in names
 
 
 def test_a_written_gemma3_loads_and_generates(tmp_path) -> None:

@@ -1,6 +1,6 @@
-"""LLM: offline batch generation over an engine-core process, with text in and text out. The text work is the API
-server's own (frontend/text/tokenizer.py: its chat templates, encoding and decoding), so an offline prompt is the
-server's token for token."""
+"""LLM: offline batch generation (or embedding) over an engine-core process, with text in and text out. The text work
+is the API server's own (frontend/text/tokenizer.py: its chat templates, encoding and decoding), so an offline prompt
+is the server's token for token."""
 
 from __future__ import annotations
 
@@ -8,12 +8,14 @@ import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 from tqdm import tqdm
 
 from common.config import EngineConfig
 from common.lora import lora_modules
-from common.messages import EngineRequest, SamplingParams
+from common.messages import EngineOutput, EngineRequest, SamplingParams
 from common.model_source import resolve_model
+from common.pooling import read_pooling
 from frontend.offline.engine_link import EngineClient
 from frontend.text.tokenizer import Tokenizer
 
@@ -52,24 +54,45 @@ class LLM:
             raise ValueError(f"{lora!r} is not an adapter of lora_modules ({', '.join(self.loras) or 'none'})")
         params_list = list(params) if isinstance(params, Sequence) else [params or SamplingParams()] * len(prompts)
         token_prompts = [p if isinstance(p, list) else self.tokenizer.encode(p) for p in prompts]
-        for i, (p, sp) in enumerate(zip(token_prompts, params_list, strict=True)):
-            self.engine.send(EngineRequest(str(i), p, sp, lora=ref))
-        outputs: list[list[int]] = [[] for _ in prompts]
-        reasons: list[str | None] = [None] * len(prompts)
-        with tqdm(total=len(prompts), desc="generating", disable=not use_tqdm) as bar:
-            while any(r is None for r in reasons):
+        requests = [EngineRequest(str(i), p, sp, lora=ref)
+                    for i, (p, sp) in enumerate(zip(token_prompts, params_list, strict=True))]  # fmt: skip
+        results = []
+        for p, outs in zip(token_prompts, self._run(requests, "generating", use_tqdm), strict=True):
+            ids = [t for out in outs for t in out.new_token_ids]
+            reason = outs[-1].finish_reason.openai()  # type: ignore[union-attr]
+            results.append(CompletionOutput(p, ids, self.tokenizer.decode(ids, skip_special_tokens=True), reason))
+        return results
+
+    def embed(self, prompts: Sequence[str | list[int]], use_tqdm: bool = True) -> list[np.ndarray]:
+        """Each prompt's embedding (common/pooling.py), for an embedding model or with runner="pooling"."""
+        pooling = read_pooling(self.source.path)
+        token_prompts = [p if isinstance(p, list) else self.tokenizer.encode(p) for p in prompts]
+        requests = [EngineRequest(str(i), p, SamplingParams(max_tokens=0), embed=True)
+                    for i, p in enumerate(token_prompts)]  # fmt: skip
+        embeddings = []
+        for outs in self._run(requests, "embedding", use_tqdm):
+            assert outs[-1].embedding is not None, "an embed request finished without its embedding"
+            embeddings.append(pooling.embedding(outs[-1].embedding))
+        return embeddings
+
+    def _run(self, requests: list[EngineRequest], what: str, use_tqdm: bool) -> list[list[EngineOutput]]:
+        """Sends the requests (ids: their places) and gathers each one's outputs until all have finished; a failed
+        request raises."""
+        for request in requests:
+            self.engine.send(request)
+        outputs: list[list[EngineOutput]] = [[] for _ in requests]
+        left = len(requests)
+        with tqdm(total=len(requests), desc=what, disable=not use_tqdm) as bar:
+            while left:
                 for out in self.engine.next_outputs(timeout=600).outputs:
                     i = int(out.request_id)
-                    outputs[i] += out.new_token_ids
+                    outputs[i].append(out)
                     if out.finished:
                         if out.error:
                             raise RuntimeError(f"request {i} failed: {out.error}")
-                        reasons[i] = out.finish_reason.openai()  # type: ignore[union-attr]
+                        left -= 1
                         bar.update()
-        return [
-            CompletionOutput(p, ids, self.tokenizer.decode(ids, skip_special_tokens=True), reason or "")
-            for p, ids, reason in zip(token_prompts, outputs, reasons, strict=True)
-        ]
+        return outputs
 
     def shutdown(self) -> None:
         self.engine.shutdown()
