@@ -1,8 +1,8 @@
 """The pooling runner (--runner pooling, vLLM's name): which models serve embeddings, and how a prompt's final hidden
 states become one.
 
-An embedding model built on a decoder (Qwen3-Embedding, gte-Qwen2, e5-mistral) is that decoder without its LM head:
-the embedding is the final-norm hidden state of the prompt's last token, normed to length 1. A sentence-transformers
+An embedding model built on a causal decoder (Qwen3-Embedding) is that decoder without its LM head: the embedding is
+the final-norm hidden state of the prompt's last token, scaled to length 1. A sentence-transformers
 directory says so in its modules.json (Transformer, then Pooling with `pooling_mode_lasttoken`, then Normalize);
 without one, last-token pooling and normalizing are the default, as vLLM's for a decoder served as an embedding
 model. What the engine computes is the hidden state; the API process cuts it to `dimensions` and normalizes it.

@@ -10,6 +10,8 @@ import json
 import os
 import shutil
 import signal
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -24,7 +26,7 @@ import transformers
 from bench.make_random_model import TOKENIZER_FILES, write_sentence_transformers
 from common.model_source import resolve_model
 from frontend.offline.llm import LLM
-from tests.conftest import Server, engine_child
+from tests.conftest import REPO, Server, engine_child, free_port
 from tests.engine_helpers import GPU_TEST_KV
 from tests.test_api_streaming import assert_engine_idle_within, metric
 
@@ -170,6 +172,18 @@ def test_the_offline_llm_embeds_as_the_server_does(embed_server, embedding_model
     np.testing.assert_allclose(vectors[0], expected(model, ids), atol=1e-5)
     np.testing.assert_allclose(vectors[1], expected(model, ids[:3]), atol=1e-5)
 
+
+def test_a_pooling_the_server_cannot_compute_stops_it_at_start(tmp_path, embedding_model) -> None:
+    path, _ = embedding_model
+    shutil.copytree(path, tmp_path / "mean")
+    pooling = tmp_path / "mean" / "1_Pooling" / "config.json"
+    pooling.write_text(json.dumps({**json.loads(pooling.read_text()), "pooling_mode_lasttoken": False,
+                                   "pooling_mode_mean_tokens": True}))  # fmt: skip
+    r = subprocess.run([sys.executable, "launch.py", "--model", str(tmp_path / "mean"), "--port", str(free_port())],
+                       cwd=REPO, env={**os.environ, "TMPDIR": str(tmp_path)}, capture_output=True, text=True,
+                       timeout=120)  # fmt: skip
+    assert r.returncode == 1
+    assert "pooling mean_tokens is not supported" in r.stderr.splitlines()[-1] and "Traceback" not in r.stderr
 
 def test_an_embedding_request_survives_an_engine_crash(embed_server) -> None:
     """kill -9 of the engine core while a request of 1000 inputs runs: the restarted engine embeds what was left,
