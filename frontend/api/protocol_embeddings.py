@@ -17,6 +17,6 @@ class EmbeddingRequest(ApiModel):
     user: Text | None = None
     # vLLM's extras
     truncate_prompt_tokens: int | None = Field(None, ge=-1)
-    add_special_tokens: bool = True  # an embedding model's tokenizer may end each input with its EOS, as trained
+    add_special_tokens: bool = True  # the tokenizer's own, such as the EOS an embedding model's tokenizer appends
     priority: int = Field(0, ge=-(2**31), le=2**31 - 1)
     cache_salt: CacheSalt | None = None
