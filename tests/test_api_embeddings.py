@@ -126,6 +126,7 @@ def test_matryoshka_dimensions_cut_then_normalize(embed_server) -> None:
     ({"input": [1] * 65}, "input", "maximum context length is 64"),
     ({"input": "x", "encoding_format": "int8"}, "encoding_format", ""),
     ({"input": "x", "priority": 1}, "priority", "not enabled"),
+    ({"input": ["x"] * 1025}, "input", "1025 engine requests (one per input), more than the server ever queues"),
 ])  # fmt: skip
 def test_bad_embedding_requests_are_400s(embed_server, body: dict, param: str, words: str) -> None:
     server, _ = embed_server

@@ -118,13 +118,15 @@ class ServingContext:
                     sequences.append(ids)
         return sequences
 
-    async def admit(self, num_requests: int) -> None:
+    async def admit(self, num_requests: int, what: tuple[str, str] = ("prompts x n", "n")) -> None:
         """Capacity first, before any text work: a full server refuses a burst in microseconds, not after
         rendering and tokenizing every prompt. A restarting engine is waited for (--engine-restart-timeout).
-        A request larger than the whole queue would never fit: a 400, not a 429 to retry in vain."""
+        A request larger than the whole queue would never fit: a 400, not a 429 to retry in vain. `what`: what
+        the count is, and the field to blame."""
         if num_requests > self.client.max_queued:
-            raise bad_request(f"this request makes {num_requests} engine requests (prompts x n), more than the "
-                              f"server ever queues (--max-queued-requests {self.client.max_queued})", "n")  # fmt: skip
+            limit = self.client.max_queued
+            raise bad_request(f"this request makes {num_requests} engine requests ({what[0]}), more than the "
+                              f"server ever queues (--max-queued-requests {limit})", what[1])  # fmt: skip
         try:
             await self.client.wait_available()
             self.client.check_capacity(num_requests)

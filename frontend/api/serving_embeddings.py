@@ -27,7 +27,7 @@ async def create_embedding(ctx: ServingContext, req: EmbeddingRequest, raw: Requ
         raise bad_request("this server generates text; embeddings need a server started with --runner pooling (an "
                           "embedding model such as Qwen3-Embedding starts so by itself)", "model")  # fmt: skip
     length = embedding_length(pooling, req.dimensions, ctx.model_name)
-    await ctx.admit(num_prompts(req.input))
+    await ctx.admit(num_prompts(req.input), ("one per input", "input"))
     prompts, _ = await off_loop(completion_prompts, ctx, req.input, req.truncate_prompt_tokens, req.add_special_tokens,
                                 "input")  # fmt: skip
     if (longest := max(map(len, prompts))) > ctx.max_model_len:
