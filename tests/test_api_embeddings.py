@@ -28,6 +28,7 @@ from common.model_source import resolve_model
 from frontend.offline.llm import LLM
 from tests.conftest import REPO, Server, engine_child, free_port
 from tests.engine_helpers import GPU_TEST_KV
+from tests.gguf_helpers import random_model
 from tests.test_api_streaming import assert_engine_idle_within, metric
 
 NAME = "tiny-embed"
@@ -36,16 +37,12 @@ TEXTS = ["The lighthouse keeper trimmed the wick.", "Bread rises because yeast m
 
 
 def write_embedding_model(path) -> transformers.Qwen3Model:
-    torch.manual_seed(0)
     tokenizer_dir = resolve_model(None).path
     vocab = json.loads((tokenizer_dir / "config.json").read_text())["vocab_size"]
     config = transformers.Qwen3Config(vocab_size=vocab, hidden_size=HIDDEN, intermediate_size=128, num_hidden_layers=2,
                                       num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                                       max_position_embeddings=256)  # fmt: skip
-    model = transformers.Qwen3Model(config).eval()
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            param.copy_(1 + 0.1 * torch.randn_like(param) if "norm" in name else 0.15 * torch.randn_like(param))
+    model = random_model(transformers.Qwen3Model, config)
     model.save_pretrained(path)
     config_path = path / "config.json"
     config_path.write_text(json.dumps({**json.loads(config_path.read_text()), "matryoshka_dimensions": [16, 32]}))
@@ -185,6 +182,7 @@ def test_a_pooling_the_server_cannot_compute_stops_it_at_start(tmp_path, embeddi
                        timeout=120)  # fmt: skip
     assert r.returncode == 1
     assert "pooling mean_tokens is not supported" in r.stderr.splitlines()[-1] and "Traceback" not in r.stderr
+
 
 def test_an_embedding_request_survives_an_engine_crash(embed_server) -> None:
     """kill -9 of the engine core while a request of 1000 inputs runs: the restarted engine embeds what was left,

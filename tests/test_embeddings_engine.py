@@ -13,6 +13,7 @@ from common.messages import EngineRequest, FinishReason, SamplingParams
 from common.model_source import ModelSourceError
 from engine_core.core import EngineCore
 from tests.engine_helpers import fp32_config, run_engine
+from tests.gguf_helpers import random_model
 
 VOCAB = 300
 MAX_POSITIONS = 128
@@ -21,15 +22,10 @@ LENGTHS = [5, 12, 1, 23, 40, 64]
 
 def tiny_qwen3_base() -> transformers.Qwen3Model:
     """A 2-layer random Qwen3 decoder without an LM head, as Qwen3-Embedding-style checkpoints are saved."""
-    torch.manual_seed(0)
     config = transformers.Qwen3Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                       num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                                       max_position_embeddings=MAX_POSITIONS, tie_word_embeddings=False)  # fmt: skip
-    model = transformers.Qwen3Model(config).eval()
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            param.copy_(1 + 0.1 * torch.randn_like(param) if "norm" in name else 0.15 * torch.randn_like(param))
-    return model
+    return random_model(transformers.Qwen3Model, config)
 
 
 @pytest.fixture(scope="module")

@@ -65,4 +65,3 @@ def embedding_length(pooling: Pooling, dimensions: int | None, model: str) -> in
         shown = list(allowed) if pooling.dimensions else f"1 to {pooling.size}"
         raise bad_request(f"dimensions must be one of {shown} for this model, not {dimensions}", "dimensions")
     return dimensions
-
