@@ -24,7 +24,7 @@ import uvicorn
 from common import ipc
 from common.config import EngineConfig, ServerConfig, SpeculativeConfig, add_cli_args, from_cli_args
 from common.lora import LoraModule, lora_modules
-from common.model_source import ModelSourceError, resolve_model
+from common.model_source import ModelSourceError, parse_hf_overrides, resolve_model
 from common.pooling import read_pooling
 from engine_core.tp_procs import layout as tp_layout
 from engine_core.tp_procs import run_node_agent
@@ -172,7 +172,9 @@ class Launch:
             return 0
         ready = starting.result()
         # After EngineReady: the engine resolved (and for a .gguf, converted) the model, so this is a cache hit.
-        source = resolve_model(self.engine_config.model)
+        overrides = parse_hf_overrides(self.engine_config.hf_overrides)
+        source = resolve_model(self.engine_config.model, overrides=overrides)
+        pooling = read_pooling(source.path, overrides) if ready.runner == "pooling" else None
         names = list(dict.fromkeys(self.config.served_model_name)) or [ready.model]  # each once, in order
         loras = LoraRegistry(self.adapters, self.engine_config.enable_lora, self.engine_config.max_lora_rank,
                              runtime_updates_allowed())  # fmt: skip
@@ -200,7 +202,7 @@ class Launch:
                              reasoning_tokens=ReasoningTokens.of(self.config.reasoning_parser, tokenizer),
                              priority_scheduling=self.engine_config.scheduling_policy == "priority",
                              sampling_defaults=defaults, loras=loras, model_aliases=tuple(names[1:]),
-                             pooling=read_pooling(source.path) if ready.runner == "pooling" else None)  # fmt: skip
+                             pooling=pooling)  # fmt: skip
         app = create_app(ctx, self.config, metrics)
         self.server = _Server(uvicorn.Config(app, host=self.config.host, port=self.config.port, lifespan="off",
                                              log_level=self.config.log_level,
@@ -226,6 +228,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
         tp_layout(engine_config)
+        parse_hf_overrides(engine_config.hf_overrides)  # bad JSON fails here, before the engine loads
         SpeculativeConfig.parse(engine_config.speculative_config)  # a bad one fails here, before the engine loads
         adapters = lora_modules(engine_config)  # each adapter's config, likewise
         # The flags' own generation config and override, checked before the engine loads (the model's, once it has)
@@ -236,7 +239,7 @@ def main(argv: list[str] | None = None) -> int:
                              "mistral)")
         if engine_config.nnodes > 1 and config.data_parallel_size > 1:  # the engine cores would share one port
             raise ValueError("--data-parallel-size > 1 with --nnodes > 1 is not supported")
-    except ValueError as exc:
+    except (ValueError, ModelSourceError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     if engine_config.node_rank > 0:  # another node of a multi-node group: its tensor-parallel workers, no API

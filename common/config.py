@@ -23,9 +23,15 @@ class EngineConfig:
     model: str | None = flag(None, "HF model dir, .gguf file, or empty for the default SmolLM2-135M-Instruct")
     dtype: str = flag("auto", "auto | float32 | bfloat16 | float16 (auto: bf16 on CUDA, AVX512-BF16 or AVX2 CPUs)")
     runner: str = flag(
-        "auto", "auto | generate | pooling (vLLM's): pooling serves /v1/embeddings, not generation (auto: pooling for "
-        "a sentence-transformers directory or a checkpoint without an LM head, such as Qwen3Model)",
+        "auto", "auto | generate | pooling (vLLM's): pooling serves embeddings and scores, not generation (auto: "
+        "pooling for a sentence-transformers directory, a classifier or a checkpoint without an LM head, such as "
+        "Qwen3Model)",
         choices=["auto", "generate", "pooling"],
+    )
+    hf_overrides: str | None = flag(
+        None, "JSON laid over the model's config.json (vLLM's), such as Qwen3-Reranker's '{\"architectures\": "
+        "[\"Qwen3ForSequenceClassification\"], \"classifier_from_token\": [\"no\", \"yes\"], "
+        "\"is_original_qwen3_reranker\": true}'",
     )
     quantization: str = flag(
         "none", "none | int8: weight-only int8 linears and LM head (CPU bf16; faster at small batches)",

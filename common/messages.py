@@ -98,8 +98,9 @@ class EngineRequest(_Msg, tag="add"):
     output_token_ids: list[int] = []
     lora: LoraRef | None = None  # the LoRA adapter that serves it (None: the base model)
     cache_salt: str = ""  # vLLM's: its prefix-cache blocks are shared only with requests of the same salt
-    # An embedding (--runner pooling; params.max_tokens 0): the prompt's last hidden state comes back, no token.
-    embed: bool = False
+    # A pooling request (--runner pooling; params.max_tokens 0): what the model pools from the prompt's last
+    # position comes back (an embedding model's hidden state, a classifier's label logits), no token.
+    pool: bool = False
 
 
 class AbortRequest(_Msg, tag="abort"):
@@ -140,8 +141,9 @@ class EngineOutput(_Msg):
     # first (the first has no logprob), in prompt order.
     prompt_logprobs: Logprobs | None = None
     error_code: str | None = None  # why it failed, where the API answers other than "the engine failed"
-    # An embed request's: the final hidden state of its prompt's last position, little-endian float32.
-    embedding: bytes | None = None
+    # A pooling request's result, little-endian float32: its prompt's last final-norm hidden state, or, from a
+    # classifier, that state's label logits.
+    pooled: bytes | None = None
 
     @property
     def finished(self) -> bool:
@@ -185,7 +187,7 @@ class EngineReady(_Msg, tag="ready"):
     num_blocks: int
     vocab_size: int
     eos_token_ids: list[int] = []
-    runner: str = "generate"  # or "pooling": it serves embed requests only (common/pooling.py)
+    runner: str = "generate"  # or "pooling": it serves pooling requests only (common/pooling.py)
 
 
 class EngineDead(_Msg, tag="dead"):

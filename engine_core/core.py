@@ -6,8 +6,6 @@ import dataclasses
 import logging
 import time
 
-from transformers import AutoConfig
-
 from common.config import EngineConfig
 from common.messages import (
     EngineOutput,
@@ -17,11 +15,12 @@ from common.messages import (
     LoraRef,
     SchedulerStats,
 )
-from common.model_source import model_eos_ids, resolve_model
+from common.model_source import model_eos_ids, parse_hf_overrides, resolve_model
 from common.pooling import pick_runner
 from engine_core.batch import SampledTokens, SchedulerOutput
 from engine_core.kv_cache import KVCacheManager
 from engine_core.model_runner import ModelRunner
+from engine_core.models.loader import load_config
 from engine_core.overlap import DecodePipeline
 from engine_core.request import Request
 from engine_core.request_checks import invalid_request
@@ -36,13 +35,14 @@ RanParts = list[tuple[SchedulerOutput, SampledTokens]]  # sub-batches of a step 
 
 class EngineCore:
     def __init__(self, config: EngineConfig) -> None:
-        source = resolve_model(config.model)
+        overrides = parse_hf_overrides(config.hf_overrides)
+        source = resolve_model(config.model, overrides=overrides)
         self.model_name = source.name
         # generate or pooling (common/pooling.py), decided once here: the TP workers take the engine's config
-        self.config = config = dataclasses.replace(config, runner=pick_runner(config.runner, source.path,
-                                                                              source.architecture))  # fmt: skip
+        runner = pick_runner(config.runner, source.path, source.architecture, overrides)
+        self.config = config = dataclasses.replace(config, runner=runner)
         self.pooling = config.runner == "pooling"
-        hf_config = AutoConfig.from_pretrained(source.path)
+        hf_config = load_config(source.path, overrides)
         limit = getattr(hf_config, "max_position_embeddings", None) or getattr(hf_config, "n_positions", 2048)
         max_model_len = min(config.max_model_len or min(limit, 8192), limit)
         self.runner = ModelRunner(config, source.path, max_model_len)

@@ -14,6 +14,8 @@ import torch
 
 from common.config import EngineConfig
 from common.lora import lora_modules
+from common.model_source import parse_hf_overrides
+from common.pooling import read_pooling
 from engine_core import distributed, memory_profile
 from engine_core.attention import AttentionBackend, AttentionMetadata, PrefillChunk, select_backend
 from engine_core.batch import InFlight, SampledTokens, SchedulerOutput
@@ -56,8 +58,10 @@ class ModelRunner:
             memory_profile.check_num_kv_blocks(config.num_kv_blocks, max_model_len, self.block_size)
         profiling = self.device.type == "cuda" and not config.num_kv_blocks
         start = memory_profile.snapshot_at_start(self.device, config.gpu_memory_utilization) if profiling else None
-        self.pooling = config.runner == "pooling"  # embeddings only: no LM head, no decode steps
-        self.model = load_model(model_path, self.dtype, self.device, max_positions=max_model_len, pooling=self.pooling)
+        # Embeddings or scores only: no LM head (a classifier's head instead), no decode steps
+        overrides = parse_hf_overrides(config.hf_overrides)
+        self.pooling = read_pooling(model_path, overrides) if config.runner == "pooling" else None
+        self.model = load_model(model_path, self.dtype, self.device, max_model_len, self.pooling, overrides)
         # int8, or packed bf16 on CPU; min_rows keeps a row's result independent of the rows beside it.
         self.min_rows = prepare_linears(self.model, config.quantization, self.device, self.dtype)
         # Before the KV cache is sized, so that their memory counts; put in the model once the base layers are taken.
@@ -267,11 +271,13 @@ class ModelRunner:
         return SampledTokens(tokens, logprobs)
 
     def _pool(self, hidden: torch.Tensor, out: SchedulerOutput, sample_idx: list[int], start: float) -> SampledTokens:
-        """A pooling engine's step (every request embeds): each prompt that ends here leaves its last position's
-        hidden state on its request, for its output (Scheduler.update). No token: max_tokens is 0."""
+        """A pooling engine's step (every request pools): each prompt that ends here leaves what its last position
+        pools to (the hidden state, or a classifier's label logits) on its request, for its output
+        (Scheduler.update). No token: max_tokens is 0."""
         if sample_idx:
-            rows = hidden[to_device(sample_idx, self.device, torch.long)].float().cpu().numpy().astype("<f4")
+            last = hidden[to_device(sample_idx, self.device, torch.long)]
+            rows = self.model.lm_head.pool(last).cpu().numpy().astype("<f4")
             for req, row in zip(out.sampled_requests, rows, strict=True):
-                req.embedding = row.tobytes()
+                req.pooled = row.tobytes()
         self.last_forward_time = time.perf_counter() - start
         return SampledTokens([], [])

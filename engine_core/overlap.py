@@ -40,9 +40,9 @@ log = logging.getLogger("roseinfer.overlap")
 
 def plain(req: Request) -> bool:
     """Whose steps can be launched before the step before them is read back: all but a prompt that asks for its
-    prompt logprobs (the host accumulates them at each chunk) or an embedding's (its hidden state, not a token, is
+    prompt logprobs (the host accumulates them at each chunk) or a pooling request's (what it pools, not a token, is
     the result). Drafts run synchronously too (DecodePipeline.build)."""
-    return req.decoding or (req.params.prompt_logprobs is None and not req.embed)
+    return req.decoding or (req.params.prompt_logprobs is None and not req.pool)
 
 
 class DecodePipeline:

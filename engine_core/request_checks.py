@@ -25,7 +25,8 @@ MIN_REPETITION_PENALTY = 1e-6
 
 def invalid_request(msg: EngineRequest, vocab_size: int, max_model_len: int, running: dict,
                     pooling: bool = False) -> str | None:  # fmt: skip
-    """Why the engine refuses this request, or None. pooling: the engine serves embed requests, and only those."""
+    """Why the engine refuses this request, or None. pooling: the engine serves pooling requests (embeddings,
+    classifier scores), and only those."""
 
     def in_vocab(ids: Iterable[int]) -> bool:
         return all(0 <= t < vocab_size for t in ids)
@@ -35,12 +36,12 @@ def invalid_request(msg: EngineRequest, vocab_size: int, max_model_len: int, run
         return "prompt is empty"
     if not in_vocab(msg.prompt_token_ids) or not in_vocab(msg.output_token_ids):
         return f"token id outside the vocabulary [0, {vocab_size})"
-    if msg.embed != pooling:
-        return ("this engine serves embeddings only (--runner pooling)" if pooling else
-                "embeddings need an engine started with --runner pooling")  # fmt: skip
-    if msg.embed and (msg.params.max_tokens != 0 or msg.params.prompt_logprobs is not None or msg.output_token_ids):
-        return "an embed request generates nothing: max_tokens 0, no prompt logprobs"
-    if total > max_model_len or (total == max_model_len and not msg.embed):  # an embedding needs no room after it
+    if msg.pool != pooling:
+        return ("this engine serves embeddings and scores only (--runner pooling)" if pooling else
+                "embeddings and scores need an engine started with --runner pooling")  # fmt: skip
+    if msg.pool and (msg.params.max_tokens != 0 or msg.params.prompt_logprobs is not None or msg.output_token_ids):
+        return "a pooling request generates nothing: max_tokens 0, no prompt logprobs"
+    if total > max_model_len or (total == max_model_len and not msg.pool):  # a pooled prompt needs no room after it
         return f"prompt has {total} tokens; the maximum context length is {max_model_len}"
     if len(msg.eos_token_ids) > MAX_STOP_TOKEN_IDS or not in_vocab(msg.eos_token_ids):
         return "eos_token_ids out of range"

@@ -265,7 +265,7 @@ class Scheduler:
                 self.kv.cache_full_blocks(req)
                 self.finish(req, FinishReason.LENGTH)
                 outputs.append(EngineOutput(req.request_id, [], FinishReason.LENGTH, None, req.num_cached_tokens,
-                                            prompt_logprobs=take_prompt_logprobs(req), embedding=req.embedding))
+                                            prompt_logprobs=take_prompt_logprobs(req), pooled=req.pooled))
                 continue
             kept: list[int] = []
             for i, token in enumerate(tokens):  # row i counts only while every draft before it was right

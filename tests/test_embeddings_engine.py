@@ -42,7 +42,7 @@ def prompts() -> list[list[int]]:
 
 
 def embed_request(rid: str, prompt: list[int]) -> EngineRequest:
-    return EngineRequest(rid, prompt, SamplingParams(max_tokens=0), embed=True)
+    return EngineRequest(rid, prompt, SamplingParams(max_tokens=0), pool=True)
 
 
 def hf_last_hidden(model: transformers.Qwen3Model, prompt: list[int]) -> np.ndarray:
@@ -58,8 +58,8 @@ def embeddings(core: EngineCore, batch: list[list[int]], tag: str) -> list[tuple
     for rid in ids:
         (out,) = results[rid]
         assert out.finish_reason == FinishReason.LENGTH and out.new_token_ids == [] and out.error is None
-        assert out.embedding is not None
-        got.append((np.frombuffer(out.embedding, dtype="<f4"), out.num_cached_tokens))
+        assert out.pooled is not None
+        got.append((np.frombuffer(out.pooled, dtype="<f4"), out.num_cached_tokens))
     return got
 
 
@@ -97,9 +97,9 @@ def test_a_pooling_engine_refuses_generation_and_a_generating_engine_refuses_emb
     _, path = qwen3_base
     pooling = EngineCore(fp32_config(model=path))
     generate = EngineRequest("gen", [1, 2, 3], SamplingParams(max_tokens=4))
-    scoring = EngineRequest("tokens", [1, 2, 3], SamplingParams(max_tokens=2), embed=True)
+    scoring = EngineRequest("tokens", [1, 2, 3], SamplingParams(max_tokens=2), pool=True)
     results = run_engine(pooling, [generate, scoring])
-    assert results["gen"][0].error == "this engine serves embeddings only (--runner pooling)"
+    assert results["gen"][0].error == "this engine serves embeddings and scores only (--runner pooling)"
     assert "generates nothing" in (results["tokens"][0].error or "")
     # A causal LM served as it is generates; its engine refuses embed requests.
     hf = transformers.Qwen3ForCausalLM(tiny_qwen3_base().config)
@@ -107,7 +107,7 @@ def test_a_pooling_engine_refuses_generation_and_a_generating_engine_refuses_emb
     core = EngineCore(fp32_config(model=str(tmp_path / "lm")))
     assert not core.pooling
     results = run_engine(core, [embed_request("e", [1, 2, 3])])
-    assert results["e"][0].error == "embeddings need an engine started with --runner pooling"
+    assert results["e"][0].error == "embeddings and scores need an engine started with --runner pooling"
 
 
 def test_a_causal_lm_served_for_embeddings_leaves_its_lm_head_unread(qwen3_base, tmp_path) -> None:

@@ -6,10 +6,13 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
+from tokenizers import Tokenizer
 from torch import nn
 from transformers import AutoConfig
 from transformers.initialization import no_init_weights
 
+from common.model_source import ModelSourceError
+from common.pooling import Pooling
 from engine_core.models.gemma3 import Gemma3ForCausalLM
 from engine_core.models.gpt2 import GPT2LMHeadModel
 from engine_core.models.llama import LlamaForCausalLM
@@ -28,14 +31,72 @@ ARCHITECTURES: dict[str, type[nn.Module]] = {
     "Qwen2Model": LlamaForCausalLM,
     "Qwen3Model": LlamaForCausalLM,
     "MistralModel": LlamaForCausalLM,
+    # The decoder and a classifier's head (ClassifierHead): scores only
+    "LlamaForSequenceClassification": LlamaForCausalLM,
+    "Qwen2ForSequenceClassification": LlamaForCausalLM,
+    "Qwen3ForSequenceClassification": LlamaForCausalLM,
+    "MistralForSequenceClassification": LlamaForCausalLM,
 }
 
 
 class NoLmHead(nn.Module):
-    """A pooling engine's LM head (--runner pooling): none. A checkpoint's is left unread, and nothing calls this."""
+    """An embedding engine's LM head (--runner pooling): none. A checkpoint's is left unread; what a request pools
+    to is its last position's hidden state."""
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         raise RuntimeError("this engine serves embeddings (--runner pooling): it has no LM head")
+
+    def pool(self, hidden: torch.Tensor) -> torch.Tensor:
+        return hidden.float()
+
+
+class ClassifierHead(nn.Module):
+    """A classifier engine's LM head (--runner pooling): one row per label, in float32, applied to the last
+    position's hidden state. The rows are a *ForSequenceClassification checkpoint's `score.weight`, or those of the
+    tokens of classifier_from_token in the checkpoint's LM head (its embeddings, if tied), whose other rows are left
+    unread (common/pooling.py)."""
+
+    def __init__(self, hidden_size: int, pooling: Pooling, token_ids: list[int], device: torch.device) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(pooling.size, hidden_size, device=device), requires_grad=False)
+        self.token_ids = token_ids
+        self.difference = pooling.token_difference
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("this engine serves scores (--runner pooling): it has no LM head")
+
+    def pool(self, hidden: torch.Tensor) -> torch.Tensor:
+        return hidden.float() @ self.weight.T
+
+    def source(self, tied: bool) -> str:
+        """The checkpoint tensor its rows come from, named without the "model." prefix."""
+        return "score.weight" if not self.token_ids else "embed_tokens.weight" if tied else "lm_head.weight"
+
+    def take(self, tensor: torch.Tensor) -> None:
+        rows = tensor[self.token_ids].float() if self.token_ids else tensor.float()
+        self.weight.copy_(rows[1:] - rows[:1] if self.difference else rows)
+
+
+def pooling_head(config, pooling: Pooling, path: Path, device: torch.device) -> nn.Module:
+    """What replaces a pooling engine's LM head: nothing (embeddings), or a classifier's head."""
+    if not pooling.classifies:
+        return NoLmHead()
+    token_ids = []
+    if pooling.label_tokens:
+        vocab = Tokenizer.from_file(str(path / "tokenizer.json"))
+        for token in pooling.label_tokens:
+            if (token_id := vocab.token_to_id(token)) is None:
+                raise ModelSourceError(f"classifier_from_token: {token!r} is not a token of this model's vocabulary")
+            token_ids.append(token_id)
+    return ClassifierHead(config.hidden_size, pooling, token_ids, device)
+
+
+def load_config(path: str | Path, overrides: dict | None = None):
+    """transformers' config of the model, with --hf-overrides (parsed) laid over it."""
+    config = AutoConfig.from_pretrained(path)
+    for key, value in (overrides or {}).items():
+        setattr(config, key, value)
+    return config
 
 
 def model_class(config) -> type[nn.Module]:
@@ -62,8 +123,15 @@ def load_weights(model: nn.Module, state: dict[str, torch.Tensor] | Path) -> Non
     """Copies checkpoint tensors into `model`, fusing q/k/v and gate/up; fails loudly on a missing weight."""
     params = dict(model.named_parameters())
     loaded: set[str] = set()
-    headless = isinstance(getattr(model, "lm_head", None), NoLmHead)
+    head = getattr(model, "lm_head", None)
+    headless = isinstance(head, NoLmHead | ClassifierHead)
+    head_source = head.source(model.config.tie_word_embeddings) if isinstance(head, ClassifierHead) else None
     for key, tensor in _iter_checkpoint(state):
+        if key.removeprefix("model.") == head_source:  # whole on every tensor-parallel rank: it is small
+            head.take(tensor)
+            loaded.add("lm_head.weight")
+            if head_source != "embed_tokens.weight":  # tied embeddings are the model's too
+                continue
         name = model.checkpoint_name(key)
         if name is None or (headless and name.startswith("lm_head.")):
             continue
@@ -102,10 +170,11 @@ def _iter_checkpoint(state: dict[str, torch.Tensor] | Path):
 
 
 def load_model(path: str | Path, dtype: torch.dtype, device: torch.device, max_positions: int,
-               pooling: bool = False) -> nn.Module:  # fmt: skip
-    config = AutoConfig.from_pretrained(path)
+               pooling: Pooling | None = None, overrides: dict | None = None) -> nn.Module:  # fmt: skip
+    """`pooling`: a pooling engine's (--runner pooling), whose model has a pooling head instead of its LM head."""
+    config = load_config(path, overrides)
     model = build_model(config, dtype, device, max_positions)
-    if pooling:
-        model.lm_head = NoLmHead()
+    if pooling is not None:
+        model.lm_head = pooling_head(config, pooling, Path(path), device)
     load_weights(model, Path(path))
     return model

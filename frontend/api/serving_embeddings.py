@@ -33,7 +33,7 @@ async def create_embedding(ctx: ServingContext, req: EmbeddingRequest, raw: Requ
     if (longest := max(map(len, prompts))) > ctx.max_model_len:
         raise bad_request(f"This model's maximum context length is {ctx.max_model_len} tokens, but an input has "
                           f"{longest} tokens. Shorten it, or set truncate_prompt_tokens.", "input")  # fmt: skip
-    shared = {**ctx.request_fields(req.model, req.priority, req.cache_salt), "embed": True}
+    shared = {**ctx.request_fields(req.model, req.priority, req.cache_salt), "pool": True}
     rid = f"embd-{request_id}"
     fan = await ctx.start(lambda: FanOut(ctx.client, rid, prompts, 1, SamplingParams(max_tokens=0), lambda _: None,
                                          shared=shared))  # fmt: skip
@@ -42,8 +42,8 @@ async def create_embedding(ctx: ServingContext, req: EmbeddingRequest, raw: Requ
         return Response(status_code=499)  # the client left; its requests were aborted
     data = []
     for choice in choices:
-        assert choice.result.embedding is not None, "an embed request finished without its embedding"
-        vector = pooling.embedding(choice.result.embedding, length)
+        assert choice.result.pooled is not None, "an embed request finished without its embedding"
+        vector = pooling.embedding(choice.result.pooled, length)
         value = base64.b64encode(vector.tobytes()).decode() if req.encoding_format == "base64" else vector.tolist()
         data.append({"object": "embedding", "index": choice.index, "embedding": value})
     tokens = fan.num_prompt_tokens

@@ -27,7 +27,7 @@ class Delta:
     error: str | None = None
     error_code: str | None = None  # why it failed, when that is more than "the engine failed"
     prompt_logprobs: Logprobs | None = None  # with the first delta, when asked for
-    embedding: bytes | None = None  # an embed request's, with its last delta (EngineOutput.embedding)
+    pooled: bytes | None = None  # an embed request's, with its last delta (EngineOutput.embedding)
 
     def merge(self, other: Delta) -> None:
         self.token_ids += other.token_ids
@@ -41,7 +41,7 @@ class Delta:
         self.error_code = other.error_code or self.error_code
         if self.prompt_logprobs is None:
             self.prompt_logprobs = other.prompt_logprobs
-        self.embedding = other.embedding or self.embedding
+        self.pooled = other.pooled or self.pooled
 
 
 class RequestStream:
@@ -86,7 +86,7 @@ class RequestStream:
         delta = Delta()
         if out.prompt_logprobs is not None and not self.prompt_logprobs_seen:
             delta.prompt_logprobs, self.prompt_logprobs_seen = out.prompt_logprobs, True
-        delta.embedding = out.embedding
+        delta.pooled = out.pooled
         ids = out.new_token_ids
         for i, token in enumerate(ids):
             self.output_token_ids.append(token)

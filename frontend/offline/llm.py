@@ -14,7 +14,7 @@ from tqdm import tqdm
 from common.config import EngineConfig
 from common.lora import lora_modules
 from common.messages import EngineOutput, EngineRequest, SamplingParams
-from common.model_source import resolve_model
+from common.model_source import parse_hf_overrides, resolve_model
 from common.pooling import read_pooling
 from frontend.offline.engine_link import EngineClient
 from frontend.text.tokenizer import Tokenizer
@@ -32,9 +32,10 @@ class LLM:
     """`LLM(model=None).generate(["Hello"], SamplingParams(max_tokens=32))`: outputs in input order."""
 
     def __init__(self, model: str | None = None, **engine_options) -> None:
-        self.source = resolve_model(model)  # converts a GGUF once, before the engine needs it
-        self.tokenizer = Tokenizer(self.source.path)
         config = dataclasses.replace(EngineConfig(), model=model, **engine_options)
+        self.overrides = parse_hf_overrides(config.hf_overrides)
+        self.source = resolve_model(model, overrides=self.overrides)  # converts a GGUF once, before the engine
+        self.tokenizer = Tokenizer(self.source.path)
         self.loras = {m.name: m.ref for m in lora_modules(config)}  # bad flags or adapter configs: before the engine
         self.engine = EngineClient(config)
 
@@ -65,14 +66,14 @@ class LLM:
 
     def embed(self, prompts: Sequence[str | list[int]], use_tqdm: bool = True) -> list[np.ndarray]:
         """Each prompt's embedding (common/pooling.py), for an embedding model or with runner="pooling"."""
-        pooling = read_pooling(self.source.path)
+        pooling = read_pooling(self.source.path, self.overrides)
         token_prompts = [p if isinstance(p, list) else self.tokenizer.encode(p) for p in prompts]
-        requests = [EngineRequest(str(i), p, SamplingParams(max_tokens=0), embed=True)
+        requests = [EngineRequest(str(i), p, SamplingParams(max_tokens=0), pool=True)
                     for i, p in enumerate(token_prompts)]  # fmt: skip
         embeddings = []
         for outs in self._run(requests, "embedding", use_tqdm):
-            assert outs[-1].embedding is not None, "an embed request finished without its embedding"
-            embeddings.append(pooling.embedding(outs[-1].embedding))
+            assert outs[-1].pooled is not None, "an embed request finished without its embedding"
+            embeddings.append(pooling.embedding(outs[-1].pooled))
         return embeddings
 
     def _run(self, requests: list[EngineRequest], what: str, use_tqdm: bool) -> list[list[EngineOutput]]:
