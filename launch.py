@@ -202,7 +202,7 @@ class Launch:
                              reasoning_tokens=ReasoningTokens.of(self.config.reasoning_parser, tokenizer),
                              priority_scheduling=self.engine_config.scheduling_policy == "priority",
                              sampling_defaults=defaults, loras=loras, model_aliases=tuple(names[1:]),
-                             pooling=pooling)  # fmt: skip
+                             pooling=pooling, pair_template=self.config.chat_template is not None)  # fmt: skip
         app = create_app(ctx, self.config, metrics)
         self.server = _Server(uvicorn.Config(app, host=self.config.host, port=self.config.port, lifespan="off",
                                              log_level=self.config.log_level,

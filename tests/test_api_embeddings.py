@@ -142,6 +142,22 @@ def test_a_whole_context_embeds_and_truncation_keeps_the_last_tokens(embed_serve
     assert body["usage"]["prompt_tokens"] == 64
 
 
+def test_an_embedding_model_scores_and_reranks_by_cosine(embed_server) -> None:
+    server, model = embed_server
+    query, documents = TEXTS[0], TEXTS[1:]
+    unit = {t: expected(model, token_ids(server, t)) for t in TEXTS}
+    cosines = [float(unit[query] @ unit[d]) for d in documents]
+    body = httpx.post(server.url + "/score", json={"text_1": query, "text_2": documents}).json()
+    assert [d["index"] for d in body["data"]] == [0, 1]
+    np.testing.assert_allclose([d["score"] for d in body["data"]], cosines, atol=1e-5)
+    body = httpx.post(server.url + "/v1/rerank", json={"query": query, "documents": documents, "top_n": 1}).json()
+    best = int(np.argmax(cosines))
+    assert [(r["index"], r["document"]["text"]) for r in body["results"]] == [(best, documents[best])]
+    np.testing.assert_allclose(body["results"][0]["relevance_score"], cosines[best], atol=1e-5)
+    r = httpx.post(server.url + "/classify", json={"input": "x"})
+    assert r.status_code == 400 and "serves an embedding model" in r.json()["error"]["message"]
+
+
 def test_a_pooling_server_does_not_generate(embed_server) -> None:
     server, _ = embed_server
     for path, body in [("/v1/completions", {"prompt": "hi"}), ("/generate", {"prompt": "hi"}),

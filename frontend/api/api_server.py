@@ -18,12 +18,15 @@ from frontend.api.lora_adapters import LoadLoraAdapterRequest, UnloadLoraAdapter
 from frontend.api.protocol import ChatCompletionRequest, CompletionRequest
 from frontend.api.protocol_embeddings import EmbeddingRequest
 from frontend.api.protocol_responses import ResponsesRequest
+from frontend.api.protocol_scores import ClassifyRequest, RerankRequest, ScoreRequest
 from frontend.api.protocol_tokens import DetokenizeRequest, GenerateRequest, TokenizeRequest
 from frontend.api.serving import ServingContext, off_loop, stream_text
 from frontend.api.serving_chat import chat_prompt, create_chat_completion
 from frontend.api.serving_completion import create_completion
 from frontend.api.serving_embeddings import create_embedding
+from frontend.api.serving_pooling import EMBEDDINGS_ROUTE, SCORE_ROUTES
 from frontend.api.serving_responses import create_response
+from frontend.api.serving_scores import create_classify, create_rerank, create_score
 from frontend.errors import ApiError, bad_request, from_validation_errors
 from frontend.metrics import Metrics
 
@@ -60,7 +63,8 @@ def create_app(ctx: ServingContext, config: ServerConfig, metrics: Metrics) -> F
     def generating() -> None:
         """A pooling server's engines have no LM head (common/pooling.py): its generation routes are 400s."""
         if ctx.pooling is not None:
-            raise bad_request("this server serves embeddings (--runner pooling), not text: POST /v1/embeddings", None)
+            what, route = ("scores", SCORE_ROUTES) if ctx.pooling.classifies else ("embeddings", EMBEDDINGS_ROUTE)
+            raise bad_request(f"this server serves {what} (--runner pooling), not text: {route}", None)
 
     generates = [Depends(generating)]
 
@@ -75,6 +79,21 @@ def create_app(ctx: ServingContext, config: ServerConfig, metrics: Metrics) -> F
     @app.post("/v1/embeddings")
     async def embeddings(req: EmbeddingRequest, raw: Request) -> Response:
         return await create_embedding(ctx, req, raw, raw.state.request_id)
+
+    @app.post("/score")
+    @app.post("/v1/score")
+    async def score(req: ScoreRequest, raw: Request) -> Response:
+        return await create_score(ctx, req, raw, raw.state.request_id)
+
+    @app.post("/rerank")
+    @app.post("/v1/rerank")
+    @app.post("/v2/rerank")  # Cohere's v2 client
+    async def rerank(req: RerankRequest, raw: Request) -> Response:
+        return await create_rerank(ctx, req, raw, raw.state.request_id)
+
+    @app.post("/classify")
+    async def classify(req: ClassifyRequest, raw: Request) -> Response:
+        return await create_classify(ctx, req, raw, raw.state.request_id)
 
     def model_card(model_id: str) -> dict:
         """The base model's card, or a LoRA adapter's: its directory as root, the base model as parent (vLLM's)."""

@@ -45,7 +45,9 @@ class ServingContext:
     sampling_defaults: SamplingDefaults = SamplingDefaults()  # --generation-config: what requests leave out
     loras: LoraRegistry = field(default_factory=LoraRegistry)  # the LoRA adapters served (api/lora_adapters.py)
     model_aliases: tuple[str, ...] = ()  # --served-model-name's other names: requests may name the base model so
-    pooling: Pooling | None = None  # --runner pooling: the server embeds (api/serving_embeddings.py), never generates
+    # --runner pooling: the server embeds or scores (api/serving_embeddings.py, serving_scores.py), never generates
+    pooling: Pooling | None = None
+    pair_template: bool = False  # --chat-template given: a scored pair is rendered by it, as vLLM's score template
 
     @property
     def base_names(self) -> tuple[str, ...]:
