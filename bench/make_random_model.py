@@ -3,7 +3,8 @@ safetensors, the default model's tokenizer and chat template) of a named shape. 
 the values.
 
 python -m bench.make_random_model NAME OUT_DIR [--seed 0] [--base DIR]
-NAME: smollm2-135m | llama-1b | llama-7b | smollm3-3b | gemma3-270m | qwen3-embedding-0.6b | tiny
+NAME: smollm2-135m | llama-1b | llama-7b | smollm3-3b | gemma3-270m | qwen3-embedding-0.6b | qwen3-reranker-0.6b |
+      tiny
 
 --base: a directory holding the default model's config.json and tokenizer files (TOKENIZER_FILES), to use instead
 of the default model itself: 4 MB to bring to a GPU machine rather than its 93 MB GGUF package.
@@ -60,6 +61,8 @@ SHAPES: dict[str, dict] = {
                              "tie_word_embeddings": True, "max_position_embeddings": 32768, "rms_norm_eps": 1e-6,
                              "rope_parameters": {"rope_theta": 1000000.0, "rope_type": "default"}},
 }  # fmt: skip
+# Qwen3-Reranker-0.6B: the same decoder, saved as a causal LM (served with --hf-overrides, bench/rerank.py)
+SHAPES["qwen3-reranker-0.6b"] = SHAPES["qwen3-embedding-0.6b"]
 SENTENCE_TRANSFORMERS = {"qwen3-embedding-0.6b"}
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json",
                    "special_tokens_map.json")  # fmt: skip

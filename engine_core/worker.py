@@ -67,7 +67,7 @@ def main() -> int:
 
     import torch.distributed as dist
 
-    from common.model_source import resolve_model
+    from common.model_source import parse_hf_overrides, resolve_model
     from engine_core import distributed, rendezvous
     from engine_core.device import pick_device, pick_dtype
     from engine_core.model_runner import ModelRunner
@@ -87,7 +87,8 @@ def main() -> int:
         os.sched_setaffinity(0, [int(c) for c in args.cpus.split(",")])
     distributed.join(dist.PrefixStore(generation, store), args.rank, shape.size, shape.local_rank(args.rank), device,
                      pick_dtype(config.dtype, device))  # fmt: skip
-    runner = ModelRunner(config, resolve_model(config.model).path, info["max_model_len"])
+    source = resolve_model(config.model, overrides=parse_hf_overrides(config.hf_overrides))
+    runner = ModelRunner(config, source.path, info["max_model_len"])
     log.info("rank %d of %d ready", args.rank, shape.size)
     serve(runner)
 
