@@ -57,9 +57,12 @@ async def create_rerank(ctx: ServingContext, req: RerankRequest, raw: Request, r
     if result is None:
         return Response(status_code=499)
     scores, tokens = result
-    best = sorted(range(len(texts)), key=lambda i: -scores[i])[: req.top_n or None]
-    results = [{"index": i, "relevance_score": scores[i], **({"document": {"text": texts[i]}} if req.return_documents
-                                                               else {})} for i in best]  # fmt: skip
+    results = []
+    for i in sorted(range(len(texts)), key=lambda i: -scores[i])[: req.top_n or None]:  # best first
+        result: dict = {"index": i, "relevance_score": scores[i]}
+        if req.return_documents:
+            result["document"] = {"text": texts[i]}
+        results.append(result)
     return json_response({"id": rid, "model": ctx.served_name(req.model), "results": results,
                           "usage": {"prompt_tokens": tokens, "total_tokens": tokens}})  # fmt: skip
 
