@@ -47,6 +47,18 @@ def error_body(status: int, message: str, param: str | None = None, code: str | 
     return {"error": {"message": _printable(message), "type": error_type, "param": _printable(param), "code": code}}
 
 
+# Anthropic's error types (the Messages API, /v1/messages): its clients read them from the body
+_ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                    404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error",
+                    503: "overloaded_error"}  # fmt: skip
+
+
+def anthropic_body(status: int, message: str) -> dict[str, Any]:
+    """An error in Anthropic's shape, for its Messages API routes (and a stream's error event)."""
+    error_type = _ANTHROPIC_TYPES.get(status, "api_error" if status >= 500 else "invalid_request_error")
+    return {"type": "error", "error": {"type": error_type, "message": _printable(message)}}
+
+
 def sse_error(status: int, message: str, code: str | None = None) -> str:
     """An error after a stream started: one `data:` event with the error body (then the caller sends [DONE])."""
     return f"data: {json.dumps(error_body(status, message, None, code))}\n\n"

@@ -41,20 +41,24 @@ def servers(tmp_path_factory: pytest.TempPathFactory):
 GUARDED = [("GET", "/v1/models", None), ("POST", "/v1/completions", {"prompt": "x", "max_tokens": 1}),
            ("POST", "/generate", {"prompt": "x", "max_tokens": 1}), ("POST", "/tokenize", {"prompt": "x"}),
            ("POST", "/detokenize", {"tokens": [1]}), ("GET", "/docs", None), ("GET", "/openapi.json", None),
-           ("GET", "/redoc", None), ("GET", "/version", None), ("GET", "/no/such/route", None)]  # fmt: skip
+           ("GET", "/redoc", None), ("GET", "/version", None), ("GET", "/no/such/route", None),
+           ("POST", "/v1/messages", {"model": "SmolLM2-135M-Instruct", "max_tokens": 1,
+                                     "messages": [{"role": "user", "content": "x"}]})]  # fmt: skip
 
 
 @pytest.mark.parametrize(("method", "path", "body"), GUARDED, ids=[g[1] for g in GUARDED])
 def test_api_key_guards_every_route_but_health_and_metrics(servers, method, path, body):
     """The key used to cover /v1/* only: /generate, /tokenize, /detokenize and the API docs answered anyone."""
     url = servers[0].url
-    for headers in ({}, {"Authorization": "Bearer wrong"}):
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"x-api-key": "wrong"}, {"x-api-key": ""}):
         r = httpx.request(method, url + path, headers=headers, json=body)
         assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key", (path, r.text)
-    r = httpx.request(method, url + path, headers=KEY, json=body, timeout=60)
-    # With the key: served, except the docs, which are off unless --enable-docs.
+    # With the key, as a bearer token or as Anthropic's clients send it: served, except the docs, which are off
+    # unless --enable-docs.
     docs = path in ("/docs", "/openapi.json", "/redoc", "/no/such/route")
-    assert r.status_code == (404 if docs else 200), r.text
+    for key in (KEY, {"x-api-key": KEY["Authorization"].removeprefix("Bearer ")}):
+        r = httpx.request(method, url + path, headers=key, json=body, timeout=60)
+        assert r.status_code == (404 if docs else 200), r.text
     assert all(httpx.request(m, url + p).status_code == 200
                for m, p in (("GET", "/health"), ("GET", "/ping"), ("POST", "/ping"), ("GET", "/metrics")))  # fmt: skip
 

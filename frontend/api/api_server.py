@@ -17,6 +17,7 @@ from frontend.api.http_guard import BodyRefused, HttpGuard
 from frontend.api.lora_adapters import LoadLoraAdapterRequest, UnloadLoraAdapterRequest
 from frontend.api.protocol import ChatCompletionRequest, CompletionRequest
 from frontend.api.protocol_embeddings import EmbeddingRequest
+from frontend.api.protocol_messages import CountTokensRequest, MessagesRequest
 from frontend.api.protocol_responses import ResponsesRequest
 from frontend.api.protocol_scores import ClassifyRequest, RerankRequest, ScoreRequest
 from frontend.api.protocol_tokens import DetokenizeRequest, GenerateRequest, TokenizeRequest
@@ -24,10 +25,11 @@ from frontend.api.serving import ServingContext, off_loop, stream_text
 from frontend.api.serving_chat import chat_prompt, create_chat_completion
 from frontend.api.serving_completion import create_completion
 from frontend.api.serving_embeddings import create_embedding
+from frontend.api.serving_messages import count_tokens, create_message
 from frontend.api.serving_pooling import EMBEDDINGS_ROUTE, SCORE_ROUTES
 from frontend.api.serving_responses import create_response
 from frontend.api.serving_scores import create_classify, create_rerank, create_score
-from frontend.errors import ApiError, bad_request, from_validation_errors
+from frontend.errors import ApiError, anthropic_body, bad_request, from_validation_errors
 from frontend.metrics import Metrics
 
 
@@ -44,13 +46,19 @@ def create_app(ctx: ServingContext, config: ServerConfig, metrics: Metrics) -> F
                   redoc_url="/redoc" if docs else None, openapi_url="/openapi.json" if docs else None)  # fmt: skip
     client = ctx.client
 
+    def error_response(request: Request, error: ApiError) -> JSONResponse:
+        """OpenAI's error shape, or Anthropic's on its Messages API routes."""
+        if request.url.path.startswith("/v1/messages"):
+            return JSONResponse(anthropic_body(error.status, error.message), error.status, error.headers)
+        return error.response()
+
     @app.exception_handler(RequestValidationError)
-    async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
-        return from_validation_errors(list(exc.errors())).response()
+    async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return error_response(request, from_validation_errors(list(exc.errors())))
 
     @app.exception_handler(ApiError)
-    async def _api_error(_: Request, exc: ApiError) -> JSONResponse:
-        return exc.response()
+    async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
+        return error_response(request, exc)
 
     @app.exception_handler(BodyRefused)
     async def _body_refused(_: Request, exc: BodyRefused) -> JSONResponse:
@@ -105,6 +113,14 @@ def create_app(ctx: ServingContext, config: ServerConfig, metrics: Metrics) -> F
     @app.post("/v1/responses", dependencies=generates)
     async def responses(req: ResponsesRequest, raw: Request) -> Response:
         return await create_response(ctx, req, raw, raw.state.request_id)
+
+    @app.post("/v1/messages", dependencies=generates)  # Anthropic's Messages API
+    async def messages(req: MessagesRequest, raw: Request) -> Response:
+        return await create_message(ctx, req, raw, raw.state.request_id)
+
+    @app.post("/v1/messages/count_tokens")
+    async def messages_count_tokens(req: CountTokensRequest) -> dict:
+        return await count_tokens(ctx, req)
 
     @app.get("/v1/models")
     async def models() -> dict:

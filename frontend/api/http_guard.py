@@ -38,6 +38,7 @@ class HttpGuard:
     def __init__(self, app: ASGIApp, config: ServerConfig) -> None:
         self.app = app
         self.expected = f"Bearer {config.api_key}".encode() if config.api_key else None
+        self.key = config.api_key.encode() if config.api_key else b""  # Anthropic's clients send it as x-api-key
         self.open_paths = frozenset() if config.api_key_on_health else frozenset({"/health", "/ping", "/metrics"})
         self.max_bytes = config.max_request_bytes
         self.body_timeout = config.body_timeout
@@ -85,8 +86,9 @@ class HttpGuard:
     def _refusal(self, scope: Scope, headers: Headers) -> ApiError | None:
         if self.expected and scope["method"] != "OPTIONS" and scope["path"] not in self.open_paths:
             given = headers.get("authorization", "").encode("latin-1")
-            if not hmac.compare_digest(given, self.expected):
-                return ApiError(401, "Incorrect or missing API key (Authorization: Bearer ...)", None,
+            given_key = headers.get("x-api-key", "").encode("latin-1")
+            if not (hmac.compare_digest(given, self.expected) or hmac.compare_digest(given_key, self.key)):
+                return ApiError(401, "Incorrect or missing API key (Authorization: Bearer ..., or x-api-key)", None,
                                 "invalid_api_key")  # fmt: skip
         length = headers.get("content-length")
         if length is not None and length.isdigit() and int(length) > self.max_bytes:

@@ -43,7 +43,7 @@ def _type_of(value: dict[str, Any], default: str | None) -> Any:
     return default if kind is None else kind
 
 
-def _one_of(supported: tuple[str, ...], what: str, default: str | None = None) -> BeforeValidator:
+def one_of(supported: tuple[str, ...], what: str, default: str | None = None) -> BeforeValidator:
     """A 400 that names an unsupported type (an image part, a web_search tool) instead of pydantic's union noise."""
 
     def check(value: Any) -> Any:
@@ -64,7 +64,7 @@ class TextPart(ApiModel):
     text: Text
 
 
-Content = Text | list[Annotated[TextPart, _one_of(PART_TYPES, "content parts")]]
+Content = Text | list[Annotated[TextPart, one_of(PART_TYPES, "content parts")]]
 
 
 def _text(content: Content) -> str:
@@ -106,7 +106,7 @@ def _item_tag(item: Any) -> str | None:
 InputItem = Annotated[
     Annotated[MessageItem, Tag("message")] | Annotated[FunctionCallItem, Tag("function_call")]
     | Annotated[FunctionCallOutputItem, Tag("function_call_output")] | Annotated[ReasoningItem, Tag("reasoning")],
-    Discriminator(_item_tag), _one_of(ITEM_TYPES, "input items", "message"),
+    Discriminator(_item_tag), one_of(ITEM_TYPES, "input items", "message"),
 ]  # fmt: skip
 
 
@@ -124,7 +124,7 @@ class FunctionChoice(ApiModel):
 
 ToolChoice = Annotated[
     Annotated[Literal["none", "auto", "required"], Tag("mode")]
-    | Annotated[FunctionChoice, _one_of(("function",), "tool_choice objects"), Tag("function")],
+    | Annotated[FunctionChoice, one_of(("function",), "tool_choice objects"), Tag("function")],
     Discriminator(lambda v: "mode" if isinstance(v, str) else "function"),
 ]  # fmt: skip
 
@@ -149,7 +149,7 @@ class ResponsesRequest(ApiModel):
     temperature: float | None = Field(None, ge=0)
     top_p: float | None = Field(None, gt=0, le=1)
     seed: int | None = Field(None, **SEED_BOUNDS)
-    tools: list[Annotated[FunctionTool, _one_of(("function",), "tools")]] | None = Field(None, max_length=MAX_TOOLS)
+    tools: list[Annotated[FunctionTool, one_of(("function",), "tools")]] | None = Field(None, max_length=MAX_TOOLS)
     tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool = True
     text: TextConfig | None = None
