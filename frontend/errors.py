@@ -29,8 +29,10 @@ class ApiError(Exception):
     def body(self) -> dict[str, Any]:
         return error_body(self.status, self.message, self.param, self.code)
 
-    def response(self, headers: dict[str, str] | None = None) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status, headers={**(self.headers or {}), **(headers or {})})
+    def response(self, headers: dict[str, str] | None = None, path: str = "") -> JSONResponse:
+        """OpenAI's error shape; Anthropic's on its Messages API routes (`path`: the request's)."""
+        body = anthropic_body(self.status, self.message) if path.startswith("/v1/messages") else self.body()
+        return JSONResponse(body, status_code=self.status, headers={**(self.headers or {}), **(headers or {})})
 
 
 def bad_request(message: str, param: str | None = None, code: str | None = "invalid_value") -> ApiError:

@@ -8,7 +8,7 @@ from collections.abc import Iterator
 
 import httpx
 
-from tests.fuzz_request_strategies import CHAT, CMPL, DETOK, GEN, RESP, TOK, Req
+from tests.fuzz_request_strategies import CHAT, CMPL, DETOK, GEN, MSGS, RESP, TOK, Req
 
 ERROR_KEYS = {"message", "type", "param", "code"}
 FINISH = {"stop", "length", "function_call"}  # function_call: a legacy `functions` request
@@ -28,12 +28,15 @@ def problems(req: Req, status: int, ctype: str, raw: bytes) -> list[str]:
     if status >= 500:
         return [f"5xx: {where}"]
     if 400 <= status < 500:
+        anthropic = req.path == MSGS  # Anthropic's error shape on its Messages API
         try:
-            error = json.loads(raw)["error"]
-            assert set(error) == ERROR_KEYS and isinstance(error["message"], str) and error["message"]
-            assert isinstance(error["type"], str) and error["type"]
+            answer = json.loads(raw)
+            error = answer["error"]
+            keys = {"type", "message"} if anthropic else ERROR_KEYS
+            assert set(error) == keys and isinstance(error["message"], str) and error["message"]
+            assert isinstance(error["type"], str) and error["type"] and (not anthropic or answer["type"] == "error")
         except (ValueError, KeyError, TypeError, AssertionError):
-            return [f"not an OpenAI error: {where}"]
+            return [f"not an {'Anthropic' if anthropic else 'OpenAI'} error: {where}"]
         return []
     if status != 200:
         return [f"unexpected status: {where}"]
@@ -47,6 +50,8 @@ def problems(req: Req, status: int, ctype: str, raw: bytes) -> list[str]:
 def _bad_200(req: Req, ctype: str, text: str) -> str | None:
     if req.path == RESP:
         return _bad_response(ctype, text)
+    if req.path == MSGS:
+        return _bad_message(ctype, text)
     if ctype.startswith("text/event-stream"):
         events = list(sse_events(text))
         if not events or events[-1] != "[DONE]":
@@ -86,6 +91,24 @@ def _bad_response(ctype: str, text: str) -> str | None:
 
 
 RESPONSE_ENDS = {"response.completed", "response.incomplete"}
+
+
+def _bad_message(ctype: str, text: str) -> str | None:
+    """/v1/messages: a message with a stop reason, whole or built by a stream that ends in message_stop (an error
+    event after the 200 is a 5xx in all but status)."""
+    if ctype.startswith("text/event-stream"):
+        events = [json.loads(e) for e in sse_events(text)]
+        kinds = [e["type"] for e in events]
+        if not kinds or kinds[0] != "message_start" or kinds[-1] != "message_stop" or "error" in kinds:
+            return f"stream of {kinds[:3]}...{kinds[-3:]}"
+        reason = events[-2]["delta"]["stop_reason"]
+    else:
+        answer = json.loads(text)
+        reason = answer["stop_reason"] if answer["type"] == "message" and answer["usage"] else None
+    return None if reason in STOP_REASONS else f"stop reason {reason}"
+
+
+STOP_REASONS = {"end_turn", "max_tokens", "stop_sequence", "tool_use"}
 NO_ANSWER = -1  # send()'s status when the server never answered in full: a timeout (a hang?) or a dropped connection
 
 

@@ -205,3 +205,45 @@ RESPONSES_FIELDS: dict[str, SearchStrategy[Any]] = {
     "previous_response_id": TEXT,
     "unknown_field": JUNK,
 }
+
+# /v1/messages (frontend/api/protocol_messages.py): Anthropic's content blocks and the fields chat does not have.
+BLOCK = weighted(
+    (4, PART),  # text blocks are chat's text parts
+    (1, st.fixed_dictionaries({"type": st.just("tool_use"), "id": field(TEXT), "name": field(TEXT),
+                               "input": field(st.sampled_from([{"city": "Paris"}, {}, [], "x"]))})),
+    (1, st.fixed_dictionaries({"type": st.just("tool_result"), "tool_use_id": field(TEXT)},
+                              optional={"content": weighted((3, TEXT), (1, st.lists(PART, max_size=2))),
+                                        "is_error": BOOL})),
+    (1, st.sampled_from([{"type": "image", "source": {}}, {"type": "thinking", "thinking": "x", "signature": ""},
+                         {"type": "redacted_thinking", "data": "x"}, {"type": "document"}, {}])),
+)  # fmt: skip
+ANTHROPIC_MESSAGE = st.fixed_dictionaries({"role": weighted((4, st.sampled_from(["user", "assistant"])), (1, ROLE)),
+                                           "content": weighted((3, TEXT), (3, st.lists(BLOCK, max_size=3)),
+                                                               (1, JUNK))})  # fmt: skip
+ANTHROPIC_MESSAGES = weighted((4, st.lists(ANTHROPIC_MESSAGE, min_size=1, max_size=3)), (1, st.just([])), (1, JUNK))
+CLEAN_ANTHROPIC_MESSAGES = st.lists(st.fixed_dictionaries({"role": st.sampled_from(["user", "assistant"]),
+                                                           "content": CLEAN_TEXT.map("".join)}), min_size=1, max_size=3)
+ANTHROPIC_TOOL = st.fixed_dictionaries(
+    {"name": field(st.sampled_from(["get_weather", "bad name", ""])),
+     "input_schema": field(st.sampled_from([{"type": "object", "properties": {"city": {"type": "string"}}},
+                                            {"type": "string"}, {}]))},
+    optional={"type": st.sampled_from(["custom", "web_search_20250305"]), "description": TEXT},
+)  # fmt: skip
+MESSAGES_FIELDS: dict[str, SearchStrategy[Any]] = {
+    "system": weighted((3, TEXT), (1, st.lists(PART, max_size=2))),
+    "stop_sequences": st.lists(TEXT, max_size=3),
+    "temperature": floats(0, 2),
+    "top_p": floats(0, 1),
+    "top_k": ints(-1, 50),
+    "tools": st.lists(ANTHROPIC_TOOL, max_size=2),
+    "tool_choice": st.sampled_from([{"type": "auto"}, {"type": "any"}, {"type": "none"}, {"type": "tool"},
+                                    {"type": "tool", "name": "get_weather"}, {"type": "tool", "name": "nope"},
+                                    {"type": "function"}, {"type": "any", "disable_parallel_tool_use": True}]),
+    "thinking": st.sampled_from([{"type": "enabled", "budget_tokens": 1024}, {"type": "disabled"}, {"type": "x"}]),
+    "output_config": st.sampled_from([{"format": {"type": "json_schema", "schema": {"type": "object"}}},
+                                      {"format": {"type": "json_schema", "schema": {"type": "nonsense"}}},
+                                      {"format": {"type": "text"}}, {"effort": "high"}]),
+    "metadata": st.sampled_from([{"user_id": "u"}, {}, {"user_id": 5}]),
+    "stream": BOOL,
+    "chat_template_kwargs": st.sampled_from([{}, {"enable_thinking": False}, {"messages": []}]),
+}  # fmt: skip

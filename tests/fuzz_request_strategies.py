@@ -11,7 +11,9 @@ from hypothesis import strategies as st
 from hypothesis.strategies import SearchStrategy
 
 from tests.fuzz_field_strategies import (
+    ANTHROPIC_MESSAGES,
     BOOL,
+    CLEAN_ANTHROPIC_MESSAGES,
     CLEAN_INPUT,
     CLEAN_MAX_TOKENS,
     CLEAN_MESSAGES,
@@ -24,6 +26,8 @@ from tests.fuzz_field_strategies import (
     LONG_IDS,
     MAX_TOKENS,
     MESSAGES,
+    MESSAGES_FIELDS,
+    MODEL,
     MODEL_NAME,
     PRESENT,
     PROMPT,
@@ -36,7 +40,7 @@ from tests.fuzz_field_strategies import (
 )
 
 CMPL, CHAT, GEN, TOK, DETOK = "/v1/completions", "/v1/chat/completions", "/generate", "/tokenize", "/detokenize"
-RESP = "/v1/responses"
+RESP, MSGS = "/v1/responses", "/v1/messages"
 
 
 @dataclass(frozen=True)
@@ -128,6 +132,11 @@ TOKENIZE = body(
 RESPONSES = body(
     {"model": MODEL_FIELD, "input": (CLEAN_INPUT, INPUT), "max_output_tokens": MAX_TOKENS_FIELD}, RESPONSES_FIELDS
 )
+ANTHROPIC = body(  # model and max_tokens are required here
+    {"model": (st.just(MODEL), MODEL_NAME), "messages": (CLEAN_ANTHROPIC_MESSAGES, ANTHROPIC_MESSAGES),
+     "max_tokens": MAX_TOKENS_FIELD},
+    MESSAGES_FIELDS,
+)  # fmt: skip
 DETOKENIZE = body(
     {"model": MODEL_FIELD, "tokens": (IDS, field(st.one_of(IDS, LONG_IDS, st.lists(IDS, max_size=2))))}, {}
 )
@@ -135,8 +144,8 @@ DETOKENIZE = body(
 CONTENT_TYPE = st.sampled_from(["application/json", "application/json", None, "text/plain",
                                 "application/x-www-form-urlencoded", "application/json; charset=utf-8"])  # fmt: skip
 # Mostly the routes that parse bodies; now and then one that takes no POST, or none at all.
-ANY_PATH = st.sampled_from([CMPL, CHAT, GEN, TOK, DETOK, RESP, CMPL, CHAT, GEN, TOK, DETOK, RESP, "/v1/models",
-                            "/health", "/v1/nothing"])  # fmt: skip
+ANY_PATH = st.sampled_from([CMPL, CHAT, GEN, TOK, DETOK, RESP, MSGS, CMPL, CHAT, GEN, TOK, DETOK, RESP, MSGS,
+                            "/v1/models", "/health", "/v1/nothing"])  # fmt: skip
 
 
 def encoded(path: str | SearchStrategy[str], bodies: SearchStrategy[Any]) -> SearchStrategy[Req]:
@@ -145,7 +154,8 @@ def encoded(path: str | SearchStrategy[str], bodies: SearchStrategy[Any]) -> Sea
 
 
 SCHEMA_REQS = st.one_of(encoded(CMPL, COMPLETION), encoded(CHAT, CHAT_BODY), encoded(GEN, GENERATE),
-                        encoded(TOK, TOKENIZE), encoded(DETOK, DETOKENIZE), encoded(RESP, RESPONSES))  # fmt: skip
+                        encoded(TOK, TOKENIZE), encoded(DETOK, DETOKENIZE), encoded(RESP, RESPONSES),
+                        encoded(MSGS, ANTHROPIC))  # fmt: skip
 RANDOM_JSON = st.recursive(
     st.none() | st.booleans() | st.integers() | st.floats(allow_subnormal=False) | st.text(max_size=8),
     lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),

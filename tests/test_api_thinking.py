@@ -118,3 +118,29 @@ def test_responses_report_the_thinking_in_output_tokens_details(server: Server) 
     assert [item["type"] for item in out["output"]][:1] == ["reasoning"]
     usage = out["usage"]
     assert usage["output_tokens"] == 6 and usage["output_tokens_details"]["reasoning_tokens"] == 6
+
+
+def test_messages_return_the_thinking_as_a_thinking_block(server: Server) -> None:
+    """/v1/messages (Anthropic's) returns the reasoning as a thinking block, whole and streamed; a thinking block
+    sent back is left out of the prompt."""
+    model = httpx.get(server.url + "/v1/models").json()["data"][0]["id"]
+    ask = [{"role": "user", "content": "Hi"}]
+    body = {"model": model, "max_tokens": 6, "temperature": 0, "messages": ask}
+    reasoning = httpx.post(server.url + "/v1/chat/completions", json={**body, "max_tokens": 6},
+                           timeout=120).json()["choices"][0]["message"]["reasoning"]  # fmt: skip
+    whole = httpx.post(server.url + "/v1/messages", json=body, timeout=120).json()
+    assert whole["content"] == [{"type": "thinking", "thinking": reasoning, "signature": ""}]
+    assert whole["stop_reason"] == "max_tokens" and whole["usage"]["output_tokens"] == 6
+    with httpx.stream("POST", server.url + "/v1/messages", json={**body, "stream": True}, timeout=120) as r:
+        events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: ")]
+    [start] = [e["content_block"] for e in events if e["type"] == "content_block_start"]
+    pieces = [e["delta"] for e in events if e["type"] == "content_block_delta"]
+    assert start["type"] == "thinking" and {p["type"] for p in pieces} == {"thinking_delta"}
+    assert "".join(p["thinking"] for p in pieces) == reasoning
+    turn = [*ask, {"role": "assistant", "content": [{"type": "thinking", "thinking": reasoning, "signature": ""},
+                                                    {"type": "text", "text": "Hello."}]},
+            {"role": "user", "content": "Again."}]  # fmt: skip
+    without = [*ask, {"role": "assistant", "content": "Hello."}, {"role": "user", "content": "Again."}]
+    counts = [httpx.post(server.url + "/v1/messages/count_tokens", json={"model": model, "messages": m}).json()
+              for m in (turn, without)]  # fmt: skip
+    assert counts[0] == counts[1] and counts[0]["input_tokens"] > 10

@@ -29,7 +29,7 @@ from frontend.api.serving_messages import count_tokens, create_message
 from frontend.api.serving_pooling import EMBEDDINGS_ROUTE, SCORE_ROUTES
 from frontend.api.serving_responses import create_response
 from frontend.api.serving_scores import create_classify, create_rerank, create_score
-from frontend.errors import ApiError, anthropic_body, bad_request, from_validation_errors
+from frontend.errors import ApiError, bad_request, from_validation_errors
 from frontend.metrics import Metrics
 
 
@@ -46,27 +46,23 @@ def create_app(ctx: ServingContext, config: ServerConfig, metrics: Metrics) -> F
                   redoc_url="/redoc" if docs else None, openapi_url="/openapi.json" if docs else None)  # fmt: skip
     client = ctx.client
 
-    def error_response(request: Request, error: ApiError) -> JSONResponse:
-        """OpenAI's error shape, or Anthropic's on its Messages API routes."""
-        if request.url.path.startswith("/v1/messages"):
-            return JSONResponse(anthropic_body(error.status, error.message), error.status, error.headers)
-        return error.response()
-
+    # Each error in OpenAI's shape, or Anthropic's on its Messages API routes (ApiError.response)
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
-        return error_response(request, from_validation_errors(list(exc.errors())))
+        return from_validation_errors(list(exc.errors())).response(path=request.url.path)
 
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
-        return error_response(request, exc)
+        return exc.response(path=request.url.path)
 
     @app.exception_handler(BodyRefused)
-    async def _body_refused(_: Request, exc: BodyRefused) -> JSONResponse:
-        return exc.error.response()
+    async def _body_refused(request: Request, exc: BodyRefused) -> JSONResponse:
+        return exc.error.response(path=request.url.path)
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
-        return ApiError(exc.status_code, str(exc.detail)).response(getattr(exc, "headers", None))
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        error = ApiError(exc.status_code, str(exc.detail))
+        return error.response(getattr(exc, "headers", None), path=request.url.path)
 
     def generating() -> None:
         """A pooling server's engines have no LM head (common/pooling.py): its generation routes are 400s."""

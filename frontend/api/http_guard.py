@@ -66,19 +66,19 @@ class HttpGuard:
 
         refusal = self._refusal(scope, headers)
         if refusal is not None:  # answered before a byte of the body is read (uvicorn discards the rest)
-            await refusal.response()(scope, receive, send_with_id)
+            await refusal.response(path=scope["path"])(scope, receive, send_with_id)
             return
         length = int(headers.get("content-length") or 0)
         try:
             await self.app(scope, self._limited(receive), send_with_id)
         except BodyRefused as exc:
             if not started:
-                await exc.error.response()(scope, receive, send_with_id)
+                await exc.error.response(path=scope["path"])(scope, receive, send_with_id)
         except Exception as exc:
             log.exception("unhandled error in %s %s", scope["method"], scope["path"])
             if not started:  # once a response has started, ending it is all that is left to do
                 error = ApiError(500, f"internal error: {type(exc).__name__}", None, "internal_error")
-                await error.response()(scope, receive, send_with_id)
+                await error.response(path=scope["path"])(scope, receive, send_with_id)
         finally:
             if length >= _TRIM_AFTER_BYTES:
                 _return_freed_memory()

@@ -83,11 +83,14 @@ class ServingContext:
         self.check_token_ids(ids, param)
         return ids
 
-    def max_tokens(self, prompt_len: int, requested: int | None, param: str) -> int:
+    def max_tokens(self, prompt_len: int, requested: int | None, param: str, clamp: bool = False) -> int:
         """The requested budget (default: the rest of the context), checked against max_model_len, then capped by
-        the generation config's max_new_tokens (as vLLM: a server-wide limit)."""
+        the generation config's max_new_tokens (as vLLM: a server-wide limit). `clamp`: a budget past the context
+        is cut to it rather than refused (Anthropic's max_tokens is a ceiling; Claude Code asks for 32000)."""
         room = self.max_model_len - prompt_len
         cap = self.sampling_defaults.max_tokens or room
+        if clamp and requested is not None and room >= 1:
+            requested = min(requested, room)
         if requested is None:
             if room < 1:
                 raise bad_request(f"the prompt has {prompt_len} tokens; the maximum context length is "

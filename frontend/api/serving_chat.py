@@ -126,9 +126,11 @@ class ChatFormat:
         return body
 
 
-async def start_chat(ctx: ServingContext, req: ChatCompletionRequest, rid: str) -> tuple[FanOut, ToolPlan]:
+async def start_chat(ctx: ServingContext, req: ChatCompletionRequest, rid: str,
+                     clamp: bool = False) -> tuple[FanOut, ToolPlan]:  # fmt: skip
     """A chat request checked, admitted, rendered and sent to the engine as `rid`; also what to do with its tools.
-    Shared by /v1/chat/completions and /v1/responses (which translates its requests into chat requests)."""
+    Shared by /v1/chat/completions, /v1/responses and /v1/messages (which translate their requests into chat
+    requests). `clamp`: a max_tokens past the context is cut to it (ServingContext.max_tokens)."""
     ctx.check_model(req.model)
     if req.top_logprobs is not None and not req.logprobs:
         raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
@@ -148,7 +150,7 @@ async def start_chat(ctx: ServingContext, req: ChatCompletionRequest, rid: str) 
                             req.add_special_tokens)  # fmt: skip
     requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
-    max_tokens = ctx.max_tokens(len(prompt), requested, param)
+    max_tokens = ctx.max_tokens(len(prompt), requested, param, clamp)
     params = ctx.sampling_params(req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None)
     params = with_prompt_logprobs(params, req.prompt_logprobs)
     params = await with_structured_output(req, params)  # response_format, guided_*: a bad one is a 400

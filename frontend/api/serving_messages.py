@@ -74,7 +74,7 @@ async def _events(ctx: ServingContext, fan: FanOut, parser: ToolParser | None, h
 async def create_message(ctx: ServingContext, req: MessagesRequest, raw: Request, request_id: str) -> Response:
     rid = f"msg_{request_id}"
     try:
-        fan, tools = await start_chat(ctx, chat_request(req), rid)
+        fan, tools = await start_chat(ctx, chat_request(req), rid, clamp=True)
     except ApiError as exc:
         raise in_messages_terms(exc) from None
     make_parser = with_reasoning(ctx.reasoning_parser, tools.make_parser(), fan.params.structured)
