@@ -129,6 +129,7 @@ def test_stop_sequences_and_the_length_limit(client: anthropic.Anthropic) -> Non
     ({"max_tokens": 5, "messages": [{"role": "user", "content": "hi"}],
       "tools": [{"type": "web_search_20250305", "name": "web_search", "input_schema": {}}]}, "server tools"),
     ({"max_tokens": 5, "messages": []}, "messages is empty"),
+    ({"max_tokens": 5, "messages": [{"role": "system", "content": "hi"}]}, "messages.0.role"),
     ({"max_tokens": 5, "messages": [{"role": "user", "content": "hi"}], "tool_choice": {"type": "tool"}},
      "tool_choice of type tool needs the tool's name"),
 ])  # fmt: skip
@@ -146,6 +147,11 @@ def test_the_client_raises_its_own_errors(client: anthropic.Anthropic, server: S
     with pytest.raises(anthropic.BadRequestError):
         client.messages.create(model=MODEL, max_tokens=5, messages=[{"role": "user", "content": [
             {"type": "document", "source": {"type": "text", "media_type": "text/plain", "data": "x"}}]}])
+    # Claude Code's user turns of roles "ctx" and "msg" are user turns
+    turns = [{"role": "ctx", "content": "Context."}, {"role": "msg", "content": QUESTION}]
+    assert client.messages.count_tokens(model=MODEL, messages=turns).input_tokens == client.messages.count_tokens(
+        model=MODEL, messages=[{"role": "user", "content": "Context."}, {"role": "user", "content": QUESTION}],
+    ).input_tokens  # fmt: skip
     assert_engine_idle_within(server, 10)
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any, Literal
 
-from pydantic import Discriminator, Field, Tag, ValidationError
+from pydantic import BeforeValidator, Discriminator, Field, Tag, ValidationError
 
 from frontend.api.protocol import (
     MAX_STOP,
@@ -68,8 +68,13 @@ def _kind(block: Any) -> Any:
     return block.get("type") if isinstance(block, dict) else getattr(block, "type", None)
 
 
+def _role(value: Any) -> Any:
+    """Claude Code (2.1.154 and later) also sends roles "ctx" and "msg", both user turns (as vLLM reads them)."""
+    return "user" if value in ("ctx", "msg") else value
+
+
 class Message(ApiModel):
-    role: Literal["user", "assistant"]
+    role: Annotated[Literal["user", "assistant"], BeforeValidator(_role)]
     content: Text | list[Block]
 
 
