@@ -17,19 +17,15 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
-import platform
-import sys
 import time
 from pathlib import Path
 
-import httpx
 import numpy as np
 import torch
 from tokenizers import Tokenizer
 from transformers import AutoModelForCausalLM
 
-from bench.servers import free_port, launched, served_model
+from bench.servers import add_pair_flags, one_at_a_time, post_all, run_record, served_model, servers_to_compare
 from frontend.text.chat_template import environment
 
 REPO = Path(__file__).resolve().parent.parent
@@ -72,23 +68,14 @@ def hf_pass(model: torch.nn.Module, inputs: list[list[int]], batch: int, no: int
 
 async def serve_pass(url: str, queries: list[str], documents: list[list[str]], concurrency: int) -> tuple[float, list]:
     """Seconds from the first request to the last answer, and every pair's score (query by query, document order)."""
-    results: list[list[float]] = [[] for _ in queries]
-    queue = list(range(len(queries)))
     model = served_model(url)
-    async with httpx.AsyncClient(base_url=url, timeout=600) as client:
-
-        async def worker() -> None:
-            while queue:
-                k = queue.pop(0)
-                r = await client.post("/rerank", json={"model": model, "query": queries[k], "documents": documents[k]})
-                r.raise_for_status()
-                by_index = {x["index"]: x["relevance_score"] for x in r.json()["results"]}
-                results[k] = [by_index[i] for i in range(len(documents[k]))]
-
-        start = time.perf_counter()
-        await asyncio.gather(*(worker() for _ in range(concurrency)))
-        seconds = time.perf_counter() - start
-    return seconds, [s for scores in results for s in scores]
+    bodies = [{"model": model, "query": q, "documents": docs} for q, docs in zip(queries, documents, strict=True)]
+    seconds, answers = await post_all(url, "/rerank", bodies, concurrency)
+    scores = []
+    for answer, docs in zip(answers, documents, strict=True):
+        by_index = {x["index"]: x["relevance_score"] for x in answer["results"]}
+        scores += [by_index[i] for i in range(len(docs))]
+    return seconds, scores
 
 
 def main() -> None:
@@ -100,13 +87,7 @@ def main() -> None:
     parser.add_argument("--documents", type=int, default=32, help="documents per query")
     parser.add_argument("--min-words", type=int, default=40)
     parser.add_argument("--max-words", type=int, default=160)
-    parser.add_argument("--concurrency", type=int, default=4, help="rerank requests in flight")
-    parser.add_argument("--hf-batch-sizes", default="8,32")
-    parser.add_argument("--pairs", type=int, default=2)
-    parser.add_argument("--roseinfer-args", default="", help="more launch.py flags")
-    parser.add_argument("--vllm-serve", type=Path, help="a script run as SCRIPT MODEL_DIR PORT that serves the model "
-                        "as a reranker with vLLM (the same overrides and template): measured after ours in each pair")
-    parser.add_argument("--result-json", type=Path)
+    add_pair_flags(parser, "the model as a reranker (the same overrides and template)")
     args = parser.parse_args()
     vocab = Tokenizer.from_file(str(args.model / "tokenizer.json"))
     queries = random_texts(vocab, args.queries, 6, 16, seed=1)
@@ -117,37 +98,27 @@ def main() -> None:
     hf = AutoModelForCausalLM.from_pretrained(args.model, dtype=getattr(torch, args.dtype)).eval()
     no, yes = vocab.token_to_id("no"), vocab.token_to_id("yes")
     hf_pass(hf, inputs[:2], 2, no, yes)  # warm-up
-    servers = {"roseinfer": [sys.executable, "launch.py", "--model", str(args.model), "--dtype", args.dtype,
-                             "--hf-overrides", json.dumps(OVERRIDES), "--chat-template", str(TEMPLATE),
-                             "--log-level", "warning", *args.roseinfer_args.split()]}  # fmt: skip
-    if args.vllm_serve:
-        servers["vLLM"] = ["bash", str(args.vllm_serve.resolve()), str(args.model)]
+    servers = servers_to_compare(args, "--hf-overrides", json.dumps(OVERRIDES), "--chat-template", str(TEMPLATE))
     pairs = []
     for pair in range(args.pairs):
         runs: dict = {"hf_s": {}}
         for batch in map(int, args.hf_batch_sizes.split(",")):
             runs["hf_s"][batch], reference = hf_pass(hf, inputs, batch, no, yes)
         best = min(runs["hf_s"].values())
-        for name, cmd in servers.items():  # one server at a time: neither takes memory or CPU from the other
-            port = free_port()
-            cmd = [*cmd, "--port", str(port)] if name == "roseinfer" else [*cmd, str(port)]
-            with launched(cmd, port, Path(f"/tmp/bench_rerank_{name}.log")) as url:
-                asyncio.run(serve_pass(url, queries[:1], [documents[0][:2]], 1))  # warm-up
-                seconds, scores = asyncio.run(serve_pass(url, queries, documents, args.concurrency))
+        for name, url in one_at_a_time(servers, "rerank"):
+            asyncio.run(serve_pass(url, queries[:1], [documents[0][:2]], 1))  # warm-up
+            seconds, scores = asyncio.run(serve_pass(url, queries, documents, args.concurrency))
             error = max(abs(a - b) for a, b in zip(scores, reference, strict=True))
             runs[name] = {"s": seconds, "pairs_per_s": len(inputs) / seconds, "tok_per_s": tokens / seconds,
                           "over_hf": best / seconds, "max_score_error_to_hf": error}  # fmt: skip
             print(f"pair {pair} {name}: {len(inputs) / seconds:.2f} pairs/s ({tokens / seconds:.0f} tok/s), "
                   f"{best / seconds:.2f}x HF's best {runs['hf_s']}, max score error to HF {error:.4f}", flush=True)
         pairs.append(runs)
-    result = {"model": str(args.model), "dtype": args.dtype, "queries": args.queries, "documents": args.documents,
-              "words": [args.min_words, args.max_words], "pairs_scored": len(inputs), "tokens": tokens,
-              "concurrency": args.concurrency, "pairs": pairs,
-              "machine": {"cpus": len(os.sched_getaffinity(0)), "processor": platform.processor() or platform.machine(),
-                          "torch": torch.__version__},
-              "date": time.strftime("%Y-%m-%d %H:%M")}  # fmt: skip
+    settings = {"model": str(args.model), "dtype": args.dtype, "queries": args.queries, "documents": args.documents,
+                "words": [args.min_words, args.max_words], "pairs_scored": len(inputs), "tokens": tokens,
+                "concurrency": args.concurrency}  # fmt: skip
     if args.result_json:
-        args.result_json.write_text(json.dumps(result, indent=2))
+        args.result_json.write_text(json.dumps(run_record(settings, pairs), indent=2))
 
 
 if __name__ == "__main__":

@@ -12,9 +12,8 @@ from fastapi.responses import Response
 
 from common.pooling import Pooling
 from frontend.api.protocol_embeddings import EmbeddingRequest
-from frontend.api.serving import ServingContext, off_loop
-from frontend.api.serving_completion import completion_prompts, num_prompts
-from frontend.api.serving_pooling import json_response, pool_prompts, serving_pooling
+from frontend.api.serving import ServingContext
+from frontend.api.serving_pooling import json_response, pool_inputs, serving_pooling
 from frontend.errors import bad_request
 
 
@@ -22,12 +21,8 @@ async def create_embedding(ctx: ServingContext, req: EmbeddingRequest, raw: Requ
     ctx.check_model(req.model)
     pooling = serving_pooling(ctx, classifier=False)
     length = embedding_length(pooling, req.dimensions, ctx.model_name)
-    await ctx.admit(num_prompts(req.input), ("one per input", "input"))
-    prompts, _ = await off_loop(completion_prompts, ctx, req.input, req.truncate_prompt_tokens, req.add_special_tokens,
-                                "input")  # fmt: skip
     rid = f"embd-{request_id}"
-    fields = ctx.request_fields(req.model, req.priority, req.cache_salt)
-    result = await pool_prompts(ctx, raw, rid, prompts, fields, "input")
+    result = await pool_inputs(ctx, raw, rid, req)
     if result is None:
         return Response(status_code=499)  # the client left; its requests were aborted
     pooled, tokens = result

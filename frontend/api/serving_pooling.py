@@ -9,7 +9,10 @@ from fastapi.responses import Response
 
 from common.messages import SamplingParams
 from common.pooling import Pooling
-from frontend.api.serving import ServingContext, collect
+from frontend.api.protocol_embeddings import EmbeddingRequest
+from frontend.api.protocol_scores import ClassifyRequest
+from frontend.api.serving import ServingContext, collect, off_loop
+from frontend.api.serving_completion import completion_prompts, num_prompts
 from frontend.engine.fanout import FanOut
 from frontend.errors import bad_request
 
@@ -47,6 +50,17 @@ async def pool_prompts(ctx: ServingContext, raw: Request, rid: str, prompts: lis
         assert choice.result.pooled is not None, "a pooling request finished without its result"
         pooled.append(choice.result.pooled)
     return pooled, fan.num_prompt_tokens
+
+
+async def pool_inputs(ctx: ServingContext, raw: Request, rid: str,
+                      req: EmbeddingRequest | ClassifyRequest) -> tuple[list[bytes], int] | None:  # fmt: skip
+    """A request's `input` (texts, token ids, or lists of either) admitted, tokenized and pooled, one engine
+    request per input: pool_prompts' answer."""
+    await ctx.admit(num_prompts(req.input), ("one per input", "input"))
+    prompts, _ = await off_loop(completion_prompts, ctx, req.input, req.truncate_prompt_tokens, req.add_special_tokens,
+                                "input")  # fmt: skip
+    fields = ctx.request_fields(req.model, req.priority, req.cache_salt)
+    return await pool_prompts(ctx, raw, rid, prompts, fields, "input")
 
 
 def json_response(body: dict) -> Response:

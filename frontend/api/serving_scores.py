@@ -17,8 +17,8 @@ from fastapi.responses import Response
 from common.pooling import Pooling
 from frontend.api.protocol_scores import ClassifyRequest, RerankRequest, ScoreRequest
 from frontend.api.serving import ServingContext, off_loop
-from frontend.api.serving_completion import completion_prompts, num_prompts
-from frontend.api.serving_pooling import json_response, pool_prompts, serving_pooling
+from frontend.api.serving_completion import completion_prompts
+from frontend.api.serving_pooling import json_response, pool_inputs, pool_prompts, serving_pooling
 from frontend.errors import bad_request
 from frontend.text.tokenizer import TokenizerError
 
@@ -70,12 +70,8 @@ async def create_rerank(ctx: ServingContext, req: RerankRequest, raw: Request, r
 async def create_classify(ctx: ServingContext, req: ClassifyRequest, raw: Request, request_id: str) -> Response:
     ctx.check_model(req.model)
     pooling = serving_pooling(ctx, classifier=True)
-    await ctx.admit(num_prompts(req.input), ("one per input", "input"))
-    prompts, _ = await off_loop(completion_prompts, ctx, req.input, req.truncate_prompt_tokens, req.add_special_tokens,
-                                "input")  # fmt: skip
     rid = f"classify-{request_id}"
-    fields = ctx.request_fields(req.model, req.priority, req.cache_salt)
-    result = await pool_prompts(ctx, raw, rid, prompts, fields, "input")
+    result = await pool_inputs(ctx, raw, rid, req)
     if result is None:
         return Response(status_code=499)
     pooled, tokens = result
