@@ -127,7 +127,9 @@ def test_stop_sequences_and_the_length_limit(client: anthropic.Anthropic) -> Non
     ({"max_tokens": 5, "messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]},
      "content blocks of type 'image' are not supported"),
     ({"max_tokens": 5, "messages": [{"role": "user", "content": "hi"}],
-      "tools": [{"type": "web_search_20250305", "name": "web_search", "input_schema": {}}]}, "server tools"),
+      "tools": [{"type": "web_search_20250305", "name": "web_search", "max_uses": 5}]}, "server tools"),
+    ({"max_tokens": 5, "messages": [{"role": "user", "content": "hi"}], "tools": [{"name": "f"}]},
+     "tools.0.input_schema: Field required"),
     ({"max_tokens": 5, "messages": []}, "messages is empty"),
     ({"max_tokens": 5, "messages": [{"role": "system", "content": "hi"}]}, "messages.0.role"),
     ({"max_tokens": 5, "messages": [{"role": "user", "content": "hi"}], "tool_choice": {"type": "tool"}},
@@ -162,3 +164,27 @@ def test_output_config_format_holds_the_answer_to_a_json_schema(client: anthropi
         {"role": "user", "content": "Name a city as JSON."}], output_config={"format": {"type": "json_schema",
                                                                                         "schema": schema}})  # fmt: skip
     jsonschema.validate(json.loads(answer.content[0].text), schema)
+
+
+def test_a_request_shaped_as_claude_codes_streams_to_the_end(server: Server) -> None:
+    """What Claude Code sends: system blocks and a message block with cache_control, tools whose schemas name
+    their JSON Schema draft, metadata, streaming, beta headers and fields this server does not know (ignored). (Its
+    max_tokens of 32000, cut to the context, is test_stop_sequences_and_the_length_limit's: greedy, this answer would
+    run to the context's end.)"""
+    schema = {"$schema": "http://json-schema.org/draft-07/schema#", "type": "object", "additionalProperties": False,
+              "properties": {"command": {"type": "string", "description": "The command to run"}},
+              "required": ["command"]}  # fmt: skip
+    body = {"model": MODEL, "max_tokens": 48, "stream": True, "temperature": 0,
+            "system": [{"type": "text", "text": "You are a coding agent.", "cache_control": {"type": "ephemeral"}}],
+            "messages": [{"role": "user", "content": [{"type": "text", "text": "List the files.",
+                                                       "cache_control": {"type": "ephemeral"}}]}],
+            "tools": [{"name": "Bash", "description": "Run a shell command", "input_schema": schema}],
+            "metadata": {"user_id": "user_abc_account__session_1"}, "context_management": {"edits": []}}  # fmt: skip
+    with httpx.stream("POST", server.url + "/v1/messages", json=body, timeout=300,
+                      headers={"anthropic-version": "2023-06-01", "anthropic-beta": "x"}) as r:  # fmt: skip
+        assert r.status_code == 200, r.read()
+        events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: ")]
+    kinds = [e["type"] for e in events]
+    assert kinds[0] == "message_start" and kinds[-2:] == ["message_delta", "message_stop"], kinds
+    assert events[-2]["delta"]["stop_reason"] in ("end_turn", "tool_use", "max_tokens")
+    assert events[-2]["usage"]["output_tokens"] > 0

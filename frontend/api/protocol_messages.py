@@ -83,7 +83,7 @@ class Tool(ApiModel):
 
     name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
     description: Text | None = None
-    input_schema: dict[str, Any]
+    input_schema: dict[str, Any] | None = None  # required of a client tool (chat_request says so)
     type: Text | None = None  # "custom"; another type is a server tool, refused by name in chat_request
 
 
@@ -186,9 +186,11 @@ def _tool_choice(choice: ToolChoice | None) -> str | NamedToolChoice | None:
 
 def chat_request(req: MessagesRequest) -> ChatCompletionRequest:
     """The chat completions request that does what `req` asks (400s for what it cannot)."""
-    for tool in req.tools or []:
+    for i, tool in enumerate(req.tools or []):
         if tool.type not in (None, "custom"):
             raise bad_request(f"tools of type {tool.type!r} (server tools) are not supported", "tools")
+        if tool.input_schema is None:
+            raise bad_request(f"tools.{i}.input_schema: Field required", "tools", "missing_required_parameter")
     tools = [{"type": "function", "function": {"name": t.name, "description": t.description,
                                                "parameters": t.input_schema}} for t in req.tools or []]  # fmt: skip
     kwargs = dict(req.chat_template_kwargs or {})
