@@ -4,6 +4,7 @@ stop sequences and the length limit as stop reasons, count_tokens, and errors in
 
 from __future__ import annotations
 
+import asyncio
 import json
 from typing import Any
 
@@ -12,6 +13,9 @@ import httpx
 import jsonschema
 import pytest
 
+from frontend.api.serving_messages import _events
+from frontend.engine.request_stream import Delta
+from frontend.errors import ApiError
 from tests.conftest import Server
 from tests.test_api_responses import ASK, MODEL, chat
 from tests.test_api_streaming import assert_engine_idle_within
@@ -188,3 +192,34 @@ def test_a_request_shaped_as_claude_codes_streams_to_the_end(server: Server) -> 
     assert kinds[0] == "message_start" and kinds[-2:] == ["message_delta", "message_stop"], kinds
     assert events[-2]["delta"]["stop_reason"] in ("end_turn", "tool_use", "max_tokens")
     assert events[-2]["usage"]["output_tokens"] > 0
+
+
+def test_a_failure_after_the_stream_started_ends_it_with_an_error_event() -> None:
+    """The events after an engine failure mid-answer (a poison request, say): the text so far, then Anthropic's
+    error event, and no message_stop."""
+    class Failing:  # a fan-out whose engine fails after one piece of text
+        choices: list = []
+
+        async def deltas(self):
+            yield 0, Delta(text="Hello")
+            yield 0, Delta(finish_reason="error", error="the request crashed the engine core")
+
+        def usage(self) -> dict:
+            return {"prompt_tokens": 3, "completion_tokens": 1}
+
+        def abort(self) -> None:
+            self.aborted = True
+
+    class Context:
+        def failure(self, error: str, code: str | None) -> ApiError:
+            return ApiError(500, error, None, code)
+
+    async def collect(fan: Failing) -> list[dict]:
+        chunks = [chunk async for chunk in _events(Context(), fan, None, {"id": "msg_1"}, [])]  # type: ignore[arg-type]
+        return [json.loads(line[6:]) for c in chunks for line in c.decode().splitlines() if line.startswith("data: ")]
+
+    fan = Failing()
+    events = asyncio.run(collect(fan))
+    assert [e["type"] for e in events] == ["message_start", "content_block_start", "content_block_delta", "error"]
+    assert events[-1]["error"] == {"type": "api_error", "message": "the request crashed the engine core"}
+    assert fan.aborted

@@ -27,7 +27,7 @@ class Delta:
     error: str | None = None
     error_code: str | None = None  # why it failed, when that is more than "the engine failed"
     prompt_logprobs: Logprobs | None = None  # with the first delta, when asked for
-    pooled: bytes | None = None  # an embed request's, with its last delta (EngineOutput.embedding)
+    pooled: bytes | None = None  # a pooling request's result, with its last delta (EngineOutput.pooled)
 
     def merge(self, other: Delta) -> None:
         self.token_ids += other.token_ids
