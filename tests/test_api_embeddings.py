@@ -183,8 +183,11 @@ def test_the_offline_llm_embeds_as_the_server_does(embed_server, embedding_model
     ids = token_ids(server, TEXTS[1])
     with LLM(str(path), dtype="float32", **GPU_TEST_KV) as llm:
         vectors = llm.embed([TEXTS[1], ids[:3]], use_tqdm=False)
+        scores = llm.score(TEXTS[0], TEXTS[1:], use_tqdm=False)
     np.testing.assert_allclose(vectors[0], expected(model, ids), atol=1e-5)
     np.testing.assert_allclose(vectors[1], expected(model, ids[:3]), atol=1e-5)
+    unit = {t: expected(model, token_ids(server, t)) for t in TEXTS}
+    np.testing.assert_allclose(scores, [float(unit[TEXTS[0]] @ unit[d]) for d in TEXTS[1:]], atol=1e-5)
 
 
 def test_a_pooling_the_server_cannot_compute_stops_it_at_start(tmp_path, embedding_model) -> None:

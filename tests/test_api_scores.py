@@ -21,9 +21,11 @@ from common.pooling import Pooling
 from frontend.api.serving import ServingContext
 from frontend.api.serving_scores import pair_prompts, score_pairs
 from frontend.errors import ApiError
+from frontend.offline.llm import LLM
 from frontend.text.chat_template import environment
 from frontend.text.tokenizer import Tokenizer
 from tests.conftest import REPO, Server
+from tests.engine_helpers import GPU_TEST_KV
 from tests.test_api_streaming import assert_engine_idle_within
 from tests.test_classifier_engine import RERANKER, write_causal_reranker
 
@@ -125,6 +127,21 @@ def test_bad_score_requests_are_400s(reranker, route: str, body: dict, param: st
     assert r.status_code == 400, r.text
     error = r.json()["error"]
     assert error["param"] == param and words in error["message"], error
+
+
+def test_the_offline_llm_scores_and_classifies_as_the_server_does(reranker) -> None:
+    _, model, path = reranker
+    with LLM(str(path), chat_template=str(TEMPLATE), hf_overrides=json.dumps(RERANKER), dtype="float32",
+             **GPU_TEST_KV) as llm:  # fmt: skip
+        scores = llm.score(QUERY, DOCUMENTS[:2], use_tqdm=False)
+        (probs,) = llm.classify(["Is the sky blue?"], use_tqdm=False)
+    want = [sigmoid(logit(model, path, QUERY, d)[0]) for d in DOCUMENTS[:2]]
+    np.testing.assert_allclose(scores, want, atol=1e-5)
+    vocabulary = HFTokenizer.from_file(str(path / "tokenizer.json"))
+    with torch.inference_mode():
+        logits = model(torch.tensor([vocabulary.encode("Is the sky blue?").ids])).logits[0, -1]
+    yes_no = float(logits[vocabulary.token_to_id("yes")] - logits[vocabulary.token_to_id("no")])
+    np.testing.assert_allclose(probs, [sigmoid(yes_no)], atol=1e-5)
 
 
 def context(pooling: Pooling) -> ServingContext:

@@ -119,14 +119,10 @@ def pair_prompts(ctx: ServingContext, pairs: Pairs, keep: int | None, add_specia
     """Each (query, document) as a classifier's prompt: the --chat-template's rendering, or the texts joined."""
     prompts = []
     for query, document in pairs:
-        if ctx.pair_template:
-            messages = [{"role": "query", "content": query}, {"role": "document", "content": document}]
-            try:  # special-token text in the texts stays text, as in chat messages
-                ids = ctx.tokenizer.encode_chat(messages, add_generation_prompt=False)
-            except TokenizerError as exc:
-                raise bad_request(f"--chat-template could not render this pair: {exc}", param) from None
-        else:
-            ids = ctx.tokenizer.encode(query + document, add_special_tokens)
+        try:
+            ids = ctx.tokenizer.encode_pair(query, document, ctx.pair_template, add_special_tokens)
+        except TokenizerError as exc:
+            raise bad_request(f"--chat-template could not render this pair: {exc}", param) from None
         prompts.append(ctx.check_prompt(ids, param, keep))
     return prompts
 

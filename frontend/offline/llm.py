@@ -5,6 +5,7 @@ is the server's token for token."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -15,7 +16,7 @@ from common.config import EngineConfig
 from common.lora import lora_modules
 from common.messages import EngineOutput, EngineRequest, SamplingParams
 from common.model_source import parse_hf_overrides, resolve_model
-from common.pooling import read_pooling
+from common.pooling import Pooling, read_pooling
 from frontend.offline.engine_link import EngineClient
 from frontend.text.tokenizer import Tokenizer
 
@@ -31,11 +32,14 @@ class CompletionOutput:
 class LLM:
     """`LLM(model=None).generate(["Hello"], SamplingParams(max_tokens=32))`: outputs in input order."""
 
-    def __init__(self, model: str | None = None, **engine_options) -> None:
+    def __init__(self, model: str | None = None, chat_template: str | None = None, **engine_options) -> None:
+        """`chat_template`: a Jinja file used instead of the model's own (the server's --chat-template; for score, a
+        pair's template)."""
         config = dataclasses.replace(EngineConfig(), model=model, **engine_options)
         self.overrides = parse_hf_overrides(config.hf_overrides)
         self.source = resolve_model(model, overrides=self.overrides)  # converts a GGUF once, before the engine
-        self.tokenizer = Tokenizer(self.source.path)
+        self.tokenizer = Tokenizer(self.source.path, chat_template=chat_template)
+        self.pair_template = chat_template is not None
         self.loras = {m.name: m.ref for m in lora_modules(config)}  # bad flags or adapter configs: before the engine
         self.engine = EngineClient(config)
 
@@ -64,17 +68,37 @@ class LLM:
             results.append(CompletionOutput(p, ids, self.tokenizer.decode(ids, skip_special_tokens=True), reason))
         return results
 
+    @functools.cached_property
+    def pooling(self) -> Pooling:
+        """What a pooling engine's requests give back (read when first needed: a generating model has none)."""
+        return read_pooling(self.source.path, self.overrides)
+
     def embed(self, prompts: Sequence[str | list[int]], use_tqdm: bool = True) -> list[np.ndarray]:
         """Each prompt's embedding (common/pooling.py), for an embedding model or with runner="pooling"."""
-        pooling = read_pooling(self.source.path, self.overrides)
+        return [self.pooling.embedding(p) for p in self._pool(prompts, "embedding", use_tqdm)]
+
+    def classify(self, prompts: Sequence[str | list[int]], use_tqdm: bool = True) -> list[np.ndarray]:
+        """Each prompt's label probabilities, as POST /classify gives them, for a classifier (common/pooling.py)."""
+        return [self.pooling.probabilities(p) for p in self._pool(prompts, "classifying", use_tqdm)]
+
+    def score(self, query: str, documents: Sequence[str], use_tqdm: bool = True) -> list[float]:
+        """Each document's score for the query, as POST /score gives it: a reranker's probability (each pair one
+        prompt, through the chat_template if one was given), or an embedding model's cosine."""
+        if not self.pooling.classifies:
+            unit = [v / max(float(np.linalg.norm(v)), 1e-12) for v in self.embed([query, *documents], use_tqdm)]
+            return [float(unit[0] @ v) for v in unit[1:]]
+        pairs = [self.tokenizer.encode_pair(query, d, self.pair_template) for d in documents]
+        return [float(p[0]) for p in self.classify(pairs, use_tqdm)]
+
+    def _pool(self, prompts: Sequence[str | list[int]], what: str, use_tqdm: bool) -> list[bytes]:
         token_prompts = [p if isinstance(p, list) else self.tokenizer.encode(p) for p in prompts]
         requests = [EngineRequest(str(i), p, SamplingParams(max_tokens=0), pool=True)
                     for i, p in enumerate(token_prompts)]  # fmt: skip
-        embeddings = []
-        for outs in self._run(requests, "embedding", use_tqdm):
-            assert outs[-1].pooled is not None, "an embed request finished without its embedding"
-            embeddings.append(pooling.embedding(outs[-1].pooled))
-        return embeddings
+        results = []
+        for outs in self._run(requests, what, use_tqdm):
+            assert outs[-1].pooled is not None, "a pooling request finished without its result"
+            results.append(outs[-1].pooled)
+        return results
 
     def _run(self, requests: list[EngineRequest], what: str, use_tqdm: bool) -> list[list[EngineOutput]]:
         """Sends the requests (ids: their places) and gathers each one's outputs until all have finished; a failed

@@ -107,6 +107,15 @@ class Tokenizer:
         # stalls the event loop; for a short text the two cost the same.
         return self._tok.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
+    def encode_pair(self, query: str, document: str, templated: bool, add_special_tokens: bool = True) -> list[int]:
+        """A scored (query, document) pair as one prompt, as vLLM makes it: the chat template's rendering of the two as
+        messages of roles "query" and "document" (special-token text in them stays text), or the texts joined and
+        read as a completion's prompt is."""
+        if templated:
+            messages = [{"role": "query", "content": query}, {"role": "document", "content": document}]
+            return self.encode_chat(messages, add_generation_prompt=False)
+        return self.encode(query + document, add_special_tokens)
+
     def single_token(self, text: str) -> int | None:
         """The id of the one token that `text` encodes to, or None where it takes several (or none)."""
         ids = self.encode(text, add_special_tokens=False)
