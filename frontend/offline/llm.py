@@ -1,6 +1,6 @@
-"""LLM: offline batch generation (or embedding) over an engine-core process, with text in and text out. The text work
-is the API server's own (frontend/text/tokenizer.py: its chat templates, encoding and decoding), so an offline prompt
-is the server's token for token."""
+"""LLM: offline batch generation (or embedding, scoring) over an engine-core process, with text in and out. The text
+work is the API server's own (frontend/text/tokenizer.py: its chat templates, encoding and decoding), so an offline
+prompt is the server's token for token."""
 
 from __future__ import annotations
 
