@@ -107,7 +107,10 @@ class ServerConfig:
     parse_special_tokens_in_content: bool = flag(
         False, "read special tokens written inside chat message content as control tokens (unsafe: prompt injection)"
     )
-    chat_template: str | None = flag(None, "path to a Jinja chat template used instead of the model's own")
+    chat_template: str | None = flag(
+        None, "path to a Jinja chat template used instead of the model's own (on a pooling server: how /score and "
+        "/rerank render a pair, such as examples/qwen3_reranker.jinja)",
+    )
     generation_config: str = flag(
         "auto", "sampling defaults for what requests leave out: auto (the model's generation_config.json: temperature, "
         "top_p, top_k, min_p, repetition_penalty; its max_new_tokens caps every request), vllm (none), or a folder",
