@@ -1,6 +1,7 @@
 """Tensor parallelism over torch.distributed (gloo, CPU, float32): two ranks serve over HTTP token for token what
 transformers generates greedily, on the default model and on tiny random Llama (one KV head, replicated), Qwen2
-(q/k/v biases, odd vocabulary) and GPT-2 (odd vocabulary) configs; two "nodes" on loopback form one group; the
+(q/k/v biases, odd vocabulary) and GPT-2 (odd vocabulary) configs, and a Qwen3 classifier's probabilities over
+/classify; two "nodes" on loopback form one group; the
 group dies and restarts as one, whichever of its processes is killed.
 
 The servers start together (module fixtures) and load while the references are computed. Tiny models get a
@@ -46,14 +47,20 @@ TINY = {  # name -> (config, HF class)
     "gpt2": (lambda: transformers.GPT2Config(n_embd=64, n_layer=2, n_head=4, vocab_size=129, n_positions=256,
                                              architectures=["GPT2LMHeadModel"]), transformers.GPT2LMHeadModel),
 }  # fmt: skip
+# A pooling server's classifier (a reranker's shape, three labels): its head's rows whole on both ranks.
+CLASSIFIER = (lambda: transformers.Qwen3Config(hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                               num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                               vocab_size=128, num_labels=3),
+              transformers.Qwen3ForSequenceClassification)  # fmt: skip
 # Token-id prompts: different lengths in one batch, and a second round that hits the first one's cached prefix.
 PROMPTS = [[5, 9, 17, 3, 44, 2, 8], list(range(10, 50)), [7] * 3]
 PREFIX_HIT = list(range(10, 50))[:33] + [1, 2, 3]
 
 
-def save_tiny(name: str, root: Path) -> tuple[Path, transformers.PreTrainedModel]:
-    """A seeded random model (every weight, bias and norm randomised) with a word-level tokenizer."""
-    config, hf_class = TINY[name]
+def save_tiny(name: str, root: Path, spec=None) -> tuple[Path, transformers.PreTrainedModel]:
+    """A seeded random model (every weight, bias and norm randomised) with a word-level tokenizer; `spec`: its
+    (config, class) where it is not TINY's."""
+    config, hf_class = spec or TINY[name]
     torch.manual_seed(0)
     hf = hf_class(config()).eval()
     with torch.no_grad():
@@ -121,7 +128,7 @@ def gone(pid: int, timeout: float = 15.0) -> bool:
 @pytest.fixture(scope="module")
 def tiny_models(tmp_path_factory) -> dict[str, tuple[Path, transformers.PreTrainedModel]]:
     root = tmp_path_factory.mktemp("tiny")
-    return {name: save_tiny(name, root) for name in TINY}
+    return {**{name: save_tiny(name, root) for name in TINY}, "classifier": save_tiny("classifier", root, CLASSIFIER)}
 
 
 class TwoNodes:
@@ -155,6 +162,8 @@ def servers(tmp_path_factory, tiny_models):
                              "--max-num-batched-tokens", "16")  # fmt: skip
     started["gemma3"] = Server(tmp_path_factory.mktemp("tp-gemma3"), *TP, "--model", str(tiny_models["gemma3"][0]),
                                "--max-num-batched-tokens", "16")  # fmt: skip
+    started["classifier"] = Server(tmp_path_factory.mktemp("tp-classifier"), *TP, "--model",
+                                   str(tiny_models["classifier"][0]))  # fmt: skip
     two_nodes = TwoNodes(tmp_path_factory.mktemp("tp-two-nodes"), tiny_models["qwen2"][0])
     started["qwen2"] = two_nodes.node0
     seen: set[int] = set()  # every engine core and worker healthy() saw
@@ -204,6 +213,16 @@ def test_default_model_greedy_equals_transformers(servers):
             for r, t in zip(refs, texts, strict=True)]  # fmt: skip
     server = healthy(servers, "smollm2")
     assert asyncio.run(_complete(server.url, texts)) == refs
+
+
+def test_a_classifier_gives_transformers_probabilities(servers, tiny_models):
+    _, hf = tiny_models["classifier"]
+    server = healthy(servers, "classifier")
+    data = httpx.post(server.url + "/classify", json={"input": PROMPTS}, timeout=300).json()["data"]
+    for prompt, answer in zip(PROMPTS, data, strict=True):
+        with torch.inference_mode():
+            want = torch.softmax(hf(torch.tensor([prompt])).logits[0], -1)
+        assert answer["probs"] == pytest.approx(want.tolist(), abs=1e-5)
 
 
 @pytest.mark.parametrize("name", list(TINY))
