@@ -1,8 +1,8 @@
 """Tensor parallelism over torch.distributed (gloo, CPU, float32): two ranks serve over HTTP token for token what
 transformers generates greedily, on the default model and on tiny random Llama (one KV head, replicated), Qwen2
 (q/k/v biases, odd vocabulary) and GPT-2 (odd vocabulary) configs, and a Qwen3 classifier's probabilities over
-/classify; two "nodes" on loopback form one group; the
-group dies and restarts as one, whichever of its processes is killed.
+/classify; two "nodes" on loopback form one group; the group dies and restarts as one, whichever of its processes
+is killed.
 
 The servers start together (module fixtures) and load while the references are computed. Tiny models get a
 word-level tokenizer ("t0", "t1", ...), so a completion's text gives back its token ids.
