@@ -48,18 +48,24 @@ class Pooling:
         """The embedding from an engine's hidden state (EngineOutput.pooled): its first `length` values (all by
         default), scaled to length 1 if the model normalizes (a zero vector stays zero, as torch's normalize)."""
         vector = np.frombuffer(hidden, dtype="<f4")[: length or self.size]
-        if self.normalize:
-            vector = vector / max(float(np.linalg.norm(vector)), 1e-12)
-        return vector.astype("<f4")
+        return (unit_length(vector) if self.normalize else vector).astype("<f4")
 
-    def probabilities(self, logits: bytes) -> np.ndarray:
+    def label_scores(self, logits: bytes, activation: bool = True) -> np.ndarray:
         """A classifier's label probabilities from its logits (EngineOutput.pooled), as vLLM's: a softmax over the
-        labels, or a single label's sigmoid (a reranker's relevance)."""
+        labels, or a single label's sigmoid (a reranker's relevance); with `activation` off (vLLM's
+        use_activation), the logits as they are."""
         values = np.frombuffer(logits, dtype="<f4").astype(np.float64)
+        if not activation:
+            return values
         if values.size == 1:
             return 1.0 / (1.0 + np.exp(-values))
         exp = np.exp(values - values.max())
         return exp / exp.sum()
+
+
+def unit_length(vector: np.ndarray) -> np.ndarray:
+    """`vector` scaled to length 1 (a zero vector stays zero, as torch's normalize)."""
+    return vector / max(float(np.linalg.norm(vector)), 1e-12)
 
 
 def pick_runner(requested: str, model_dir: Path, architecture: str, overrides: dict | None = None) -> str:

@@ -41,8 +41,8 @@ class Request:
         self.priority = msg.priority
         self.lora_slot = 0  # the LoRA adapter serving it (engine_core/lora.py), set when admitted; 0: none
         self.cache_salt = msg.cache_salt  # its prefix-cache blocks are another request's only under the same salt
-        self.pool = msg.pool  # pooling: its last prompt position's hidden state is the result, not a token
-        self.pooled: bytes | None = None  # that hidden state, set by the runner's step over the position
+        self.pool = msg.pool  # pooling: what its last prompt position pools to is the result, not a token
+        self.pooled: bytes | None = None  # that result, set by the runner's step over the position
         self.seq_no = seq_no  # admission order: the tie-breaker of every policy
         self.num_computed_tokens = 0  # tokens whose KV is in the cache
         self.num_cached_tokens = 0  # prompt tokens that came from the prefix cache (the most at any admission)

@@ -198,7 +198,7 @@ def test_a_failure_after_the_stream_started_ends_it_with_an_error_event() -> Non
     """The events after an engine failure mid-answer (a poison request, say): the text so far, then Anthropic's
     error event, and no message_stop."""
     class Failing:  # a fan-out whose engine fails after one piece of text
-        choices: list = []
+        num_cached_tokens = 0
 
         async def deltas(self):
             yield 0, Delta(text="Hello")

@@ -162,7 +162,7 @@ def test_a_classifier_of_several_labels_gives_no_score() -> None:
     ctx = context(Pooling(3, False, None, ("a", "b", "c")))
     request = type("R", (), {"model": None, "priority": 0, "cache_salt": None})()
     with pytest.raises(ApiError) as caught:
-        asyncio.run(score_pairs(ctx, request, None, "rid", [("q", "d")], True, "text_2"))  # type: ignore[arg-type]
+        asyncio.run(score_pairs(ctx, request, None, "rid", [("q", "d")], "text_2"))  # type: ignore[arg-type]
     assert caught.value.status == 400 and "has 3 labels" in str(caught.value.message)
 
 

@@ -36,7 +36,7 @@ def stop_reason(finish: str | None, stopped_by: str | int | None, builder: Conte
 def usage(fan: FanOut) -> dict[str, Any]:
     """Anthropic counts the prompt tokens read from its cache apart from the others."""
     counts = fan.usage()
-    cached = sum(c.stream.num_cached_tokens for c in fan.choices)
+    cached = fan.num_cached_tokens
     return {"input_tokens": counts["prompt_tokens"] - cached, "cache_read_input_tokens": cached,
             "cache_creation_input_tokens": 0, "output_tokens": counts["completion_tokens"]}  # fmt: skip
 

@@ -31,7 +31,7 @@ def status_of(finish_reason: str | None) -> str:
 
 def usage(fan: FanOut) -> dict[str, Any]:
     counts = fan.usage()
-    cached = sum(c.stream.num_cached_tokens for c in fan.choices)  # prompt tokens the prefix cache held
+    cached = fan.num_cached_tokens
     reasoning = counts.get("completion_tokens_details", {}).get("reasoning_tokens", 0)
     return {"input_tokens": counts["prompt_tokens"], "input_tokens_details": {"cached_tokens": cached},
             "output_tokens": counts["completion_tokens"], "output_tokens_details": {"reasoning_tokens": reasoning},

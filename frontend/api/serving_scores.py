@@ -14,7 +14,7 @@ import numpy as np
 from fastapi import Request
 from fastapi.responses import Response
 
-from common.pooling import Pooling
+from common.pooling import unit_length
 from frontend.api.protocol_scores import ClassifyRequest, RerankRequest, ScoreRequest
 from frontend.api.serving import ServingContext, off_loop
 from frontend.api.serving_completion import completion_prompts
@@ -38,7 +38,7 @@ async def create_score(ctx: ServingContext, req: ScoreRequest, raw: Request, req
         queries = queries * len(documents)
     pairs = list(zip(queries, documents, strict=True))
     rid = f"score-{request_id}"
-    result = await score_pairs(ctx, req, raw, rid, pairs, req.use_activation, "text_2")
+    result = await score_pairs(ctx, req, raw, rid, pairs, "text_2")
     if result is None:
         return Response(status_code=499)  # the client left; its requests were aborted
     scores, tokens = result
@@ -53,7 +53,7 @@ async def create_rerank(ctx: ServingContext, req: RerankRequest, raw: Request, r
         raise bad_request("documents is empty", "documents")
     texts = [d if isinstance(d, str) else d.text for d in req.documents]
     rid = f"rerank-{request_id}"
-    result = await score_pairs(ctx, req, raw, rid, [(req.query, t) for t in texts], req.use_activation, "documents")
+    result = await score_pairs(ctx, req, raw, rid, [(req.query, t) for t in texts], "documents")
     if result is None:
         return Response(status_code=499)
     scores, tokens = result
@@ -77,7 +77,7 @@ async def create_classify(ctx: ServingContext, req: ClassifyRequest, raw: Reques
     pooled, tokens = result
     data = []
     for index, logits in enumerate(pooled):
-        values = pooling.probabilities(logits) if req.use_activation else np.frombuffer(logits, dtype="<f4")
+        values = pooling.label_scores(logits, req.use_activation)
         data.append({"index": index, "label": pooling.labels[int(np.argmax(values))], "probs": values.tolist(),
                      "num_classes": pooling.size})  # fmt: skip
     return json_response({"id": rid, "object": "list", "created": int(time.time()), "model": ctx.served_name(req.model),
@@ -85,7 +85,7 @@ async def create_classify(ctx: ServingContext, req: ClassifyRequest, raw: Reques
 
 
 async def score_pairs(ctx: ServingContext, req: ScoreRequest | RerankRequest, raw: Request, rid: str, pairs: Pairs,
-                      activation: bool, param: str) -> tuple[list[float], int] | None:  # fmt: skip
+                      param: str) -> tuple[list[float], int] | None:  # fmt: skip
     """Each pair's score and the prompt tokens it took; None when the client left."""
     pooling = serving_pooling(ctx, classifier=None)
     if pooling.classifies and pooling.size != 1:
@@ -99,8 +99,7 @@ async def score_pairs(ctx: ServingContext, req: ScoreRequest | RerankRequest, ra
         if result is None:
             return None
         logits, tokens = result
-        scores = [pooling.probabilities(x)[0] if activation else np.frombuffer(x, "<f4")[0] for x in logits]
-        return [float(s) for s in scores], tokens
+        return [float(pooling.label_scores(x, req.use_activation)[0]) for x in logits], tokens
     # An embedding model: each distinct text embedded once, then each pair's cosine
     texts = list(dict.fromkeys(t for pair in pairs for t in pair))
     await ctx.admit(len(texts), ("one per distinct text", param))
@@ -110,7 +109,7 @@ async def score_pairs(ctx: ServingContext, req: ScoreRequest | RerankRequest, ra
     if result is None:
         return None
     hidden, tokens = result
-    unit = {t: _unit(pooling, h) for t, h in zip(texts, hidden, strict=True)}
+    unit = {t: unit_length(pooling.embedding(h).astype(np.float64)) for t, h in zip(texts, hidden, strict=True)}
     return [float(unit[q] @ unit[d]) for q, d in pairs], tokens
 
 
@@ -125,8 +124,3 @@ def pair_prompts(ctx: ServingContext, pairs: Pairs, keep: int | None, add_specia
             raise bad_request(f"--chat-template could not render this pair: {exc}", param) from None
         prompts.append(ctx.check_prompt(ids, param, keep))
     return prompts
-
-
-def _unit(pooling: Pooling, hidden: bytes) -> np.ndarray:
-    vector = pooling.embedding(hidden).astype(np.float64)
-    return vector / max(float(np.linalg.norm(vector)), 1e-12)

@@ -59,6 +59,11 @@ class FanOut:
         return sum(len(p) for p in self.prompts)
 
     @property
+    def num_cached_tokens(self) -> int:
+        """Prompt tokens the prefix cache held."""
+        return sum(c.stream.num_cached_tokens for c in self.choices)
+
+    @property
     def num_completion_tokens(self) -> int:
         return sum(len(c.stream.output_token_ids) for c in self.choices)
 

@@ -16,7 +16,7 @@ from common.config import EngineConfig
 from common.lora import lora_modules
 from common.messages import EngineOutput, EngineRequest, SamplingParams
 from common.model_source import parse_hf_overrides, resolve_model
-from common.pooling import Pooling, read_pooling
+from common.pooling import Pooling, read_pooling, unit_length
 from frontend.offline.engine_link import EngineClient
 from frontend.text.tokenizer import Tokenizer
 
@@ -79,13 +79,13 @@ class LLM:
 
     def classify(self, prompts: Sequence[str | list[int]], use_tqdm: bool = True) -> list[np.ndarray]:
         """Each prompt's label probabilities, as POST /classify gives them, for a classifier (common/pooling.py)."""
-        return [self.pooling.probabilities(p) for p in self._pool(prompts, "classifying", use_tqdm)]
+        return [self.pooling.label_scores(p) for p in self._pool(prompts, "classifying", use_tqdm)]
 
     def score(self, query: str, documents: Sequence[str], use_tqdm: bool = True) -> list[float]:
         """Each document's score for the query, as POST /score gives it: a reranker's probability (each pair one
         prompt, through the chat_template if one was given), or an embedding model's cosine."""
         if not self.pooling.classifies:
-            unit = [v / max(float(np.linalg.norm(v)), 1e-12) for v in self.embed([query, *documents], use_tqdm)]
+            unit = [unit_length(v.astype(np.float64)) for v in self.embed([query, *documents], use_tqdm)]
             return [float(unit[0] @ v) for v in unit[1:]]
         pairs = [self.tokenizer.encode_pair(query, d, self.pair_template) for d in documents]
         return [float(p[0]) for p in self.classify(pairs, use_tqdm)]
