@@ -52,13 +52,13 @@ prepare() {
     # need that the image lacks or holds too old.
     local NEEDS="starlette|pydantic|pydantic[-_]core|annotated[-_]types|annotated[-_]doc|typing[-_]inspection"
     NEEDS+="|typing[-_]extensions|huggingface[-_]hub|hf[-_]xet|jiter|referencing|rpds[-_]py|jsonschema[-_]specifications"
-    NEEDS+="|sniffio|anyio|click|httpx2|httpcore2|truststore|opentelemetry[-_]api"
+    NEEDS+="|sniffio|anyio|click|httpx2|httpcore2|truststore|opentelemetry[-_]api|docstring[-_]parser"  # + anthropic
     NEEDS+="|aiohttp|aiohappyeyeballs|aiosignal|attrs|frozenlist|multidict|propcache|yarl|idna"  # bench.serve
     .venv/bin/python -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
         "${platforms[@]}" --platform manylinux2014_x86_64 --platform any -d .whl \
         pyzmq==27.3.0 msgspec==0.22.0 fastapi==0.163.2 uvicorn==0.54.0 gguf==0.19.0 xgrammar==0.2.8 \
         apache-tvm-ffi==0.1.15.post2 jsonschema==4.26.0 transformers==5.23.0 tokenizers==0.23.3 openai==3.51.0 \
-        pytest-reportlog==1.0.0 \
+        anthropic==2.14.0 pytest-reportlog==1.0.0 \
         $(.venv/bin/python -m pip list --format freeze | grep -iE "^($NEEDS)==")
     .venv/bin/python -c "
 import shutil
