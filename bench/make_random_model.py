@@ -4,7 +4,7 @@ the values.
 
 python -m bench.make_random_model NAME OUT_DIR [--seed 0] [--base DIR]
 NAME: smollm2-135m | llama-1b | llama-7b | smollm3-3b | gemma3-270m | qwen3-embedding-0.6b | qwen3-reranker-0.6b |
-      tiny
+      qwen3-moe-a3b-4l | tiny
 
 --base: a directory holding the default model's config.json and tokenizer files (TOKENIZER_FILES), to use instead
 of the default model itself: 4 MB to bring to a GPU machine rather than its 93 MB GGUF package.
@@ -60,6 +60,14 @@ SHAPES: dict[str, dict] = {
                              "head_dim": 128, "intermediate_size": 3072, "vocab_size": 49152,
                              "tie_word_embeddings": True, "max_position_embeddings": 32768, "rms_norm_eps": 1e-6,
                              "rope_parameters": {"rope_theta": 1000000.0, "rope_type": "default"}},
+    # Qwen3-30B-A3B's layers (128 experts of 768 columns, 8 a token), 4 of its 48, with the default vocabulary: 5.4 GB.
+    "qwen3-moe-a3b-4l": {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "hidden_size": 2048,
+                         "num_hidden_layers": 4, "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128,
+                         "intermediate_size": 6144, "moe_intermediate_size": 768, "num_experts": 128,
+                         "num_experts_per_tok": 8, "norm_topk_prob": True, "decoder_sparse_step": 1,
+                         "mlp_only_layers": [], "vocab_size": 49152, "tie_word_embeddings": False,
+                         "max_position_embeddings": 40960, "rms_norm_eps": 1e-6,
+                         "rope_parameters": {"rope_theta": 1000000.0, "rope_type": "default"}},
 }  # fmt: skip
 # Qwen3-Reranker-0.6B: the same decoder, saved as a causal LM (served with --hf-overrides, bench/rerank.py)
 SHAPES["qwen3-reranker-0.6b"] = SHAPES["qwen3-embedding-0.6b"]
@@ -77,7 +85,7 @@ def model_config(name: str, base_dir: Path | None = None) -> dict:
 
 
 def tensor_shapes(config: dict) -> Iterator[tuple[str, tuple[int, ...]]]:
-    """HF Llama (or Gemma 3, Qwen3) checkpoint names and shapes."""
+    """HF Llama (or Gemma 3, Qwen3, Qwen3-MoE: every layer sparse) checkpoint names and shapes."""
     gemma = config.get("model_type") == "gemma3_text"
     h, inter, vocab = config["hidden_size"], config["intermediate_size"], config["vocab_size"]
     d = config.get("head_dim") or h // config["num_attention_heads"]
@@ -91,14 +99,19 @@ def tensor_shapes(config: dict) -> Iterator[tuple[str, tuple[int, ...]]]:
         yield p + "self_attn.v_proj.weight", (kv, h)
         yield p + "self_attn.o_proj.weight", (h, q)
         yield p + "post_attention_layernorm.weight", (h,)
-        if gemma or config.get("model_type") == "qwen3":
+        if gemma or config.get("model_type") in ("qwen3", "qwen3_moe"):
             yield from ((p + name, (d,)) for name in ("self_attn.q_norm.weight", "self_attn.k_norm.weight"))
         if gemma:
             yield from ((p + name, (h,)) for name in ("pre_feedforward_layernorm.weight",
                                                       "post_feedforward_layernorm.weight"))  # fmt: skip
-        yield p + "mlp.gate_proj.weight", (inter, h)
-        yield p + "mlp.up_proj.weight", (inter, h)
-        yield p + "mlp.down_proj.weight", (h, inter)
+        mlps = [("mlp.", inter)]
+        if config.get("num_experts"):  # the router and its experts
+            yield p + "mlp.gate.weight", (config["num_experts"], h)
+            mlps = [(f"mlp.experts.{e}.", config["moe_intermediate_size"]) for e in range(config["num_experts"])]
+        for mlp, size in mlps:
+            yield p + mlp + "gate_proj.weight", (size, h)
+            yield p + mlp + "up_proj.weight", (size, h)
+            yield p + mlp + "down_proj.weight", (h, size)
     yield "model.norm.weight", (h,)
     if not config.get("tie_word_embeddings"):
         yield "lm_head.weight", (vocab, h)

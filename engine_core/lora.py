@@ -23,6 +23,7 @@ from common.messages import LoraRef
 from engine_core.lora_weights import adapter_weights, stack_shards
 from engine_core.models.layers import PackedLinear, can_pack_bf16
 from engine_core.models.llama import LlamaForCausalLM
+from engine_core.models.moe import MoeForCausalLM
 from engine_core.transfer import to_device
 
 log = logging.getLogger("roseinfer.lora")
@@ -120,6 +121,8 @@ class LoraAdapters:
 
     def add(self, module: LoraModule) -> None:
         """Loads one adapter's weights; ValueError naming the problem, with nothing changed, if they do not fit."""
+        if isinstance(self.model, MoeForCausalLM):  # an expert runs a subset of the step's rows, unknown to LoraStep
+            raise ValueError("LoRA adapters are not served on mixtures of experts")
         if not isinstance(self.model, LlamaForCausalLM):  # Gemma 3's layers are the Llama family's
             raise ValueError(f"LoRA adapters are served on the Llama family and Gemma 3, not "
                              f"{type(self.model).__name__}")  # fmt: skip

@@ -31,6 +31,21 @@ def test_named_shapes() -> None:
     assert 4.9e8 < params_of("qwen3-embedding-0.6b") < 4.92e8
     names = [name for name, _ in tensor_shapes(model_config("qwen3-embedding-0.6b"))]
     assert "model.layers.0.self_attn.q_norm.weight" in names and "lm_head.weight" not in names
+    # Qwen3-30B-A3B's layer (623M parameters, 48 of them and 151936 tokens: its 30.5e9), 4 of them, 49152 tokens
+    assert 2.69e9 < params_of("qwen3-moe-a3b-4l") < 2.7e9
+
+
+def test_a_written_mixture_of_experts_loads_and_generates(tmp_path, monkeypatch) -> None:
+    """The MoE layout's names (router, experts) as the loader reads them, on a small copy of the named shape."""
+    small = {"hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+             "moe_intermediate_size": 32, "num_experts": 6, "num_experts_per_tok": 2}  # fmt: skip
+    shape = {**make_random_model.SHAPES["qwen3-moe-a3b-4l"], **small}
+    monkeypatch.setitem(make_random_model.SHAPES, "moe-small", shape)
+    core = EngineCore(fp32_config(model=str(write_model("moe-small", tmp_path / "m")), max_model_len=256))
+    assert type(core.runner.model).__name__ == "MoeForCausalLM"
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    (tokens,) = tokens_of(run_engine(core, [EngineRequest("m", list(range(5, 40)), params)]), ["m"])
+    assert len(tokens) == 4 and all(0 <= t < 49152 for t in tokens)
 
 
 def test_a_written_gemma3_loads_and_generates(tmp_path) -> None:

@@ -96,15 +96,9 @@ TINY_CONFIGS = {
                          "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1e6}},
     ),  # fmt: skip
     "gpt2": lambda: transformers.GPT2Config(
-        n_embd=64,
-        n_layer=2,
-        n_head=4,
-        vocab_size=VOCAB,
-        n_positions=MAX_POSITIONS,
-        bos_token_id=0,
-        eos_token_id=0,
+        n_embd=64, n_layer=2, n_head=4, vocab_size=VOCAB, n_positions=MAX_POSITIONS, bos_token_id=0, eos_token_id=0,
         architectures=["GPT2LMHeadModel"],
-    ),
+    ),  # fmt: skip
 }
 HF_CLASSES = {
     "llama3-rope": transformers.LlamaForCausalLM,
@@ -121,10 +115,13 @@ HF_CLASSES = {
 
 
 def tiny_hf_model(arch: str) -> transformers.PreTrainedModel:
-    """Seeded, with every parameter randomised: HF's init zeroes biases and sets norms to 1, which would
-    hide a dropped bias or norm weight; larger weights also make the logits O(1), so TOL means something."""
     torch.manual_seed(0)
-    model = HF_CLASSES[arch](TINY_CONFIGS[arch]()).eval()
+    return randomized(HF_CLASSES[arch](TINY_CONFIGS[arch]()).eval())
+
+
+def randomized(model: transformers.PreTrainedModel) -> transformers.PreTrainedModel:
+    """Every parameter randomised: HF's init zeroes biases and sets norms to 1, which would hide a dropped bias or
+    norm weight; larger weights also make the logits O(1), so TOL means something."""
     with torch.no_grad():
         for name, param in model.named_parameters():
             is_norm = any(part in name for part in ("norm", "ln_")) and name.endswith(".weight")

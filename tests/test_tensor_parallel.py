@@ -1,8 +1,8 @@
 """Tensor parallelism over torch.distributed (gloo, CPU, float32): two ranks serve over HTTP token for token what
 transformers generates greedily, on the default model and on tiny random Llama (one KV head, replicated), Qwen2
-(q/k/v biases, odd vocabulary) and GPT-2 (odd vocabulary) configs, and a Qwen3 classifier's probabilities over
-/classify; two "nodes" on loopback form one group; the group dies and restarts as one, whichever of its processes
-is killed.
+(q/k/v biases, odd vocabulary), Qwen2-MoE (experts split unevenly) and GPT-2 (odd vocabulary) configs, and a Qwen3
+classifier's probabilities over /classify; two "nodes" on loopback form one group; the group dies and restarts as
+one, whichever of its processes is killed.
 
 The servers start together (module fixtures) and load while the references are computed. Tiny models get a
 word-level tokenizer ("t0", "t1", ...), so a completion's text gives back its token ids.
@@ -44,6 +44,13 @@ TINY = {  # name -> (config, HF class)
                                                      layer_types=["sliding_attention", "full_attention"],
                                                      architectures=["Gemma3ForCausalLM"]),
                transformers.Gemma3ForCausalLM),
+    # Qwen2-MoE: every expert's columns and the shared expert's split unevenly (23 and 37 over two ranks)
+    "qwen2-moe": (lambda: transformers.Qwen2MoeConfig(hidden_size=64, intermediate_size=96, moe_intermediate_size=23,
+                                                      shared_expert_intermediate_size=37, num_experts=6,
+                                                      num_experts_per_tok=2, num_hidden_layers=2, num_attention_heads=4,
+                                                      num_key_value_heads=2, vocab_size=128,
+                                                      architectures=["Qwen2MoeForCausalLM"]),
+                  transformers.Qwen2MoeForCausalLM),
     "gpt2": (lambda: transformers.GPT2Config(n_embd=64, n_layer=2, n_head=4, vocab_size=129, n_positions=256,
                                              architectures=["GPT2LMHeadModel"]), transformers.GPT2LMHeadModel),
 }  # fmt: skip
@@ -156,7 +163,8 @@ class TwoNodes:
 def servers(tmp_path_factory, tiny_models):
     """One TP=2 server per model, all starting at once; Qwen2's spans two "nodes"."""
     started: dict[str, Server] = {"smollm2": Server(tmp_path_factory.mktemp("tp-smollm2"), *TP)}
-    started["llama"] = Server(tmp_path_factory.mktemp("tp-llama"), *TP, "--model", str(tiny_models["llama"][0]))
+    for name in ("llama", "qwen2-moe"):
+        started[name] = Server(tmp_path_factory.mktemp(f"tp-{name}"), *TP, "--model", str(tiny_models[name][0]))
     # A small token budget: the 40-token prompt is prefilled in chunks, in steps that also decode the others.
     started["gpt2"] = Server(tmp_path_factory.mktemp("tp-gpt2"), *TP, "--model", str(tiny_models["gpt2"][0]),
                              "--max-num-batched-tokens", "16")  # fmt: skip

@@ -44,7 +44,7 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         self.layer_types = list(config.layer_types)
         self.embed_scale = config.hidden_size**0.5
 
-    def decoder_layer(self, window: int | None, rotate: bool) -> nn.Module:  # every Gemma layer rotates
+    def decoder_layer(self, index: int, window: int | None, rotate: bool) -> nn.Module:  # every Gemma layer rotates
         return Gemma3DecoderLayer(self.config, self.heads, self.columns, window)
 
     def final_norm(self) -> nn.Module:

@@ -87,13 +87,15 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    """act_and_mul: the gate's activation times up (SwiGLU; Gemma's GeGLU)."""
+    """act_and_mul: the gate's activation times up (SwiGLU; Gemma's GeGLU). `down`: the output projection's class; a
+    plain nn.Linear leaves the ranks' partial sums unreduced (a mixture of experts reduces its sum of experts once)."""
 
-    def __init__(self, config, bias: bool, columns: tuple[int, int], act_and_mul=silu_and_mul) -> None:
+    def __init__(self, config, bias: bool, columns: tuple[int, int], act_and_mul=silu_and_mul,
+                 down: type[nn.Linear] = RowParallelLinear) -> None:  # fmt: skip
         super().__init__()
         size = columns[1] - columns[0]  # this rank's intermediate columns
         self.gate_up_proj = MergedLinear(config.hidden_size, [size, size], bias)
-        self.down_proj = RowParallelLinear(size, config.hidden_size, bias=bias)
+        self.down_proj = down(size, config.hidden_size, bias=bias)
         self.act_and_mul = act_and_mul
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -101,12 +103,14 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
+    """`mlp`: the layer's feed-forward block where it is not the dense MLP (a mixture of experts')."""
+
     def __init__(self, config, qkv_bias: bool, o_bias: bool, heads: HeadSplit, columns: tuple[int, int],
-                 window: int | None, rotate: bool) -> None:  # fmt: skip
+                 window: int | None, rotate: bool, mlp: nn.Module | None = None) -> None:  # fmt: skip
         super().__init__()
-        qk_norm = RMSNorm if config.model_type == "qwen3" else None
+        qk_norm = RMSNorm if config.model_type in ("qwen3", "qwen3_moe") else None
         self.self_attn = LlamaAttention(config, qkv_bias, o_bias, heads, window, qk_norm, rotate=rotate)
-        self.mlp = LlamaMLP(config, getattr(config, "mlp_bias", False), columns)
+        self.mlp = mlp if mlp is not None else LlamaMLP(config, getattr(config, "mlp_bias", False), columns)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -138,7 +142,8 @@ class LlamaForCausalLM(nn.Module):
         self.columns = split(config.intermediate_size, size, rank)
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         windows = layer_windows(config, max_positions)
-        self.layers = nn.ModuleList(self.decoder_layer(w, r) for w, r in zip(windows, rope_layers(config), strict=True))
+        layers = enumerate(zip(windows, rope_layers(config), strict=True))
+        self.layers = nn.ModuleList(self.decoder_layer(i, w, r) for i, (w, r) in layers)
         self.norm = self.final_norm()
         attn = self.layers[0].self_attn
         self.rotary = self.rotary_embedding(attn.head_dim, max_positions)
@@ -149,7 +154,7 @@ class LlamaForCausalLM(nn.Module):
         self.decode_stack: DecodeStack | None = None  # set by the model runner where it can run (CPU, bf16)
 
     # What a variant of the family (engine_core/models/gemma3.py) builds its own way:
-    def decoder_layer(self, window: int | None, rotate: bool) -> nn.Module:
+    def decoder_layer(self, index: int, window: int | None, rotate: bool) -> nn.Module:
         qkv_bias, o_bias = self.attention_biases(self.config)
         return LlamaDecoderLayer(self.config, qkv_bias, o_bias, self.heads, self.columns, window, rotate)
 
@@ -163,6 +168,8 @@ class LlamaForCausalLM(nn.Module):
     def attention_biases(config) -> tuple[bool, bool]:
         if config.model_type == "qwen2":  # Qwen2: biased q/k/v, unbiased output projection (Qwen3: none)
             return True, False
+        if config.model_type == "qwen2_moe":
+            return bool(config.qkv_bias), False
         bias = bool(getattr(config, "attention_bias", False))
         return bias, bias
 

@@ -16,6 +16,7 @@ from common.pooling import Pooling
 from engine_core.models.gemma3 import Gemma3ForCausalLM
 from engine_core.models.gpt2 import GPT2LMHeadModel
 from engine_core.models.llama import LlamaForCausalLM
+from engine_core.models.moe import MoeForCausalLM
 
 ARCHITECTURES: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
@@ -26,6 +27,9 @@ ARCHITECTURES: dict[str, type[nn.Module]] = {
     "Phi3ForCausalLM": LlamaForCausalLM,  # q/k/v and gate/up fused in the checkpoint, as ours are
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
     "GPT2LMHeadModel": GPT2LMHeadModel,
+    "Qwen3MoeForCausalLM": MoeForCausalLM,
+    "Qwen2MoeForCausalLM": MoeForCausalLM,
+    "MixtralForCausalLM": MoeForCausalLM,
     # The decoder alone, saved from transformers' base classes: embeddings only (common/pooling.py)
     "LlamaModel": LlamaForCausalLM,
     "Qwen2Model": LlamaForCausalLM,

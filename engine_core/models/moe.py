@@ -1,0 +1,121 @@
+"""Mixture-of-experts models of the Llama family: Qwen3-MoE, Qwen2-MoE and Mixtral. Their attention is Llama's
+(engine_core/models/llama.py); in their sparse layers the MLP is a router and many small SwiGLU experts, of which
+each token runs its top k, summed with the router's weights (Qwen2-MoE adds a shared expert every token runs, scaled
+by a sigmoid gate).
+
+The experts are ordinary linears, so everything that prepares linears applies to them unchanged: on CPU they are
+packed for our kernels (or int8), on GPU they are cuBLAS matmuls. A step sorts its tokens by expert and runs each
+expert that has tokens once over all of them, so an expert's weights are read once a step however many tokens chose
+it. That loop reads which experts were chosen on the host, so these models run eagerly on a GPU (no CUDA graphs)
+and on CPU outside the one-call decode stack.
+
+Tensor parallelism splits every expert's intermediate columns over the ranks, as a dense MLP's are: each rank sums
+its partial outputs over the experts and the ranks reduce that sum once, not once per expert.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from engine_core import distributed
+from engine_core.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP
+from engine_core.models.parallel import split, take_cols, take_rows
+
+
+@dataclass(frozen=True)
+class MoeShape:
+    """What the config says about the experts, read once from either family's names."""
+
+    num_experts: int
+    top_k: int
+    intermediate: int  # each expert's
+    normalize: bool  # the top k weights renormalized to sum to one (Mixtral always; Qwen's norm_topk_prob)
+    shared_intermediate: int  # Qwen2-MoE's shared expert (0: none)
+    sparse_layers: frozenset[int]
+
+    @staticmethod
+    def of(config) -> MoeShape:
+        layers = range(config.num_hidden_layers)
+        if config.model_type == "mixtral":
+            return MoeShape(config.num_local_experts, config.num_experts_per_tok, config.intermediate_size, True, 0,
+                            frozenset(layers))  # fmt: skip
+        # Qwen: every decoder_sparse_step-th layer is sparse, but those of mlp_only_layers (dense MLPs)
+        step, dense = config.decoder_sparse_step, set(config.mlp_only_layers or ())
+        sparse = frozenset(i for i in layers if i not in dense and config.num_experts > 0 and (i + 1) % step == 0)
+        return MoeShape(config.num_experts, config.num_experts_per_tok, config.moe_intermediate_size,
+                        bool(config.norm_topk_prob), getattr(config, "shared_expert_intermediate_size", 0) or 0,
+                        sparse)  # fmt: skip
+
+
+class SparseMoe(nn.Module):
+    def __init__(self, config, shape: MoeShape) -> None:
+        super().__init__()
+        size, rank = distributed.tp_size(), distributed.tp_rank()
+        self.top_k, self.normalize = shape.top_k, shape.normalize
+        self.gate = nn.Linear(config.hidden_size, shape.num_experts, bias=False)  # the router, whole on every rank
+        columns = split(shape.intermediate, size, rank)
+        self.experts = nn.ModuleList(LlamaMLP(config, False, columns, down=nn.Linear)
+                                     for _ in range(shape.num_experts))  # fmt: skip
+        self.shared_expert = self.shared_expert_gate = None
+        if shape.shared_intermediate:
+            shared_columns = split(shape.shared_intermediate, size, rank)
+            self.shared_expert = LlamaMLP(config, False, shared_columns, down=nn.Linear)
+            self.shared_expert_gate = nn.Linear(config.hidden_size, 1, bias=False)
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each token's top-k experts [T, k] and their weights [T, k] (fp32), as transformers picks them: the
+        softmax over all experts' logits, the k largest, renormalized where the model says so."""
+        probs = torch.softmax(self.gate(x).float(), dim=-1)
+        weights, experts = probs.topk(self.top_k, dim=-1)
+        if self.normalize:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return experts, weights
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        experts, weights = self.route(x)
+        flat = experts.flatten()
+        order = flat.argsort(stable=True)  # the (token, choice) slots, grouped by expert
+        tokens, slot_weights = order // self.top_k, weights.flatten()[order].unsqueeze(1)
+        counts = torch.bincount(flat, minlength=len(self.experts)).tolist()
+        out = torch.zeros_like(x)
+        start = 0
+        for expert, count in zip(self.experts, counts, strict=True):  # ascending, as transformers sums them
+            if count:
+                rows = tokens[start : start + count]
+                part = expert(x[rows]).float() * slot_weights[start : start + count]
+                out.index_add_(0, rows, part.to(x.dtype))
+            start += count
+        if self.shared_expert is not None and self.shared_expert_gate is not None:
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return distributed.all_reduce(out) if distributed.tp_size() > 1 else out
+
+
+class MoeForCausalLM(LlamaForCausalLM):
+    graphable = False  # the expert loop reads the routing on the host
+
+    def decoder_layer(self, index: int, window: int | None, rotate: bool) -> nn.Module:
+        shape = MoeShape.of(self.config)
+        qkv_bias, o_bias = self.attention_biases(self.config)
+        mlp = SparseMoe(self.config, shape) if index in shape.sparse_layers else None
+        return LlamaDecoderLayer(self.config, qkv_bias, o_bias, self.heads, self.columns, window, rotate, mlp)
+
+    def checkpoint_name(self, name: str) -> str | None:
+        """Mixtral's names as Qwen's: block_sparse_moe -> mlp, and its experts' w1, w3, w2 -> gate, up, down."""
+        if ".block_sparse_moe." in name:
+            name = name.replace(".block_sparse_moe.", ".mlp.")
+            for old, new in ((".w1.", ".gate_proj."), (".w3.", ".up_proj."), (".w2.", ".down_proj.")):
+                name = name.replace(old, new)
+        return super().checkpoint_name(name)
+
+    def shard_weight(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """An expert's (or the shared expert's) slice of its own intermediate columns; the router is whole."""
+        size, rank = distributed.tp_size(), distributed.tp_rank()
+        shape = MoeShape.of(self.config)
+        for part, columns in (("experts", shape.intermediate), ("shared_expert", shape.shared_intermediate)):
+            if size > 1 and f".mlp.{part}." in name:
+                start, end = split(columns, size, rank)
+                return take_cols(tensor, start, end) if ".down_proj." in name else take_rows(tensor, start, end)
+        return super().shard_weight(name, tensor)
