@@ -98,6 +98,8 @@ class CpuKernels:
         self.has_int8_linear = bool(lib.linear_int8_available())
         self._linear = lib.linear
         self._linear.argtypes = [_P, _I64, _I64, _P, _I, _P, _P, _I64, _I64, _I64]
+        self._moe_experts = lib.moe_experts_bf16
+        self._moe_experts.argtypes = [_P, _I64, _P, _P, _I64, _P, _P, _I, _I64, _P, _P]
 
     @staticmethod
     def handles(x: torch.Tensor) -> bool:
@@ -249,6 +251,13 @@ class CpuKernels:
                      None if bias is None else bias.data_ptr(), out.data_ptr(), out_features, out_features,
                      rows.shape[1])  # fmt: skip
         return out.view(*x.shape[:-1], out_features)
+
+    def moe_experts(self, x: torch.Tensor, slots: torch.Tensor, counts: torch.Tensor, gate_up, down, q8: bool,
+                    intermediate: int, work: torch.Tensor, out: torch.Tensor) -> None:  # fmt: skip
+        """A mixture of experts' layer (csrc/moe.c): out[i] = expert(x[slots[i]]) for the slots grouped by expert
+        (counts: int64 [experts]); gate_up, down: ctypes arrays of each expert's packed weights."""
+        self._moe_experts(x.data_ptr(), x.shape[1], slots.data_ptr(), counts.data_ptr(), len(counts), gate_up, down,
+                          q8, intermediate, work.data_ptr(), out.data_ptr())  # fmt: skip
 
     # ---- sampling ----
 

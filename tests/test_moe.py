@@ -12,7 +12,9 @@ import transformers
 from common.config import EngineConfig
 from engine_core.core import EngineCore
 from engine_core.models.loader import load_model
-from engine_core.models.moe import MoeForCausalLM, SparseMoe
+from engine_core.models.moe import ExpertsInC, MoeForCausalLM, SparseMoe
+from engine_core.models.quant import prepare_linears
+from tests.cpu_features import HAS_INT8_LINEAR, needs_linear_kernels
 from tests.engine_helpers import greedy_request, run_engine, tokens_of
 from tests.lora_helpers import tiny_model_and_adapters
 from tests.model_harness import PagedRun
@@ -104,3 +106,23 @@ def test_lora_adapters_are_refused_at_start(tmp_path):
                           enable_lora=True, lora_modules=[f"qv={adapters['qv']}"])  # fmt: skip
     with pytest.raises(ValueError, match="LoRA adapters are not served on mixtures of experts"):
         EngineCore(config)
+
+
+@needs_linear_kernels
+@pytest.mark.parametrize("arch, quantization", [("qwen3-moe", "none"), ("mixtral", "int8")])
+def test_experts_in_one_c_call_equal_the_experts_one_by_one(arch: str, quantization: str, tmp_path) -> None:
+    """csrc/moe.c runs a layer's experts in one call: the same bits as calling each expert's packed (or int8) linears
+    from Python, for a batch that leaves some experts without tokens."""
+    if quantization == "int8" and not HAS_INT8_LINEAR:
+        pytest.skip("our int8 linear kernels need AVX512-BF16 or AVX2 + FMA")
+    tiny_moe(arch).save_pretrained(tmp_path)
+    model = load_model(tmp_path, torch.bfloat16, torch.device("cpu"), MAX_POSITIONS)
+    prepare_linears(model, quantization, torch.device("cpu"), torch.bfloat16)
+    moe = next(layer.mlp for layer in model.layers if isinstance(layer.mlp, SparseMoe))
+    for rows in (1, 3, 40):
+        x = torch.randn(rows, model.config.hidden_size).bfloat16()
+        moe._in_c = False
+        in_c = moe(x)
+        assert isinstance(moe._in_c, ExpertsInC) and moe._in_c.q8 == (quantization == "int8")
+        moe._in_c = None  # the experts one by one
+        assert torch.equal(in_c, moe(x))

@@ -4,10 +4,12 @@ each token runs its top k, summed with the router's weights (Qwen2-MoE adds a sh
 by a sigmoid gate).
 
 The experts are ordinary linears, so everything that prepares linears applies to them unchanged: on CPU they are
-packed for our kernels (or int8), on GPU they are cuBLAS matmuls. A step sorts its tokens by expert and runs each
-expert that has tokens once over all of them, so an expert's weights are read once a step however many tokens chose
-it. That loop reads which experts were chosen on the host, so these models run eagerly on a GPU (no CUDA graphs)
-and on CPU outside the one-call decode stack.
+packed for our kernels (or int8), on GPU they are cuBLAS matmuls. A step sorts its (token, choice) slots by expert
+and runs each expert that has any once over all of them, so an expert's weights are read once a step however many
+tokens chose it; on CPU one C call runs all of a layer's experts (csrc/moe.c). Each token then sums its k outputs
+in fp32, in its own rows only, so its bits do not depend on the rest of the batch. The GPU path reads how many
+tokens each expert has on the host, so these models run eagerly there (no CUDA graphs), and on CPU outside the
+one-call decode stack.
 
 Tensor parallelism splits every expert's intermediate columns over the ranks, as a dense MLP's are: each rank sums
 its partial outputs over the experts and the ranks reduce that sum once, not once per expert.
@@ -15,14 +17,21 @@ its partial outputs over the experts and the ranks reduce that sum once, not onc
 
 from __future__ import annotations
 
+import ctypes
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from engine_core import distributed
+from engine_core.models.layers import PackedLinear
 from engine_core.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP
 from engine_core.models.parallel import split, take_cols, take_rows
+from engine_core.models.quant import Int8Linear
+
+if TYPE_CHECKING:
+    from engine_core.cpu_kernels import CpuKernels
 
 
 @dataclass(frozen=True)
@@ -64,6 +73,7 @@ class SparseMoe(nn.Module):
             shared_columns = split(shape.shared_intermediate, size, rank)
             self.shared_expert = LlamaMLP(config, False, shared_columns, down=nn.Linear)
             self.shared_expert_gate = nn.Linear(config.hidden_size, 1, bias=False)
+        self._in_c: ExpertsInC | None | bool = False  # False: not looked at yet (the linears are packed after load)
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Each token's top-k experts [T, k] and their weights [T, k] (fp32), as transformers picks them: the
@@ -78,19 +88,67 @@ class SparseMoe(nn.Module):
         experts, weights = self.route(x)
         flat = experts.flatten()
         order = flat.argsort(stable=True)  # the (token, choice) slots, grouped by expert
-        tokens, slot_weights = order // self.top_k, weights.flatten()[order].unsqueeze(1)
-        counts = torch.bincount(flat, minlength=len(self.experts)).tolist()
-        out = torch.zeros_like(x)
-        start = 0
-        for expert, count in zip(self.experts, counts, strict=True):  # ascending, as transformers sums them
-            if count:
-                rows = tokens[start : start + count]
-                part = expert(x[rows]).float() * slot_weights[start : start + count]
-                out.index_add_(0, rows, part.to(x.dtype))
-            start += count
+        counts = torch.bincount(flat, minlength=len(self.experts))
+        grouped = self._run_experts(x, order // self.top_k, counts)
+        by_choice = torch.empty_like(grouped)
+        by_choice[order] = grouped  # back in (token, choice) order: each token's k rows side by side
+        by_choice = by_choice.view(-1, self.top_k, x.shape[1])
+        # Summed in fp32 and in choice order, elementwise: a token's bits depend on nothing else in the step (an
+        # index_add_ of the slots would sum in a thread-dependent order on a GPU).
+        out = by_choice[:, 0].float() * weights[:, :1]
+        for choice in range(1, self.top_k):
+            out += by_choice[:, choice].float() * weights[:, choice : choice + 1]
+        out = out.to(x.dtype)
         if self.shared_expert is not None and self.shared_expert_gate is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return distributed.all_reduce(out) if distributed.tp_size() > 1 else out
+
+    def _run_experts(self, x: torch.Tensor, slots: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """[slots, hidden]: row i is the output of slot i's expert for slot i's token (`slots`: the token of each
+        slot, grouped by expert; `counts`: each expert's number of slots)."""
+        if self._in_c is False:
+            self._in_c = ExpertsInC.of(self.experts)
+        if self._in_c is not None and x.dtype == torch.bfloat16 and x.device.type == "cpu":
+            return self._in_c(x, slots, counts)
+        out = x.new_empty((len(slots), x.shape[1]))
+        start = 0
+        for expert, count in zip(self.experts, counts.tolist(), strict=True):
+            if count:
+                out[start : start + count] = expert(x[slots[start : start + count]])
+            start += count
+        return out
+
+
+class ExpertsInC:
+    """All of a layer's experts in one call of our CPU kernels (csrc/moe.c), where every expert linear is packed
+    for them (bf16 or int8): the same kernels on the same rows as the experts' own calls, so the same bits."""
+
+    def __init__(self, kernels: CpuKernels, gate_up: list[torch.Tensor], down: list[torch.Tensor], q8: bool,
+                 intermediate: int) -> None:  # fmt: skip
+        self.kernels, self.q8, self.intermediate = kernels, q8, intermediate
+        self.packed = (gate_up, down)  # kept alive: the tables point into them
+        self.gate_up = (ctypes.c_void_p * len(gate_up))(*(t.data_ptr() for t in gate_up))
+        self.down = (ctypes.c_void_p * len(down))(*(t.data_ptr() for t in down))
+
+    @staticmethod
+    def of(experts: nn.ModuleList) -> ExpertsInC | None:
+        linears = [m for e in experts for m in (e.gate_up_proj, e.down_proj)]
+        if not all(isinstance(m, PackedLinear | Int8Linear) and m.kernels is not None for m in linears):
+            return None
+        q8 = {m.packed_weight.dtype == torch.int8 for m in linears}
+        if len(q8) != 1:
+            return None
+        return ExpertsInC(linears[0].kernels, [e.gate_up_proj.packed_weight for e in experts],
+                          [e.down_proj.packed_weight for e in experts], q8.pop(),
+                          experts[0].down_proj.in_features)  # fmt: skip
+
+    def __call__(self, x: torch.Tensor, slots: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        x, counts = x.contiguous(), counts.to(torch.int64)
+        out = x.new_empty((len(slots), x.shape[1]))
+        most = int(counts.max()) if len(slots) else 0
+        work = x.new_empty(most * (x.shape[1] + 3 * self.intermediate))
+        self.kernels.moe_experts(x, slots, counts, self.gate_up, self.down, self.q8, self.intermediate, work, out)
+        return out
 
 
 class MoeForCausalLM(LlamaForCausalLM):
