@@ -131,7 +131,8 @@ GPU_TEST_FILES="tests/test_triton_kernels.py tests/test_attention.py tests/test_
     tests/test_cuda_graphs.py tests/test_kv_cache.py tests/test_memory_profile.py tests/test_sampler.py
     tests/test_sampler_filters.py tests/test_scheduler.py tests/test_scheduler_policies.py
     tests/test_scheduler_preemption.py tests/test_speculative.py tests/test_engine_update_failure.py
-    tests/test_overlap_decode.py tests/test_engine_differential.py tests/test_triton_compile.py"
+    tests/test_overlap_decode.py tests/test_engine_differential.py tests/test_triton_compile.py
+    tests/test_moe.py tests/test_moe_triton.py"
 GPU_TEST_FILES=$(echo $GPU_TEST_FILES)  # one line, single spaces
 GGUF_TEST=test_launch_prints_the_error_and_exits_without_restarting  # the one test in those files that needs it
 

@@ -97,11 +97,9 @@ class ModelRunner:
     @property
     def _captures_graphs(self) -> bool:
         """Decode steps replayed from CUDA graphs: only where the attention's cost does not grow with their fixed
-        full-width block tables, where there are decode steps (a pooling engine has none), and where the model's step
-        reads nothing back on the host (a mixture of experts' routing does)."""
+        full-width block tables, and where there are decode steps (a pooling engine has none)."""
         return (self.device.type == "cuda" and not self.config.enforce_eager and self.tp is None
-                and self.attn_backend.graphable and not self.pooling
-                and getattr(self.model, "graphable", True))  # fmt: skip
+                and self.attn_backend.graphable and not self.pooling)  # fmt: skip
 
     # ---- KV cache ----
 

@@ -1,7 +1,9 @@
 """Mixture-of-experts models (engine_core/models/moe.py): Qwen3-MoE (a dense layer beside a sparse one,
 renormalized top-k), Qwen2-MoE (a shared expert behind a sigmoid gate, q/k/v biases, raw top-k weights) and Mixtral
 (its own checkpoint names) give transformers' logits through the paged cache and transformers' greedy tokens
-through the engine; in bf16 on our CPU kernels a request's tokens do not depend on what runs beside it."""
+through the engine (on a GPU, through the grouped Triton kernels); in bf16 on our CPU kernels a request's tokens
+do not depend on what runs beside it, and one C call for a layer's experts gives the bits of the experts one by one.
+"""
 
 from __future__ import annotations
 
@@ -88,7 +90,8 @@ def test_bf16_tokens_do_not_depend_on_the_batch(saved):
     rows are computed each alone, and a token sums its experts in one order whatever else chose them)."""
     _, path = saved
     prompts = random_prompts([4, 9, 21, 2, 14], VOCAB, seed=7)
-    config = EngineConfig(model=str(path), dtype="bfloat16", num_kv_blocks=64, max_model_len=MAX_POSITIONS)
+    config = EngineConfig(model=str(path), dtype="bfloat16", num_kv_blocks=64, max_model_len=MAX_POSITIONS,
+                          device="cpu")  # fmt: skip
     core = EngineCore(config)
     together = [greedy_request(f"b{i}", p, 12) for i, p in enumerate(prompts)]
     batched = tokens_of(run_engine(core, together), [r.request_id for r in together])

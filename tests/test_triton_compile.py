@@ -19,15 +19,16 @@ from tests.conftest import REPO
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CPU-only: on a GPU test_triton_kernels.py runs them")
 @pytest.mark.parametrize("arch", [80, 90])
 def test_kernels_compile_without_spills(arch: int) -> None:
-    from tests.triton_compile_probe import DTYPES, SHAPES  # Triton internals: imported only where the test runs
+    from tests.triton_compile_probe import DTYPES, MOE_LAUNCHES, MOE_SHAPES, SHAPES  # only where the test runs
 
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # the interpreter cannot compile
     run = subprocess.run([sys.executable, "-m", "tests.triton_compile_probe", str(arch)], cwd=REPO, env=env,
                          capture_output=True, text=True, timeout=600)  # fmt: skip
     assert run.returncode == 0, run.stderr[-4000:]
     records = [json.loads(line) for line in run.stdout.splitlines()]
-    # Per model shape and dtype: store, decode (one split and split-K), the split-K reduce, prefill.
-    assert len(records) == 5 * len(SHAPES) * len(DTYPES)
+    # Per model shape and dtype: store, decode (one split and split-K), the split-K reduce, prefill; and the
+    # grouped matmuls of a mixture of experts.
+    assert len(records) == (5 * len(SHAPES) + MOE_LAUNCHES * len(MOE_SHAPES)) * len(DTYPES)
     failed = [f"{r['kernel']} {r['case']}: {r['error']}" for r in records if "error" in r]
     assert not failed, "\n".join(failed)
     spilled = [f"{r['kernel']} {r['case']} {r['constexprs']}: {r['spill_bytes']} B" for r in records

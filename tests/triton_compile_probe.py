@@ -27,12 +27,16 @@ from triton.compiler import ASTSource, make_backend
 from triton.runtime.jit import create_function_from_signature
 
 from engine_core.attention import triton_kernels as tk
+from engine_core.models import moe_triton
 
 # (q heads, KV heads, head dim) of the models bench/make_random_model.py writes: SmolLM2-135M, a 1B and a 7B Llama;
 # and the tests' tiny models (heads of 8 or 16: below tl.dot's smallest K unless padded).
 SHAPES = {"smollm2-135m": (9, 3, 64), "llama-1b": (32, 8, 64), "llama-7b": (32, 32, 128), "tiny": (4, 2, 8)}
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 KERNELS = ("_store_kv_kernel", "_decode_kernel", "_reduce_kernel", "_prefill_kernel")
+# (hidden, expert intermediate, experts, top k) of Qwen3-30B-A3B and of the tests' tiny mixtures of experts
+MOE_SHAPES = {"qwen3-30b-a3b": (2048, 768, 128, 8), "tiny": (48, 40, 6, 2)}
+MOE_LAUNCHES = 4  # gate/up and down, each with the smallest and the largest block of rows
 CUOBJDUMP = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
 
 
@@ -94,6 +98,22 @@ def launch_all(arch: int) -> None:
             tk.paged_prefill(q, cache, cache, lens[:3], lens[:2], tables[:2], 0.125, torch.empty_like(q))
     for name, fn in originals.items():
         setattr(tk, name, fn)
+    grouped = moe_triton._grouped_matmul_kernel
+    for shape, (hidden, inter, experts, top_k) in MOE_SHAPES.items():
+        for dtype_name, dtype in DTYPES.items():
+            moe_triton._grouped_matmul_kernel = Recorder(grouped, target, f"{shape} {dtype_name}")
+            x = torch.empty(64, hidden, dtype=dtype, device=meta)
+            w13 = torch.empty(experts, 2 * inter, hidden, dtype=dtype, device=meta)
+            w2 = torch.empty(experts, hidden, inter, dtype=dtype, device=meta)
+            for block_m in (16, 64):
+                slots = 64 * top_k
+                capacity = -(-(slots + experts * (block_m - 1)) // block_m) * block_m
+                blocks = moe_triton.Blocks(torch.empty(capacity, dtype=torch.long, device=meta),
+                                           torch.empty(capacity // block_m, dtype=torch.long, device=meta), slots,
+                                           block_m)  # fmt: skip
+                act = moe_triton.grouped_matmul(x, w13, blocks, top_k, a_by_token=True)[:, :inter]
+                moe_triton.grouped_matmul(act, w2, blocks, top_k, a_by_token=False)
+    moe_triton._grouped_matmul_kernel = grouped
 
 
 if __name__ == "__main__":

@@ -3,13 +3,13 @@
 each token runs its top k, summed with the router's weights (Qwen2-MoE adds a shared expert every token runs, scaled
 by a sigmoid gate).
 
-The experts are ordinary linears, so everything that prepares linears applies to them unchanged: on CPU they are
-packed for our kernels (or int8), on GPU they are cuBLAS matmuls. A step sorts its (token, choice) slots by expert
-and runs each expert that has any once over all of them, so an expert's weights are read once a step however many
-tokens chose it; on CPU one C call runs all of a layer's experts (csrc/moe.c). Each token then sums its k outputs
-in fp32, in its own rows only, so its bits do not depend on the rest of the batch. The GPU path reads how many
-tokens each expert has on the host, so these models run eagerly there (no CUDA graphs), and on CPU outside the
-one-call decode stack.
+A step groups its (token, choice) slots by expert and runs each expert that has any once over all of them, so an
+expert's weights are read once a step however many tokens chose it. On CPU the experts are ordinary linears, so
+they are packed for our kernels (or int8) as every linear is, and one C call runs all of a layer's experts
+(csrc/moe.c); decode steps go through the Python layers, not the one-call decode stack. On CUDA the experts'
+weights are stacked, and two Triton launches of a grouped matmul run them (engine_core/models/moe_triton.py) without
+reading anything on the host, so decode steps replay from CUDA graphs. Each token then sums its k outputs in fp32,
+in its own rows only, so its bits do not depend on the rest of the batch.
 
 Tensor parallelism splits every expert's intermediate columns over the ranks, as a dense MLP's are: each rank sums
 its partial outputs over the experts and the ranks reduce that sum once, not once per expert.
@@ -74,6 +74,24 @@ class SparseMoe(nn.Module):
             self.shared_expert = LlamaMLP(config, False, shared_columns, down=nn.Linear)
             self.shared_expert_gate = nn.Linear(config.hidden_size, 1, bias=False)
         self._in_c: ExpertsInC | None | bool = False  # False: not looked at yet (the linears are packed after load)
+        self.w13: torch.Tensor | None  # buffers (not parameters: the checkpoint fills them through the experts)
+        self.w2: torch.Tensor | None
+        self.register_buffer("w13", None, persistent=False)
+        self.register_buffer("w2", None, persistent=False)
+        if self.gate.weight.device.type == "cuda":  # built on the GPU (build_model's device context)
+            self._stack_experts()
+
+    def _stack_experts(self) -> None:
+        """The grouped kernels' operands (engine_core/models/moe_triton.py): all experts' gate/up weights in one
+        tensor and their down weights in another. Each expert's linears become views into them, so loading the
+        checkpoint fills them, and nothing is held twice."""
+        first = self.experts[0]
+        w13 = first.gate_up_proj.weight.new_empty((len(self.experts), *first.gate_up_proj.weight.shape))
+        w2 = first.down_proj.weight.new_empty((len(self.experts), *first.down_proj.weight.shape))
+        for i, expert in enumerate(self.experts):
+            expert.gate_up_proj.weight = nn.Parameter(w13[i], requires_grad=False)
+            expert.down_proj.weight = nn.Parameter(w2[i], requires_grad=False)
+        self.w13, self.w2 = w13, w2
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Each token's top-k experts [T, k] and their weights [T, k] (fp32), as transformers picks them: the
@@ -86,13 +104,7 @@ class SparseMoe(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         experts, weights = self.route(x)
-        flat = experts.flatten()
-        order = flat.argsort(stable=True)  # the (token, choice) slots, grouped by expert
-        counts = torch.bincount(flat, minlength=len(self.experts))
-        grouped = self._run_experts(x, order // self.top_k, counts)
-        by_choice = torch.empty_like(grouped)
-        by_choice[order] = grouped  # back in (token, choice) order: each token's k rows side by side
-        by_choice = by_choice.view(-1, self.top_k, x.shape[1])
+        by_choice = self._run_experts(x, experts).view(-1, self.top_k, x.shape[1])
         # Summed in fp32 and in choice order, elementwise: a token's bits depend on nothing else in the step (an
         # index_add_ of the slots would sum in a thread-dependent order on a GPU).
         out = by_choice[:, 0].float() * weights[:, :1]
@@ -103,19 +115,27 @@ class SparseMoe(nn.Module):
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return distributed.all_reduce(out) if distributed.tp_size() > 1 else out
 
-    def _run_experts(self, x: torch.Tensor, slots: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        """[slots, hidden]: row i is the output of slot i's expert for slot i's token (`slots`: the token of each
-        slot, grouped by expert; `counts`: each expert's number of slots)."""
+    def _run_experts(self, x: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+        """Each (token, choice) slot's expert output [T * k, hidden], in slot order (token * k + choice)."""
+        if self.w13 is not None and self.w2 is not None and x.is_cuda:  # the GPU: no host sync, graph-safe
+            from engine_core.models.moe_triton import fused_experts  # imports triton: only where it runs
+
+            return fused_experts(x, self.w13, self.w2, experts)
+        flat = experts.flatten()
+        order = flat.argsort(stable=True)  # the slots grouped by expert
+        tokens, counts = order // self.top_k, torch.bincount(flat, minlength=len(self.experts))
         if self._in_c is False:
             self._in_c = ExpertsInC.of(self.experts)
         if self._in_c is not None and x.dtype == torch.bfloat16 and x.device.type == "cpu":
-            return self._in_c(x, slots, counts)
-        out = x.new_empty((len(slots), x.shape[1]))
-        start = 0
-        for expert, count in zip(self.experts, counts.tolist(), strict=True):
-            if count:
-                out[start : start + count] = expert(x[slots[start : start + count]])
-            start += count
+            grouped = self._in_c(x, tokens, counts)
+        else:
+            grouped, start = x.new_empty((len(flat), x.shape[1])), 0
+            for expert, count in zip(self.experts, counts.tolist(), strict=True):
+                if count:
+                    grouped[start : start + count] = expert(x[tokens[start : start + count]])
+                start += count
+        out = torch.empty_like(grouped)
+        out[order] = grouped
         return out
 
 
@@ -152,8 +172,6 @@ class ExpertsInC:
 
 
 class MoeForCausalLM(LlamaForCausalLM):
-    graphable = False  # the expert loop reads the routing on the host
-
     def decoder_layer(self, index: int, window: int | None, rotate: bool) -> nn.Module:
         shape = MoeShape.of(self.config)
         qkv_bias, o_bias = self.attention_biases(self.config)
