@@ -7,7 +7,10 @@ llama.cpp's converter writes them. Without these the model would load and answer
 - Phi-3's rotated share of each head (Phi-4-mini rotates 3/4), its sliding window, and LongRoPE's factors
   (Phi-3.5-mini, Phi-4-mini);
 - the head size (`attention.key_length`) where the loader reads none, as for Qwen3, whose config would otherwise
-  take its default of 128 (the weights then fail to load)."""
+  take its default of 128 (the weights then fail to load);
+- a mixture of experts' expert size (and Qwen2-MoE's shared expert's), and whether the top-k weights are
+  renormalized, which llama.cpp decides by architecture (Qwen3-MoE yes, Qwen2-MoE no) where the file says nothing
+  (`expert_weights_norm`): transformers' Qwen3-MoE config defaults to no, Qwen3-30B-A3B's says yes."""
 
 from __future__ import annotations
 
@@ -18,6 +21,7 @@ import gguf
 import torch
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
+MOE_RENORMALIZES = {"qwen3_moe": True, "qwen2_moe": False}  # llama.cpp's choice per architecture
 LLAMA3_SCALING = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
 
 
@@ -30,6 +34,8 @@ def complete_config(gguf_path: Path, config) -> None:
     tensors = {t.name: t.data.tolist() for t in reader.tensors if t.name.startswith(("rope_freqs", "rope_factors_"))}
     if "attention.key_length" in fields and hasattr(config, "head_dim"):
         config.head_dim = fields["attention.key_length"]
+    if config.model_type in MOE_RENORMALIZES:
+        _complete_moe(config, fields)
     if config.model_type == "phi3":
         _complete_phi3(config, fields, tensors)
     elif "rope_freqs.weight" in tensors:
@@ -81,3 +87,10 @@ def _complete_phi3(config, fields: dict, tensors: dict[str, list[float]]) -> Non
                       original_max_position_embeddings=original)  # fmt: skip
         config.original_max_position_embeddings = original
     config.rope_parameters = params
+
+
+def _complete_moe(config, fields: dict) -> None:
+    config.moe_intermediate_size = fields.get("expert_feed_forward_length", config.moe_intermediate_size)
+    if "expert_shared_feed_forward_length" in fields:
+        config.shared_expert_intermediate_size = fields["expert_shared_feed_forward_length"]
+    config.norm_topk_prob = bool(fields.get("expert_weights_norm", MOE_RENORMALIZES[config.model_type]))
