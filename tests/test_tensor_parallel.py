@@ -44,11 +44,13 @@ TINY = {  # name -> (config, HF class)
                                                      layer_types=["sliding_attention", "full_attention"],
                                                      architectures=["Gemma3ForCausalLM"]),
                transformers.Gemma3ForCausalLM),
-    # Qwen2-MoE: every expert's columns and the shared expert's split unevenly (23 and 37 over two ranks)
+    # Qwen2-MoE: every expert's columns and the shared expert's split unevenly (23 and 37 over two ranks; such odd
+    # sizes need transformers' eager experts, whose grouped_mm wants 16-byte strides)
     "qwen2-moe": (lambda: transformers.Qwen2MoeConfig(hidden_size=64, intermediate_size=96, moe_intermediate_size=23,
                                                       shared_expert_intermediate_size=37, num_experts=6,
                                                       num_experts_per_tok=2, num_hidden_layers=2, num_attention_heads=4,
                                                       num_key_value_heads=2, vocab_size=128,
+                                                      experts_implementation="eager",
                                                       architectures=["Qwen2MoeForCausalLM"]),
                   transformers.Qwen2MoeForCausalLM),
     "gpt2": (lambda: transformers.GPT2Config(n_embd=64, n_layer=2, n_head=4, vocab_size=129, n_positions=256,
