@@ -51,14 +51,18 @@ def environment(device: str) -> dict:
 
 def decode_bound(config: dict, batch: int, context: int, dtype_bytes: int, bandwidth: float, peak_flops: float) -> dict:
     """The decode step's floor for a Llama-shaped config: every weight read once (the embedding table only as the
-    LM head), every context's K/V read once; 2 FLOPs per weight per token plus QK and PV over the context."""
-    weights = sum(math.prod(s) for name, s in tensor_shapes(config)
-                  if name != "model.embed_tokens.weight" or config.get("tie_word_embeddings"))  # fmt: skip
+    LM head; of a mixture of experts, the experts the batch is expected to choose), every context's K/V read once;
+    2 FLOPs per weight a token uses (k of the experts) plus QK and PV over the context."""
+    shapes = [(name, math.prod(s)) for name, s in tensor_shapes(config)
+              if name != "model.embed_tokens.weight" or config.get("tie_word_embeddings")]  # fmt: skip
+    experts = sum(n for name, n in shapes if ".mlp.experts." in name)
+    dense = sum(n for _, n in shapes) - experts
+    chosen = config.get("num_experts_per_tok", 1) / config.get("num_experts", 1)  # each token's share of the experts
     layers, heads = config["num_hidden_layers"], config["num_attention_heads"]
     head_dim = config.get("head_dim") or config["hidden_size"] // heads
     kv_per_token = 2 * layers * config["num_key_value_heads"] * head_dim * dtype_bytes
-    read = weights * dtype_bytes + batch * context * kv_per_token
-    flops = batch * (2 * weights + 4 * context * heads * head_dim * layers)
+    read = (dense + experts * (1 - (1 - chosen) ** batch)) * dtype_bytes + batch * context * kv_per_token
+    flops = batch * (2 * (dense + experts * chosen) + 4 * context * heads * head_dim * layers)
     t_bw, t_flops = read / bandwidth, flops / peak_flops
     return {"bytes_read": read, "flops": flops, "bandwidth_ms": t_bw * 1e3, "compute_ms": t_flops * 1e3,
             "bound_ms": max(t_bw, t_flops) * 1e3}  # fmt: skip

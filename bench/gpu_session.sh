@@ -12,6 +12,8 @@
 #   offline-1b       1B random model, 512 x 512 x 256: first pass vs HF generate's static batches, decode steps
 #   eager-1b         the same engine phases with --enforce-eager (graphs must not be slower), no HF
 #   offline-135m     SmolLM2-135M's shape, the same workload
+#   offline-moe      12 of Qwen3-30B-A3B's 48 layers (15 GB, 128 experts, 8 a token), the same workload: the grouped
+#                    Triton experts (engine_core/models/moe_triton.py), never run on a GPU before
 #   serve-1b         launch.py on the 1B model (plus $SERVE_FLAGS; $BENCH_FLAGS for bench.serve, $TAG names the
 #                    result), bench.serve at 256 concurrent streams, the CPU time of the client, the API process
 #                    and the engine; untagged, then a second server on the same GPU, which must fail at start
@@ -178,6 +180,8 @@ step() {
                           $BOUND --hf-batch-sizes 256,512 --result-json "$OUT/gpu_smollm2-135m.json" ;;
         serve-penalty) TAG=-penalty SERVE_FLAGS='--override-generation-config {"repetition_penalty":1.05}' serve_1b ;;
         serve-json) TAG=-json BENCH_FLAGS='--extra-body {"response_format":{"type":"json_object"}}' serve_1b ;;
+        offline-moe) model qwen3-moe-a3b-12l && python3 -m bench.gpu --model "$MODELS/qwen3-moe-a3b-12l" \
+                         --num-prompts 512 $BOUND --hf-batch-sizes 256 --result-json "$OUT/gpu_qwen3-moe-a3b-12l.json" ;;
         parity-135m) model smollm2-135m && python3 -m bench.gpu_parity --model "$MODELS/smollm2-135m" \
                          --result-json "$OUT/gpu_parity_smollm2-135m.json" ;;
         # shellcheck disable=SC2086  # GPU_TEST_FILES: a list

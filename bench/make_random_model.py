@@ -4,7 +4,7 @@ the values.
 
 python -m bench.make_random_model NAME OUT_DIR [--seed 0] [--base DIR]
 NAME: smollm2-135m | llama-1b | llama-7b | smollm3-3b | gemma3-270m | qwen3-embedding-0.6b | qwen3-reranker-0.6b |
-      qwen3-moe-a3b-4l | tiny
+      qwen3-moe-a3b-4l | qwen3-moe-a3b-12l | tiny
 
 --base: a directory holding the default model's config.json and tokenizer files (TOKENIZER_FILES), to use instead
 of the default model itself: 4 MB to bring to a GPU machine rather than its 93 MB GGUF package.
@@ -69,6 +69,7 @@ SHAPES: dict[str, dict] = {
                          "max_position_embeddings": 40960, "rms_norm_eps": 1e-6,
                          "rope_parameters": {"rope_theta": 1000000.0, "rope_type": "default"}},
 }  # fmt: skip
+SHAPES["qwen3-moe-a3b-12l"] = {**SHAPES["qwen3-moe-a3b-4l"], "num_hidden_layers": 12}  # 15 GB, for a GPU
 # Qwen3-Reranker-0.6B: the same decoder, saved as a causal LM (served with --hf-overrides, bench/rerank.py)
 SHAPES["qwen3-reranker-0.6b"] = SHAPES["qwen3-embedding-0.6b"]
 SENTENCE_TRANSFORMERS = {"qwen3-embedding-0.6b"}
