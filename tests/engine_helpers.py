@@ -206,3 +206,16 @@ def counting_calls(counts: dict[str, int], method: str) -> Callable[[EngineCore]
         setattr(core.runner, method, counted)
 
     return prepare
+
+
+def assert_serves_hf_greedy(model_dir, model, prompts: list[list[int]], max_new: int = 12, **config) -> None:
+    """Our engine on `model_dir` (fp32; `config`: more EngineConfig fields) gives transformers' `model`'s own greedy
+    tokens for each prompt, all in one batch."""
+    engine = EngineConfig(model=str(model_dir), dtype="float32", num_kv_blocks=64, max_model_len=256, **config)
+    requests = [greedy_request(f"r{i}", p, max_new) for i, p in enumerate(prompts)]
+    ours = tokens_of(run_engine(EngineCore(engine), requests), [r.request_id for r in requests])
+    with torch.inference_mode():
+        refs = [model.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                               max_new_tokens=max_new, min_new_tokens=max_new, do_sample=False)[0, len(p) :].tolist()
+                for p in prompts]  # fmt: skip
+    assert ours == refs

@@ -1,7 +1,8 @@
 """Writing a GGUF as llama.cpp's converter does, for the tests that convert one (tests/test_gguf_*.py): the shape's
 fields from the model's config, the architecture's own from the test; the tokenizer's copied from the default model's
-GGUF; the tensors under the names of `gguf`'s own map. And the check each test ends with: the converted model, served,
-gives the greedy tokens of the model the file was written from."""
+GGUF; the tensors under the names of `gguf`'s own map. Each test ends with tests/engine_helpers.py's
+assert_serves_hf_greedy: the converted model, served, gives the greedy tokens of the model the file was written
+from."""
 
 from __future__ import annotations
 
@@ -11,9 +12,6 @@ from pathlib import Path
 import gguf
 import torch
 
-from common.config import EngineConfig
-from engine_core.core import EngineCore
-from tests.engine_helpers import greedy_request, run_engine, tokens_of
 from tests.test_model_source import _default_gguf_path
 
 VOCAB = 49152  # the default model's tokenizer, whose GGUF fields the files take
@@ -46,18 +44,6 @@ def write_gguf(path: Path, arch: gguf.MODEL_ARCH, config, fields: Callable[[gguf
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-
-
-def assert_serves_hf_greedy(model_dir: Path, model, prompts: list[list[int]], max_new: int = 12) -> None:
-    """Our engine on the converted `model_dir` (fp32) gives `model`'s own greedy tokens for each prompt."""
-    config = EngineConfig(model=str(model_dir), dtype="float32", num_kv_blocks=64, max_model_len=256)
-    requests = [greedy_request(f"r{i}", p, max_new) for i, p in enumerate(prompts)]
-    ours = tokens_of(run_engine(EngineCore(config), requests), [r.request_id for r in requests])
-    with torch.inference_mode():
-        refs = [model.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
-                               max_new_tokens=max_new, min_new_tokens=max_new, do_sample=False)[0, len(p) :].tolist()
-                for p in prompts]  # fmt: skip
-    assert ours == refs
 
 
 def random_model(hf_class, config, norm: float = 1.0, std: float = 0.15):

@@ -9,7 +9,8 @@ import gguf
 import transformers
 
 from common.model_source import resolve_model
-from tests.gguf_helpers import VOCAB, assert_serves_hf_greedy, random_model, write_gguf
+from tests.engine_helpers import assert_serves_hf_greedy
+from tests.gguf_helpers import VOCAB, random_model, write_gguf
 
 
 def tiny_gemma3() -> transformers.Gemma3ForCausalLM:

@@ -11,7 +11,8 @@ import torch
 import transformers
 
 from common.model_source import resolve_model
-from tests.gguf_helpers import VOCAB, assert_serves_hf_greedy, random_model, write_gguf
+from tests.engine_helpers import assert_serves_hf_greedy
+from tests.gguf_helpers import VOCAB, random_model, write_gguf
 
 ORIGINAL = 32  # LongRoPE's original context; every prompt below passes it, so both sides take the long factors
 HEAD_DIM, ROTATED = 16, 12  # Phi-4-mini rotates 3/4 of each head

@@ -11,7 +11,8 @@ import pytest
 import transformers
 
 from common.model_source import ModelSourceError, resolve_model
-from tests.gguf_helpers import VOCAB, assert_serves_hf_greedy, random_model, write_gguf
+from tests.engine_helpers import assert_serves_hf_greedy
+from tests.gguf_helpers import VOCAB, random_model, write_gguf
 
 HEAD_DIM = 64  # not Qwen3's default of 128: only the file's field can say it
 

@@ -15,7 +15,8 @@ import transformers
 
 from common.gguf_fields import complete_config
 from common.model_source import resolve_model
-from tests.gguf_helpers import VOCAB, assert_serves_hf_greedy, random_model, write_gguf
+from tests.engine_helpers import assert_serves_hf_greedy
+from tests.gguf_helpers import VOCAB, random_model, write_gguf
 
 HEAD_DIM, THETA = 16, 10000.0
 SCALING = {"rope_type": "llama3", "rope_theta": THETA, "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,

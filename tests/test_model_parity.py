@@ -14,7 +14,7 @@ import transformers
 from common.config import EngineConfig
 from engine_core.core import EngineCore
 from engine_core.models.loader import build_model, load_model, load_weights
-from tests.engine_helpers import greedy_request, run_engine, tokens_of
+from tests.engine_helpers import assert_serves_hf_greedy, greedy_request, run_engine, tokens_of
 from tests.model_harness import PagedRun
 
 TOL = 1e-3
@@ -282,14 +282,5 @@ def test_a_sliding_windows_model_serves_transformers_greedy_tokens_past_the_wind
     hf = tiny_hf_model(arch)
     assert sorted(hf.config.layer_types) == ["full_attention", "sliding_attention"]
     hf.save_pretrained(tmp_path)
-    prompts = random_prompts([3, 17, 30], VOCAB, seed=4)
-    config = EngineConfig(model=str(tmp_path), dtype="float32", num_kv_blocks=64, max_model_len=MAX_POSITIONS,
-                          max_num_batched_tokens=16)  # fmt: skip
-    requests = [greedy_request(f"w{i}", p, 12) for i, p in enumerate(prompts)]
-    ours = tokens_of(run_engine(EngineCore(config), requests), [r.request_id for r in requests])
-    with torch.inference_mode():
-        # An explicit mask: generate would take Gemma's pad id (0) in a random prompt for padding.
-        refs = [hf.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
-                            max_new_tokens=12, min_new_tokens=12, do_sample=False)[0, len(p) :]
-                for p in prompts]  # fmt: skip
-    assert ours == [r.tolist() for r in refs]
+    # Its explicit attention mask matters: generate would take Gemma's pad id (0) in a random prompt for padding.
+    assert_serves_hf_greedy(tmp_path, hf, random_prompts([3, 17, 30], VOCAB, seed=4), max_num_batched_tokens=16)

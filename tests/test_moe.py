@@ -17,7 +17,7 @@ from engine_core.models.loader import load_model
 from engine_core.models.moe import ExpertsInC, MoeForCausalLM, SparseMoe
 from engine_core.models.quant import prepare_linears
 from tests.cpu_features import HAS_INT8_LINEAR, needs_linear_kernels
-from tests.engine_helpers import greedy_request, run_engine, tokens_of
+from tests.engine_helpers import assert_serves_hf_greedy, greedy_request, run_engine, tokens_of
 from tests.lora_helpers import tiny_model_and_adapters
 from tests.model_harness import PagedRun
 from tests.test_model_parity import TOL, hf_logits, max_diff, prefill_then_decode, random_prompts, randomized
@@ -73,16 +73,7 @@ def test_the_engine_serves_transformers_greedy_tokens(saved):
     """From the saved directory (the architecture check, each family's checkpoint names), prompts of different
     lengths in one batch, chunked by a small step budget."""
     hf, path = saved
-    prompts = random_prompts([3, 17, 30], VOCAB, seed=5)
-    config = EngineConfig(model=str(path), dtype="float32", num_kv_blocks=64, max_model_len=MAX_POSITIONS,
-                          max_num_batched_tokens=16)  # fmt: skip
-    requests = [greedy_request(f"m{i}", p, 10) for i, p in enumerate(prompts)]
-    ours = tokens_of(run_engine(EngineCore(config), requests), [r.request_id for r in requests])
-    with torch.inference_mode():
-        refs = [hf.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
-                            max_new_tokens=10, min_new_tokens=10, do_sample=False)[0, len(p):].tolist()
-                for p in prompts]  # fmt: skip
-    assert ours == refs
+    assert_serves_hf_greedy(path, hf, random_prompts([3, 17, 30], VOCAB, seed=5), 10, max_num_batched_tokens=16)
 
 
 def test_bf16_tokens_do_not_depend_on_the_batch(saved):
