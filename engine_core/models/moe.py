@@ -1,7 +1,7 @@
-"""Mixture-of-experts models of the Llama family: Qwen3-MoE, Qwen2-MoE and Mixtral. Their attention is Llama's
-(engine_core/models/llama.py); in their sparse layers the MLP is a router and many small SwiGLU experts, of which
-each token runs its top k, summed with the router's weights (Qwen2-MoE adds a shared expert every token runs, scaled
-by a sigmoid gate).
+"""Mixture-of-experts models of the Llama family: Qwen3-MoE, Qwen2-MoE, Mixtral and OLMoE. Their attention is
+Llama's (engine_core/models/llama.py; OLMoE norms each token's whole q and k); in their sparse layers the MLP is a
+router and many small SwiGLU experts, of which each token runs its top k, summed with the router's weights
+(Qwen2-MoE adds a shared expert every token runs, scaled by a sigmoid gate).
 
 A step groups its (token, choice) slots by expert and runs each expert that has any once over all of them, so an
 expert's weights are read once a step however many tokens chose it. On CPU the experts are ordinary linears, so
@@ -51,10 +51,11 @@ class MoeShape:
         if config.model_type == "mixtral":
             return MoeShape(config.num_local_experts, config.num_experts_per_tok, config.intermediate_size, True, 0,
                             frozenset(layers))  # fmt: skip
-        # Qwen: every decoder_sparse_step-th layer is sparse, but those of mlp_only_layers (dense MLPs)
-        step, dense = config.decoder_sparse_step, set(config.mlp_only_layers or ())
+        # Qwen: every decoder_sparse_step-th layer is sparse, but those of mlp_only_layers (dense MLPs); OLMoE: all
+        step, dense = getattr(config, "decoder_sparse_step", 1), set(getattr(config, "mlp_only_layers", None) or ())
         sparse = frozenset(i for i in layers if i not in dense and config.num_experts > 0 and (i + 1) % step == 0)
-        return MoeShape(config.num_experts, config.num_experts_per_tok, config.moe_intermediate_size,
+        intermediate = getattr(config, "moe_intermediate_size", None) or config.intermediate_size  # OLMoE: the latter
+        return MoeShape(config.num_experts, config.num_experts_per_tok, intermediate,
                         bool(config.norm_topk_prob), getattr(config, "shared_expert_intermediate_size", 0) or 0,
                         sparse)  # fmt: skip
 
@@ -172,6 +173,11 @@ class ExpertsInC:
 
 
 class MoeForCausalLM(LlamaForCausalLM):
+    def __init__(self, config, max_positions: int) -> None:
+        if getattr(config, "clip_qkv", None) is not None:  # an OLMoE option its released checkpoints leave off
+            raise ValueError("clip_qkv is not supported")
+        super().__init__(config, max_positions)
+
     def decoder_layer(self, index: int, window: int | None, rotate: bool) -> nn.Module:
         shape = MoeShape.of(self.config)
         qkv_bias, o_bias = self.attention_biases(self.config)
