@@ -4,7 +4,7 @@ the values.
 
 python -m bench.make_random_model NAME OUT_DIR [--seed 0] [--base DIR]
 NAME: smollm2-135m | llama-1b | llama-7b | smollm3-3b | gemma3-270m | qwen3-embedding-0.6b | qwen3-reranker-0.6b |
-      qwen3-moe-a3b-4l | qwen3-moe-a3b-12l | tiny
+      qwen3-moe-a3b-4l | qwen3-moe-a3b-12l | olmoe-1b-7b | tiny
 
 --base: a directory holding the default model's config.json and tokenizer files (TOKENIZER_FILES), to use instead
 of the default model itself: 4 MB to bring to a GPU machine rather than its 93 MB GGUF package.
@@ -69,6 +69,13 @@ SHAPES: dict[str, dict] = {
                          "max_position_embeddings": 40960, "rms_norm_eps": 1e-6,
                          "rope_parameters": {"rope_theta": 1000000.0, "rope_type": "default"}},
 }  # fmt: skip
+# OLMoE-1B-7B's (64 experts of 1024 columns, 8 a token; q and k normed over all heads) with the default vocabulary
+SHAPES["olmoe-1b-7b"] = {"architectures": ["OlmoeForCausalLM"], "model_type": "olmoe", "hidden_size": 2048,
+                         "num_hidden_layers": 16, "num_attention_heads": 16, "num_key_value_heads": 16,
+                         "head_dim": 128, "intermediate_size": 1024, "num_experts": 64, "num_experts_per_tok": 8,
+                         "norm_topk_prob": False, "clip_qkv": None, "vocab_size": 49152,
+                         "tie_word_embeddings": False, "max_position_embeddings": 4096, "rms_norm_eps": 1e-5,
+                         "rope_parameters": {"rope_theta": 10000.0, "rope_type": "default"}}  # fmt: skip
 SHAPES["qwen3-moe-a3b-12l"] = {**SHAPES["qwen3-moe-a3b-4l"], "num_hidden_layers": 12}  # 15 GB, for a GPU
 # Qwen3-Reranker-0.6B: the same decoder, saved as a causal LM (served with --hf-overrides, bench/rerank.py)
 SHAPES["qwen3-reranker-0.6b"] = SHAPES["qwen3-embedding-0.6b"]
@@ -102,13 +109,16 @@ def tensor_shapes(config: dict) -> Iterator[tuple[str, tuple[int, ...]]]:
         yield p + "post_attention_layernorm.weight", (h,)
         if gemma or config.get("model_type") in ("qwen3", "qwen3_moe"):
             yield from ((p + name, (d,)) for name in ("self_attn.q_norm.weight", "self_attn.k_norm.weight"))
+        if config.get("model_type") == "olmoe":  # over all heads
+            yield from ((p + "self_attn.q_norm.weight", (q,)), (p + "self_attn.k_norm.weight", (kv,)))
         if gemma:
             yield from ((p + name, (h,)) for name in ("pre_feedforward_layernorm.weight",
                                                       "post_feedforward_layernorm.weight"))  # fmt: skip
         mlps = [("mlp.", inter)]
         if config.get("num_experts"):  # the router and its experts
             yield p + "mlp.gate.weight", (config["num_experts"], h)
-            mlps = [(f"mlp.experts.{e}.", config["moe_intermediate_size"]) for e in range(config["num_experts"])]
+            size = config.get("moe_intermediate_size", inter)  # OLMoE's experts: intermediate_size
+            mlps = [(f"mlp.experts.{e}.", size) for e in range(config["num_experts"])]
         for mlp, size in mlps:
             yield p + mlp + "gate_proj.weight", (size, h)
             yield p + mlp + "up_proj.weight", (size, h)

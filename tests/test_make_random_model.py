@@ -33,6 +33,7 @@ def test_named_shapes() -> None:
     assert "model.layers.0.self_attn.q_norm.weight" in names and "lm_head.weight" not in names
     # Qwen3-30B-A3B's layer (623M parameters, 48 of them and 151936 tokens: its 30.5e9), 4 of them, 49152 tokens
     assert 2.69e9 < params_of("qwen3-moe-a3b-4l") < 2.7e9
+    assert 6.91e9 < params_of("olmoe-1b-7b") < 6.92e9  # OLMoE-1B-7B's 6.92e9 with 49152 tokens, not 50304
 
 
 def test_a_written_mixture_of_experts_loads_and_generates(tmp_path, monkeypatch) -> None:
