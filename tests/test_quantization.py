@@ -3,6 +3,8 @@ greedy decoding of SmolLM2 with int8 weights against bf16 weights and transforme
 
 from __future__ import annotations
 
+import weakref
+
 import pytest
 import torch
 from torch import nn
@@ -11,6 +13,7 @@ from engine_core.core import EngineCore
 from engine_core.cpu_kernels import cpu_kernels
 from engine_core.device import padded_size
 from engine_core.models import quant
+from engine_core.models.layers import replace_linears
 from engine_core.models.quant import Int8Linear, dequantize, prepare_linears, quantize_groups
 from tests.cpu_features import HAS_INT8_LINEAR, HAS_LINEAR
 from tests.engine_helpers import fp32_config, greedy_request, mixed_prompts, run_engine
@@ -150,3 +153,19 @@ def test_int8_greedy_tracks_bf16() -> None:
     assert sum(agreed) / len(agreed) >= 8 and sum(n >= 4 for n in agreed) >= 9, agreed
     assert lp_diff < 0.4, lp_diff
     assert len(far) <= 4, far
+
+
+def test_each_plain_weight_is_freed_before_the_next_linear_is_replaced() -> None:
+    """Packing (or quantizing) must not hold the whole model twice: a 13 GB model took 26 GB and was killed on a
+    24 GB machine while every plain weight stayed referenced until the last linear was packed."""
+    model = nn.Sequential(nn.Linear(8, 8), nn.Sequential(nn.Linear(8, 8), nn.ReLU()), nn.Linear(8, 8))
+    freed: list[weakref.ref] = []
+
+    def make(linear: nn.Linear) -> nn.Module:
+        assert all(ref() is None for ref in freed), "an earlier plain weight is still alive"
+        freed.append(weakref.ref(linear.weight))
+        return nn.Identity()
+
+    assert replace_linears(model, make) == 3
+    assert all(ref() is None for ref in freed)
+    assert not any(isinstance(m, nn.Linear) for m in model.modules())

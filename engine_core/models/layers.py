@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -215,8 +217,16 @@ def can_pack_bf16() -> bool:
 def pack_linears(model: nn.Module) -> int:
     """Replaces every linear layer of a loaded CPU bf16 model by a PackedLinear; returns how many. Tied weights
     stay usable: the embedding keeps the plain tensor, the head gets its packed copy."""
-    linears = [(name, m) for name, m in model.named_modules() if isinstance(m, nn.Linear)]
-    for name, module in linears:
+    return replace_linears(model, PackedLinear)
+
+
+def replace_linears(model: nn.Module, make: Callable[[nn.Linear], nn.Module]) -> int:
+    """Every nn.Linear of `model` replaced by make(linear), one at a time, holding no reference to those already
+    replaced: each plain weight is freed once its replacement exists, so a model is never held twice (a 13 GB
+    model packed with every plain weight still alive took 26 GB)."""
+    names = [name for name, m in model.named_modules() if isinstance(m, nn.Linear)]
+    for name in names:
         parent_name, _, attr = name.rpartition(".")
-        setattr(model.get_submodule(parent_name), attr, PackedLinear(module))
-    return len(linears)
+        parent = model.get_submodule(parent_name)
+        setattr(parent, attr, make(getattr(parent, attr)))
+    return len(names)

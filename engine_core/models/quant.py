@@ -18,7 +18,7 @@ from torch import nn
 
 from engine_core import distributed
 from engine_core.cpu_kernels import cpu_kernels
-from engine_core.models.layers import PackedLinear, can_pack_bf16, pack_linears
+from engine_core.models.layers import PackedLinear, can_pack_bf16, pack_linears, replace_linears
 from engine_core.models.parallel import RowParallelLinear
 
 log = logging.getLogger("roseinfer.quant")
@@ -81,11 +81,7 @@ class Int8Linear(nn.Module):
 
 def quantize_linears(model: nn.Module) -> int:
     """Replaces every linear layer by an Int8Linear; returns how many."""
-    linears = [(name, m) for name, m in model.named_modules() if isinstance(m, nn.Linear)]
-    for name, module in linears:
-        parent_name, _, attr = name.rpartition(".")
-        setattr(model.get_submodule(parent_name), attr, Int8Linear(module))
-    return len(linears)
+    return replace_linears(model, Int8Linear)
 
 
 def prepare_linears(model: nn.Module, quantization: str, device: torch.device, dtype: torch.dtype) -> int:
