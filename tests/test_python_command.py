@@ -1,4 +1,5 @@
-"""Engine cores and tensor-parallel workers import this checkout's packages whatever directory they start in."""
+"""Engine cores and tensor-parallel workers import this checkout's packages whatever directory they start in, and
+take torch's large buffers in huge pages."""
 
 from __future__ import annotations
 
@@ -20,3 +21,8 @@ def test_a_started_module_imports_this_checkout_not_the_working_directory(tmp_pa
     plain = subprocess.run([c for c in cmd if c != "-P"], cwd=tmp_path, env=env, capture_output=True, text=True,
                            timeout=60)  # fmt: skip
     assert plain.returncode != 0 and "imported the working directory" in plain.stderr
+
+
+def test_children_take_huge_pages_unless_told_otherwise() -> None:
+    assert python_module("engine_core", {})[1]["THP_MEM_ALLOC_ENABLE"] == "1"
+    assert python_module("engine_core", {"THP_MEM_ALLOC_ENABLE": "0"})[1]["THP_MEM_ALLOC_ENABLE"] == "0"
