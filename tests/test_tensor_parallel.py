@@ -26,6 +26,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 
 from engine_core.models.parallel import HeadSplit, head_split, split, vocab_shard
 from tests.conftest import REPO, Server, free_port
+from tests.test_model_parity import randomized
 
 TP = ["--tensor-parallel-size", "2", "--device", "cpu"]  # gloo on CPU cores, on a GPU machine too (one GPU)
 MAX_TOKENS = 10
@@ -71,11 +72,7 @@ def save_tiny(name: str, root: Path, spec=None) -> tuple[Path, transformers.PreT
     (config, class) where it is not TINY's."""
     config, hf_class = spec or TINY[name]
     torch.manual_seed(0)
-    hf = hf_class(config()).eval()
-    with torch.no_grad():
-        for pname, param in hf.named_parameters():
-            is_norm = any(part in pname for part in ("norm", "ln_")) and pname.endswith(".weight")
-            param.copy_(1 + 0.1 * torch.randn_like(param) if is_norm else 0.15 * torch.randn_like(param))
+    hf = randomized(hf_class(config()).eval())
     path = root / name
     hf.save_pretrained(path)
     vocab = hf.config.vocab_size

@@ -18,6 +18,7 @@ its partial outputs over the experts and the ranks reduce that sum once, not onc
 from __future__ import annotations
 
 import ctypes
+import functools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -178,8 +179,12 @@ class MoeForCausalLM(LlamaForCausalLM):
             raise ValueError("clip_qkv is not supported")
         super().__init__(config, max_positions)
 
+    @functools.cached_property
+    def moe_shape(self) -> MoeShape:  # read once: every layer and every checkpoint tensor asks
+        return MoeShape.of(self.config)
+
     def decoder_layer(self, index: int, window: int | None, rotate: bool) -> nn.Module:
-        shape = MoeShape.of(self.config)
+        shape = self.moe_shape
         qkv_bias, o_bias = self.attention_biases(self.config)
         mlp = SparseMoe(self.config, shape) if index in shape.sparse_layers else None
         return LlamaDecoderLayer(self.config, qkv_bias, o_bias, self.heads, self.columns, window, rotate, mlp)
@@ -195,7 +200,7 @@ class MoeForCausalLM(LlamaForCausalLM):
     def shard_weight(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         """An expert's (or the shared expert's) slice of its own intermediate columns; the router is whole."""
         size, rank = distributed.tp_size(), distributed.tp_rank()
-        shape = MoeShape.of(self.config)
+        shape = self.moe_shape
         for part, columns in (("experts", shape.intermediate), ("shared_expert", shape.shared_intermediate)):
             if size > 1 and f".mlp.{part}." in name:
                 start, end = split(columns, size, rank)
