@@ -14,7 +14,7 @@ import transformers
 
 from common.config import EngineConfig
 from engine_core.core import EngineCore
-from engine_core.models.loader import load_model
+from engine_core.models.loader import build_model, load_model
 from engine_core.models.moe import ExpertsInC, MoeForCausalLM, SparseMoe
 from engine_core.models.quant import prepare_linears
 from tests.cpu_features import HAS_INT8_LINEAR, needs_linear_kernels
@@ -123,3 +123,11 @@ def test_experts_in_one_c_call_equal_the_experts_one_by_one(arch: str, quantizat
         assert isinstance(moe._in_c, ExpertsInC) and moe._in_c.q8 == (quantization == "int8")
         moe._in_c = None  # the experts one by one
         assert torch.equal(in_c, moe(x))
+
+
+def test_an_olmoe_with_clip_qkv_is_refused_at_start() -> None:
+    """An OLMoE option the kernels do not apply: one clear error, not a model that answers otherwise."""
+    config = transformers.OlmoeConfig(**SHAPE, intermediate_size=24, num_experts=8, num_experts_per_tok=2,
+                                      clip_qkv=8.0, architectures=["OlmoeForCausalLM"])  # fmt: skip
+    with pytest.raises(ValueError, match="clip_qkv is not supported"):
+        build_model(config, torch.float32, torch.device("cpu"), MAX_POSITIONS)
