@@ -1,14 +1,14 @@
 """The linears alone: the compiled CPU kernel (csrc/linear.c with AVX512-BF16, csrc/linear_avx2.c with AVX2,
-through CpuKernels.linear) over SmolLM2-135M's 30 layers of linears (qkv 576 -> 960, o 576 -> 576, gate_up
-576 -> 3072, down 1536 -> 576) and its LM head (576 -> 49152, only at decode's row counts: a prefill runs it on
-each prompt's last row), each layer its own weights, so that they come from memory as in the engine. With
---lora-rank R: a rank-R LoRA adapter's two products on each of those linears instead (engine_core/lora.py).
+csrc/linear_int4.c for int4, through CpuKernels.linear) over SmolLM2-135M's 30 layers of linears (qkv 576 -> 960,
+o 576 -> 576, gate_up 576 -> 3072, down 1536 -> 576) and its LM head (576 -> 49152, only at decode's row counts: a
+prefill runs it on each prompt's last row), each layer its own weights, so that they come from memory as in the
+engine. With --lora-rank R: a rank-R LoRA adapter's two products on each of those linears instead (engine_core/lora.py).
 
 Prints, per row count (1 and 8: decode latency; 64: W's full decode batch; 2048: a prefill step), the fastest and
 the median of --repeats passes in ms, and the fastest as GFLOP/s. To compare two checkouts, run it from outside
 both, in turn (python -m puts the working directory first on the path):
-cd /tmp && PYTHONPATH=<checkout> python -m bench.linear_kernel [--repeats 5] [--quantization int8 | --lora-rank 16]
-    [--result-json F]
+cd /tmp && PYTHONPATH=<checkout> python -m bench.linear_kernel [--repeats 5]
+    [--quantization int8 | --quantization int4 | --lora-rank 16] [--result-json F]
 """
 
 from __future__ import annotations
@@ -22,7 +22,8 @@ import time
 import torch
 
 from engine_core.cpu_kernels import cpu_kernels
-from engine_core.models.quant import quantize_groups
+from engine_core.linear_packing import pack_bf16, pack_int4, pack_int8
+from engine_core.models.quant import quantize_int4, quantize_int8
 
 LAYERS, HIDDEN, VOCAB = 30, 576, 49152
 LAYER_SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # (out_features, in_features)
@@ -31,13 +32,17 @@ ROWS = [1, 8, 64, 2048]
 
 
 def pack(kernels, weight: torch.Tensor, quantization: str | None) -> torch.Tensor:
-    return kernels.pack_int8_linear(*quantize_groups(weight)) if quantization else kernels.pack_bf16_linear(weight)
+    if quantization == "int8":
+        return pack_int8(*quantize_int8(weight), kernels.panel_cols)
+    if quantization == "int4":
+        return pack_int4(*quantize_int4(weight), kernels.panel_cols)
+    return pack_bf16(weight, kernels.panel_cols)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--quantization", choices=["int8"])
+    parser.add_argument("--quantization", choices=["int8", "int4"])
     parser.add_argument("--lora-rank", type=int, help="time a LoRA adapter's products of this rank on every linear "
                         "(engine_core/lora.py: A, then B) instead of the base linears")  # fmt: skip
     parser.add_argument("--result-json")

@@ -34,8 +34,9 @@ class EngineConfig:
         "\"is_original_qwen3_reranker\": true}'",
     )
     quantization: str = flag(
-        "none", "none | int8: weight-only int8 linears and LM head (CPU bf16; faster at small batches)",
-        choices=["none", "int8"],
+        "none", "none | int8 | int4: weight-only int8 or int4 linears and LM head (CPU bf16; faster at small "
+        "batches; int4 fastest, least exact)",
+        choices=["none", "int8", "int4"],
     )
     device: str = flag("auto", "auto | cpu | cuda")
     max_model_len: int | None = flag(None, "context length (default: the model's, capped at 8192)")

@@ -19,6 +19,8 @@ from pathlib import Path
 
 import torch
 
+from engine_core.linear_packing import weight_format
+
 log = logging.getLogger("roseinfer.kernels")
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = sorted(CSRC.glob("*.c"))
@@ -93,9 +95,10 @@ class CpuKernels:
                 func = getattr(lib, f"{name}_{suffix}")
                 func.argtypes = argtypes
                 self._funcs[name, dtype] = func
-        # bf16 and int8 panels with AVX512-BF16, or with AVX2 + FMA (csrc/linear_avx2.c).
+        # bf16 and int8 panels with AVX512-BF16, or with AVX2 + FMA (csrc/linear_avx2.c); int4 with AVX512-BF16.
         self.has_linear, self.panel_cols = bool(lib.linear_kernels_available()), lib.linear_panel_cols()
         self.has_int8_linear = bool(lib.linear_int8_available())
+        self.has_int4_linear = bool(lib.linear_int4_available())
         self._linear = lib.linear
         self._linear.argtypes = [_P, _I64, _I64, _P, _I, _P, _P, _I64, _I64, _I64]
         self._moe_experts = lib.moe_experts_bf16
@@ -198,71 +201,32 @@ class CpuKernels:
         self._funcs["rotary", x.dtype](x.data_ptr(), positions.data_ptr(), cos.data_ptr(), sin.data_ptr(),
                                        x.shape[0], x.stride(0), num_heads, head_dim, cos.shape[1])  # fmt: skip
 
-    # ---- linears (csrc/linear.c): bf16, and weight-only int8 ----
+    # ---- linears (csrc/linear.c, csrc/linear_int4.c): bf16, weight-only int8 and int4; packed by linear_packing ----
 
     def supports_bf16_linear(self, in_features: int) -> bool:
         return self.has_linear and in_features % 2 == 0
 
-    def supports_int8_linear(self, in_features: int) -> bool:
-        return self.has_int8_linear and in_features % 32 == 0
-
-    def _panels(self, rows: int):
-        """(first row, row count) of each panel of a weight with `rows` rows rounded up to 16."""
-        padded = -(-rows // 16) * 16
-        return [(n0, min(self.panel_cols, padded - n0)) for n0 in range(0, padded, self.panel_cols)]
-
-    @staticmethod
-    def _rows_to_16(t: torch.Tensor) -> torch.Tensor:
-        """t with zero rows appended up to a multiple of 16 (the kernel's vector of output columns)."""
-        return torch.cat([t, t.new_zeros((-len(t) % 16, *t.shape[1:]))])
-
-    def pack_bf16_linear(self, weight: torch.Tensor) -> torch.Tensor:
-        """[N, K] bf16 -> the kernel's panels: per panel of up to panel_cols rows of the weight, for each pair of
-        k, the panel's rows x 2 values; the last panel's rows rounded up to 16 with zeros."""
-        half, cols = weight.shape[1] // 2, self.panel_cols
-        pairs = weight.to(torch.bfloat16).contiguous().view(torch.int32)  # a k pair as one int32
-        if len(pairs) % 16:
-            pairs = self._rows_to_16(pairs)
-        # Transposed straight into the result, the whole panels in one copy: packing the default model at each start
-        # took 0.93 s a pair and a panel at a time; 128 experts' 5 GB took 13 s with a copy before and after this one,
-        # half that without.
-        whole = len(pairs) // cols * cols
-        out = torch.empty(len(pairs) * half, dtype=torch.int32)
-        out[: whole * half].view(-1, half, cols).copy_(pairs[:whole].view(-1, cols, half).transpose(1, 2))
-        out[whole * half :].view(half, len(pairs) - whole).copy_(pairs[whole:].T)
-        return out.view(torch.bfloat16)
-
-    def pack_int8_linear(self, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-        """int8 [N, K] and fp32 scales [N, K / 32] (quant.quantize_groups) -> the kernel's bytes: per panel and
-        group of 32 k, the int8 weights as pack_bf16_linear lays them out, then each vector lane's scale (a
-        column's scale twice, for the two k of its pair)."""
-        n, k = q.shape
-        groups = k // 32
-        q_pad, s_pad = self._rows_to_16(q), self._rows_to_16(scale.float())
-        parts = []
-        for n0, c in self._panels(n):
-            weights = q_pad[n0 : n0 + c].view(c, groups, 16, 2).permute(1, 2, 0, 3).reshape(groups, -1)
-            scales = s_pad[n0 : n0 + c].T.repeat_interleave(2, dim=1).contiguous().view(torch.int8)
-            parts.append(torch.cat([weights, scales], dim=1).flatten())
-        return torch.cat(parts)
+    def supports_quantized_linear(self, method: str, in_features: int) -> bool:
+        """method: "int8" or "int4"; both quantize groups of 32 weights."""
+        return (self.has_int8_linear if method == "int8" else self.has_int4_linear) and in_features % 32 == 0
 
     def linear(self, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int):
-        """x: bf16 [..., K]; packed: from pack_bf16_linear (bf16) or pack_int8_linear (int8); bias: bf16 [N] or
-        None. Rows of a 2-D x may be strided (a slice of a wider activation)."""
+        """x: bf16 [..., K]; packed: from linear_packing (its dtype names the format); bias: bf16 [N] or None. Rows
+        of a 2-D x may be strided (a slice of a wider activation)."""
         rows = x.reshape(-1, x.shape[-1])
         rows = rows if rows.stride(1) == 1 else rows.contiguous()
         out = torch.empty((rows.shape[0], out_features), dtype=torch.bfloat16)
-        self._linear(rows.data_ptr(), rows.stride(0), rows.shape[0], packed.data_ptr(), packed.dtype == torch.int8,
+        self._linear(rows.data_ptr(), rows.stride(0), rows.shape[0], packed.data_ptr(), weight_format(packed),
                      None if bias is None else bias.data_ptr(), out.data_ptr(), out_features, out_features,
                      rows.shape[1])  # fmt: skip
         return out.view(*x.shape[:-1], out_features)
 
-    def moe_experts(self, x: torch.Tensor, slots: torch.Tensor, counts: torch.Tensor, gate_up, down, q8: bool,
+    def moe_experts(self, x: torch.Tensor, slots: torch.Tensor, counts: torch.Tensor, gate_up, down, fmt: int,
                     intermediate: int, work: torch.Tensor, out: torch.Tensor) -> None:  # fmt: skip
         """A mixture of experts' layer (csrc/moe.c): out[i] = expert(x[slots[i]]) for the slots grouped by expert
         (counts: int64 [experts]); gate_up, down: ctypes arrays of each expert's packed weights."""
         self._moe_experts(x.data_ptr(), x.shape[1], slots.data_ptr(), counts.data_ptr(), len(counts), gate_up, down,
-                          q8, intermediate, work.data_ptr(), out.data_ptr())  # fmt: skip
+                          fmt, intermediate, work.data_ptr(), out.data_ptr())  # fmt: skip
 
     # ---- sampling ----
 

@@ -1,6 +1,7 @@
 """Which of our C kernels this CPU runs. The bf16 and int8 linears, the decode stack and the prefill attention need
-AVX-512 (AVX512-BF16 for the linears) or AVX2 with FMA; on a CPU without them the engine runs torch there, so tests
-of those kernels skip, as the CUDA-only tests skip on CPU, and tests of the engine expect the torch path."""
+AVX-512 (AVX512-BF16 for the linears) or AVX2 with FMA, the int4 linear AVX512-BF16; on a CPU without them the
+engine runs torch there, so tests of those kernels skip, as the CUDA-only tests skip on CPU, and tests of the
+engine expect the torch path."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from engine_core.cpu_kernels import cpu_kernels
 _KERNELS = cpu_kernels()
 HAS_LINEAR = _KERNELS is not None and _KERNELS.has_linear
 HAS_INT8_LINEAR = _KERNELS is not None and _KERNELS.has_int8_linear
+HAS_INT4_LINEAR = _KERNELS is not None and _KERNELS.has_int4_linear
 HAS_PREFILL = _KERNELS is not None and _KERNELS.has_prefill
 
 needs_linear_kernels = pytest.mark.skipif(not HAS_LINEAR,
@@ -19,3 +21,5 @@ needs_prefill_kernel = pytest.mark.skipif(not HAS_PREFILL,
                                           reason="the prefill kernel needs AVX512F or AVX2 + FMA")  # fmt: skip
 needs_int8_kernels = pytest.mark.skipif(not HAS_INT8_LINEAR,
                                         reason="our int8 linear kernels need AVX512-BF16 or AVX2 + FMA")  # fmt: skip
+needs_int4_kernels = pytest.mark.skipif(not HAS_INT4_LINEAR,
+                                        reason="our int4 linear kernel needs AVX512-BF16")  # fmt: skip

@@ -9,6 +9,7 @@ import torch
 from transformers import LlamaConfig
 
 from engine_core.cpu_kernels import cpu_kernels
+from engine_core.linear_packing import pack_bf16
 from engine_core.models import layers
 from engine_core.models.layers import (
     GemmaRMSNorm,
@@ -157,7 +158,7 @@ def test_bf16_linear_matches_fp32_and_each_row_is_computed_alone(out_features, i
     torch.manual_seed(0)
     weight = torch.randn(out_features, in_features, dtype=torch.bfloat16)
     b = torch.randn(out_features, dtype=torch.bfloat16) if bias else None
-    packed = kernels.pack_bf16_linear(weight)
+    packed = pack_bf16(weight, kernels.panel_cols)
     wide = torch.randn(23, in_features + 6, dtype=torch.bfloat16)
     x = wide[:, 1 : in_features + 1]  # rows strided by the wider width, and 2-byte aligned only
     out = kernels.linear(x, packed, b, out_features)
@@ -181,7 +182,7 @@ def test_a_prefills_rows_over_a_skinny_weight_split_over_threads_change_no_bit(o
     assert kernels is not None
     torch.manual_seed(1)
     weight = torch.randn(out_features, in_features, dtype=torch.bfloat16)
-    packed = kernels.pack_bf16_linear(weight)
+    packed = pack_bf16(weight, kernels.panel_cols)
     x = torch.randn(1000, in_features, dtype=torch.bfloat16)
     out = kernels.linear(x, packed, None, out_features)
     ref = x.float() @ weight.float().T

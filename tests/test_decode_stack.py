@@ -18,7 +18,7 @@ from engine_core.lora import LoraAdapters
 from engine_core.models.cpu_decode import DecodeStack
 from engine_core.models.loader import build_model
 from engine_core.models.quant import prepare_linears
-from tests.cpu_features import HAS_LINEAR, needs_int8_kernels, needs_linear_kernels
+from tests.cpu_features import HAS_LINEAR, needs_int4_kernels, needs_int8_kernels, needs_linear_kernels
 from tests.engine_helpers import greedy_request, run_engine, save_tiny_llama, tokens_of
 from tests.model_harness import PagedRun
 from tests.test_model_parity import tiny_hf_model
@@ -103,7 +103,8 @@ class _Spy:
 
 @needs_linear_kernels
 @pytest.mark.parametrize("variant", ["llama", "llama-bias", "qwen3", "smollm3", "phi3", "gemma"])
-@pytest.mark.parametrize("quantization", [None, pytest.param("int8", marks=needs_int8_kernels)])
+@pytest.mark.parametrize("quantization", [None, pytest.param("int8", marks=needs_int8_kernels),
+                                          pytest.param("int4", marks=needs_int4_kernels)])  # fmt: skip
 def test_stack_gives_the_layers_logits_bit_for_bit(variant: str, quantization: str | None) -> None:
     model = tiny_llama(variant, quantization)
     assert (model.layers[0].self_attn.q_norm is not None) == (variant in ("qwen3", "gemma"))

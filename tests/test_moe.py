@@ -17,7 +17,7 @@ from engine_core.core import EngineCore
 from engine_core.models.loader import build_model, load_model
 from engine_core.models.moe import ExpertsInC, MoeForCausalLM, SparseMoe
 from engine_core.models.quant import prepare_linears
-from tests.cpu_features import HAS_INT8_LINEAR, needs_linear_kernels
+from tests.cpu_features import needs_int4_kernels, needs_int8_kernels, needs_linear_kernels
 from tests.engine_helpers import assert_serves_hf_greedy, greedy_request, run_engine, tokens_of
 from tests.lora_helpers import tiny_model_and_adapters
 from tests.model_harness import PagedRun
@@ -106,12 +106,12 @@ def test_lora_adapters_are_refused_at_start(tmp_path):
 
 
 @needs_linear_kernels
-@pytest.mark.parametrize("arch, quantization", [("qwen3-moe", "none"), ("mixtral", "int8")])
+@pytest.mark.parametrize("arch, quantization", [("qwen3-moe", "none"),
+                                                pytest.param("mixtral", "int8", marks=needs_int8_kernels),
+                                                pytest.param("mixtral", "int4", marks=needs_int4_kernels)])  # fmt: skip
 def test_experts_in_one_c_call_equal_the_experts_one_by_one(arch: str, quantization: str, tmp_path) -> None:
-    """csrc/moe.c runs a layer's experts in one call: the same bits as calling each expert's packed (or int8) linears
-    from Python, for a batch that leaves some experts without tokens."""
-    if quantization == "int8" and not HAS_INT8_LINEAR:
-        pytest.skip("our int8 linear kernels need AVX512-BF16 or AVX2 + FMA")
+    """csrc/moe.c runs a layer's experts in one call: the same bits as calling each expert's packed (or quantized)
+    linears from Python, for a batch that leaves some experts without tokens."""
     tiny_moe(arch).save_pretrained(tmp_path)
     model = load_model(tmp_path, torch.bfloat16, torch.device("cpu"), MAX_POSITIONS)
     prepare_linears(model, quantization, torch.device("cpu"), torch.bfloat16)
@@ -120,7 +120,7 @@ def test_experts_in_one_c_call_equal_the_experts_one_by_one(arch: str, quantizat
         x = torch.randn(rows, model.config.hidden_size).bfloat16()
         moe._in_c = False
         in_c = moe(x)
-        assert isinstance(moe._in_c, ExpertsInC) and moe._in_c.q8 == (quantization == "int8")
+        assert isinstance(moe._in_c, ExpertsInC) and moe._in_c.fmt == ["none", "int8", "int4"].index(quantization)
         moe._in_c = None  # the experts one by one
         assert torch.equal(in_c, moe(x))
 

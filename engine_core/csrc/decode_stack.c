@@ -13,7 +13,7 @@ void silu_and_mul_bf16(const uint16_t* x, uint16_t* out, int64_t rows, int width
 void gelu_tanh_and_mul_bf16(const uint16_t* x, uint16_t* out, int64_t rows, int width);
 void rotary_bf16(uint16_t* x, const int64_t* positions, const float* cos, const float* sin, int64_t rows,
                  int64_t row_stride, int num_heads, int head_dim, int rotary_dim);
-void linear(const uint16_t* x, int64_t ldx, int64_t m_len, const void* packed, int q8, const uint16_t* bias,
+void linear(const uint16_t* x, int64_t ldx, int64_t m_len, const void* packed, int format, const uint16_t* bias,
             uint16_t* out, int64_t ldo, int64_t n_len, int64_t k_len);
 void paged_decode_bf16(const uint16_t* q, const uint16_t* k_cache, const uint16_t* v_cache,
                        const int64_t* block_tables, const int64_t* seq_lens, uint16_t* out, int num_seqs,
@@ -24,7 +24,7 @@ void paged_decode_bf16(const uint16_t* q, const uint16_t* k_cache, const uint16_
 typedef struct {
     const void* packed;  // csrc/linear.c's panels
     const uint16_t* bias;  // or NULL
-    int64_t q8;  // int8 panels
+    int64_t format;  // linear's: bf16, int8 or int4 panels
 } PackedWeight;
 
 // A LoRA adapter's update of one linear (engine_core/lora.py): x -> (x A^T) B^T, A and B bf16 panels.
@@ -121,7 +121,8 @@ void decode_stack_bf16(const DecodeLayer* layers, const StackShape* s, const uin
     for (int64_t i = 0; i < s->num_layers; i++) {
         const DecodeLayer* l = &layers[i];
         norm(s, s->gemma ? residual : x, i == 0 ? NULL : residual, l->input_norm, normed, rows, hidden);
-        linear(normed, hidden, rows, l->qkv.packed, (int)l->qkv.q8, l->qkv.bias, qkv, qkv_size, qkv_size, hidden);
+        linear(normed, hidden, rows, l->qkv.packed, (int)l->qkv.format, l->qkv.bias, qkv, qkv_size, qkv_size,
+               hidden);
         add_lora(normed, hidden, hidden, l->lora[0], lora, qkv, qkv_size, qkv_size);
         for (int64_t r = 0; l->q_norm && r < rows; r++) {  // in place: the kernel reads a row before writing it
             uint16_t* row = qkv + r * qkv_size;
@@ -139,16 +140,16 @@ void decode_stack_bf16(const DecodeLayer* layers, const StackShape* s, const uin
         }
         paged_decode_bf16(q, l->k_cache, l->v_cache, block_tables, seq_lens, attn, (int)rows, (int)s->num_q_heads,
                           (int)s->num_kv_heads, (int)hd, (int)s->block_size, (int)max_blocks, s->scale, l->window);
-        linear(attn, q_size, rows, l->o.packed, (int)l->o.q8, l->o.bias, x, hidden, hidden, q_size);
+        linear(attn, q_size, rows, l->o.packed, (int)l->o.format, l->o.bias, x, hidden, hidden, q_size);
         add_lora(attn, q_size, q_size, l->lora[1], lora, x, hidden, hidden);
         if (s->gemma) add_normed(s, x, l->attn_out_norm, residual, rows);
         norm(s, s->gemma ? residual : x, residual, l->post_norm, normed, rows, hidden);
-        linear(normed, hidden, rows, l->gate_up.packed, (int)l->gate_up.q8, l->gate_up.bias, gate_up, 2 * inter,
+        linear(normed, hidden, rows, l->gate_up.packed, (int)l->gate_up.format, l->gate_up.bias, gate_up, 2 * inter,
                2 * inter, hidden);
         add_lora(normed, hidden, hidden, l->lora[2], lora, gate_up, 2 * inter, 2 * inter);
         if (s->gemma) gelu_tanh_and_mul_bf16(gate_up, act, rows, (int)inter);
         else silu_and_mul_bf16(gate_up, act, rows, (int)inter);
-        linear(act, inter, rows, l->down.packed, (int)l->down.q8, l->down.bias, x, hidden, hidden, inter);
+        linear(act, inter, rows, l->down.packed, (int)l->down.format, l->down.bias, x, hidden, hidden, inter);
         add_lora(act, inter, inter, l->lora[3], lora, x, hidden, hidden);
         if (s->gemma) add_normed(s, x, l->mlp_out_norm, residual, rows);
     }

@@ -366,6 +366,10 @@ static inline int64_t linear_row_parts(int64_t panels, int64_t tiles, int thread
     return panels >= 2 * threads ? 1 : parts < tiles ? parts : tiles;
 }
 int linear_avx2_available(void);
+// csrc/linear_int4.c: weight-only int4 panels (linear's q8 == 2), where the CPU has AVX512-BF16.
+int linear_int4_available(void);
+void linear_int4(const uint16_t* x, int64_t ldx, int64_t m_len, const void* packed, const uint16_t* bias,
+                 uint16_t* out, int64_t ldo, int64_t n_len, int64_t k_len);
 void linear_avx2(const uint16_t* x, int64_t ldx, int64_t m_len, const void* packed, int q8, const uint16_t* bias,
                  uint16_t* out, int64_t ldo, int64_t n_len, int64_t k_len);
 

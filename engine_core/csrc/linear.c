@@ -1,5 +1,6 @@
 // Linear layers on CPU: out[m, n] = sum_k x[m, k] * w[n, k] (+ bias[n]), bf16 in and out, fp32 sums; the weight
-// in bf16, or weight-only int8 with one fp32 scale per 32 weights of a row (--quantization int8).
+// in bf16, or weight-only int8 with one fp32 scale per 32 weights of a row (--quantization int8; int4 is
+// csrc/linear_int4.c's).
 //
 // A decode step's few rows are bound by reading the weights. The weight is packed once at load into panels of up
 // to 48 output columns, in vdpbf16ps's pair layout: for each pair of k, the panel's columns x 2 values (three
@@ -179,15 +180,19 @@ int linear_int8_available(void) { return linear_avx2_available(); }
 int linear_panel_cols(void) { return PANEL_COLS; }
 
 // x: bf16 [m_len, k_len] with row stride ldx; packed: the weight [n_len, k_len] as panels (see the top; the last
-// panel holds the remaining columns rounded up to 16, zero-filled): bf16 (q8 0, k_len even), or int8 (q8 1, k_len
-// a multiple of 32: per panel and group of 32 k, the int8 weights in pair layout, then per vector of 16 columns
-// the 32 lanes' fp32 scales, see widen_pairs); bias: bf16 [n_len] or NULL; out: bf16 [m_len, n_len] with row
-// stride ldo.
-void linear(const uint16_t* x, int64_t ldx, int64_t m_len, const void* packed, int q8, const uint16_t* bias,
+// panel holds the remaining columns rounded up to 16, zero-filled): bf16 (format 0, k_len even), int8 (format 1,
+// k_len a multiple of 32: per panel and group of 32 k, the int8 weights in pair layout, then per vector of 16
+// columns the 32 lanes' fp32 scales, see widen_pairs), or int4 (format 2: csrc/linear_int4.c); bias: bf16
+// [n_len] or NULL; out: bf16 [m_len, n_len] with row stride ldo.
+void linear(const uint16_t* x, int64_t ldx, int64_t m_len, const void* packed, int format, const uint16_t* bias,
             uint16_t* out, int64_t ldo, int64_t n_len, int64_t k_len) {
+    if (format == 2) {
+        linear_int4(x, ldx, m_len, packed, bias, out, ldo, n_len, k_len);
+        return;
+    }
 #if defined(__AVX512BF16__)
-    panel_linear(x, ldx, m_len, packed, q8, bias, out, ldo, n_len, k_len);
+    panel_linear(x, ldx, m_len, packed, format, bias, out, ldo, n_len, k_len);
 #else
-    linear_avx2(x, ldx, m_len, packed, q8, bias, out, ldo, n_len, k_len);
+    linear_avx2(x, ldx, m_len, packed, format, bias, out, ldo, n_len, k_len);
 #endif
 }

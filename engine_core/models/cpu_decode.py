@@ -19,8 +19,9 @@ from torch import nn
 
 from engine_core.attention import AttentionMetadata, CpuKernelBackend
 from engine_core.cpu_kernels import CpuKernels, cpu_kernels
+from engine_core.linear_packing import weight_format
 from engine_core.models.layers import PackedLinear
-from engine_core.models.quant import Int8Linear
+from engine_core.models.quant import QuantizedLinear
 
 if TYPE_CHECKING:
     from engine_core.lora import LoraLinear, LoraStep
@@ -29,7 +30,7 @@ _P, _I64 = ctypes.c_void_p, ctypes.c_int64
 
 
 class _PackedWeight(ctypes.Structure):
-    _fields_ = [("packed", _P), ("bias", _P), ("q8", _I64)]
+    _fields_ = [("packed", _P), ("bias", _P), ("format", _I64)]
 
 
 class _DecodeLayer(ctypes.Structure):
@@ -58,13 +59,13 @@ class _StackShape(ctypes.Structure):
 
 def _weight(linear: nn.Module) -> _PackedWeight | None:
     """The kernel's view of a linear our C matmul runs alone (no tensor-parallel sum), else None."""
-    if not isinstance(linear, PackedLinear | Int8Linear) or linear.kernels is None or linear.all_reduce:
+    if not isinstance(linear, PackedLinear | QuantizedLinear) or linear.kernels is None or linear.all_reduce:
         return None
     bias = linear.bias
     if bias is not None and bias.dtype != torch.bfloat16:
         return None
     packed = linear.packed_weight
-    return _PackedWeight(packed.data_ptr(), None if bias is None else bias.data_ptr(), packed.dtype == torch.int8)
+    return _PackedWeight(packed.data_ptr(), None if bias is None else bias.data_ptr(), weight_format(packed))
 
 
 def _is_gemma(model: nn.Module) -> bool:

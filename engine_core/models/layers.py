@@ -11,6 +11,7 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from engine_core import distributed
 from engine_core.cpu_kernels import cpu_kernels
+from engine_core.linear_packing import pack_bf16
 from engine_core.models.parallel import RowParallelLinear
 
 
@@ -185,7 +186,7 @@ class PackedLinear(nn.Module):
         # Neither (an odd in_features on a CPU without oneDNN's bf16 path): the plain weight, torch's emulation.
         self.onednn = self.kernels is None and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
         if self.kernels is not None:
-            self.packed_weight = self.kernels.pack_bf16_linear(weight)
+            self.packed_weight = pack_bf16(weight, self.kernels.panel_cols)
         else:
             self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight, 64) if self.onednn else weight
         self.bias = linear.bias

@@ -5,7 +5,7 @@ router and many small SwiGLU experts, of which each token runs its top k, summed
 
 A step groups its (token, choice) slots by expert and runs each expert that has any once over all of them, so an
 expert's weights are read once a step however many tokens chose it. On CPU the experts are ordinary linears, so
-they are packed for our kernels (or int8) as every linear is, and one C call runs all of a layer's experts
+they are packed for our kernels (or quantized) as every linear is, and one C call runs all of a layer's experts
 (csrc/moe.c); decode steps go through the Python layers, not the one-call decode stack. On CUDA the experts'
 weights are stacked, and two Triton launches of a grouped matmul run them (engine_core/models/moe_triton.py) without
 reading anything on the host, so decode steps replay from CUDA graphs. Each token then sums its k outputs in fp32,
@@ -26,10 +26,11 @@ import torch
 from torch import nn
 
 from engine_core import distributed
+from engine_core.linear_packing import weight_format
 from engine_core.models.layers import PackedLinear
 from engine_core.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP
 from engine_core.models.parallel import split, take_cols, take_rows
-from engine_core.models.quant import Int8Linear
+from engine_core.models.quant import QuantizedLinear
 
 if TYPE_CHECKING:
     from engine_core.cpu_kernels import CpuKernels
@@ -143,11 +144,11 @@ class SparseMoe(nn.Module):
 
 class ExpertsInC:
     """All of a layer's experts in one call of our CPU kernels (csrc/moe.c), where every expert linear is packed
-    for them (bf16 or int8): the same kernels on the same rows as the experts' own calls, so the same bits."""
+    for them (bf16, int8 or int4): the same kernels on the same rows as the experts' own calls, so the same bits."""
 
-    def __init__(self, kernels: CpuKernels, gate_up: list[torch.Tensor], down: list[torch.Tensor], q8: bool,
+    def __init__(self, kernels: CpuKernels, gate_up: list[torch.Tensor], down: list[torch.Tensor], fmt: int,
                  intermediate: int) -> None:  # fmt: skip
-        self.kernels, self.q8, self.intermediate = kernels, q8, intermediate
+        self.kernels, self.fmt, self.intermediate = kernels, fmt, intermediate
         self.packed = (gate_up, down)  # kept alive: the tables point into them
         self.gate_up = (ctypes.c_void_p * len(gate_up))(*(t.data_ptr() for t in gate_up))
         self.down = (ctypes.c_void_p * len(down))(*(t.data_ptr() for t in down))
@@ -155,13 +156,13 @@ class ExpertsInC:
     @staticmethod
     def of(experts: nn.ModuleList) -> ExpertsInC | None:
         linears = [m for e in experts for m in (e.gate_up_proj, e.down_proj)]
-        if not all(isinstance(m, PackedLinear | Int8Linear) and m.kernels is not None for m in linears):
+        if not all(isinstance(m, PackedLinear | QuantizedLinear) and m.kernels is not None for m in linears):
             return None
-        q8 = {m.packed_weight.dtype == torch.int8 for m in linears}
-        if len(q8) != 1:
+        formats = {weight_format(m.packed_weight) for m in linears}
+        if len(formats) != 1:
             return None
         return ExpertsInC(linears[0].kernels, [e.gate_up_proj.packed_weight for e in experts],
-                          [e.down_proj.packed_weight for e in experts], q8.pop(),
+                          [e.down_proj.packed_weight for e in experts], formats.pop(),
                           experts[0].down_proj.in_features)  # fmt: skip
 
     def __call__(self, x: torch.Tensor, slots: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
@@ -169,7 +170,7 @@ class ExpertsInC:
         out = x.new_empty((len(slots), x.shape[1]))
         most = int(counts.max()) if len(slots) else 0
         work = x.new_empty(most * (x.shape[1] + 3 * self.intermediate))
-        self.kernels.moe_experts(x, slots, counts, self.gate_up, self.down, self.q8, self.intermediate, work, out)
+        self.kernels.moe_experts(x, slots, counts, self.gate_up, self.down, self.fmt, self.intermediate, work, out)
         return out
 
 

@@ -1,11 +1,15 @@
-"""Weight-only int8 (`--quantization int8`): every linear layer, the LM head included, keeps int8 weights with one
-fp32 scale per 32 weights of a row (symmetric, quantized at load, as GGUF's Q8_0); activations stay in the model's
-dtype. One scale per whole row (per output channel) flipped greedy tokens of SmolLM2 against bf16 within the first
-8 tokens on 7 of 16 parity prompts: a few large weights in a row coarsen the step for all the others.
+"""Weight-only quantization, at load: every linear layer, the LM head included, keeps its weights in groups of 32 of
+a row; activations stay in the model's dtype.
+- `--quantization int8`: int8 with one fp32 scale per group (symmetric, as GGUF's Q8_0). One scale per whole row
+  (per output channel) flipped greedy tokens of SmolLM2 against bf16 within the first 8 tokens on 7 of 16 parity
+  prompts: a few large weights in a row coarsen the step for all the others.
+- `--quantization int4`: q in 0..15 with an fp32 scale and min per group, w = scale * q + min (asymmetric, as
+  GGUF's Q4_1: a group's range, not its largest magnitude, sets the step).
 
-A single stream's decode step is bound by reading the weights, and int8 halves them. On CPU with bf16 the matmul
-is our kernel (csrc/linear.c); elsewhere the weight is dequantized inside each call (correct, slow). A tied
-embedding keeps its exact float table for the lookup: only the head's copy is quantized.
+A single stream's decode step is bound by reading the weights: int8 reads 1.25 bytes a weight (the scales
+included), int4 0.75, bf16 2. On CPU with bf16 the matmul is our kernel (csrc/linear.c, csrc/linear_int4.c);
+elsewhere the weight is dequantized inside each call (correct, slow). A tied embedding keeps its exact float table
+for the lookup: only the head's copy is quantized.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from torch import nn
 
 from engine_core import distributed
 from engine_core.cpu_kernels import cpu_kernels
+from engine_core.linear_packing import pack_int4, pack_int8
 from engine_core.models.layers import PackedLinear, can_pack_bf16, pack_linears, replace_linears
 from engine_core.models.parallel import RowParallelLinear
 
@@ -26,11 +31,15 @@ GROUP = 32  # weights per scale; the kernel's unit
 _ROWS_PER_PASS = 4096  # quantize a big weight (the LM head) in slices: no full fp32 copy of it at once
 
 
-def quantize_groups(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """[N, K] float -> (int8 [N, K], fp32 scales [N, K / g]) with weight ~= q * scale of its group, |q| <= 127;
-    g = GROUP, or K when K is not a multiple of it."""
+def _group_size(k: int) -> int:
+    """GROUP, or the whole row when K is not a multiple of it (then only torch's path runs it)."""
+    return GROUP if k % GROUP == 0 else k
+
+
+def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[N, K] float -> (int8 [N, K], fp32 scales [N, K / g]) with weight ~= q * scale of its group, |q| <= 127."""
     n, k = weight.shape
-    group = GROUP if k % GROUP == 0 else k
+    group = _group_size(k)
     q = torch.empty(weight.shape, dtype=torch.int8, device=weight.device)
     scale = torch.empty((n, k // group), dtype=torch.float32, device=weight.device)
     for start in range(0, n, _ROWS_PER_PASS):
@@ -41,65 +50,90 @@ def quantize_groups(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, scale
 
 
-def dequantize(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """The fp32 weight that (q, scale) stand for."""
-    return (q.float().view(q.shape[0], scale.shape[1], -1) * scale[..., None]).view(q.shape)
+def quantize_int4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """[N, K] float -> (q: uint8 [N, K] in 0..15, fp32 scales and mins [N, K / g]) with weight ~= scale * q + min
+    of its group: min the group's least weight, scale its range / 15."""
+    n, k = weight.shape
+    group = _group_size(k)
+    q = torch.empty(weight.shape, dtype=torch.uint8, device=weight.device)
+    scale = torch.empty((n, k // group), dtype=torch.float32, device=weight.device)
+    mins = torch.empty_like(scale)
+    for start in range(0, n, _ROWS_PER_PASS):
+        rows = weight[start : start + _ROWS_PER_PASS].float().view(-1, k // group, group)
+        low = rows.amin(dim=2)
+        s = (rows.amax(dim=2) - low).clamp(min=1e-12) / 15  # a constant group keeps q = 0: w = min
+        steps = torch.round((rows - low[..., None]) / s[..., None]).clamp(0, 15)
+        q[start : start + len(rows)] = steps.to(torch.uint8).view(-1, k)
+        scale[start : start + len(rows)], mins[start : start + len(rows)] = s, low
+    return q, scale, mins
 
 
-class Int8Linear(nn.Module):
-    """Keeps only what its matmul reads: the kernel's packed panels (csrc/linear.c) on CPU in bf16, else the int8
-    weight and its scales, dequantized in every call."""
+def dequantize(q: torch.Tensor, scale: torch.Tensor, mins: torch.Tensor | None = None) -> torch.Tensor:
+    """The fp32 weight that (q, scale) stand for (int8), or (q, scale, mins) (int4)."""
+    w = q.float().view(q.shape[0], scale.shape[1], -1) * scale[..., None]
+    return (w if mins is None else w + mins[..., None]).view(q.shape)
 
-    def __init__(self, linear: nn.Linear) -> None:
+
+class QuantizedLinear(nn.Module):
+    """Keeps only what its matmul reads: the kernel's packed panels on CPU in bf16, else the quantized weight and
+    its scales (and mins), dequantized in every call. method: "int8" or "int4"."""
+
+    def __init__(self, linear: nn.Linear, method: str) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.shard_sizes = getattr(linear, "shard_sizes", None)  # a fused layer's parts (LoRA adapters read them)
         weight = linear.weight.detach()
-        q, scale = quantize_groups(weight)
+        parts = quantize_int8(weight) if method == "int8" else quantize_int4(weight)
         self.bias = linear.bias
         # Row-parallel: the partial products are summed over the ranks, and the bias added once, after.
         self.all_reduce = isinstance(linear, RowParallelLinear) and distributed.tp_size() > 1
         kernels = cpu_kernels() if weight.device.type == "cpu" and weight.dtype == torch.bfloat16 else None
-        self.kernels = kernels if kernels is not None and kernels.supports_int8_linear(self.in_features) else None
+        supported = kernels is not None and kernels.supports_quantized_linear(method, self.in_features)
+        self.kernels = kernels if supported else None
         if self.kernels is not None:
-            self.register_buffer("packed_weight", self.kernels.pack_int8_linear(q, scale))
+            pack = pack_int8 if method == "int8" else pack_int4
+            self.register_buffer("packed_weight", pack(*parts, self.kernels.panel_cols))
         else:
+            q, scale, *mins = parts
             self.register_buffer("weight_q", q)
             self.register_buffer("scale", scale)
+            self.register_buffer("mins", mins[0] if mins else None)  # int4's
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bias = None if self.all_reduce else self.bias
         if self.kernels is not None:
             out = self.kernels.linear(x, self.packed_weight, bias, self.out_features)
         else:
-            out = F.linear(x, dequantize(self.weight_q, self.scale).to(x.dtype), bias)
+            out = F.linear(x, dequantize(self.weight_q, self.scale, self.mins).to(x.dtype), bias)
         if self.all_reduce:
             out = distributed.all_reduce(out)
             return out if self.bias is None else out + self.bias
         return out
 
 
-def quantize_linears(model: nn.Module) -> int:
-    """Replaces every linear layer by an Int8Linear; returns how many."""
-    return replace_linears(model, Int8Linear)
+def quantize_linears(model: nn.Module, method: str) -> int:
+    """Replaces every linear layer by a QuantizedLinear; returns how many."""
+    return replace_linears(model, lambda linear: QuantizedLinear(linear, method))
 
 
 def prepare_linears(model: nn.Module, quantization: str, device: torch.device, dtype: torch.dtype) -> int:
-    """At load: int8 linears when asked for; else, on CPU in bf16, packed ones (see PackedLinear).
+    """At load: int8 or int4 linears when asked for; else, on CPU in bf16, packed ones (see PackedLinear).
 
     Returns the fewest rows these matmuls must be given for a row's result not to depend on how many rows run
     beside it: a seeded request then draws the same tokens alone as inside a batch. oneDNN's one-row bf16 path
     and MKL's fp32 paths below 4 rows sum in another order than wider calls; our int8 and bf16 kernels do each
     row alone. On CUDA no row count promises that (cuBLAS picks kernels by shape): 8 there only limits the shapes.
     """
-    if quantization == "int8":
-        quantize_linears(model)
+    if quantization in ("int8", "int4"):
+        quantize_linears(model, quantization)
         kernels = cpu_kernels()
-        if device.type != "cpu" or dtype != torch.bfloat16 or kernels is None or not kernels.has_int8_linear:
-            log.warning("int8 weights on %s %s have no kernel: dequantized in every call (slow)", device, dtype)
+        if device.type != "cpu" or dtype != torch.bfloat16 or kernels is None or \
+                not kernels.supports_quantized_linear(quantization, GROUP):  # fmt: skip
+            log.warning("%s weights on %s %s have no kernel: dequantized in every call (slow)", quantization,
+                        device, dtype)  # fmt: skip
             return 8
         # A layer the kernel cannot take (in_features not a multiple of 32) goes through torch's matmul.
-        return 1 if all(m.kernels is not None for m in model.modules() if isinstance(m, Int8Linear)) else 8
+        return 1 if all(m.kernels is not None for m in model.modules() if isinstance(m, QuantizedLinear)) else 8
     elif device.type == "cpu" and dtype == torch.bfloat16 and torch.backends.mkldnn.is_available():
         if not can_pack_bf16():
             log.warning("bf16 on a CPU without AVX512 or AVX2 + FMA: torch emulates its matmuls (slow); --dtype "

@@ -1,0 +1,79 @@
+"""Weights laid out for our CPU matmul kernels (csrc/linear.c, csrc/linear_int4.c), once at load.
+
+Every format cuts the weight [N, K] into panels of up to `cols` output rows (48), the last one's rows rounded up to
+16 with zeros, and lays each panel out in vdpbf16ps's pair layout: for each pair of k, the panel's rows x 2
+values. The packed tensor's dtype names its format for the kernel (FORMATS): bf16 panels, int8 panels (per group
+of 32 k, the weights then each lane's scale), or int4 panels (per group of 32 k, two pairs' nibbles a byte, then
+each row's scale and min).
+"""
+
+from __future__ import annotations
+
+import torch
+
+# The kernels' `format` argument (csrc/linear.c's linear) for each packed dtype.
+FORMATS = {torch.bfloat16: 0, torch.int8: 1, torch.uint8: 2}
+
+
+def weight_format(packed: torch.Tensor) -> int:
+    return FORMATS[packed.dtype]
+
+
+def _panels(rows: int, cols: int) -> list[tuple[int, int]]:
+    """(first row, row count) of each panel of a weight with `rows` rows rounded up to 16."""
+    padded = -(-rows // 16) * 16
+    return [(n0, min(cols, padded - n0)) for n0 in range(0, padded, cols)]
+
+
+def _rows_to_16(t: torch.Tensor) -> torch.Tensor:
+    """t with zero rows appended up to a multiple of 16 (the kernel's vector of output columns)."""
+    return torch.cat([t, t.new_zeros((-len(t) % 16, *t.shape[1:]))])
+
+
+def pack_bf16(weight: torch.Tensor, cols: int) -> torch.Tensor:
+    """[N, K] bf16 (K even) -> bf16 panels."""
+    half = weight.shape[1] // 2
+    pairs = weight.to(torch.bfloat16).contiguous().view(torch.int32)  # a k pair as one int32
+    if len(pairs) % 16:
+        pairs = _rows_to_16(pairs)
+    # Transposed straight into the result, the whole panels in one copy: packing the default model at each start
+    # took 0.93 s a pair and a panel at a time; 128 experts' 5 GB took 13 s with a copy before and after this one,
+    # half that without.
+    whole = len(pairs) // cols * cols
+    out = torch.empty(len(pairs) * half, dtype=torch.int32)
+    out[: whole * half].view(-1, half, cols).copy_(pairs[:whole].view(-1, cols, half).transpose(1, 2))
+    out[whole * half :].view(half, len(pairs) - whole).copy_(pairs[whole:].T)
+    return out.view(torch.bfloat16)
+
+
+def pack_int8(q: torch.Tensor, scale: torch.Tensor, cols: int) -> torch.Tensor:
+    """int8 [N, K] and fp32 scales [N, K / 32] (quant.quantize_int8) -> int8 panels: per group of 32 k, the int8
+    weights as pack_bf16 lays them out, then each vector lane's scale (a row's scale twice, for the two k of its
+    pair)."""
+    n, k = q.shape
+    groups = k // 32
+    q_pad, s_pad = _rows_to_16(q), _rows_to_16(scale.float())
+    parts = []
+    for n0, c in _panels(n, cols):
+        weights = q_pad[n0 : n0 + c].view(c, groups, 16, 2).permute(1, 2, 0, 3).reshape(groups, -1)
+        scales = s_pad[n0 : n0 + c].T.repeat_interleave(2, dim=1).contiguous().view(torch.int8)
+        parts.append(torch.cat([weights, scales], dim=1).flatten())
+    return torch.cat(parts)
+
+
+def pack_int4(q: torch.Tensor, scale: torch.Tensor, mins: torch.Tensor, cols: int) -> torch.Tensor:
+    """q in 0..15 (uint8 [N, K]), fp32 scales and mins [N, K / 32] (quant.quantize_int4) -> uint8 panels: per
+    group of 32 k, for each two k pairs and vector of 16 rows, 32 bytes whose lane l holds lane l of the first
+    pair's layout in its low nibble and of the second's in its high one; then the panel's scales, then its mins."""
+    n, k = q.shape
+    groups = k // 32
+    q_pad, s_pad, m_pad = _rows_to_16(q), _rows_to_16(scale.float()), _rows_to_16(mins.float())
+    parts = []
+    for n0, c in _panels(n, cols):
+        # k = 32 group + 4 t + 2 half + kk; lane = 2 (row % 16) + kk
+        lanes = q_pad[n0 : n0 + c].view(c // 16, 16, groups, 8, 2, 2).permute(2, 3, 0, 1, 5, 4)
+        nibbles = (lanes[..., 0] | lanes[..., 1] << 4).reshape(groups, -1)
+        scales = s_pad[n0 : n0 + c].T.contiguous().view(torch.uint8)
+        mins_ = m_pad[n0 : n0 + c].T.contiguous().view(torch.uint8)
+        parts.append(torch.cat([nibbles, scales, mins_], dim=1).flatten())
+    return torch.cat(parts)
