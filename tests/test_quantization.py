@@ -47,6 +47,12 @@ def test_quantize_int4_round_trip() -> None:
     step = scale.repeat_interleave(32, dim=1)
     assert ((dequantize(q, scale, mins) - w).abs() <= step / 2 + 1e-7).all()
     assert torch.equal(dequantize(q, scale, mins)[3, 32:64], w[3, 32:64])
+    # Weights already on a Q4_1 grid (a GGUF's, as the default model's layers) come back exactly.
+    grid = torch.randint(0, 16, (70, 96)).float()
+    grid[:, ::32], grid[:, 1::32] = 0, 15  # Q4_1 sets each group's min and scale from its extremes
+    d, m = (torch.rand(70, 3) * 0.01).half().float(), (torch.randn(70, 3) * 0.05).half().float()  # fp16, as GGUF's
+    on_grid = grid.view(70, 3, 32) * d[..., None] + m[..., None]
+    assert torch.equal(dequantize(*quantize_int4(on_grid.view(70, 96))), on_grid.view(70, 96))
 
 
 QUANTIZE = {"int8": quantize_int8, "int4": quantize_int4}
@@ -136,7 +142,9 @@ def _greedy(quantization: str) -> list[tuple[list[int], list[float], list[int], 
     reqs = [greedy_request(f"p{i}", p, MAX_NEW, logprobs=2, prompt_logprobs=0) for i, p in enumerate(mixed_prompts())]
     results = run_engine(core, reqs)
     if quantization != "none":
-        assert isinstance(core.runner.model.lm_head, QuantizedLinear)
+        head = core.runner.model.lm_head
+        assert isinstance(head, QuantizedLinear)
+        assert head.kernels is None or head.packed_weight.dtype == torch.int8  # int4 too: the head in int8
         assert core.runner.model.embed_tokens.weight.dtype == torch.bfloat16  # the lookup stays exact
     runs = []
     for r in reqs:
@@ -195,18 +203,19 @@ def _prompt_logprob_gaps(reference, other) -> tuple[float, float]:
 
 
 @pytest.mark.skipif(not HAS_INT4_LINEAR, reason="without its kernel, int4 runs torch's dequantized path: slow")
-def test_int4_tracks_bf16_on_the_prompts(bf16_runs) -> None:
-    """Four bits a weight cost a 135M model more than int8: measured here, the prompts' tokens (1809 of them) came
-    out 0.28 nats from bf16's on average, and 0.039 nats less likely (perplexity x 1.04; int8: x 1.006); greedy
-    paths, many of them near ties from the first token, kept together for 5.3 tokens of 32 on average, and where
-    they split (15 of 16 prompts) int4 took bf16's runner-up on 12. A wrong kernel is off by nats on every token."""
+def test_int4_tracks_bf16_as_closely_as_int8(bf16_runs) -> None:
+    """The default model comes from a Q4_1 GGUF: its layers' weights are 4-bit values on Q4_1's grid, which int4
+    finds again exactly, and its LM head (the tied embedding, not Q4_1) runs in int8. Measured here: the prompts'
+    tokens 0.048 nats from bf16's on average (int8: 0.064) and 0.001 less likely; greedy paths together for 18.9
+    of 32 tokens on average (int8: 16.8), and every split at bf16's runner-up. With the head in int4 too: 0.28 nats,
+    0.039 less likely (perplexity x 1.04), 5.3 tokens. A wrong kernel is off by nats on every token."""
     int4 = _greedy("int4")
     mean_gap, less_likely = _prompt_logprob_gaps(bf16_runs, int4)
-    assert mean_gap < 0.4 and less_likely < 0.08, (mean_gap, less_likely)
+    assert mean_gap < 0.1 and less_likely < 0.02, (mean_gap, less_likely)
     agreed = [_first_difference(a[0], b[0]) for a, b in zip(bf16_runs, int4, strict=True)]
     far = [i for i, (a, b, n) in enumerate(zip(bf16_runs, int4, agreed, strict=True))
            if n < MAX_NEW and b[0][n] != a[2][n]]  # fmt: skip
-    assert len(far) <= 6, far
+    assert sum(agreed) / len(agreed) >= 8 and len(far) <= 4, (agreed, far)
 
 
 def test_each_plain_weight_is_freed_before_the_next_linear_is_replaced() -> None:

@@ -4,7 +4,8 @@ a row; activations stay in the model's dtype.
   (per output channel) flipped greedy tokens of SmolLM2 against bf16 within the first 8 tokens on 7 of 16 parity
   prompts: a few large weights in a row coarsen the step for all the others.
 - `--quantization int4`: q in 0..15 with an fp32 scale and min per group, w = scale * q + min (asymmetric, as
-  GGUF's Q4_1: a group's range, not its largest magnitude, sets the step).
+  GGUF's Q4_1: a group's range, not its largest magnitude, sets the step; weights from a Q4_1 GGUF, such as the
+  default model's layers, come back exactly). The LM head takes int8 (see quantize_linears).
 
 A single stream's decode step is bound by reading the weights: int8 reads 1.25 bytes a weight (the scales
 included), int4 0.75, bf16 2. On CPU with bf16 the matmul is our kernel (csrc/linear.c, csrc/linear_int4.c);
@@ -112,8 +113,15 @@ class QuantizedLinear(nn.Module):
 
 
 def quantize_linears(model: nn.Module, method: str) -> int:
-    """Replaces every linear layer by a QuantizedLinear; returns how many."""
-    return replace_linears(model, lambda linear: QuantizedLinear(linear, method))
+    """Replaces every linear layer by a QuantizedLinear; returns how many. Under int4 the LM head takes int8, as
+    llama.cpp's 4-bit files keep their output layer at 6 or 8 bits: its errors land on every logit, and it is one
+    linear (a fifth of SmolLM2's weights, far less of a bigger model's)."""
+
+    def make(linear: nn.Linear) -> QuantizedLinear:
+        head = linear is getattr(model, "lm_head", None)  # looked up per call: no reference held to the plain head
+        return QuantizedLinear(linear, "int8" if head and method == "int4" else method)
+
+    return replace_linears(model, make)
 
 
 def prepare_linears(model: nn.Module, quantization: str, device: torch.device, dtype: torch.dtype) -> int:
