@@ -2,6 +2,7 @@
 roseinfer's engine core (direct ZMQ, no HTTP) next to transformers `generate` measured in the same run.
 
 python -m bench.offline [--num-prompts 64 --input-len 128 --output-len 128] [--hf-batch-sizes 64,32] [--model DIR]
+    [--quantization int8 | int4]
 """
 
 from __future__ import annotations
@@ -105,12 +106,13 @@ def main() -> None:
     parser.add_argument("--model", default=None, help="an HF directory or .gguf (default: the default model)")
     parser.add_argument("--hf-batch-sizes", default="64", help="comma-separated; the best is reported")
     parser.add_argument("--skip-hf", action="store_true")
+    parser.add_argument("--quantization", default="none", choices=["none", "int8", "int4"], help="ours only")
     parser.add_argument("--result-json", default=None)
     args = parser.parse_args()
 
     prompts = random_prompts(args.num_prompts, args.input_len, args.seed)
     config = EngineConfig(model=args.model, dtype=args.dtype, max_num_batched_tokens=args.max_num_batched_tokens,
-                          max_num_seqs=max(args.num_prompts, 1))  # fmt: skip
+                          max_num_seqs=max(args.num_prompts, 1), quantization=args.quantization)  # fmt: skip
     ours = bench_roseinfer(prompts, args.output_len, config)
     hf_runs = [] if args.skip_hf else [
         bench_hf(prompts, args.output_len, args.dtype, int(b), args.model) for b in args.hf_batch_sizes.split(",")
