@@ -3,8 +3,8 @@
 Every format cuts the weight [N, K] into panels of up to `cols` output rows (48), the last one's rows rounded up to
 16 with zeros, and lays each panel out in vdpbf16ps's pair layout: for each pair of k, the panel's rows x 2
 values. The packed tensor's dtype names its format for the kernel (FORMATS): bf16 panels, int8 panels (per group
-of 32 k, the weights then each lane's scale), or int4 panels (per group of 32 k, two pairs' nibbles a byte, then
-each row's scale and min).
+of 32 k, the weights then each lane's scale), or int4 panels (per group of 32 k, four pairs' nibbles in each
+16-bit lane, then each row's scale and min).
 """
 
 from __future__ import annotations
@@ -63,16 +63,17 @@ def pack_int8(q: torch.Tensor, scale: torch.Tensor, cols: int) -> torch.Tensor:
 
 def pack_int4(q: torch.Tensor, scale: torch.Tensor, mins: torch.Tensor, cols: int) -> torch.Tensor:
     """q in 0..15 (uint8 [N, K]), fp32 scales and mins [N, K / 32] (quant.quantize_int4) -> uint8 panels: per
-    group of 32 k, for each two k pairs and vector of 16 rows, 32 bytes whose lane l holds lane l of the first
-    pair's layout in its low nibble and of the second's in its high one; then the panel's scales, then its mins."""
+    group of 32 k, for each four k pairs and vector of 16 rows, 32 16-bit lanes, lane l holding lane l of the four
+    pairs' layouts in its nibbles (the first pair's lowest); then the panel's scales, then its mins."""
     n, k = q.shape
     groups = k // 32
     q_pad, s_pad, m_pad = _rows_to_16(q), _rows_to_16(scale.float()), _rows_to_16(mins.float())
     parts = []
     for n0, c in _panels(n, cols):
-        # k = 32 group + 4 t + 2 half + kk; lane = 2 (row % 16) + kk
-        lanes = q_pad[n0 : n0 + c].view(c // 16, 16, groups, 8, 2, 2).permute(2, 3, 0, 1, 5, 4)
-        nibbles = (lanes[..., 0] | lanes[..., 1] << 4).reshape(groups, -1)
+        # k = 32 group + 8 t + 2 r + kk; lane = 2 (row % 16) + kk; pair 4t + r in bits 4r of the lane's 16
+        lanes = q_pad[n0 : n0 + c].view(c // 16, 16, groups, 4, 4, 2).permute(2, 3, 0, 1, 5, 4).to(torch.int32)
+        four = lanes[..., 0] | lanes[..., 1] << 4 | lanes[..., 2] << 8 | lanes[..., 3] << 12
+        nibbles = four.to(torch.uint16).view(torch.uint8).reshape(groups, -1)
         scales = s_pad[n0 : n0 + c].T.contiguous().view(torch.uint8)
         mins_ = m_pad[n0 : n0 + c].T.contiguous().view(torch.uint8)
         parts.append(torch.cat([nibbles, scales, mins_], dim=1).flatten())

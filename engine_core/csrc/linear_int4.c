@@ -2,17 +2,18 @@
 // where each group of 32 weights of a row is w = scale * q + min with q in 0..15 (asymmetric, as GGUF's Q4_1).
 //
 // Packed as csrc/linear.c's panels (up to 48 output columns, vectors of 16, vdpbf16ps's pair layout); per panel and
-// group of 32 k, for each two k pairs and vector 32 bytes of nibbles (lane l's low nibble: the first pair's lane l,
-// its high nibble: the second's), then the vectors' 16 fp32 scales, then their 16 fp32 mins: 0.75 bytes a weight
-// against bf16's 2 and int8's 1.25, which is what a decode step of few rows waits for.
+// group of 32 k, for each four k pairs and vector 32 16-bit lanes, lane l holding lane l of the four pairs' layouts
+// in its four nibbles (the first pair's lowest), then the vectors' 16 fp32 scales, then their 16 fp32 mins: 0.75
+// bytes a weight against bf16's 2 and int8's 1.25, which is what a decode step of few rows waits for.
 //
-// One vpermw on a 16-entry table turns 32 nibbles into the bf16 of q, exactly, so a group's products sum to
-// sum x q in fp32; the output then takes scale * that + min * sum x (the row's sum over the group, made once per
-// call). Every output sums its groups in the same order whatever the number of rows, so a row's result never
-// depends on its neighbours. Tiles of 4 rows (the partial sums take registers) read the nibbles as they go, and
-// the first tile of a panel prefetches the next. Unpacking is cheap enough that widening each panel once for a
-// call of many rows, as the int8 kernel does, gained nothing (SmolLM2's linears at 8 and 64 rows: 12.8 and 53.4
-// ms widened, 8.5 and 50.9 not).
+// One vpermw on a 16-entry table turns 32 nibbles into the bf16 of q, exactly, after a shift (it reads only an
+// index's low 5 bits, and the table repeats; a byte per pair, widened to 16 bits first, ran 4-6% slower), so a
+// group's products sum to sum x q in fp32; the output then takes scale * that + min * sum x (the row's sum over the
+// group, made once per call). Every output sums its groups in the same order whatever the number of rows, so a
+// row's result never depends on its neighbours. Tiles of 4 rows (the partial sums take registers; 8-row tiles
+// with the outputs in L1 gained nothing) read the nibbles as they go, and the first tile of a panel prefetches the
+// next. Widening each panel once for a call of many rows, as the int8 kernel does, gained nothing either
+// (SmolLM2's linears at 8 and 64 rows: 12.8 and 53.4 ms widened, 8.5 and 50.9 not).
 #include <omp.h>
 #include <stdlib.h>
 
@@ -32,16 +33,6 @@ static inline __m512i nibble_table(void) {
     return (__m512i)_mm512_cvtne2ps_pbh(q, q);
 }
 
-// Vector j of k pair p of a panel with nv vectors, as bf16 q: group points at p's group.
-static inline __attribute__((always_inline)) __m512bh q4_weights(const uint8_t* group, int nv, int64_t p, int j,
-                                                                 __m512i table) {
-    const int64_t r = p % Q4_GROUP_PAIRS;
-    const __m256i* two_pairs = (const __m256i*)(group + ((r / 2) * nv + j) * 32);
-    const __m512i bytes = _mm512_cvtepu8_epi16(_mm256_loadu_si256(two_pairs));  // a byte per 16-bit lane
-    const __m512i q = r % 2 ? _mm512_srli_epi16(bytes, 4) : _mm512_and_si512(bytes, _mm512_set1_epi16(0x0F));
-    return (__m512bh)_mm512_permutexvar_epi16(q, table);
-}
-
 // One tile: mr rows x nv vectors of a panel over all groups (mr, nv: constants after inlining); xsum: the rows'
 // sums of x per group (row stride `groups`); pf_len bytes at pf (the next panel, or none) prefetched on the way.
 static inline __attribute__((always_inline)) void q4_tile(const uint16_t* x, int64_t ldx, int mr,
@@ -59,14 +50,22 @@ static inline __attribute__((always_inline)) void q4_tile(const uint16_t* x, int
         __m512 part[Q4_TILE_ROWS][Q4_PANEL_VECS];
         for (int i = 0; i < mr; i++)
             for (int j = 0; j < nv; j++) part[i][j] = _mm512_setzero_ps();
-        for (int64_t p = g * Q4_GROUP_PAIRS; p < (g + 1) * Q4_GROUP_PAIRS; p++) {
-            __m512bh w[Q4_PANEL_VECS];
-            for (int j = 0; j < nv; j++) w[j] = q4_weights(group, nv, p, j, table);
-            for (int i = 0; i < mr; i++) {
-                int32_t pair;  // x[i, 2p] and x[i, 2p + 1]; memcpy: rows need not be 4-byte aligned
-                memcpy(&pair, x + i * ldx + 2 * p, 4);
-                const __m512bh xb = (__m512bh)_mm512_set1_epi32(pair);
-                for (int j = 0; j < nv; j++) part[i][j] = _mm512_dpbf16_ps(part[i][j], xb, w[j]);
+        // Four pairs a load: a 16-bit lane holds their nibbles, and vpermw reads only an index's low 5 bits (the
+        // table repeats), so a constant shift is all the unpacking a pair needs.
+        for (int t = 0; t < Q4_GROUP_PAIRS / 4; t++) {
+            __m512i four[Q4_PANEL_VECS];
+            for (int j = 0; j < nv; j++) four[j] = _mm512_loadu_si512(group + (t * nv + j) * 64);
+            _Pragma("GCC unroll 4") for (int sub = 0; sub < 4; sub++) {
+                const int64_t p = g * Q4_GROUP_PAIRS + 4 * t + sub;
+                __m512bh w[Q4_PANEL_VECS];
+                for (int j = 0; j < nv; j++)
+                    w[j] = (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(four[j], 4 * sub), table);
+                for (int i = 0; i < mr; i++) {
+                    int32_t pair;  // x[i, 2p] and x[i, 2p + 1]; memcpy: rows need not be 4-byte aligned
+                    memcpy(&pair, x + i * ldx + 2 * p, 4);
+                    const __m512bh xb = (__m512bh)_mm512_set1_epi32(pair);
+                    for (int j = 0; j < nv; j++) part[i][j] = _mm512_dpbf16_ps(part[i][j], xb, w[j]);
+                }
             }
         }
         const float* scales = (const float*)(group + nv * Q4_GROUP_PAIRS * 16);
