@@ -173,6 +173,7 @@ def _convert_gguf(gguf_path: Path, out_dir: Path) -> None:
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
     from common.gguf_fields import complete_config
+    from common.gguf_weights import record_weight_types
 
     # from_pretrained(gguf_file=...) requires `accelerate` (not a dependency) and leaves a GGUF quantizer
     # on the model that blocks save_pretrained. Building the model from the GGUF config and loading the
@@ -205,6 +206,7 @@ def _convert_gguf(gguf_path: Path, out_dir: Path) -> None:
         tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
     model.save_pretrained(out_dir)  # config.json, generation_config.json, model.safetensors (fp32)
     tokenizer.save_pretrained(out_dir)  # tokenizer.json, tokenizer_config.json, chat_template.jinja
+    record_weight_types(gguf_path, out_dir)  # 4- or 8-bit layers: the engine names the --quantization for them
 
 
 @contextlib.contextmanager

@@ -25,7 +25,7 @@ from engine_core.device import padded_size, pick_device, pick_dtype, step_token_
 from engine_core.lora import LoraAdapters
 from engine_core.models.cpu_decode import DecodeStack
 from engine_core.models.loader import load_model
-from engine_core.models.quant import prepare_linears
+from engine_core.models.quant import prepare_linears, quantization_hint
 from engine_core.prompt_logprobs import score_prompts, wants_prompt_logprobs
 from engine_core.pulse import Progress
 from engine_core.sampler import Sampler, needs_processing, processes_beside_a_token_in_flight
@@ -64,6 +64,7 @@ class ModelRunner:
         self.model = load_model(model_path, self.dtype, self.device, max_model_len, self.pooling, overrides)
         # int8, or packed bf16 on CPU; min_rows keeps a row's result independent of the rows beside it.
         self.min_rows = prepare_linears(self.model, config.quantization, self.device, self.dtype)
+        quantization_hint(model_path, config.quantization, self.device, self.dtype)  # a 4- or 8-bit GGUF's
         # Before the KV cache is sized, so that their memory counts; put in the model once the base layers are taken.
         self.lora = LoraAdapters.load(self.model, lora_modules(config), config.max_lora_rank, self.device, self.dtype)
         self.progress = Progress()  # liveness inside long steps (engine_core/pulse.py); the LM head is now final

@@ -3,20 +3,30 @@ greedy decoding of SmolLM2 with quantized weights against bf16 weights."""
 
 from __future__ import annotations
 
+import json
 import weakref
 
 import pytest
 import torch
 from torch import nn
 
+from common.gguf_weights import RECORD, matching_quantization, record_weight_types
 from engine_core.core import EngineCore
 from engine_core.cpu_kernels import cpu_kernels
 from engine_core.device import padded_size
 from engine_core.models import quant
 from engine_core.models.layers import replace_linears
-from engine_core.models.quant import QuantizedLinear, dequantize, prepare_linears, quantize_int4, quantize_int8
+from engine_core.models.quant import (
+    QuantizedLinear,
+    dequantize,
+    prepare_linears,
+    quantization_hint,
+    quantize_int4,
+    quantize_int8,
+)
 from tests.cpu_features import HAS_INT4_LINEAR, HAS_INT8_LINEAR, HAS_LINEAR
 from tests.engine_helpers import fp32_config, greedy_request, mixed_prompts, run_engine
+from tests.test_model_source import _default_gguf_path
 
 MAX_NEW = 32
 
@@ -31,6 +41,12 @@ def test_quantize_int8_round_trip() -> None:
     step = scale.repeat_interleave(32, dim=1)
     assert ((dequantize(q, scale) - w).abs() <= step / 2 + 1e-7).all()
     assert (q[3, 32:64] == 0).all()
+    # Weights already on a Q8_0 grid (fp16 scales, each group's largest at +-127) come back exactly.
+    grid = torch.randint(-127, 128, (70, 96)).float()
+    grid[:, ::32] = 127 * torch.randint(0, 2, (70, 3)).float().mul(2).sub(1)
+    d = (torch.rand(70, 3) * 0.01).half().float()
+    on_grid = (grid.view(70, 3, 32) * d[..., None]).view(70, 96)
+    assert torch.equal(dequantize(*quantize_int8(on_grid)), on_grid)
 
 
 def test_quantize_int4_round_trip() -> None:
@@ -232,3 +248,29 @@ def test_each_plain_weight_is_freed_before_the_next_linear_is_replaced() -> None
     assert replace_linears(model, make) == 3
     assert all(ref() is None for ref in freed)
     assert not any(isinstance(m, nn.Linear) for m in model.modules())
+
+
+@pytest.mark.parametrize("kinds, expected", [
+    ({"Q4_1": 210}, ("int4", "Q4_1 210 of 210")),
+    ({"Q4_K": 150, "Q6_K": 60}, ("int4", "Q4_K 150 of 210")),  # a Q4_K_M file: mostly Q4_K
+    ({"Q8_0": 7}, ("int8", "Q8_0 7 of 7")),
+    ({"F16": 7}, None), ({"Q4_K": 5, "Q6_K": 5}, None), ({"Q5_K": 7}, None),
+])  # fmt: skip
+def test_a_ggufs_layers_name_the_quantization_on_their_grid(tmp_path, kinds, expected) -> None:
+    (tmp_path / RECORD).write_text(json.dumps(kinds))
+    assert matching_quantization(tmp_path) == expected
+    assert matching_quantization(tmp_path / "elsewhere") is None  # not from a GGUF: nothing to say
+
+
+def test_the_default_model_is_said_to_run_exactly_in_int4(tmp_path) -> None:
+    """Its GGUF stores every layer matrix as Q4_1 (the embedding, which the head shares, as Q8_0): served in bf16,
+    the engine says which --quantization serves that grid, where the int4 kernel runs."""
+    record_weight_types(_default_gguf_path(), tmp_path)
+    assert json.loads((tmp_path / RECORD).read_text()) == {"Q4_1": 210}
+    hint = quantization_hint(tmp_path, "none", torch.device("cpu"), torch.bfloat16)
+    if HAS_INT4_LINEAR:
+        assert hint is not None and "Q4_1 210 of 210" in hint and "--quantization int4" in hint
+    else:
+        assert hint is None
+    assert quantization_hint(tmp_path, "int4", torch.device("cpu"), torch.bfloat16) is None  # asked for already
+    assert quantization_hint(tmp_path, "none", torch.device("cpu"), torch.float32) is None  # no kernel for fp32

@@ -16,11 +16,13 @@ for the lookup: only the head's copy is quantized.
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from common.gguf_weights import matching_quantization
 from engine_core import distributed
 from engine_core.cpu_kernels import cpu_kernels
 from engine_core.linear_packing import pack_int4, pack_int8
@@ -29,6 +31,7 @@ from engine_core.models.parallel import RowParallelLinear
 
 log = logging.getLogger("roseinfer.quant")
 GROUP = 32  # weights per scale; the kernel's unit
+BYTES_PER_WEIGHT = {"int8": 1.25, "int4": 0.75}  # the scales (and mins) included
 _ROWS_PER_PASS = 4096  # quantize a big weight (the LM head) in slices: no full fp32 copy of it at once
 
 
@@ -151,3 +154,20 @@ def prepare_linears(model: nn.Module, quantization: str, device: torch.device, d
         # Our bf16 kernel does each row alone; oneDNN (where it could not be built) needs 2 rows.
         return 1 if all(m.kernels is not None for m in model.modules() if isinstance(m, PackedLinear)) else 2
     return 8
+
+
+def quantization_hint(model_dir: Path, quantization: str, device: torch.device, dtype: torch.dtype) -> str | None:
+    """Logs, and returns, what to say at start when a model from a 4- or 8-bit GGUF is served dequantized where our
+    kernel for its grid runs (common/gguf_weights.py)."""
+    match = matching_quantization(model_dir)
+    kernels = cpu_kernels() if device.type == "cpu" and dtype == torch.bfloat16 else None
+    if quantization != "none" or match is None or kernels is None:
+        return None
+    method, kinds = match
+    if not kernels.supports_quantized_linear(method, GROUP):
+        return None
+    hint = (f"the GGUF this model came from stored its layers' weights as {kinds}; they are served dequantized to "
+            f"bfloat16 (2 bytes a weight): --quantization {method} serves them on their own grid, in "
+            f"{BYTES_PER_WEIGHT[method]} bytes a weight, faster for few requests at a time")
+    log.info(hint)
+    return hint
