@@ -365,6 +365,27 @@ static inline int64_t linear_row_parts(int64_t panels, int64_t tiles, int thread
     const int64_t parts = (2 * threads + panels - 1) / panels;
     return panels >= 2 * threads ? 1 : parts < tiles ? parts : tiles;
 }
+// Work item `item` of a linear's split (a panel and a share of its row tiles): where its panel starts, its columns
+// and 16-column vectors, and the next panel's bytes, which the item may prefetch.
+typedef struct {
+    int64_t n0, part, cols, next_bytes;
+    int nv;
+    const char *panel, *next;
+} PanelItem;
+static inline PanelItem panel_item(const void* packed, int64_t item, int64_t row_parts, int64_t n_len,
+                                   int64_t bytes_per_col) {
+    PanelItem it;
+    it.n0 = item / row_parts * LINEAR_PANEL_COLS;
+    it.part = item % row_parts;
+    it.cols = n_len - it.n0 < LINEAR_PANEL_COLS ? n_len - it.n0 : LINEAR_PANEL_COLS;
+    it.nv = (int)((it.cols + 15) / 16);
+    it.panel = (const char*)packed + it.n0 * bytes_per_col;
+    const int64_t next_n0 = it.n0 + LINEAR_PANEL_COLS, padded_n = (n_len + 15) / 16 * 16;
+    const int64_t next_cols = padded_n - next_n0 < LINEAR_PANEL_COLS ? padded_n - next_n0 : LINEAR_PANEL_COLS;
+    it.next = (const char*)packed + next_n0 * bytes_per_col;
+    it.next_bytes = next_cols > 0 ? next_cols * bytes_per_col : 0;
+    return it;
+}
 int linear_avx2_available(void);
 // csrc/linear_int4.c: weight-only int4 panels (linear's q8 == 2), where the CPU has AVX512-BF16.
 int linear_int4_available(void);

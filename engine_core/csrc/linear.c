@@ -137,7 +137,7 @@ static void panel_linear(const uint16_t* x, int64_t ldx, int64_t m_len, const vo
     // bytes_per_col: the packed bytes of one weight row: 2 k_len in bf16; in int8 40 per group of 32 k (the
     // weights and their scale twice).
     const int64_t panels = (n_len + PANEL_COLS - 1) / PANEL_COLS, pairs = k_len / 2;
-    const int64_t padded_n = (n_len + 15) / 16 * 16, tiles = (m_len + TILE_ROWS - 1) / TILE_ROWS;
+    const int64_t tiles = (m_len + TILE_ROWS - 1) / TILE_ROWS;
     const int64_t bytes_per_col = q8 ? k_len / GROUP * GROUP_VEC_BYTES / 16 : 2 * k_len;
     const int widen = q8 && tiles > 1;
     // Work items: a panel and a share of its row tiles (linear_row_parts, kernel_common.h).
@@ -145,25 +145,18 @@ static void panel_linear(const uint16_t* x, int64_t ldx, int64_t m_len, const vo
     _Pragma("omp parallel if (linear_parallel(m_len, n_len, k_len))") {
         uint16_t* wide = widen ? malloc(PANEL_COLS * k_len * sizeof(uint16_t)) : NULL;
         _Pragma("omp for schedule(static)") for (int64_t item = 0; item < panels * row_parts; item++) {
-            const int64_t b = item / row_parts, part = item % row_parts;
-            const int64_t n0 = b * PANEL_COLS;
-            const int64_t cols = n_len - n0 < PANEL_COLS ? n_len - n0 : PANEL_COLS;
-            const int nv = (int)((cols + 15) / 16);
-            const void* panel = (const char*)packed + n0 * bytes_per_col;
+            const PanelItem it = panel_item(packed, item, row_parts, n_len, bytes_per_col);
             // The next panel goes to L1 on the way: in a call of one tile (1-8 rows: bound by reading the weights)
             // over its k pairs, in an int8 call of more tiles while this panel is widened, in a bf16 call of more
             // tiles not at all (see tile). SmolLM2's 30 layers and head in bf16 at 1-8 rows: 6.7 ms with this, 7.5
             // with the hardware prefetcher alone, 8 into L2.
-            const int64_t next_n0 = n0 + PANEL_COLS;
-            const int64_t next_cols = padded_n - next_n0 < PANEL_COLS ? padded_n - next_n0 : PANEL_COLS;
-            const char* next = (const char*)packed + next_n0 * bytes_per_col;
-            const int64_t next_bytes = next_cols > 0 ? next_cols * bytes_per_col : 0;
-            if (wide) widen_panel(panel, nv, pairs, wide, next, next_bytes);
-            for (int64_t t = part * tiles / row_parts; t < (part + 1) * tiles / row_parts; t++) {
+            if (wide) widen_panel((const int8_t*)it.panel, it.nv, pairs, wide, it.next, it.next_bytes);
+            for (int64_t t = it.part * tiles / row_parts; t < (it.part + 1) * tiles / row_parts; t++) {
                 const int64_t m0 = t * TILE_ROWS;
                 const int mr = m_len - m0 < TILE_ROWS ? (int)(m_len - m0) : TILE_ROWS;
-                any_tile(x + m0 * ldx, ldx, mr, wide ? (const void*)wide : panel, q8 && !wide, nv, pairs,
-                         bias ? bias + n0 : 0, out + m0 * ldo + n0, ldo, cols, next, tiles == 1 ? next_bytes : 0);
+                any_tile(x + m0 * ldx, ldx, mr, wide ? (const void*)wide : it.panel, q8 && !wide, it.nv, pairs,
+                         bias ? bias + it.n0 : 0, out + m0 * ldo + it.n0, ldo, it.cols, it.next,
+                         tiles == 1 ? it.next_bytes : 0);
             }
         }
         free(wide);

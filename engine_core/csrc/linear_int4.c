@@ -120,28 +120,21 @@ void linear_int4(const uint16_t* x, int64_t ldx, int64_t m_len, const void* pack
                  uint16_t* out, int64_t ldo, int64_t n_len, int64_t k_len) {
     if (m_len <= 0) return;
     const int64_t panels = (n_len + Q4_PANEL_COLS - 1) / Q4_PANEL_COLS, groups = k_len / Q4_GROUP;
-    const int64_t padded_n = (n_len + 15) / 16 * 16, tiles = (m_len + Q4_TILE_ROWS - 1) / Q4_TILE_ROWS;
+    const int64_t tiles = (m_len + Q4_TILE_ROWS - 1) / Q4_TILE_ROWS;
     const int64_t bytes_per_col = groups * Q4_GROUP_VEC_BYTES / 16;
     float* xsum = malloc(m_len * groups * sizeof(float));
     group_sums(x, ldx, m_len, groups, xsum);
     const int64_t row_parts = linear_row_parts(panels, tiles, omp_get_max_threads());
     _Pragma("omp parallel for schedule(static) if (linear_parallel(m_len, n_len, k_len))")
     for (int64_t item = 0; item < panels * row_parts; item++) {
-        const int64_t b = item / row_parts, part = item % row_parts;
-        const int64_t n0 = b * Q4_PANEL_COLS;
-        const int64_t cols = n_len - n0 < Q4_PANEL_COLS ? n_len - n0 : Q4_PANEL_COLS;
-        const int nv = (int)((cols + 15) / 16);
-        const uint8_t* panel = (const uint8_t*)packed + n0 * bytes_per_col;
-        const int64_t next_n0 = n0 + Q4_PANEL_COLS;
-        const int64_t next_cols = padded_n - next_n0 < Q4_PANEL_COLS ? padded_n - next_n0 : Q4_PANEL_COLS;
-        const char* next = (const char*)packed + next_n0 * bytes_per_col;
-        const int64_t next_bytes = next_cols > 0 ? next_cols * bytes_per_col : 0;
-        const int64_t first = part * tiles / row_parts;
-        for (int64_t t = first; t < (part + 1) * tiles / row_parts; t++) {
+        const PanelItem it = panel_item(packed, item, row_parts, n_len, bytes_per_col);
+        const int64_t first = it.part * tiles / row_parts;
+        for (int64_t t = first; t < (it.part + 1) * tiles / row_parts; t++) {
             const int64_t m0 = t * Q4_TILE_ROWS;
             const int mr = m_len - m0 < Q4_TILE_ROWS ? (int)(m_len - m0) : Q4_TILE_ROWS;
-            q4_any_tile(x + m0 * ldx, ldx, mr, panel, nv, groups, xsum + m0 * groups, bias ? bias + n0 : 0,
-                        out + m0 * ldo + n0, ldo, cols, next, t == first ? next_bytes : 0);
+            q4_any_tile(x + m0 * ldx, ldx, mr, (const uint8_t*)it.panel, it.nv, groups, xsum + m0 * groups,
+                        bias ? bias + it.n0 : 0, out + m0 * ldo + it.n0, ldo, it.cols, it.next,
+                        t == first ? it.next_bytes : 0);
         }
     }
     free(xsum);
