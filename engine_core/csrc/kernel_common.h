@@ -386,6 +386,23 @@ static inline PanelItem panel_item(const void* packed, int64_t item, int64_t row
     it.next_bytes = next_cols > 0 ? next_cols * bytes_per_col : 0;
     return it;
 }
+#if defined(__AVX512BF16__)
+// A linear tile's fp32 sums (mr rows x nv vectors of 16 columns) plus the bias, stored as bf16: the first `cols`
+// columns of each row.
+static inline __attribute__((always_inline)) void store_linear_tile(__m512 (*acc)[LINEAR_PANEL_COLS / 16], int mr,
+                                                                    int nv, int64_t cols, const uint16_t* bias,
+                                                                    uint16_t* out, int64_t ldo) {
+    for (int j = 0; j < nv; j++) {
+        const int64_t c0 = 16 * j;
+        if (c0 >= cols) break;
+        const __mmask16 mask = cols - c0 >= 16 ? 0xFFFF : (__mmask16)((1u << (cols - c0)) - 1);
+        const __m512 b = bias ? vload_bf16_masked(bias + c0, mask) : _mm512_setzero_ps();
+        for (int i = 0; i < mr; i++)
+            _mm256_mask_storeu_epi16(out + i * ldo + c0, mask,
+                                     (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(acc[i][j], b)));
+    }
+}
+#endif
 int linear_avx2_available(void);
 // csrc/linear_int4.c: weight-only int4 panels (linear's q8 == 2), where the CPU has AVX512-BF16.
 int linear_int4_available(void);

@@ -77,15 +77,7 @@ static inline __attribute__((always_inline)) void q4_tile(const uint16_t* x, int
             }
         }
     }
-    for (int j = 0; j < nv; j++) {
-        const int64_t c0 = 16 * j;
-        if (c0 >= cols) break;
-        const __mmask16 mask = cols - c0 >= 16 ? 0xFFFF : (__mmask16)((1u << (cols - c0)) - 1);
-        const __m512 b = bias ? vload_bf16_masked(bias + c0, mask) : _mm512_setzero_ps();
-        for (int i = 0; i < mr; i++)
-            _mm256_mask_storeu_epi16(out + i * ldo + c0, mask,
-                                     (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(acc[i][j], b)));
-    }
+    store_linear_tile(acc, mr, nv, cols, bias, out, ldo);
 }
 
 #define Q4_CASE(MR, NV) q4_tile(x, ldx, MR, panel, NV, groups, xsum, bias, out, ldo, cols, pf, pf_len)
