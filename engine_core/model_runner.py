@@ -62,9 +62,9 @@ class ModelRunner:
         overrides = parse_hf_overrides(config.hf_overrides)
         self.pooling = read_pooling(model_path, overrides) if config.runner == "pooling" else None
         self.model = load_model(model_path, self.dtype, self.device, max_model_len, self.pooling, overrides)
-        # int8, or packed bf16 on CPU; min_rows keeps a row's result independent of the rows beside it.
+        # int8 or int4, or packed bf16 on CPU; min_rows keeps a row's result independent of the rows beside it.
         self.min_rows = prepare_linears(self.model, config.quantization, self.device, self.dtype)
-        quantization_hint(model_path, config.quantization, self.device, self.dtype)  # a 4- or 8-bit GGUF's
+        quantization_hint(model_path, config.quantization, self.device, self.dtype)  # a 4- or 8-bit GGUF, dequantized
         # Before the KV cache is sized, so that their memory counts; put in the model once the base layers are taken.
         self.lora = LoraAdapters.load(self.model, lora_modules(config), config.max_lora_rank, self.device, self.dtype)
         self.progress = Progress()  # liveness inside long steps (engine_core/pulse.py); the LM head is now final
