@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from engine_core.linear_packing import weight_format
+from engine_core.linear_packing import GROUP, weight_format
 
 log = logging.getLogger("roseinfer.kernels")
 CSRC = Path(__file__).parent / "csrc"
@@ -207,8 +207,8 @@ class CpuKernels:
         return self.has_linear and in_features % 2 == 0
 
     def supports_quantized_linear(self, method: str, in_features: int) -> bool:
-        """method: "int8" or "int4"; both quantize groups of 32 weights."""
-        return (self.has_int8_linear if method == "int8" else self.has_int4_linear) and in_features % 32 == 0
+        """method: "int8" or "int4"; both quantize groups of GROUP weights."""
+        return (self.has_int8_linear if method == "int8" else self.has_int4_linear) and in_features % GROUP == 0
 
     def linear(self, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int):
         """x: bf16 [..., K]; packed: from linear_packing (its dtype names the format); bias: bf16 [N] or None. Rows

@@ -13,6 +13,7 @@ import torch
 
 # The kernels' `format` argument (csrc/linear.c's linear) for each packed dtype.
 FORMATS = {torch.bfloat16: 0, torch.int8: 1, torch.uint8: 2}
+GROUP = 32  # int8 and int4: k per scale (and min), the kernels' unit
 
 
 def weight_format(packed: torch.Tensor) -> int:
@@ -51,7 +52,7 @@ def pack_int8(q: torch.Tensor, scale: torch.Tensor, cols: int) -> torch.Tensor:
     weights as pack_bf16 lays them out, then each vector lane's scale (a row's scale twice, for the two k of its
     pair)."""
     n, k = q.shape
-    groups = k // 32
+    groups = k // GROUP
     q_pad, s_pad = _rows_to_16(q), _rows_to_16(scale.float())
     parts = []
     for n0, c in _panels(n, cols):
@@ -66,7 +67,7 @@ def pack_int4(q: torch.Tensor, scale: torch.Tensor, mins: torch.Tensor, cols: in
     group of 32 k, for each four k pairs and vector of 16 rows, 32 16-bit lanes, lane l holding lane l of the four
     pairs' layouts in its nibbles (the first pair's lowest); then the panel's scales, then its mins."""
     n, k = q.shape
-    groups = k // 32
+    groups = k // GROUP
     q_pad, s_pad, m_pad = _rows_to_16(q), _rows_to_16(scale.float()), _rows_to_16(mins.float())
     parts = []
     for n0, c in _panels(n, cols):

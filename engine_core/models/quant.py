@@ -25,14 +25,13 @@ from torch import nn
 from common.gguf_weights import matching_quantization
 from engine_core import distributed
 from engine_core.cpu_kernels import cpu_kernels
-from engine_core.linear_packing import pack_int4, pack_int8
+from engine_core.linear_packing import GROUP, pack_int4, pack_int8
 from engine_core.models.layers import PackedLinear, can_pack_bf16, pack_linears, replace_linears
 from engine_core.models.parallel import RowParallelLinear
 
 log = logging.getLogger("roseinfer.quant")
-GROUP = 32  # weights per scale; the kernel's unit
 BYTES_PER_WEIGHT = {"int8": 1.25, "int4": 0.75}  # the scales (and mins) included
-_ROWS_PER_PASS = 4096  # quantize a big weight (the LM head) in slices: no full fp32 copy of it at once
+_ROWS_PER_PASS = 4096  # rows quantized at a time (see _row_slices)
 
 
 def _group_size(k: int) -> int:
@@ -40,17 +39,24 @@ def _group_size(k: int) -> int:
     return GROUP if k % GROUP == 0 else k
 
 
+def _row_slices(weight: torch.Tensor):
+    """The weight's rows a slice at a time (a big one, the LM head, is never copied to fp32 whole): each slice's
+    rows, and them in fp32 as [rows, K / g, g]."""
+    n, k = weight.shape
+    for start in range(0, n, _ROWS_PER_PASS):
+        at = slice(start, start + _ROWS_PER_PASS)
+        yield at, weight[at].float().view(-1, k // _group_size(k), _group_size(k))
+
+
 def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """[N, K] float -> (int8 [N, K], fp32 scales [N, K / g]) with weight ~= q * scale of its group, |q| <= 127."""
     n, k = weight.shape
-    group = _group_size(k)
     q = torch.empty(weight.shape, dtype=torch.int8, device=weight.device)
-    scale = torch.empty((n, k // group), dtype=torch.float32, device=weight.device)
-    for start in range(0, n, _ROWS_PER_PASS):
-        rows = weight[start : start + _ROWS_PER_PASS].float().view(-1, k // group, group)
+    scale = torch.empty((n, k // _group_size(k)), dtype=torch.float32, device=weight.device)
+    for at, rows in _row_slices(weight):
         s = rows.abs().amax(dim=2).clamp(min=1e-12) / 127  # an all-zero group keeps q = 0
-        q[start : start + len(rows)] = torch.round(rows / s[..., None]).clamp(-127, 127).to(torch.int8).view(-1, k)
-        scale[start : start + len(rows)] = s
+        q[at] = torch.round(rows / s[..., None]).clamp(-127, 127).to(torch.int8).view(-1, k)
+        scale[at] = s
     return q, scale
 
 
@@ -58,18 +64,18 @@ def quantize_int4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, tor
     """[N, K] float -> (q: uint8 [N, K] in 0..15, fp32 scales and mins [N, K / g]) with weight ~= scale * q + min
     of its group: min the group's least weight, scale its range / 15."""
     n, k = weight.shape
-    group = _group_size(k)
     q = torch.empty(weight.shape, dtype=torch.uint8, device=weight.device)
-    scale = torch.empty((n, k // group), dtype=torch.float32, device=weight.device)
+    scale = torch.empty((n, k // _group_size(k)), dtype=torch.float32, device=weight.device)
     mins = torch.empty_like(scale)
-    for start in range(0, n, _ROWS_PER_PASS):
-        rows = weight[start : start + _ROWS_PER_PASS].float().view(-1, k // group, group)
+    for at, rows in _row_slices(weight):
         low = rows.amin(dim=2)
         s = (rows.amax(dim=2) - low).clamp(min=1e-12) / 15  # a constant group keeps q = 0: w = min
-        steps = torch.round((rows - low[..., None]) / s[..., None]).clamp(0, 15)
-        q[start : start + len(rows)] = steps.to(torch.uint8).view(-1, k)
-        scale[start : start + len(rows)], mins[start : start + len(rows)] = s, low
+        q[at] = torch.round((rows - low[..., None]) / s[..., None]).clamp(0, 15).to(torch.uint8).view(-1, k)
+        scale[at], mins[at] = s, low
     return q, scale, mins
+
+
+METHODS = {"int8": (quantize_int8, pack_int8), "int4": (quantize_int4, pack_int4)}  # quantize, then pack
 
 
 def dequantize(q: torch.Tensor, scale: torch.Tensor, mins: torch.Tensor | None = None) -> torch.Tensor:
@@ -87,7 +93,8 @@ class QuantizedLinear(nn.Module):
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.shard_sizes = getattr(linear, "shard_sizes", None)  # a fused layer's parts (LoRA adapters read them)
         weight = linear.weight.detach()
-        parts = quantize_int8(weight) if method == "int8" else quantize_int4(weight)
+        quantize, pack = METHODS[method]
+        parts = quantize(weight)
         self.bias = linear.bias
         # Row-parallel: the partial products are summed over the ranks, and the bias added once, after.
         self.all_reduce = isinstance(linear, RowParallelLinear) and distributed.tp_size() > 1
@@ -95,7 +102,6 @@ class QuantizedLinear(nn.Module):
         supported = kernels is not None and kernels.supports_quantized_linear(method, self.in_features)
         self.kernels = kernels if supported else None
         if self.kernels is not None:
-            pack = pack_int8 if method == "int8" else pack_int4
             self.register_buffer("packed_weight", pack(*parts, self.kernels.panel_cols))
         else:
             q, scale, *mins = parts
@@ -132,8 +138,8 @@ def prepare_linears(model: nn.Module, quantization: str, device: torch.device, d
 
     Returns the fewest rows these matmuls must be given for a row's result not to depend on how many rows run
     beside it: a seeded request then draws the same tokens alone as inside a batch. oneDNN's one-row bf16 path
-    and MKL's fp32 paths below 4 rows sum in another order than wider calls; our int8 and bf16 kernels do each
-    row alone. On CUDA no row count promises that (cuBLAS picks kernels by shape): 8 there only limits the shapes.
+    and MKL's fp32 paths below 4 rows sum in another order than wider calls; our bf16, int8 and int4 kernels do
+    each row alone. On CUDA no row count promises that (cuBLAS picks kernels by shape): 8 there only limits the shapes.
     """
     if quantization in ("int8", "int4"):
         quantize_linears(model, quantization)
