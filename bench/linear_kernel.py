@@ -1,20 +1,23 @@
-"""The linears alone: the compiled CPU kernel (csrc/linear.c with AVX512-BF16, csrc/linear_avx2.c with AVX2,
-csrc/linear_int4.c for int4, through CpuKernels.linear) over SmolLM2-135M's 30 layers of linears (qkv 576 -> 960,
-o 576 -> 576, gate_up 576 -> 3072, down 1536 -> 576) and its LM head (576 -> 49152, only at decode's row counts: a
-prefill runs it on each prompt's last row), each layer its own weights, so that they come from memory as in the
-engine. With --lora-rank R: a rank-R LoRA adapter's two products on each of those linears instead (engine_core/lora.py).
+"""The linears alone: the compiled CPU kernel (with AVX512-BF16 csrc/linear.c, and csrc/linear_int4.c for int4;
+with AVX2 csrc/linear_avx2.c, and csrc/linear_quant_avx2.c for int8 and int4; through CpuKernels.linear) over
+SmolLM2-135M's 30 layers of linears (qkv 576 -> 960, o 576 -> 576, gate_up 576 -> 3072, down 1536 -> 576) and its
+LM head (576 -> 49152, only at decode's row counts: a prefill runs it on each prompt's last row), each layer its own
+weights, so that they come from memory as in the engine. With --lora-rank R: a rank-R LoRA adapter's two products on
+each of those linears instead (engine_core/lora.py).
 
 Prints, per row count (1 and 8: decode latency; 64: W's full decode batch; 2048: a prefill step), the fastest and
 the median of --repeats passes in ms, and the fastest as GFLOP/s. To compare two checkouts, run it from outside
 both, in turn (python -m puts the working directory first on the path):
 cd /tmp && PYTHONPATH=<checkout> python -m bench.linear_kernel [--repeats 5]
     [--quantization int8 | --quantization int4 | --lora-rank 16] [--result-json F]
+ROSEINFER_KERNEL_MARCH=x86-64-v3 times the AVX2 kernels on a CPU that also has AVX-512.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import time
@@ -74,7 +77,8 @@ def main() -> None:
         print(f"{rows:5d} rows{head_note:>10}: best {best * 1e3:8.2f} ms, median {median * 1e3:8.2f} ms, "
               f"{flop / best / 1e9:6.1f} GFLOP/s")  # fmt: skip
     if args.result_json:
-        machine = {"cpu": platform.processor() or platform.machine(), "threads": torch.get_num_threads()}
+        machine = {"cpu": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
+                   "kernel_march": os.environ.get("ROSEINFER_KERNEL_MARCH", "native")}
         with open(args.result_json, "w") as f:
             json.dump({"quantization": args.quantization, "lora_rank": args.lora_rank, "machine": machine,
                        "results": results}, f, indent=1)  # fmt: skip

@@ -52,13 +52,13 @@ def compile_command(cc: str, march: str, out: str) -> list[str]:
             "-o", out]  # fmt: skip
 
 
-def _build() -> ctypes.CDLL | None:
-    cc = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
-    if cc is None or os.environ.get("ROSEINFER_NO_KERNELS"):
-        return None
-    # -march=native: the binary is keyed by the CPU's flags, so a different machine compiles its own.
+def build_library(cc: str, march: str = "native") -> Path:
+    """The kernels compiled for -march=`march`, from the cache when they are there; raises
+    subprocess.CalledProcessError (with the compiler's stderr) or OSError when they cannot be built. Keyed by the
+    sources and, for "native", the CPU's flags: a different machine compiles its own."""
     files = sorted([*SOURCES, *CSRC.glob("*.h")])
-    key = hashlib.sha256(b"".join(f.read_bytes() for f in files) + cpu_flags().encode()).hexdigest()[:16]
+    target = cpu_flags() if march == "native" else march
+    key = hashlib.sha256(b"".join(f.read_bytes() for f in files) + target.encode()).hexdigest()[:16]
     cache = Path(os.environ.get("ROSEINFER_CACHE_DIR", Path.home() / ".cache" / "roseinfer")) / "kernels"
     lib = cache / f"roseinfer_kernels-{key}.so"
     if not lib.exists():
@@ -66,12 +66,23 @@ def _build() -> ctypes.CDLL | None:
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=cache)
         os.close(fd)
         try:
-            subprocess.run(compile_command(cc, "native", tmp), check=True, capture_output=True, timeout=180)
+            subprocess.run(compile_command(cc, march, tmp), check=True, capture_output=True, text=True, timeout=180)
             os.replace(tmp, lib)  # atomic: concurrent builders never load a half-written file
-        except (subprocess.SubprocessError, OSError) as exc:
-            log.warning("CPU kernels not built (%s); using the torch paths", exc)
+        finally:
             Path(tmp).unlink(missing_ok=True)
-            return None
+    return lib
+
+
+def _build() -> ctypes.CDLL | None:
+    cc = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
+    if cc is None or os.environ.get("ROSEINFER_NO_KERNELS"):
+        return None
+    # ROSEINFER_KERNEL_MARCH: another target than this CPU's (x86-64-v3 runs the AVX2 kernels on an AVX-512 CPU).
+    try:
+        lib = build_library(cc, os.environ.get("ROSEINFER_KERNEL_MARCH", "native"))
+    except (subprocess.SubprocessError, OSError) as exc:
+        log.warning("CPU kernels not built (%s); using the torch paths", exc)
+        return None
     try:
         return ctypes.CDLL(str(lib))  # every symbol resolved now (RTLD_NOW), not at the first call
     except OSError as exc:
@@ -95,7 +106,7 @@ class CpuKernels:
                 func = getattr(lib, f"{name}_{suffix}")
                 func.argtypes = argtypes
                 self._funcs[name, dtype] = func
-        # bf16 and int8 panels with AVX512-BF16, or with AVX2 + FMA (csrc/linear_avx2.c); int4 with AVX512-BF16.
+        # bf16, int8 and int4 panels with AVX512-BF16, or with AVX2 + FMA (csrc/linear_avx2.c, csrc/linear_int4_avx2.c).
         self.has_linear, self.panel_cols = bool(lib.linear_kernels_available()), lib.linear_panel_cols()
         self.has_int8_linear = bool(lib.linear_int8_available())
         self.has_int4_linear = bool(lib.linear_int4_available())
@@ -201,7 +212,7 @@ class CpuKernels:
         self._funcs["rotary", x.dtype](x.data_ptr(), positions.data_ptr(), cos.data_ptr(), sin.data_ptr(),
                                        x.shape[0], x.stride(0), num_heads, head_dim, cos.shape[1])  # fmt: skip
 
-    # ---- linears (csrc/linear.c, csrc/linear_int4.c): bf16, weight-only int8 and int4; packed by linear_packing ----
+    # ---- linears (csrc/linear*.c): bf16, weight-only int8 and int4; packed by linear_packing ----
 
     def supports_bf16_linear(self, in_features: int) -> bool:
         return self.has_linear and in_features % 2 == 0

@@ -351,8 +351,8 @@ DECLARE_ATTEND_TILE(attend_avx2_tile_bf16, uint16_t);
 DECLARE_ATTEND_TILE(attend_avx2_tile_f32, float);
 
 // csrc/linear.c's packed panels: 48 weight rows each, in the pair layout of the AVX512-BF16 dot instruction, bf16
-// or int8. csrc/linear_avx2.c reads the same panels where the CPU has AVX2 + FMA and no AVX512-BF16 (1 from
-// linear_avx2_available()); elsewhere linear_avx2 does nothing.
+// or int8 (csrc/linear_int4.c's int4 too). csrc/linear_avx2.c and csrc/linear_quant_avx2.c read the same panels
+// where the CPU has AVX2 + FMA and no AVX512-BF16 (1 from linear_avx2_available()).
 #define LINEAR_PANEL_COLS 48
 
 // Both linear kernels' work split: threads from 64k weights or a million multiply-adds; and the shares each panel's
@@ -404,12 +404,17 @@ static inline __attribute__((always_inline)) void store_linear_tile(__m512 (*acc
 }
 #endif
 int linear_avx2_available(void);
-// csrc/linear_int4.c: weight-only int4 panels (linear's q8 == 2), where the CPU has AVX512-BF16.
+// csrc/linear_int4.c: weight-only int4 panels (linear's format 2), defined where the CPU has AVX512-BF16.
 int linear_int4_available(void);
 void linear_int4(const uint16_t* x, int64_t ldx, int64_t m_len, const void* packed, const uint16_t* bias,
                  uint16_t* out, int64_t ldo, int64_t n_len, int64_t k_len);
-void linear_avx2(const uint16_t* x, int64_t ldx, int64_t m_len, const void* packed, int q8, const uint16_t* bias,
+// bf16 panels (csrc/linear_avx2.c) and int8 or int4 ones (csrc/linear_quant_avx2.c, format 1 or 2) where the CPU
+// has AVX2 + FMA (and F16C) and no AVX512-BF16; elsewhere these do nothing.
+void linear_avx2(const uint16_t* x, int64_t ldx, int64_t m_len, const void* packed, const uint16_t* bias,
                  uint16_t* out, int64_t ldo, int64_t n_len, int64_t k_len);
+int linear_quant_avx2_available(void);
+void linear_quant_avx2(const uint16_t* x, int64_t ldx, int64_t m_len, const void* packed, int format,
+                       const uint16_t* bias, uint16_t* out, int64_t ldo, int64_t n_len, int64_t k_len);
 
 // csrc/decode_bf16.c: paged_decode_bf16's work 16 keys at a time where the CPU has AVX512-BF16 and head_dim % 32
 // == 0 (see there); returns 0, having done nothing, elsewhere.

@@ -1,6 +1,6 @@
 // Linear layers on CPU: out[m, n] = sum_k x[m, k] * w[n, k] (+ bias[n]), bf16 in and out, fp32 sums; the weight
 // in bf16, or weight-only int8 with one fp32 scale per 32 weights of a row (--quantization int8; int4 is
-// csrc/linear_int4.c's).
+// csrc/linear_int4.c's; without AVX512-BF16, csrc/linear_avx2.c and csrc/linear_quant_avx2.c).
 //
 // A decode step's few rows are bound by reading the weights. The weight is packed once at load into panels of up
 // to 48 output columns, in vdpbf16ps's pair layout: for each pair of k, the panel's columns x 2 values (three
@@ -10,7 +10,7 @@
 // the next panel is prefetched while this one is worked on. An int8 panel holds, per group of 32 k, the int8
 // weights in the same pair layout and then each lane's scale; a tile widens them to bf16(q * scale) as it goes,
 // or, for more rows than one tile, the panel is widened once into a bf16 panel first. Without AVX512-BF16,
-// csrc/linear_avx2.c reads the same panels with fp32 FMAs (AVX2), widening each int8 panel to bf16 first.
+// csrc/linear_avx2.c (bf16) and csrc/linear_quant_avx2.c (int8, int4) read the same panels with fp32 FMAs (AVX2).
 #include <omp.h>
 #include <stdlib.h>
 
@@ -159,7 +159,7 @@ int linear_kernels_available(void) { return 1; }
 int linear_int8_available(void) { return 1; }
 #else
 int linear_kernels_available(void) { return linear_avx2_available(); }
-int linear_int8_available(void) { return linear_avx2_available(); }
+int linear_int8_available(void) { return linear_quant_avx2_available(); }
 #endif
 
 int linear_panel_cols(void) { return PANEL_COLS; }
@@ -171,13 +171,11 @@ int linear_panel_cols(void) { return PANEL_COLS; }
 // [n_len] or NULL; out: bf16 [m_len, n_len] with row stride ldo.
 void linear(const uint16_t* x, int64_t ldx, int64_t m_len, const void* packed, int format, const uint16_t* bias,
             uint16_t* out, int64_t ldo, int64_t n_len, int64_t k_len) {
-    if (format == 2) {
-        linear_int4(x, ldx, m_len, packed, bias, out, ldo, n_len, k_len);
-        return;
-    }
 #if defined(__AVX512BF16__)
-    panel_linear(x, ldx, m_len, packed, format, bias, out, ldo, n_len, k_len);
+    if (format == 2) linear_int4(x, ldx, m_len, packed, bias, out, ldo, n_len, k_len);
+    else panel_linear(x, ldx, m_len, packed, format, bias, out, ldo, n_len, k_len);
 #else
-    linear_avx2(x, ldx, m_len, packed, format, bias, out, ldo, n_len, k_len);
+    if (format == 0) linear_avx2(x, ldx, m_len, packed, bias, out, ldo, n_len, k_len);
+    else linear_quant_avx2(x, ldx, m_len, packed, format, bias, out, ldo, n_len, k_len);
 #endif
 }

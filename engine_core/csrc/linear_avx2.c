@@ -15,9 +15,7 @@
 //   x is widened into tiles of 6 rows, k-major (a k's 6 values side by side), so that a tile's broadcasts read
 //   one stream; and rows go in blocks whose widened x fits L2, each block through all of a thread's strips, so
 //   that a long prompt's x is not streamed from L3 once per strip.
-// - int8 panels (--quantization int8) are widened, a panel at a time, to the bf16 panel of bf16(q * scale) that
-//   AVX512-BF16 widens them to, then read as above. A one-row decode step of SmolLM2 took 26-30 ms against plain
-//   bf16's 17-19: 8 instructions of widening per 8 weights cost more here than the bytes they save.
+// - int8 and int4 panels are csrc/linear_quant_avx2.c's.
 // Every output adds its k products one after the other in k order whatever the number of rows: a row's result
 // never depends on its neighbours.
 #include <omp.h>
@@ -32,9 +30,6 @@
 #define PANEL_VECS (PANEL_COLS / 8)   // 8-column vectors per panel
 #define STRIP_ROWS 6
 #define WIDE_MAX_ROWS 12  // up to this many rows: wide tiles over the whole panel, else strips
-#define GROUP 32  // int8 panels: weights per scale (csrc/linear.c)
-#define GROUP_PAIRS (GROUP / 2)
-#define GROUP_VEC_BYTES (GROUP_PAIRS * 32 + 32 * 4)  // per group and 16-column vector: int8 pairs, 32 lane scales
 #define UNROLLED _Pragma("GCC unroll 6")  // every row and vector: a partly unrolled loop keeps sums in memory
 #define L2_X_BYTES (256 * 1024)          // a block of rows' widened x, kept in L2 while the strips go through it
 
@@ -140,37 +135,6 @@ static void wide_rows(const float* xf, int64_t k_len, int mr, const uint16_t* pa
     }
 }
 
-// fp32 bits -> bf16 bits in the low half of each lane, rounded to nearest even as bf16_store: + 0x7FFF + the kept
-// half's lowest bit, then the high half.
-static inline __m256i bf16_bits(__m256i f) {
-    const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(f, 16), _mm256_set1_epi32(1));
-    return _mm256_srli_epi32(_mm256_add_epi32(f, _mm256_add_epi32(_mm256_set1_epi32(0x7FFF), odd)), 16);
-}
-
-// An int8 panel of csrc/linear.c (nv vectors of 16 columns, k_len / 32 groups: per group the int8 weights in pair
-// layout, then each lane's fp32 scale) as the bf16 panel of bf16(q * scale) that AVX512-BF16 widens it to, with the
-// same rounding: every row count then reads the same weights, and a row's result never depends on its neighbours.
-static void widen_int8_panel(const int8_t* panel, int nv, int64_t k_len, uint16_t* to) {
-    const int64_t group_bytes = (int64_t)nv * GROUP_VEC_BYTES, lanes = nv * 32;
-    for (int64_t g = 0; g < k_len / GROUP; g++) {
-        const int8_t* q = panel + g * group_bytes;
-        const float* scales = (const float*)(q + GROUP_PAIRS * lanes);
-        for (int p = 0; p < GROUP_PAIRS; p++)
-            for (int64_t e = 0; e < lanes; e += 16) {  // 16 lanes of vector e / 32: its scales at (e % 32)
-                const int8_t* w = q + p * lanes + e;
-                const float* s = scales + e / 32 * 32 + e % 32;
-                const __m256i lo = bf16_bits(_mm256_castps_si256(_mm256_mul_ps(
-                    _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)w))), _mm256_loadu_ps(s))));
-                const __m256i hi = bf16_bits(_mm256_castps_si256(_mm256_mul_ps(
-                    _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(w + 8)))),
-                    _mm256_loadu_ps(s + 8))));
-                // packus interleaves the 128-bit halves: lo 0-3, hi 0-3, lo 4-7, hi 4-7; the permute restores order
-                _mm256_storeu_si256((__m256i*)(to + (g * GROUP_PAIRS + p) * lanes + e),
-                                    _mm256_permute4x64_epi64(_mm256_packus_epi32(lo, hi), _MM_SHUFFLE(3, 1, 2, 0)));
-            }
-    }
-}
-
 // x (bf16) widened to fp32: up to WIDE_MAX_ROWS rows row-major (wide_rows); more in tiles of STRIP_ROWS rows,
 // k-major, the last tile's missing rows left unset (strip_tile never reads them). Rows split over the threads.
 static void widen_rows(const uint16_t* x, int64_t ldx, int64_t m_len, int64_t k_len, float* xf) {
@@ -182,22 +146,20 @@ static void widen_rows(const uint16_t* x, int64_t ldx, int64_t m_len, int64_t k_
     }
 }
 
-// csrc/linear.c's linear() on this CPU; the arguments are that function's.
-void linear_avx2(const uint16_t* x, int64_t ldx, int64_t m_len, const void* packed, int q8, const uint16_t* bias,
+// csrc/linear.c's linear() on this CPU for bf16 panels; the arguments are that function's.
+void linear_avx2(const uint16_t* x, int64_t ldx, int64_t m_len, const void* packed, const uint16_t* bias,
                  uint16_t* out, int64_t ldo, int64_t n_len, int64_t k_len) {
     if (m_len <= 0) return;
     const int64_t panels = (n_len + PANEL_COLS - 1) / PANEL_COLS;
-    // the packed bytes of one weight row: 2 per k in bf16; in int8 40 per 32 k (the weights, their scale twice)
-    const int64_t bytes_per_col = q8 ? k_len / GROUP * GROUP_VEC_BYTES / 16 : 2 * k_len;
+    const int64_t bytes_per_col = 2 * k_len;  // the packed bytes of one weight row
     const int64_t tiles = (m_len + STRIP_ROWS - 1) / STRIP_ROWS;
     float* xf = malloc(tiles * STRIP_ROWS * k_len * sizeof(float));  // x widened once, read by every panel
-    // rows per block: whole tiles of x that fit L2; one block for int8, whose panels are widened once per block
+    // rows per block: whole tiles of x that fit L2
     const int64_t fit = L2_X_BYTES / (k_len * (int64_t)sizeof(float)) / STRIP_ROWS * STRIP_ROWS;
-    const int64_t block = q8 || m_len <= WIDE_MAX_ROWS || fit == 0 ? m_len : fit;
+    const int64_t block = m_len <= WIDE_MAX_ROWS || fit == 0 ? m_len : fit;
     // As csrc/linear.c: each block's strips are cut into shares (linear_row_parts, kernel_common.h); few rows go whole.
     const int64_t row_parts = m_len <= WIDE_MAX_ROWS ? 1 : linear_row_parts(panels, tiles, omp_get_max_threads());
     _Pragma("omp parallel if (linear_parallel(m_len, n_len, k_len))") {
-        uint16_t* wide = q8 ? malloc(PANEL_COLS * k_len * sizeof(uint16_t)) : NULL;  // an int8 panel, widened
         widen_rows(x, ldx, m_len, k_len, xf);
         for (int64_t m_start = 0; m_start < m_len; m_start += block) {
             const int64_t m_end = m_len - m_start < block ? m_len : m_start + block;
@@ -210,7 +172,6 @@ void linear_avx2(const uint16_t* x, int64_t ldx, int64_t m_len, const void* pack
                 const int cols = n_len - n0 < PANEL_COLS ? (int)(n_len - n0) : PANEL_COLS;
                 const int64_t pair_u16 = 2 * ((cols + 15) / 16 * 16);  // the panel's columns as packed, x 2
                 const uint16_t* panel = (const uint16_t*)((const char*)packed + n0 * bytes_per_col);
-                if (wide) widen_int8_panel((const int8_t*)panel, (cols + 15) / 16, k_len, wide), panel = wide;
                 const uint16_t* b = bias ? bias + n0 : NULL;
                 if (m_len <= WIDE_MAX_ROWS) {
                     for (int64_t i = 0; i < m_len; i += 2)
@@ -225,16 +186,15 @@ void linear_avx2(const uint16_t* x, int64_t ldx, int64_t m_len, const void* pack
                                    cols - c0 < 16 ? cols - c0 : 16);
             }
         }
-        free(wide);
     }
     free(xf);
 }
 
 int linear_avx2_available(void) { return 1; }
 #else
-void linear_avx2(const uint16_t* x, int64_t ldx, int64_t m_len, const void* packed, int q8, const uint16_t* bias,
+void linear_avx2(const uint16_t* x, int64_t ldx, int64_t m_len, const void* packed, const uint16_t* bias,
                  uint16_t* out, int64_t ldo, int64_t n_len, int64_t k_len) {
-    (void)x, (void)ldx, (void)m_len, (void)packed, (void)q8, (void)bias, (void)out, (void)ldo, (void)n_len, (void)k_len;
+    (void)x, (void)ldx, (void)m_len, (void)packed, (void)bias, (void)out, (void)ldo, (void)n_len, (void)k_len;
 }
 int linear_avx2_available(void) { return 0; }
 #endif

@@ -132,9 +132,6 @@ void linear_int4(const uint16_t* x, int64_t ldx, int64_t m_len, const void* pack
     free(xsum);
 }
 #else
-int linear_int4_available(void) { return 0; }
-void linear_int4(const uint16_t* x, int64_t ldx, int64_t m_len, const void* packed, const uint16_t* bias,
-                 uint16_t* out, int64_t ldo, int64_t n_len, int64_t k_len) {
-    (void)x, (void)ldx, (void)m_len, (void)packed, (void)bias, (void)out, (void)ldo, (void)n_len, (void)k_len;
-}
+// Without AVX512-BF16, linear() takes csrc/linear_quant_avx2.c's kernel (where the CPU has AVX2, FMA and F16C).
+int linear_int4_available(void) { return linear_quant_avx2_available(); }
 #endif

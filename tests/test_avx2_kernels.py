@@ -1,0 +1,65 @@
+"""The AVX2 + FMA linears (csrc/linear_avx2.c, csrc/linear_quant_avx2.c), built for x86-64-v3 and loaded beside this
+machine's own kernels: on an AVX512-BF16 CPU the engine never runs them, so they are checked here on any CPU that
+has AVX2, against the fp32 matmul of the weights each format stands for."""
+
+from __future__ import annotations
+
+import ctypes
+import shutil
+
+import pytest
+import torch
+
+from engine_core.cpu_kernels import CpuKernels, build_library, cpu_flags
+from engine_core.linear_packing import pack_bf16, pack_int4, pack_int8
+from engine_core.models.quant import dequantize, quantize_int4, quantize_int8
+
+CC = shutil.which("cc") or shutil.which("gcc")
+FLAGS = cpu_flags().split()
+pytestmark = pytest.mark.skipif(CC is None or "avx2" not in FLAGS or "fma" not in FLAGS,
+                                reason="runs AVX2 + FMA code, built with a C compiler")  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def avx2() -> CpuKernels:
+    assert CC is not None
+    kernels = CpuKernels(ctypes.CDLL(str(build_library(CC, "x86-64-v3"))))
+    assert kernels.has_linear and kernels.has_int8_linear and kernels.has_int4_linear
+    return kernels
+
+
+def packed_weight(fmt: str, weight: torch.Tensor, cols: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The packed panels of `weight` in format `fmt`, and the fp32 weight they stand for: the kernel sums exact
+    products of x and q in fp32, then scales them (unlike the AVX512-BF16 int8 kernel, which rounds q * scale to
+    bf16 first)."""
+    if fmt == "bf16":
+        return pack_bf16(weight, cols), weight.float()
+    if fmt == "int8":
+        q, scale = quantize_int8(weight)
+        return pack_int8(q, scale, cols), dequantize(q, scale)
+    q, scale, mins = quantize_int4(weight)
+    return pack_int4(q, scale, mins, cols), dequantize(q, scale, mins)
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "int8", "int4"])
+@pytest.mark.parametrize("out_features,in_features,bias",
+                         [(96, 64, False), (130, 1536, True), (20, 64, True), (100, 576, False), (40, 4096, True)])
+def test_avx2_linears_match_fp32_and_each_row_is_computed_alone(avx2, fmt, out_features, in_features, bias) -> None:
+    """130, 20 and 100 output columns end in a partial panel (3, 2 and 1 vectors of 16, the last one partial too);
+    23 rows cross every tile shape (bf16: 2-row wide tiles up to 12 rows, then 6-row strips in L2-sized blocks, as
+    at 4096 features; int8 and int4: one row over the whole panel, else 5-row tiles and their remainders over
+    fewer columns); strided rows. Every row comes out bit for bit the same alone as inside any batch."""
+    torch.manual_seed(out_features + in_features)
+    weight = torch.randn(out_features, in_features, dtype=torch.bfloat16)
+    b = torch.randn(out_features, dtype=torch.bfloat16) if bias else None
+    packed, w = packed_weight(fmt, weight, avx2.panel_cols)
+    wide = torch.randn(23, in_features + 6, dtype=torch.bfloat16)
+    x = wide[:, 1 : in_features + 1]  # rows strided by the wider width, and 2-byte aligned only
+    out = avx2.linear(x, packed, b, out_features)
+    ref = x.float() @ w.T + (0 if b is None else b.float())
+    assert out.shape == (23, out_features) and out.dtype == torch.bfloat16
+    # fp32 sums of exact products: off by the bf16 rounding of the result, and fp32 sums' order
+    assert float((out.float() - ref).abs().max()) <= 2 * float(ref.abs().max()) * 2**-8 + 1e-3
+    for rows in (1, 2, 3, 4, 5, 7, 8, 9, 13, 16, 17):
+        for start in (0, 23 - rows):
+            assert torch.equal(avx2.linear(x[start : start + rows], packed, b, out_features), out[start : start + rows])
