@@ -120,7 +120,8 @@ def main() -> None:
     best_hf = max(hf_runs, key=lambda r: r["output_tok_s"]) if hf_runs else None
     result = {
         "workload": vars(args),
-        "machine": {"cpus": len(os.sched_getaffinity(0)), "processor": platform.processor() or platform.machine()},
+        "machine": {"cpus": len(os.sched_getaffinity(0)), "processor": platform.processor() or platform.machine(),
+                    "kernel_march": os.environ.get("ROSEINFER_KERNEL_MARCH", "native")},
         "roseinfer": ours,
         "hf_generate": hf_runs,
         "ratio_vs_hf": ours["output_tok_s"] / best_hf["output_tok_s"] if best_hf else None,

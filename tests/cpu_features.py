@@ -1,5 +1,5 @@
-"""Which of our C kernels this CPU runs. The bf16 and int8 linears, the decode stack and the prefill attention need
-AVX-512 (AVX512-BF16 for the linears) or AVX2 with FMA, the int4 linear AVX512-BF16; on a CPU without them the
+"""Which of our C kernels this CPU runs. The bf16, int8 and int4 linears, the decode stack and the prefill attention
+need AVX-512 (AVX512-BF16 for the linears) or AVX2 with FMA (and F16C for int8 and int4); on a CPU without them the
 engine runs torch there, so tests of those kernels skip, as the CUDA-only tests skip on CPU, and tests of the
 engine expect the torch path."""
 
@@ -22,4 +22,4 @@ needs_prefill_kernel = pytest.mark.skipif(not HAS_PREFILL,
 needs_int8_kernels = pytest.mark.skipif(not HAS_INT8_LINEAR,
                                         reason="our int8 linear kernels need AVX512-BF16 or AVX2 + FMA")  # fmt: skip
 needs_int4_kernels = pytest.mark.skipif(not HAS_INT4_LINEAR,
-                                        reason="our int4 linear kernel needs AVX512-BF16")  # fmt: skip
+                                        reason="our int4 linear kernels need AVX512-BF16 or AVX2 + FMA")  # fmt: skip

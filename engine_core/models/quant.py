@@ -8,8 +8,9 @@ a row; activations stay in the model's dtype.
   default model's layers, come back exactly). The LM head takes int8 (see quantize_linears).
 
 A single stream's decode step is bound by reading the weights: int8 reads 1.25 bytes a weight (the scales
-included), int4 0.75, bf16 2. On CPU with bf16 the matmul is our kernel (csrc/linear.c, csrc/linear_int4.c);
-elsewhere the weight is dequantized inside each call (correct, slow). A tied embedding keeps its exact float table
+included), int4 0.75, bf16 2. On CPU with bf16 the matmul is our kernel (csrc/linear.c and csrc/linear_int4.c with
+AVX512-BF16, csrc/linear_quant_avx2.c with AVX2); elsewhere the weight is dequantized inside each call (correct,
+slow). A tied embedding keeps its exact float table
 for the lookup: only the head's copy is quantized.
 """
 
