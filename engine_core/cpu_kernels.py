@@ -77,7 +77,7 @@ def _build() -> ctypes.CDLL | None:
     cc = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
     if cc is None or os.environ.get("ROSEINFER_NO_KERNELS"):
         return None
-    # ROSEINFER_KERNEL_MARCH: another target than this CPU's (x86-64-v3 runs the AVX2 kernels on an AVX-512 CPU).
+    # ROSEINFER_KERNEL_MARCH: another target this CPU runs (x86-64-v3: the AVX2 kernels on an AVX-512 CPU).
     try:
         lib = build_library(cc, os.environ.get("ROSEINFER_KERNEL_MARCH", "native"))
     except (subprocess.SubprocessError, OSError) as exc:
@@ -106,7 +106,7 @@ class CpuKernels:
                 func = getattr(lib, f"{name}_{suffix}")
                 func.argtypes = argtypes
                 self._funcs[name, dtype] = func
-        # bf16, int8 and int4 panels with AVX512-BF16, or with AVX2 + FMA (csrc/linear_avx2.c, csrc/linear_int4_avx2.c).
+        # bf16, int8 and int4 panels with AVX512-BF16, or with AVX2 + FMA (csrc/linear_avx2.c, linear_quant_avx2.c).
         self.has_linear, self.panel_cols = bool(lib.linear_kernels_available()), lib.linear_panel_cols()
         self.has_int8_linear = bool(lib.linear_int8_available())
         self.has_int4_linear = bool(lib.linear_int4_available())

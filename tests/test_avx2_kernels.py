@@ -15,9 +15,10 @@ from engine_core.linear_packing import pack_bf16, pack_int4, pack_int8
 from engine_core.models.quant import dequantize, quantize_int4, quantize_int8
 
 CC = shutil.which("cc") or shutil.which("gcc")
-FLAGS = cpu_flags().split()
-pytestmark = pytest.mark.skipif(CC is None or "avx2" not in FLAGS or "fma" not in FLAGS,
-                                reason="runs AVX2 + FMA code, built with a C compiler")  # fmt: skip
+# x86-64-v3's instructions: AVX2, FMA, F16C, and the bit-manipulation ones gcc may use anywhere
+V3_FLAGS = {"avx2", "fma", "f16c", "bmi1", "bmi2", "movbe", "abm"}
+pytestmark = pytest.mark.skipif(CC is None or not V3_FLAGS.issubset(cpu_flags().split()),
+                                reason="runs x86-64-v3 code (AVX2 + FMA), built with a C compiler")  # fmt: skip
 
 
 @pytest.fixture(scope="module")
