@@ -42,7 +42,9 @@
 #define UNROLLED _Pragma("GCC unroll 12")  // loops over a tile's rows and halves: its sums stay in registers
 
 static inline int64_t group_vec_bytes(int format) { return format == 1 ? QA_INT8_VEC_BYTES : QA_INT4_VEC_BYTES; }
-static inline int tile_rows(int format, int widened) { return format == 1 && !widened ? QA_TILE_ROWS - 1 : QA_TILE_ROWS; }
+static inline int tile_rows(int format, int widened) {
+    return format == 1 && !widened ? QA_TILE_ROWS - 1 : QA_TILE_ROWS;
+}
 
 // Pair p of a group (nv vectors) in half hh as 16 integers u, in 16-bit lanes.
 static inline __attribute__((always_inline)) __m256i unpack_u(int format, const uint8_t* group, int nv, int p, int hh) {
