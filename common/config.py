@@ -34,8 +34,8 @@ class EngineConfig:
         "\"is_original_qwen3_reranker\": true}'",
     )
     quantization: str = flag(
-        "none", "none | int8 | int4: weight-only int8 or int4 linears and LM head (CPU bf16; faster at small "
-        "batches; int4 fastest, least exact)",
+        "none", "none | int8 | int4: weight-only int8 or int4 linears, the LM head int8 (CPU bf16, AVX512-BF16 or "
+        "AVX2; faster at small batches; int4 fastest, least exact)",
         choices=["none", "int8", "int4"],
     )
     device: str = flag("auto", "auto | cpu | cuda")
