@@ -47,20 +47,21 @@ def packed_weight(fmt: str, weight: torch.Tensor, cols: int) -> tuple[torch.Tens
                          [(96, 64, False), (130, 1536, True), (20, 64, True), (100, 576, False), (40, 4096, True)])
 def test_avx2_linears_match_fp32_and_each_row_is_computed_alone(avx2, fmt, out_features, in_features, bias) -> None:
     """130, 20 and 100 output columns end in a partial panel (3, 2 and 1 vectors of 16, the last one partial too);
-    23 rows cross every tile shape (bf16: 2-row wide tiles up to 12 rows, then 6-row strips in L2-sized blocks, as
-    at 4096 features; int8 and int4: one row over the whole panel, else 5-row tiles and their remainders over
-    fewer columns); strided rows. Every row comes out bit for bit the same alone as inside any batch."""
+    40 rows cross every tile shape (bf16: 2-row wide tiles up to 12 rows, then 6-row strips in L2-sized blocks, as
+    at 4096 features; int8 and int4: one row over the whole panel, else 4- or 5-row tiles and their remainders
+    over fewer columns, and past 32 rows from each panel widened once); strided rows. Every row comes out bit for
+    bit the same alone as inside any batch, 32 rows unpacking as they go against 40 reading widened panels."""
     torch.manual_seed(out_features + in_features)
     weight = torch.randn(out_features, in_features, dtype=torch.bfloat16)
     b = torch.randn(out_features, dtype=torch.bfloat16) if bias else None
     packed, w = packed_weight(fmt, weight, avx2.panel_cols)
-    wide = torch.randn(23, in_features + 6, dtype=torch.bfloat16)
+    wide = torch.randn(40, in_features + 6, dtype=torch.bfloat16)
     x = wide[:, 1 : in_features + 1]  # rows strided by the wider width, and 2-byte aligned only
     out = avx2.linear(x, packed, b, out_features)
     ref = x.float() @ w.T + (0 if b is None else b.float())
-    assert out.shape == (23, out_features) and out.dtype == torch.bfloat16
+    assert out.shape == (40, out_features) and out.dtype == torch.bfloat16
     # fp32 sums of exact products: off by the bf16 rounding of the result, and fp32 sums' order
     assert float((out.float() - ref).abs().max()) <= 2 * float(ref.abs().max()) * 2**-8 + 1e-3
-    for rows in (1, 2, 3, 4, 5, 7, 8, 9, 13, 16, 17):
-        for start in (0, 23 - rows):
+    for rows in (1, 2, 3, 4, 5, 7, 8, 9, 13, 16, 17, 32, 33):
+        for start in (0, 40 - rows):
             assert torch.equal(avx2.linear(x[start : start + rows], packed, b, out_features), out[start : start + rows])
