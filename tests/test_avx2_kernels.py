@@ -43,8 +43,10 @@ def packed_weight(fmt: str, weight: torch.Tensor, cols: int) -> tuple[torch.Tens
 
 
 @pytest.mark.parametrize("fmt", ["bf16", "int8", "int4"])
-@pytest.mark.parametrize("out_features,in_features,bias",
-                         [(96, 64, False), (130, 1536, True), (20, 64, True), (100, 576, False), (40, 4096, True)])
+@pytest.mark.parametrize(
+    "out_features,in_features,bias",
+    [(96, 64, False), (130, 1536, True), (20, 64, True), (100, 576, False), (40, 4096, True)],
+)
 def test_avx2_linears_match_fp32_and_each_row_is_computed_alone(avx2, fmt, out_features, in_features, bias) -> None:
     """130, 20 and 100 output columns end in a partial panel (3, 2 and 1 vectors of 16, the last one partial too);
     40 rows cross every tile shape (bf16: 2-row wide tiles up to 12 rows, then 6-row strips in L2-sized blocks, as
