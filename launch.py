@@ -78,7 +78,9 @@ class Launch:
         self.config = config
         self.adapters = adapters  # --lora-modules, checked
         addresses = ipc.Addresses.new_ipc()
-        self.client = AsyncEngineClient(addresses, supervisors(engine_config, addresses, config.data_parallel_size),
+        spares = config.engine_spare and config.max_engine_restarts > 0  # a spare only ever serves a restart
+        self.client = AsyncEngineClient(addresses,
+                                        supervisors(engine_config, addresses, config.data_parallel_size, spares),
                                         config.engine_ping_timeout, config.max_queued_requests)  # fmt: skip
         # --max-engine-restarts 0: a dead engine fails what is in flight and /health stays 503 (for an outer
         # supervisor to act on); otherwise unfinished requests wait for the replacement and resume.

@@ -1,4 +1,5 @@
-"""python -m engine_core --input ADDR --output ADDR [--parent-pid PID --run-dir DIR] [engine flags]: one engine core."""
+"""python -m engine_core --input ADDR --output ADDR [--parent-pid PID --run-dir DIR] [--standby] [engine flags]: one
+engine core."""
 
 from __future__ import annotations
 
@@ -88,6 +89,8 @@ def main() -> int:
     parser.add_argument("--output", required=True, help="address of the frontend's output PULL")
     parser.add_argument("--parent-pid", type=int, help="pid of the process that started us (default: our parent)")
     parser.add_argument("--run-dir", help="the run's ipc directory, removed if the parent dies without doing it")
+    parser.add_argument("--standby", action="store_true",
+                        help="a spare: import and read the model's config, then start with the epoch read from stdin")
     add_cli_args(parser, EngineConfig)
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s engine %(levelname)s %(message)s")
@@ -95,10 +98,18 @@ def main() -> int:
     _die_with_parent()
     _signal_handlers(parent_pid, args.run_dir, stop_on_sigterm=args.parent_pid is None)
     _watch_parent(parent_pid, args.run_dir)  # after the prctl: no moment where a parent's death goes unnoticed
+    config = from_cli_args(EngineConfig, args)
+    if args.standby:
+        from engine_core.standby import wait_for_epoch
+
+        promoted = wait_for_epoch(config)
+        if promoted is None:
+            return 0
+        config = promoted
     from engine_core.busy_loop import run_engine  # after argument parsing: importing torch takes a while
 
     try:
-        code = run_engine(from_cli_args(EngineConfig, args), ipc.Addresses(args.input, args.output))
+        code = run_engine(config, ipc.Addresses(args.input, args.output))
     except ModelSourceError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -282,7 +282,7 @@ class AsyncEngineClient:
         for handle in self.handles:
             handle.life.close()
         self._changed.set()
-        await asyncio.gather(*(asyncio.to_thread(h.process.stop, 10.0) for h in self.handles if h.process))
+        await asyncio.gather(*(asyncio.to_thread(h.process.close, 10.0) for h in self.handles if h.process))
         for handle in self.handles:
             handle.output.disable_monitor()
             handle.monitor.close(0)
@@ -292,8 +292,9 @@ class AsyncEngineClient:
         self.addresses.cleanup()
 
 
-def supervisors(config: EngineConfig, addresses: ipc.Addresses,
-                data_parallel_size: int) -> list[EngineSupervisor | None]:  # fmt: skip
-    """One engine process per data-parallel rank, each placed on its own cores (and GPU)."""
-    return [EngineSupervisor(p.config, output_address(addresses, p.config.engine_index), p.cpus, p.env)
+def supervisors(config: EngineConfig, addresses: ipc.Addresses, data_parallel_size: int,
+                keep_spares: bool = False) -> list[EngineSupervisor | None]:  # fmt: skip
+    """One engine process per data-parallel rank, each placed on its own cores (and GPU), each with a warm spare
+    for its restarts if asked (supervisor.py)."""
+    return [EngineSupervisor(p.config, output_address(addresses, p.config.engine_index), p.cpus, p.env, keep_spares)
             for p in place_engines(config, data_parallel_size)]  # fmt: skip

@@ -181,6 +181,8 @@ class EngineHandle:
                 self.metrics.observe_stats(msg.stats, self.index)
         elif isinstance(msg, EngineReady):
             self.life.on_ready(msg)
+            if self.healthy and msg.epoch == self.epoch and self.process is not None:
+                self.process.engine_ready()
         elif isinstance(msg, EnginePulse):
             if msg.epoch == self.epoch:
                 self.last_pulse = time.monotonic()

@@ -140,6 +140,8 @@ class EngineRecovery:
         """No engine will come back here: fail what is in flight on it."""
         self.resumable, self.retired = False, True
         self.dead = self.dead or reason
+        if self.engine.process is not None:
+            self.engine.process.discard_spare()
         self.fail_all(reason, ENGINE_GONE)
         self.on_change()
 

@@ -1,10 +1,12 @@
-"""EngineSupervisor: one engine-core process, (re)spawned with an epoch where it is placed; RestartBudget: how often."""
+"""EngineSupervisor: one engine-core process, (re)spawned with an epoch where it is placed, and its warm spare;
+RestartBudget: how often."""
 
 from __future__ import annotations
 
 import collections
 import contextlib
 import dataclasses
+import logging
 import os
 import signal
 import subprocess
@@ -15,21 +17,54 @@ from common.config import EngineConfig
 from common.python_command import STOP_SIGNAL
 from frontend.engine.spawn import spawn_engine
 
+log = logging.getLogger("roseinfer.frontend")
+
 
 class EngineSupervisor:
+    """With `keep_spare`, a second process waits beside the engine, its imports done (engine_core/standby.py), and
+    a restart gives it the new epoch instead of starting cold: the replacement is up seconds sooner. Not under
+    tensor parallelism, whose workers would still start cold."""
+
     def __init__(self, config: EngineConfig, addresses: ipc.Addresses, cpus: frozenset[int] | None = None,
-                 env: dict[str, str] | None = None) -> None:  # fmt: skip
+                 env: dict[str, str] | None = None, keep_spare: bool = False) -> None:  # fmt: skip
         self.config = config
         self.addresses = addresses
         self.cpus = cpus  # the engine's CPU affinity (data parallel: its own cores)
         self.env = env or {}
         self.epoch = config.epoch  # of the process in self.proc (or the next one to spawn)
         self.proc: subprocess.Popen | None = None
+        self.keep_spare = keep_spare and config.tensor_parallel_size == 1 and config.nnodes == 1
+        self.spare: subprocess.Popen | None = None
 
     def spawn(self) -> None:
-        """Starts the engine core for the current epoch. Call it from the main thread: the child gets
-        SIGTERM (PR_SET_PDEATHSIG) when the *thread* that spawned it exits."""
+        """Starts the engine core for the current epoch, from the spare when one is alive. Call it from the main
+        thread: the child gets SIGTERM (PR_SET_PDEATHSIG) when the *thread* that spawned it exits."""
         assert self.proc is None or self.proc.poll() is not None, "an engine core is already running"
+        self.proc = self._promote_spare() or self._start(standby=False)
+
+    def engine_ready(self) -> None:
+        """The engine is up: a spare for its next restart starts now, so that it never slows the engine's start.
+        From the main thread, as spawn()."""
+        if self.keep_spare and (self.spare is None or self.spare.poll() is not None):
+            try:
+                self.spare = self._start(standby=True)
+            except OSError as exc:  # only a restart's head start is lost
+                log.warning("cannot start a spare engine process: %s", exc)
+
+    def _promote_spare(self) -> subprocess.Popen | None:
+        spare, self.spare = self.spare, None
+        if spare is None or spare.poll() is not None or spare.stdin is None:
+            return None
+        try:
+            spare.stdin.write(f"{self.epoch}\n".encode())
+            spare.stdin.close()
+        except OSError:  # it died meanwhile
+            _discard(spare)
+            return None
+        log.info("engine core epoch %d starts from the spare process %d", self.epoch, spare.pid)
+        return spare
+
+    def _start(self, standby: bool) -> subprocess.Popen:
         # Ctrl+C in a terminal signals the whole process group. The engine must not die with it: the API
         # drains in-flight requests first, then stops the engine itself. An ignored SIGINT survives exec (a
         # SIGTERM to the group the engine ignores itself, spawn_engine).
@@ -40,7 +75,8 @@ class EngineSupervisor:
         try:
             if self.cpus:
                 os.sched_setaffinity(0, self.cpus)
-            self.proc = spawn_engine(dataclasses.replace(self.config, epoch=self.epoch), self.addresses, self.env)
+            config = dataclasses.replace(self.config, epoch=self.epoch)  # a spare is told its own when promoted
+            return spawn_engine(config, self.addresses, self.env, standby)
         finally:
             if ours is not None:
                 os.sched_setaffinity(0, ours)
@@ -65,6 +101,17 @@ class EngineSupervisor:
             with contextlib.suppress(ProcessLookupError):
                 self.proc.kill()
 
+    def discard_spare(self) -> None:
+        """No restart will come (the engine is retired, or the server stops): the spare goes, and no new one."""
+        self.keep_spare = False
+        if self.spare is not None:
+            _discard(self.spare)
+            self.spare = None
+
+    def close(self, timeout: float = 10.0) -> None:
+        self.discard_spare()
+        self.stop(timeout)
+
     def stop(self, timeout: float = 10.0) -> None:
         """STOP_SIGNAL (the engine exits its loop cleanly), then SIGKILL if it does not go in time; reaps it."""
         if self.proc is None:
@@ -76,6 +123,16 @@ class EngineSupervisor:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+
+
+def _discard(spare: subprocess.Popen) -> None:
+    """A spare holds nothing worth a clean stop: SIGKILL, and reap it."""
+    with contextlib.suppress(ProcessLookupError):
+        spare.kill()
+    spare.wait()
+    with contextlib.suppress(OSError):  # a write to it may still wait in the buffer: its pipe is broken
+        if spare.stdin is not None:
+            spare.stdin.close()
 
 
 class RestartBudget:
