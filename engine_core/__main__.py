@@ -29,6 +29,13 @@ def _die_with_parent() -> None:
         ctypes.CDLL("libc.so.6").prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
+def _name_process(name: bytes) -> None:
+    """What top and ps -e show for us (and our threads, which inherit it): engine-core, or engine-spare until a
+    spare is promoted (its command line keeps --standby)."""
+    with contextlib.suppress(OSError):
+        ctypes.CDLL("libc.so.6").prctl(15, name)  # PR_SET_NAME, 15 bytes at most
+
+
 def _exit_orphaned(parent_pid: int, run_dir: str | None) -> NoReturn:
     """The server is gone: nobody reads our outputs or removes the run's sockets. A clean shutdown would only
     wait (2 s of ZMQ linger on unsent outputs, then a second or more of interpreter teardown), so remove the run
@@ -95,6 +102,7 @@ def main() -> int:
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s engine %(levelname)s %(message)s")
     parent_pid = args.parent_pid or os.getppid()
+    _name_process(b"engine-spare" if args.standby else b"engine-core")
     _die_with_parent()
     _signal_handlers(parent_pid, args.run_dir, stop_on_sigterm=args.parent_pid is None)
     _watch_parent(parent_pid, args.run_dir)  # after the prctl: no moment where a parent's death goes unnoticed
@@ -105,6 +113,7 @@ def main() -> int:
         promoted = wait_for_epoch(config)
         if promoted is None:
             return 0
+        _name_process(b"engine-core")
         config = promoted
     from engine_core.busy_loop import run_engine  # after argument parsing: importing torch takes a while
 

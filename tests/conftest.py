@@ -121,10 +121,11 @@ class Server:
             raise
 
     def assert_clean_exit(self) -> None:
+        children = launch_children(self) if self.proc.poll() is None else []  # engine cores and spares
         code = self.stop()
         assert code == 0, self.log_text()
         assert self.engine_pids, "no engine core was ever seen"
-        assert not any(Path(f"/proc/{pid}").exists() for pid in self.engine_pids), "engine core left"
+        assert not any(Path(f"/proc/{pid}").exists() for pid in {*self.engine_pids, *children}), "engine process left"
         assert self.ipc_dirs() == [], "ipc files left behind"
 
 
@@ -169,10 +170,28 @@ def tool_servers(tmp_path_factory: pytest.TempPathFactory):
         server.assert_clean_exit()
 
 
-def engine_children(server: Server) -> list[int]:
-    """launch.py's engine-core children right now (a restart replaces one)."""
+def launch_children(server: Server) -> list[int]:
+    """Every child of launch.py right now: its engine cores and their spares."""
     pid = server.proc.pid
     return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+
+
+def is_spare(pid: int) -> bool:
+    """A warm spare engine process not (yet) promoted: started with --standby, renamed engine-core once promoted."""
+    try:
+        args = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        return b"--standby" in args and Path(f"/proc/{pid}/comm").read_text().strip() != "engine-core"
+    except OSError:  # gone
+        return False
+
+
+def engine_children(server: Server) -> list[int]:
+    """launch.py's engine-core children right now (a restart replaces one), spares left out."""
+    return [pid for pid in launch_children(server) if not is_spare(pid)]
+
+
+def spare_children(server: Server) -> list[int]:
+    return [pid for pid in launch_children(server) if is_spare(pid)]
 
 
 def engine_index_of(pid: int) -> int:

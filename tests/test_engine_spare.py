@@ -1,0 +1,103 @@
+"""The warm spare engine process (frontend/engine/supervisor.py, engine_core/standby.py): a restart starts from it and
+a new one follows; a dead spare means a cold restart; none is kept where no restart would use it; a spare told
+nothing exits."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from common import ipc
+from common.config import EngineConfig
+from frontend.engine.spawn import spawn_engine
+from frontend.engine.supervisor import EngineSupervisor
+from tests.conftest import Server, engine_child, is_spare, spare_children
+
+BODY = {"model": "SmolLM2-135M-Instruct", "prompt": "The capital of France is", "max_tokens": 12, "temperature": 0,
+        "ignore_eos": True}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory):
+    server = Server(tmp_path_factory.mktemp("spare")).wait_healthy()
+    yield server
+    server.engine_pid = engine_child(server)
+    server.assert_clean_exit()  # no engine core and no spare left
+
+
+def engine_entry(server: Server) -> dict:
+    return httpx.get(server.url + "/health", timeout=10).json()["engines"][0]
+
+
+def kill_and_wait_for_the_next(server: Server) -> dict:
+    """SIGKILLs the engine core; returns /health's entry once the next epoch is ready."""
+    before = engine_entry(server)
+    os.kill(before["pid"], signal.SIGKILL)
+    deadline = time.monotonic() + 120
+    while (now := engine_entry(server))["epoch"] == before["epoch"] or now["state"] != "ready":
+        assert time.monotonic() < deadline, server.log_text()
+        time.sleep(0.05)
+    return now
+
+
+def complete(server: Server) -> str:
+    r = httpx.post(server.url + "/v1/completions", json=BODY, timeout=120)
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]["text"]
+
+
+def test_a_restart_starts_from_the_spare_and_a_new_spare_follows(server: Server):
+    reference = complete(server)
+    (spare,) = spare_children(server)  # started when the engine was ready, before /health said so
+    now = kill_and_wait_for_the_next(server)
+    assert now["pid"] == spare == engine_child(server), server.log_text()
+    assert not is_spare(spare) and Path(f"/proc/{spare}/comm").read_text().strip() == "engine-core"
+    assert spare_children(server) not in ([], [spare])  # its own spare, for the next restart
+    assert complete(server) == reference
+
+
+def test_a_dead_spare_means_a_cold_restart(server: Server):
+    (spare,) = spare_children(server)
+    os.kill(spare, signal.SIGKILL)
+    reference = complete(server)
+    engine = engine_child(server)
+    now = kill_and_wait_for_the_next(server)
+    assert now["pid"] not in (spare, engine) and not is_spare(now["pid"])
+    assert len(spare_children(server)) == 1
+    assert complete(server) == reference
+
+
+def test_no_spare_where_no_restart_would_use_it(tmp_path: Path):
+    flags = {"off": ["--no-engine-spare"], "no-restarts": ["--max-engine-restarts", "0"]}
+    servers = [Server(tmp_path / name, *args) for name, args in flags.items() if (tmp_path / name).mkdir() is None]
+    try:
+        for server in servers:
+            server.wait_healthy(timeout=300)
+            assert spare_children(server) == [], server.log_text()
+    finally:
+        for server in servers:
+            server.stop()
+    # Tensor parallel: the workers would still start cold (test_tensor_parallel counts the processes too).
+    tp = EngineSupervisor(EngineConfig(tensor_parallel_size=2), ipc.Addresses("ipc://x", "ipc://y"), keep_spare=True)
+    assert not tp.keep_spare and EngineSupervisor(EngineConfig(), tp.addresses, keep_spare=True).keep_spare
+
+
+def test_a_spare_told_nothing_exits():
+    """Its server closed the pipe (it stopped, or died): the spare exits 0 without starting an engine."""
+    addresses = ipc.Addresses.new_ipc()
+    try:
+        spare = spawn_engine(EngineConfig(), addresses, standby=True)
+        assert spare.stdin is not None
+        spare.stdin.close()
+        assert spare.wait(timeout=120) == 0
+    except subprocess.TimeoutExpired:
+        spare.kill()
+        raise
+    finally:
+        addresses.cleanup()
