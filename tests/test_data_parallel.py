@@ -19,7 +19,7 @@ import pytest
 from common.config import EngineConfig
 from frontend.engine.placement import place_engines
 from frontend.engine.router import PrefixRouter
-from tests.conftest import Server, engine_children, engine_index_of
+from tests.conftest import Server, engine_children, engine_index_of, spare_children
 from tests.test_api import (  # noqa: F401  (fixtures and tests, run here against two engines)
     base,
     client,
@@ -127,6 +127,8 @@ def test_kill_one_engine_under_32_streams(server: Server):
             engines = (await http.get("/health")).json()["engines"]
             assert all(e["in_flight"] > 0 for e in engines), engines  # both engines carry streams
             victim = next(p for p in engine_children(server) if engine_index_of(p) == 1)
+            # Without its spare, engine 1 restarts cold: long enough to watch engine 0 serve alone meanwhile.
+            os.kill(next(p for p in spare_children(server) if engine_index_of(p) == 1), signal.SIGKILL)
             os.kill(victim, signal.SIGKILL)
             for _ in range(200):  # the socket monitor notices at once
                 body = (await http.get("/health")).json()
@@ -152,6 +154,11 @@ def test_kill_one_engine_under_32_streams(server: Server):
     assert status == 200 and [e["state"] for e in body["engines"]] == ["ready", "ready"], body
     assert body["engines"][1]["restarts"] == body["engines"][0]["restarts"] + 1, body
     assert "engine core 1 (epoch 0) disconnected" in server.log.read_text()
+    # Each engine has its spare again, on the engine's own cores.
+    engines = {engine_index_of(p): p for p in engine_children(server)}
+    spares = {engine_index_of(p): p for p in spare_children(server)}
+    assert sorted(spares) == sorted(engines) == [0, 1]
+    assert all(os.sched_getaffinity(spares[i]) == os.sched_getaffinity(engines[i]) for i in engines)
 
 
 class _Engine:
