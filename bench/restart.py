@@ -1,14 +1,14 @@
 """How long open streams stall when the engine core is killed: launch.py with its warm spare engine process (the
 default) against --no-engine-spare, alternating in one run.
 
-python -m bench.restart [--pairs 2] [--kills 3] [--streams 8] [--max-tokens 96] [--settle 10]
+python -m bench.restart [--pairs 2] [--kills 3] [--streams 8] [--max-tokens 96] [--settle 20]
     [--server-args "--dtype bfloat16"] [--result-json bench/results/restart.json]
 
 Each kill: `--streams` greedy streamed completions start; once every one has streamed 8 tokens the engine gets
 SIGKILL (its pid from /health); the stall is the time from the kill to the first token after it, the largest over
 the streams, and `ready_s` the time until /health says the next epoch is ready. Every stream must still end with exactly
 `--max-tokens` tokens. Between kills the server gets `--settle` seconds, as a crash rarely follows a start: a spare
-starts once its engine is ready and takes a few seconds to warm.
+starts once its engine is ready, waits 10 s (engine_core/standby.py) and takes a few seconds to warm.
 """
 
 from __future__ import annotations
@@ -109,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kills", type=int, default=3, help="engine kills per server")
     parser.add_argument("--streams", type=int, default=8)
     parser.add_argument("--max-tokens", type=int, default=96)
-    parser.add_argument("--settle", type=float, default=10.0, help="seconds before each kill")
+    parser.add_argument("--settle", type=float, default=20.0, help="seconds before each kill")
     parser.add_argument("--server-args", default="", help="launch.py flags for both")
     parser.add_argument("--result-json", default=None)
     args = parser.parse_args(argv)

@@ -33,6 +33,7 @@ def servers(tmp_path_factory: pytest.TempPathFactory):
     take the synchronous one, the CPU's default."""
     with pytest.MonkeyPatch.context() as env:
         env.setenv("ROSEINFER_DEBUG_CRASH_ON_TOKEN", str(POISON_TOKEN))  # inherited by each engine core
+        env.setenv("ROSEINFER_SPARE_WARM_UP_AFTER", "0")  # restarts here come faster than the spares' usual wait
         crashy = Server(tmp_path_factory.mktemp("crashy"), "--max-engine-restarts", "10", "--engine-ping-timeout",
                         str(PING_TIMEOUT), "--max-num-batched-tokens", "512", "--overlap-decode", "on")  # fmt: skip
         fragile = Server(tmp_path_factory.mktemp("fragile"), "--max-engine-restarts", "1", "--engine-restart-timeout",

@@ -25,7 +25,9 @@ BODY = {"model": "SmolLM2-135M-Instruct", "prompt": "The capital of France is", 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory):
-    server = Server(tmp_path_factory.mktemp("spare")).wait_healthy()
+    # Spares warm up at once (not 10 s after their engine's start): the kills below find them warm or warming.
+    env = {"ROSEINFER_SPARE_WARM_UP_AFTER": "0"}
+    server = Server(tmp_path_factory.mktemp("spare"), env=env).wait_healthy()
     yield server
     server.engine_pid = engine_child(server)
     server.assert_clean_exit()  # no engine core and no spare left
