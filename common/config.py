@@ -146,7 +146,7 @@ class ServerConfig:
     engine_restart_window: float = flag(600.0, "seconds over which engine restarts are counted")
     engine_restart_timeout: float = flag(60.0, "seconds a new request waits for a restarting engine")
     engine_spare: bool = flag(True, "keep a spare engine process, its imports done and the model's config read, that "
-                              "a restart starts from: the engine is back about 3 s sooner (not with tensor parallel)")
+                              "a restart starts from: the engine is back seconds sooner (not with tensor parallel)")
     data_parallel_size: int = flag(1, "engine cores, each with its own KV cache and share of the cores (or GPU)")
     log_level: str = flag("info", "warning hides the access log", choices=["error", "warning", "info", "debug"])
 

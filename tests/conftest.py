@@ -23,9 +23,12 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 # Small KV cache and context: quick to allocate; still room for 64 concurrent requests. A generous ping
 # timeout: the parts of a step that tick no attention layer (engine_core/pulse.py: sampling, the one-call decode
-# stack) can take seconds on a busy 2-core machine, and that is not a hang.
+# stack) can take seconds on a busy 2-core machine, and that is not a hang. No warm spare engine process: its
+# imports would cost each server 3 CPU seconds that only a restart pays back; the servers whose tests restart
+# engines (crashes, data parallel, process cleanup, test_engine_spare) take `SPARE`.
 SERVER_ARGS = ["--dtype", "float32", "--num-kv-blocks", "512", "--max-model-len", "2048", "--log-level", "warning",
-               "--engine-ping-timeout", "120"]  # fmt: skip
+               "--engine-ping-timeout", "120", "--no-engine-spare"]  # fmt: skip
+SPARE = "--engine-spare"
 # ROSEINFER_TEST_DP=2 runs the shared server (and test_api_client's direct client) with two data-parallel engines:
 # `ROSEINFER_TEST_DP=2 pytest tests/test_api.py tests/test_api_client.py tests/test_api_streaming.py`.
 TEST_DP = int(os.environ.get("ROSEINFER_TEST_DP", "1"))

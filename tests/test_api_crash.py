@@ -14,7 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.conftest import Server, engine_child
+from tests.conftest import SPARE, Server, engine_child
 from tests.test_api_streaming import metric
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -34,11 +34,12 @@ def servers(tmp_path_factory: pytest.TempPathFactory):
     with pytest.MonkeyPatch.context() as env:
         env.setenv("ROSEINFER_DEBUG_CRASH_ON_TOKEN", str(POISON_TOKEN))  # inherited by each engine core
         env.setenv("ROSEINFER_SPARE_WARM_UP_AFTER", "0")  # restarts here come faster than the spares' usual wait
-        crashy = Server(tmp_path_factory.mktemp("crashy"), "--max-engine-restarts", "10", "--engine-ping-timeout",
-                        str(PING_TIMEOUT), "--max-num-batched-tokens", "512", "--overlap-decode", "on")  # fmt: skip
-        fragile = Server(tmp_path_factory.mktemp("fragile"), "--max-engine-restarts", "1", "--engine-restart-timeout",
-                         "0.5", "--num-kv-blocks", "128")  # fmt: skip
-        serial = Server(tmp_path_factory.mktemp("serial"), "--max-num-seqs", "1", "--num-kv-blocks", "128")
+        crashy = Server(tmp_path_factory.mktemp("crashy"), SPARE, "--max-engine-restarts", "10",
+                        "--engine-ping-timeout", str(PING_TIMEOUT), "--max-num-batched-tokens", "512",
+                        "--overlap-decode", "on")  # fmt: skip
+        fragile = Server(tmp_path_factory.mktemp("fragile"), SPARE, "--max-engine-restarts", "1",
+                         "--engine-restart-timeout", "0.5", "--num-kv-blocks", "128")  # fmt: skip
+        serial = Server(tmp_path_factory.mktemp("serial"), SPARE, "--max-num-seqs", "1", "--num-kv-blocks", "128")
     yield crashy.wait_healthy(), fragile.wait_healthy(), serial.wait_healthy()
     serial.stop()
     if fragile.proc.poll() is None:

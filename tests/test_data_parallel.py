@@ -19,7 +19,7 @@ import pytest
 from common.config import EngineConfig
 from frontend.engine.placement import place_engines
 from frontend.engine.router import PrefixRouter
-from tests.conftest import Server, engine_children, engine_index_of, spare_children
+from tests.conftest import SPARE, Server, engine_children, engine_index_of, spare_children
 from tests.test_api import (  # noqa: F401  (fixtures and tests, run here against two engines)
     base,
     client,
@@ -43,7 +43,7 @@ MODEL = "SmolLM2-135M-Instruct"
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory):
-    dp = Server(tmp_path_factory.mktemp("dp2"), "--data-parallel-size", "2", "--max-engine-restarts", "4",
+    dp = Server(tmp_path_factory.mktemp("dp2"), SPARE, "--data-parallel-size", "2", "--max-engine-restarts", "4",
                 "--engine-ping-timeout", "60")  # fmt: skip
     yield dp.wait_healthy()
     dp.engine_pids = engine_children(dp)  # after a restart: the current ones

@@ -17,7 +17,7 @@ from common import ipc
 from common.config import EngineConfig
 from frontend.engine.spawn import spawn_engine
 from frontend.engine.supervisor import EngineSupervisor
-from tests.conftest import Server, engine_child, is_spare, spare_children
+from tests.conftest import SPARE, Server, engine_child, is_spare, spare_children
 
 BODY = {"model": "SmolLM2-135M-Instruct", "prompt": "The capital of France is", "max_tokens": 12, "temperature": 0,
         "ignore_eos": True}  # fmt: skip
@@ -27,7 +27,7 @@ BODY = {"model": "SmolLM2-135M-Instruct", "prompt": "The capital of France is", 
 def server(tmp_path_factory: pytest.TempPathFactory):
     # Spares warm up at once (not 10 s after their engine's start): the kills below find them warm or warming.
     env = {"ROSEINFER_SPARE_WARM_UP_AFTER": "0"}
-    server = Server(tmp_path_factory.mktemp("spare"), env=env).wait_healthy()
+    server = Server(tmp_path_factory.mktemp("spare"), SPARE, env=env).wait_healthy()
     yield server
     server.engine_pid = engine_child(server)
     server.assert_clean_exit()  # no engine core and no spare left
@@ -76,7 +76,7 @@ def test_a_dead_spare_means_a_cold_restart(server: Server):
 
 
 def test_no_spare_where_no_restart_would_use_it(tmp_path: Path):
-    flags = {"off": ["--no-engine-spare"], "no-restarts": ["--max-engine-restarts", "0"]}
+    flags = {"off": [SPARE, "--no-engine-spare"], "no-restarts": [SPARE, "--max-engine-restarts", "0"]}
     servers = [Server(tmp_path / name, *args) for name, args in flags.items() if (tmp_path / name).mkdir() is None]
     try:
         for server in servers:

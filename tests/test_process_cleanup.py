@@ -1,5 +1,5 @@
-"""launch.py SIGKILLed: its engine core exits at once, can be reaped and removes the ipc directory; stale run
-directories of dead servers are swept when a new one starts."""
+"""launch.py SIGKILLed: its engine core and the engine's spare exit at once, can be reaped and remove the ipc
+directory; stale run directories of dead servers are swept when a new one starts."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from pathlib import Path
 import httpx
 
 from common import ipc
-from tests.conftest import REPO, Server
+from tests.conftest import REPO, SPARE, Server, spare_children
 
 PR_SET_CHILD_SUBREAPER = 36
 
@@ -38,10 +38,11 @@ def _kill_server_scenario(tmp: Path) -> dict:
     must not do (it would collect other tests' orphans as zombies)."""
     libc = ctypes.CDLL("libc.so.6", use_errno=True)
     assert libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0, os.strerror(ctypes.get_errno())
-    server = Server(tmp)
+    server = Server(tmp, SPARE)
     try:
         server.wait_healthy()
         assert server.engine_pid is not None
+        (spare,) = spare_children(server)
         ipc_dirs = server.ipc_dirs()
         started = threading.Event()
         # Killed mid-generation: the engine's main thread is in a model step, not waiting on its input queue.
@@ -51,17 +52,21 @@ def _kill_server_scenario(tmp: Path) -> dict:
         server.proc.kill()
         server.proc.wait()
     killed = time.monotonic()
-    exited_after: float | None = None
+    exited_after = {pid: _exited_after(pid, killed) for pid in (server.engine_pid, spare)}
+    return {"ipc_dirs_before": ipc_dirs, "ipc_dirs_after": server.ipc_dirs(), "log": server.log_text(),
+            "engine_exited_after": exited_after[server.engine_pid], "spare_exited_after": exited_after[spare]}
+
+
+def _exited_after(pid: int, killed: float) -> float | None:
+    """Seconds from the kill until `pid` (ours now that we are the subreaper) exited, reaped here; None: it did not
+    within 10 s, and is killed so as not to be left running."""
     while time.monotonic() - killed < 10:
-        if os.waitpid(server.engine_pid, os.WNOHANG)[0]:  # ours now that we are the subreaper; this reaps it
-            exited_after = time.monotonic() - killed
-            break
+        if os.waitpid(pid, os.WNOHANG)[0]:
+            return time.monotonic() - killed
         time.sleep(0.01)
-    if exited_after is None:  # do not leave it running
-        os.kill(server.engine_pid, signal.SIGKILL)
-        os.waitpid(server.engine_pid, 0)
-    return {"ipc_dirs_before": ipc_dirs, "ipc_dirs_after": server.ipc_dirs(), "exited_after": exited_after,
-            "log": server.log_text()}  # fmt: skip
+    os.kill(pid, signal.SIGKILL)
+    os.waitpid(pid, 0)
+    return None
 
 
 def test_sigkilled_server_takes_its_engine_and_ipc_dir_along(tmp_path: Path):
@@ -70,7 +75,8 @@ def test_sigkilled_server_takes_its_engine_and_ipc_dir_along(tmp_path: Path):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     result = json.loads(proc.stdout.splitlines()[-1])
     assert len(result["ipc_dirs_before"]) == 1, result
-    assert result["exited_after"] is not None and result["exited_after"] < 3, result["log"]
+    for process in ("engine", "spare"):
+        assert result[f"{process}_exited_after"] is not None and result[f"{process}_exited_after"] < 3, result
     assert result["ipc_dirs_after"] == [], result["log"]
 
 

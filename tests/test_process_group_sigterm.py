@@ -12,7 +12,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.conftest import Server, is_spare
+from tests.conftest import SPARE, Server, is_spare
 
 MODEL = "SmolLM2-135M-Instruct"
 BODY = {"model": MODEL, "prompt": "Tell me about whales.", "max_tokens": 24, "ignore_eos": True, "stream": True}
@@ -47,7 +47,7 @@ async def stream(client: httpx.AsyncClient, started: asyncio.Event) -> tuple[int
 
 @pytest.mark.parametrize("flags", [[], TP], ids=["engine", "tensor-parallel"])
 def test_sigterm_to_the_whole_group_drains_in_flight_streams(tmp_path: Path, flags: list[str]):
-    server = Server(tmp_path, "--drain-timeout", "120", *flags, new_session=True)
+    server = Server(tmp_path, SPARE, "--drain-timeout", "120", *flags, new_session=True)
     try:
         server.wait_healthy(timeout=300)
         processes = descendants(server.proc.pid)  # the engine core and, with TP, its worker; else its spare

@@ -43,8 +43,8 @@ class EngineSupervisor:
         self.proc = self._promote_spare() or self._start(standby=False)
 
     def engine_ready(self) -> None:
-        """The engine is up: a spare for its next restart starts now, so that it never slows the engine's start.
-        From the main thread, as spawn()."""
+        """The engine is up: a spare for its next restart starts now (never beside a start, and it waits before it
+        warms up: engine_core/standby.py). From the main thread, as spawn()."""
         if self.keep_spare and (self.spare is None or self.spare.poll() is not None):
             try:
                 self.spare = self._start(standby=True)
