@@ -174,9 +174,17 @@ def tool_servers(tmp_path_factory: pytest.TempPathFactory):
 
 
 def launch_children(server: Server) -> list[int]:
-    """Every child of launch.py right now: its engine cores and their spares."""
+    """Every live child of launch.py right now: its engine cores and their spares (not one killed and not yet
+    reaped: a dead spare waits for its supervisor to look at it)."""
     pid = server.proc.pid
-    return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    return [c for c in map(int, Path(f"/proc/{pid}/task/{pid}/children").read_text().split()) if not _zombie(c)]
+
+
+def _zombie(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:  # reaped meanwhile
+        return True
 
 
 def is_spare(pid: int) -> bool:

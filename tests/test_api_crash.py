@@ -27,17 +27,17 @@ TOPICS = ["whales", "volcanoes", "the moon", "bread", "trains", "owls", "glacier
 
 @pytest.fixture(scope="module")
 def servers(tmp_path_factory: pytest.TempPathFactory):
-    """`crashy` (10 restarts, 10 s ping timeout), `fragile` (1 restart, new requests wait 0.5 s for an engine) and
-    `serial` (one request at a time, so that the others queue in the engine). crashy decodes overlapped
-    (engine_core/overlap.py, CUDA's default), so crash resume is checked on that path too; the other test servers
-    take the synchronous one, the CPU's default."""
+    """`crashy` (10 restarts, 10 s ping timeout), `fragile` (1 restart, new requests wait 0.5 s for an engine; no
+    spare, so that a restart outlasts that wait) and `serial` (one request at a time, so that the others queue in the
+    engine). crashy decodes overlapped (engine_core/overlap.py, CUDA's default), so crash resume is checked on that
+    path too; the other test servers take the synchronous one, the CPU's default."""
     with pytest.MonkeyPatch.context() as env:
         env.setenv("ROSEINFER_DEBUG_CRASH_ON_TOKEN", str(POISON_TOKEN))  # inherited by each engine core
         env.setenv("ROSEINFER_SPARE_WARM_UP_AFTER", "0")  # restarts here come faster than the spares' usual wait
         crashy = Server(tmp_path_factory.mktemp("crashy"), SPARE, "--max-engine-restarts", "10",
                         "--engine-ping-timeout", str(PING_TIMEOUT), "--max-num-batched-tokens", "512",
                         "--overlap-decode", "on")  # fmt: skip
-        fragile = Server(tmp_path_factory.mktemp("fragile"), SPARE, "--max-engine-restarts", "1",
+        fragile = Server(tmp_path_factory.mktemp("fragile"), "--max-engine-restarts", "1",
                          "--engine-restart-timeout", "0.5", "--num-kv-blocks", "128")  # fmt: skip
         serial = Server(tmp_path_factory.mktemp("serial"), SPARE, "--max-num-seqs", "1", "--num-kv-blocks", "128")
     yield crashy.wait_healthy(), fragile.wait_healthy(), serial.wait_healthy()
