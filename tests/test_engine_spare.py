@@ -77,7 +77,9 @@ def test_a_dead_spare_means_a_cold_restart(server: Server):
 
 def test_no_spare_where_no_restart_would_use_it(tmp_path: Path):
     flags = {"off": [SPARE, "--no-engine-spare"], "no-restarts": [SPARE, "--max-engine-restarts", "0"]}
-    servers = [Server(tmp_path / name, *args) for name, args in flags.items() if (tmp_path / name).mkdir() is None]
+    for name in flags:
+        (tmp_path / name).mkdir()
+    servers = [Server(tmp_path / name, *args) for name, args in flags.items()]
     try:
         for server in servers:
             server.wait_healthy(timeout=300)
