@@ -144,7 +144,7 @@ def _cached_conversion(gguf_path: Path, cache_root: Path) -> Path:
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
     try:
         print(
-            f"Converting {gguf_path.name} to a cached safetensors model (one time, about a minute)...",
+            f"Converting {gguf_path.name} to a cached safetensors model (once; about 10 s for the default model)",
             file=sys.stderr,
         )
         start = time.perf_counter()
@@ -173,12 +173,13 @@ def _convert_gguf(gguf_path: Path, out_dir: Path) -> None:
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
     from common.gguf_fields import complete_config
+    from common.gguf_parse import one_parse
     from common.gguf_weights import record_weight_types
 
-    # from_pretrained(gguf_file=...) requires `accelerate` (not a dependency) and leaves a GGUF quantizer
-    # on the model that blocks save_pretrained. Building the model from the GGUF config and loading the
-    # dequantized tensors ourselves gives bit-identical weights without either problem.
-    with _converting(gguf_path):
+    # from_pretrained(gguf_file=...) requires `accelerate` (not a dependency) and leaves a GGUF quantizer on the
+    # model that blocks save_pretrained. Building the model from the GGUF config and loading the dequantized tensors
+    # ourselves gives bit-identical weights without either problem. Every reader of the file below shares one parse.
+    with _converting(gguf_path), one_parse(gguf_path):
         config = AutoConfig.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
         complete_config(gguf_path, config)  # what the loader drops: rope scaling, Phi-3's rotary share
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
@@ -186,27 +187,26 @@ def _convert_gguf(gguf_path: Path, out_dir: Path) -> None:
         tensors = load_gguf_checkpoint(
             str(gguf_path), return_tensors=True, model_to_load=model, torch_dtype=torch.float32
         )["tensors"]
-    try:
-        result = model.load_state_dict(tensors, strict=False)
-    except RuntimeError as exc:  # a size mismatch: the file's shapes are not the config's
-        reason = str(exc).strip().splitlines()[-1].strip()
-        raise ModelSourceError(f"cannot convert {gguf_path}: weights do not match {type(model).__name__} "
-                               f"({reason})") from exc  # fmt: skip
-    # Tied weights (lm_head = embed_tokens) are absent from the GGUF by design; anything else missing
-    # would silently stay random, so refuse it.
-    tie = getattr(config, "tie_word_embeddings", False)
-    tied = set(getattr(model, "_tied_weights_keys", None) or {}) if tie else set()
-    missing = [k for k in result.missing_keys if k not in tied]
-    if missing or result.unexpected_keys:
-        raise ModelSourceError(
-            f"cannot convert {gguf_path}: weights do not match {type(model).__name__} "
-            f"(missing {missing[:3]}, unexpected {result.unexpected_keys[:3]})"
-        )
-    with _converting(gguf_path):
+        try:
+            result = model.load_state_dict(tensors, strict=False)
+        except RuntimeError as exc:  # a size mismatch: the file's shapes are not the config's
+            reason = str(exc).strip().splitlines()[-1].strip()
+            raise ModelSourceError(f"cannot convert {gguf_path}: weights do not match {type(model).__name__} "
+                                   f"({reason})") from exc  # fmt: skip
+        # Tied weights (lm_head = embed_tokens) are absent from the GGUF by design; anything else missing would
+        # silently stay random, so refuse it.
+        tie = getattr(config, "tie_word_embeddings", False)
+        tied = set(getattr(model, "_tied_weights_keys", None) or {}) if tie else set()
+        missing = [k for k in result.missing_keys if k not in tied]
+        if missing or result.unexpected_keys:
+            raise ModelSourceError(
+                f"cannot convert {gguf_path}: weights do not match {type(model).__name__} "
+                f"(missing {missing[:3]}, unexpected {result.unexpected_keys[:3]})"
+            )
         tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+        record_weight_types(gguf_path, out_dir)  # 4- or 8-bit layers: the engine names the --quantization for them
     model.save_pretrained(out_dir)  # config.json, generation_config.json, model.safetensors (fp32)
     tokenizer.save_pretrained(out_dir)  # tokenizer.json, tokenizer_config.json, chat_template.jinja
-    record_weight_types(gguf_path, out_dir)  # 4- or 8-bit layers: the engine names the --quantization for them
 
 
 @contextlib.contextmanager

@@ -36,10 +36,19 @@ def write_qwen3_gguf(model: transformers.Qwen3ForCausalLM, path: Path, head_dim:
     write_gguf(path, gguf.MODEL_ARCH.QWEN3, model.config, fields, tensors, tokenizer=tokenizer)
 
 
-def test_a_qwen3_gguf_serves_the_tokens_of_the_model_it_came_from(tmp_path: Path) -> None:
+def test_a_qwen3_gguf_serves_the_tokens_of_the_model_it_came_from(tmp_path: Path, monkeypatch) -> None:
     model, path = tiny_qwen3(), tmp_path / "qwen3-tiny.gguf"
     write_qwen3_gguf(model, path)
+    parsed: list[Path] = []
+
+    class CountingReader(gguf.GGUFReader):
+        def __init__(self, file, *args, **kwargs) -> None:
+            parsed.append(Path(file))
+            super().__init__(file, *args, **kwargs)
+
+    monkeypatch.setattr(gguf, "GGUFReader", CountingReader)
     resolved = resolve_model(str(path), cache_dir=tmp_path / "cache")
+    assert parsed == [path]  # config, weights, tokenizer, fields and weight types: one parse (common/gguf_parse.py)
     assert transformers.AutoConfig.from_pretrained(resolved.path).head_dim == HEAD_DIM
     assert_serves_hf_greedy(resolved.path, model, [[5, 900, 1200, 33] * 5, [300 + i for i in range(30)]])
 
