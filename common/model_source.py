@@ -182,13 +182,14 @@ def _convert_gguf(gguf_path: Path, out_dir: Path) -> None:
     with _converting(gguf_path), one_parse(gguf_path):
         config = AutoConfig.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
         complete_config(gguf_path, config)  # what the loader drops: rope scaling, Phi-3's rotary share
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        with torch.device("meta"):  # names and shapes only: the weights live once, in `tensors`
+            model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
         _check_supported(type(model).__name__, gguf_path)  # before the slow tensor load
         tensors = load_gguf_checkpoint(
             str(gguf_path), return_tensors=True, model_to_load=model, torch_dtype=torch.float32
         )["tensors"]
         try:
-            result = model.load_state_dict(tensors, strict=False)
+            result = model.load_state_dict(tensors, strict=False, assign=True)  # checks names and shapes
         except RuntimeError as exc:  # a size mismatch: the file's shapes are not the config's
             reason = str(exc).strip().splitlines()[-1].strip()
             raise ModelSourceError(f"cannot convert {gguf_path}: weights do not match {type(model).__name__} "
@@ -205,7 +206,7 @@ def _convert_gguf(gguf_path: Path, out_dir: Path) -> None:
             )
         tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
         record_weight_types(gguf_path, out_dir)  # 4- or 8-bit layers: the engine names the --quantization for them
-    model.save_pretrained(out_dir)  # config.json, generation_config.json, model.safetensors (fp32)
+    model.save_pretrained(out_dir, state_dict=tensors)  # config.json, generation_config.json, *.safetensors (fp32)
     tokenizer.save_pretrained(out_dir)  # tokenizer.json, tokenizer_config.json, chat_template.jinja
 
 
