@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import subprocess
 import sys
 import tempfile
@@ -25,6 +24,7 @@ import gguf
 import numpy as np
 
 from bench.make_random_model import model_config, tensor_shapes
+from bench.serve import machine
 from common.model_source import _default_gguf
 
 REPO = Path(__file__).resolve().parent.parent
@@ -103,9 +103,9 @@ def main() -> None:
         for i, checkout in enumerate(args.checkouts.split(",")):
             runs.append(convert(Path(checkout).resolve(), path, Path(tmp) / f"cache{i}"))
             print(json.dumps(runs[-1]))
+    memory_gib = round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30)
     result = {"shape": args.shape, "type": args.type, "gguf_gb": gguf_gb, "runs": runs,
-              "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
-                         f"{os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES') / 2**30:.0f} GiB"}  # fmt: skip
+              "machine": machine() | {"memory_gib": memory_gib}}
     if args.result_json:
         Path(args.result_json).write_text(json.dumps(result, indent=1) + "\n")
 
