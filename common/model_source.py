@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import importlib.resources
 import importlib.util
@@ -12,7 +11,6 @@ import shutil
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass
 from importlib.resources.abc import Traversable
 from pathlib import Path
@@ -88,7 +86,7 @@ def _cache_root(cache_dir: Path | None) -> Path:
     return Path(cache_dir or env or Path.home() / ".cache" / "roseinfer").expanduser()
 
 
-def _check_supported(architecture: str, where: Path) -> str:
+def check_supported(architecture: str, where: Path) -> str:
     if architecture not in SUPPORTED_ARCHITECTURES:
         raise ModelSourceError(
             f"{where}: unsupported architecture {architecture!r}; "
@@ -129,7 +127,7 @@ def _read_architecture(model_dir: Path, overrides: dict | None = None) -> str:
     architectures = read_config(model_dir, overrides).get("architectures") or []
     if not architectures:
         raise ModelSourceError(f"{model_dir / 'config.json'} names no architecture")
-    return _check_supported(architectures[0], model_dir)
+    return check_supported(architectures[0], model_dir)
 
 
 def _cached_conversion(gguf_path: Path, cache_root: Path) -> Path:
@@ -140,6 +138,8 @@ def _cached_conversion(gguf_path: Path, cache_root: Path) -> Path:
     final = cache_root / "models" / f"{gguf_path.stem}-{digest}{_CONVERSION_VERSION}"
     if (final / "config.json").is_file():  # only complete conversions are ever renamed into place
         return final
+    from common.gguf_convert import convert_gguf  # here: resolving a converted model stays cheap
+
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
     try:
@@ -148,7 +148,7 @@ def _cached_conversion(gguf_path: Path, cache_root: Path) -> Path:
             file=sys.stderr,
         )
         start = time.perf_counter()
-        _convert_gguf(gguf_path, tmp)
+        convert_gguf(gguf_path, tmp)
         _publish(tmp, final)
         print(f"Converted in {time.perf_counter() - start:.1f} s -> {final}", file=sys.stderr)
     finally:
@@ -164,63 +164,6 @@ def _publish(tmp: Path, final: Path) -> None:
         if not (final / "config.json").is_file():
             raise
         shutil.rmtree(tmp, ignore_errors=True)
-
-
-def _convert_gguf(gguf_path: Path, out_dir: Path) -> None:
-    # Imported here so resolving an already-converted model stays cheap.
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
-
-    from common.gguf_fields import complete_config
-    from common.gguf_parse import one_parse
-    from common.gguf_weights import record_weight_types
-
-    # from_pretrained(gguf_file=...) requires `accelerate` (not a dependency) and leaves a GGUF quantizer on the
-    # model that blocks save_pretrained. Building the model from the GGUF config and loading the dequantized tensors
-    # ourselves gives bit-identical weights without either problem. Every reader of the file below shares one parse.
-    with _converting(gguf_path), one_parse(gguf_path):
-        config = AutoConfig.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
-        complete_config(gguf_path, config)  # what the loader drops: rope scaling, Phi-3's rotary share
-        with torch.device("meta"):  # names and shapes only: the weights live once, in `tensors`
-            model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-        _check_supported(type(model).__name__, gguf_path)  # before the slow tensor load
-        tensors = load_gguf_checkpoint(
-            str(gguf_path), return_tensors=True, model_to_load=model, torch_dtype=torch.float32
-        )["tensors"]
-        try:
-            result = model.load_state_dict(tensors, strict=False, assign=True)  # checks names and shapes
-        except RuntimeError as exc:  # a size mismatch: the file's shapes are not the config's
-            reason = str(exc).strip().splitlines()[-1].strip()
-            raise ModelSourceError(f"cannot convert {gguf_path}: weights do not match {type(model).__name__} "
-                                   f"({reason})") from exc  # fmt: skip
-        # Tied weights (lm_head = embed_tokens) are absent from the GGUF by design; anything else missing would
-        # silently stay random, so refuse it.
-        tie = getattr(config, "tie_word_embeddings", False)
-        tied = set(getattr(model, "_tied_weights_keys", None) or {}) if tie else set()
-        missing = [k for k in result.missing_keys if k not in tied]
-        if missing or result.unexpected_keys:
-            raise ModelSourceError(
-                f"cannot convert {gguf_path}: weights do not match {type(model).__name__} "
-                f"(missing {missing[:3]}, unexpected {result.unexpected_keys[:3]})"
-            )
-        tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
-        record_weight_types(gguf_path, out_dir)  # 4- or 8-bit layers: the engine names the --quantization for them
-    model.save_pretrained(out_dir, state_dict=tensors)  # config.json, generation_config.json, *.safetensors (fp32)
-    tokenizer.save_pretrained(out_dir)  # tokenizer.json, tokenizer_config.json, chat_template.jinja
-
-
-@contextlib.contextmanager
-def _converting(gguf_path: Path) -> Iterator[None]:
-    """Any failure reading the file becomes one line naming it (the GGUF readers raise many types: ValueError,
-    KeyError, OSError, ...)."""
-    try:
-        yield
-    except ModelSourceError:
-        raise
-    except Exception as exc:
-        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise ModelSourceError(f"cannot convert {gguf_path}: {reason}") from exc
 
 
 def model_eos_ids(path: Path, hf_config) -> list[int]:

@@ -9,8 +9,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import gguf
+import torch
 import transformers
 
+from common import gguf_convert
 from common.model_source import resolve_model
 from tests.engine_helpers import assert_serves_hf_greedy
 from tests.gguf_helpers import VOCAB, random_model, write_gguf
@@ -18,7 +20,8 @@ from tests.gguf_helpers import VOCAB, random_model, write_gguf
 EXPERTS, EXPERT_SIZE, HEAD_DIM = 4, 32, 64
 
 
-def test_a_qwen3_moe_gguf_serves_the_tokens_of_the_model_it_came_from(tmp_path: Path) -> None:
+def test_a_qwen3_moe_gguf_serves_the_tokens_of_the_model_it_came_from(tmp_path: Path, monkeypatch) -> None:
+    """Converted a layer at a time (each layer's experts are fused from three of its tensors), into one shard each."""
     config = transformers.Qwen3MoeConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128,
                                          moe_intermediate_size=EXPERT_SIZE, num_hidden_layers=2, num_attention_heads=4,
                                          num_key_value_heads=2, head_dim=HEAD_DIM, num_experts=EXPERTS,
@@ -49,7 +52,13 @@ def test_a_qwen3_moe_gguf_serves_the_tokens_of_the_model_it_came_from(tmp_path: 
 
     path = tmp_path / "qwen3-moe-tiny.gguf"
     write_gguf(path, gguf.MODEL_ARCH.QWEN3MOE, config, fields, tensors, experts)
+    monkeypatch.setattr(gguf_convert, "GROUP_BYTES", 1)  # every layer a group of its own
     resolved = resolve_model(str(path), cache_dir=tmp_path / "cache")
+    shards = sorted(p.name for p in resolved.path.glob("*.safetensors"))
+    assert shards == [f"model-0000{i}-of-00003.safetensors" for i in (1, 2, 3)]  # embeddings and head, 2 layers
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(resolved.path).state_dict()  # through the index
+    assert reloaded.keys() == model.state_dict().keys()
+    assert all(torch.equal(reloaded[name], tensor) for name, tensor in model.state_dict().items())
     converted = transformers.AutoConfig.from_pretrained(resolved.path)
     assert (converted.moe_intermediate_size, converted.norm_topk_prob) == (EXPERT_SIZE, True)
     assert_serves_hf_greedy(resolved.path, model, [[5, 900, 1200, 33] * 5, [300 + i for i in range(30)]])
