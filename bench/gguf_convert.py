@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -77,13 +78,20 @@ def write_gguf(shape: str, kind: str, path: Path, seed: int = 0) -> None:
 
 
 def convert(checkout: Path, path: Path, cache: Path) -> dict:
+    """One conversion in a fresh process; a failed one (the OOM killer's SIGKILL: returncode -9) is recorded."""
     env = {**os.environ, "PYTHONPATH": str(checkout)}
-    out = subprocess.run([sys.executable, "-c", CONVERT, str(path), str(cache)], env=env, cwd=tempfile.gettempdir(),
-                         capture_output=True, text=True, check=True).stdout.split()  # fmt: skip
+    start = time.perf_counter()
+    done = subprocess.run([sys.executable, "-c", CONVERT, str(path), str(cache)], env=env, cwd=tempfile.gettempdir(),
+                          capture_output=True, text=True)  # fmt: skip
+    if done.returncode != 0:
+        return {"checkout": str(checkout), "returncode": done.returncode, "seconds": round(time.perf_counter() - start),
+                "stderr_tail": done.stderr.strip().splitlines()[-1:]}  # fmt: skip
+    seconds, max_rss_kib = done.stdout.split()
     converted = next((cache / "models").iterdir())
     size = sum(f.stat().st_size for f in converted.iterdir())
-    return {"checkout": str(checkout), "seconds": round(float(out[0]), 1), "peak_rss_gb": round(int(out[1]) / 2**20, 2),
-            "converted_gb": round(size / 2**30, 2)}  # fmt: skip
+    shutil.rmtree(cache)  # the next checkout's copy may need the disk
+    return {"checkout": str(checkout), "seconds": round(float(seconds), 1),
+            "peak_rss_gb": round(int(max_rss_kib) / 2**20, 2), "converted_gb": round(size / 2**30, 2)}
 
 
 def main() -> None:

@@ -11,15 +11,16 @@ from __future__ import annotations
 
 import contextlib
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from common.model_source import ModelSourceError, check_supported
+from common.model_errors import ModelSourceError
 
 GROUP_BYTES = 2 * 2**30  # float32 bytes of one group of layers (a larger layer is a group alone)
 
 
-def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
+def convert_gguf(gguf_path: Path, out_dir: Path, check_architecture: Callable[[str, Path], object]) -> None:
+    """check_architecture(name, gguf_path) raises ModelSourceError for a model the engine cannot build."""
     # Imported here so resolving an already-converted model stays cheap.
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
@@ -36,7 +37,7 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
         complete_config(gguf_path, config)  # what the loader drops: rope scaling, Phi-3's rotary share
         with torch.device("meta"):  # names and shapes only
             model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-        check_supported(type(model).__name__, gguf_path)  # before the slow tensor load
+        check_architecture(type(model).__name__, gguf_path)  # before the slow tensor load
         _write_weights(gguf_path, reader, model, out_dir)
         tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
         record_weight_types(gguf_path, out_dir)  # 4- or 8-bit layers: the engine names the --quantization for them

