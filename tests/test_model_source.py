@@ -1,5 +1,6 @@
 """Tests for common.model_source: default GGUF conversion + cache, local HF dirs, and error reporting."""
 
+import collections
 import importlib.util
 import json
 import os
@@ -12,6 +13,7 @@ import pytest
 from transformers import AutoConfig, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 from common import model_source
+from common.gguf_convert import layer_groups
 from common.model_source import (
     DEFAULT_MODEL_NAME,
     SUPPORTED_ARCHITECTURES,
@@ -139,3 +141,15 @@ def test_publish_keeps_the_winner_of_a_race(tmp_path: Path) -> None:
     model_source._publish(second, final)  # lost the race: discarded, the winner stays intact
     assert (final / "config.json").read_text() == first.name
     assert not first.exists() and not second.exists()
+
+
+def test_a_conversion_reads_whole_layers_within_its_budget() -> None:
+    """common/gguf_convert.py: the others (embeddings, output) first, then layers in order, never split; a group
+    passes its budget (float32 bytes) only when one layer alone does."""
+    Tensor = collections.namedtuple("Tensor", "name n_elements")
+    tensors = [Tensor("token_embd.weight", 100), Tensor("blk.0.attn_q.weight", 30), Tensor("blk.0.ffn_up.weight", 30),
+               Tensor("blk.1.attn_q.weight", 300), Tensor("blk.2.attn_q.weight", 10), Tensor("output.weight", 100),
+               Tensor("blk.10.attn_q.weight", 10)]  # fmt: skip
+    groups = [[t.name for t in group] for group in layer_groups(tensors, budget=4 * 200)]
+    assert groups == [["token_embd.weight", "output.weight"], ["blk.0.attn_q.weight", "blk.0.ffn_up.weight"],
+                      ["blk.1.attn_q.weight"], ["blk.2.attn_q.weight", "blk.10.attn_q.weight"]]  # fmt: skip
