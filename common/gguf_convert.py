@@ -32,7 +32,7 @@ def convert_gguf(gguf_path: Path, out_dir: Path, check_architecture: Callable[[s
     # from_pretrained(gguf_file=...) requires `accelerate` (not a dependency) and leaves a GGUF quantizer on the
     # model that blocks save_pretrained. Building the model from the GGUF config and loading the dequantized tensors
     # ourselves gives bit-identical weights without either problem. Every reader of the file below shares one parse.
-    with converting(gguf_path), one_parse(gguf_path) as reader:
+    with _converting(gguf_path), one_parse(gguf_path) as reader:
         config = AutoConfig.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
         complete_config(gguf_path, config)  # what the loader drops: rope scaling, Phi-3's rotary share
         with torch.device("meta"):  # names and shapes only
@@ -120,7 +120,7 @@ def layer_groups(tensors: list, budget: int) -> list[list]:
 
 
 @contextlib.contextmanager
-def converting(gguf_path: Path) -> Iterator[None]:
+def _converting(gguf_path: Path) -> Iterator[None]:
     """Any failure reading the file becomes one line naming it (the GGUF readers raise many types: ValueError,
     KeyError, OSError, ...)."""
     try:

@@ -1,4 +1,4 @@
-"""One parse of a GGUF file for its whole conversion (common/model_source.py).
+"""One parse of a GGUF file for its whole conversion (common/gguf_convert.py).
 
 transformers reads a GGUF's config, its weights and its tokenizer each through a `gguf.GGUFReader` of its own, and
 the conversion reads the file's fields and weight types twice more: five parses, each of which walks every string
