@@ -1,6 +1,6 @@
 """The warm spare engine process (frontend/engine/supervisor.py, engine_core/standby.py): a restart starts from it and
-a new one follows; a dead spare means a cold restart; none is kept where no restart would use it; a spare told
-nothing exits."""
+a new one follows; a dead spare is replaced once per engine epoch, and a restart without one is cold; none is kept
+where no restart would use it; a spare told nothing exits."""
 
 from __future__ import annotations
 
@@ -64,14 +64,32 @@ def test_a_restart_starts_from_the_spare_and_a_new_spare_follows(server: Server)
     assert complete(server) == reference
 
 
-def test_a_dead_spare_means_a_cold_restart(server: Server):
+def wait_for_a_spare(server: Server, not_this: int, timeout: float = 30.0) -> int:
+    deadline = time.monotonic() + timeout
+    while not (spares := [p for p in spare_children(server) if p != not_this]):
+        assert time.monotonic() < deadline, server.log_text()
+        time.sleep(0.05)
+    (spare,) = spares
+    return spare
+
+
+def test_a_dead_spare_is_replaced_once_then_the_restart_is_cold(server: Server):
+    """Killed while its engine serves, a spare is replaced (and /health names the new one); killed again in the same
+    epoch, it is only reaped: the restart is cold, and the next epoch gets its spare."""
     (spare,) = spare_children(server)
+    assert engine_entry(server)["spare_pid"] == spare
     os.kill(spare, signal.SIGKILL)
+    replacement = wait_for_a_spare(server, not_this=spare)
+    assert engine_entry(server)["spare_pid"] == replacement
+    os.kill(replacement, signal.SIGKILL)
+    time.sleep(1.0)  # ten process checks: reaped, not replaced
+    assert not Path(f"/proc/{replacement}").exists() and spare_children(server) == [], server.log_text()
+    assert "spare_pid" not in engine_entry(server)
     reference = complete(server)
     engine = engine_child(server)
     now = kill_and_wait_for_the_next(server)
-    assert now["pid"] not in (spare, engine) and not is_spare(now["pid"])
-    assert len(spare_children(server)) == 1
+    assert now["pid"] not in (spare, replacement, engine) and not is_spare(now["pid"])
+    wait_for_a_spare(server, not_this=replacement)  # the new epoch's
     assert complete(server) == reference
 
 

@@ -106,6 +106,8 @@ class EngineHandle:
         if self.process is not None:
             info["pid"] = self.process.pid
             info["restarts"] = self.restarts
+            if (spare := self.process.spare_pid) is not None:  # the warm process the next restart starts from
+                info["spare_pid"] = spare
         if self.dead is not None:
             info["error"] = self.dead
         return info

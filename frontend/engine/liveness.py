@@ -82,12 +82,15 @@ class EngineWatch:
         return f": it {describe_exit(code)}"
 
     async def watch_process(self) -> None:
-        """Process polling: covers a death the socket monitor cannot see (an engine that never connected)."""
+        """Process polling: covers a death the socket monitor cannot see (an engine that never connected); and a
+        ready engine's dead spare is replaced."""
         process = self.engine.process
         assert process is not None
         while True:
             await asyncio.sleep(PROCESS_POLL_S)
             epoch, code = process.epoch, process.exit_code()
+            if code is None and self.engine.healthy:
+                process.replace_dead_spare()
             if code is None or not self.engine.is_up_or_starting(epoch):
                 continue
             await asyncio.sleep(0.5)  # an EngineDead sent just before exiting says why; let it arrive

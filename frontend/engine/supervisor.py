@@ -35,6 +35,7 @@ class EngineSupervisor:
         self.proc: subprocess.Popen | None = None
         self.keep_spare = keep_spare and config.tensor_parallel_size == 1 and config.nnodes == 1
         self.spare: subprocess.Popen | None = None
+        self._spare_replaced_at: int | None = None  # the epoch whose dead spare was replaced
 
     def spawn(self) -> None:
         """Starts the engine core for the current epoch, from the spare when one is alive. Call it from the main
@@ -50,6 +51,23 @@ class EngineSupervisor:
                 self.spare = self._start(standby=True)
             except OSError as exc:  # only a restart's head start is lost
                 log.warning("cannot start a spare engine process: %s", exc)
+
+    def replace_dead_spare(self) -> None:
+        """A spare that died while its engine serves (killed, out of memory) is reaped and replaced, once per engine
+        epoch: the next restart still starts warm, and a spare that cannot live is not started over and over. From
+        the main thread, while the engine is ready."""
+        spare = self.spare
+        if spare is None or spare.poll() is None:  # poll() also reaps it
+            return
+        self.spare = None
+        if self._spare_replaced_at != self.epoch:
+            self._spare_replaced_at = self.epoch
+            log.warning("the spare engine process %d exited (code %d); starting another", spare.pid, spare.returncode)
+            self.engine_ready()
+
+    @property
+    def spare_pid(self) -> int | None:
+        return self.spare.pid if self.spare is not None and self.spare.poll() is None else None
 
     def _promote_spare(self) -> subprocess.Popen | None:
         spare, self.spare = self.spare, None
