@@ -59,6 +59,7 @@ class EngineSupervisor:
         spare = self.spare
         if spare is None or spare.poll() is None:  # poll() also reaps it
             return
+        _discard(spare)  # its pipe closed
         self.spare = None
         if self._spare_replaced_at != self.epoch:
             self._spare_replaced_at = self.epoch
