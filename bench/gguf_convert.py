@@ -1,4 +1,4 @@
-"""The one-time conversion of a GGUF (common/model_source.py): its wall time and the converting process's peak
+"""The one-time conversion of a GGUF (common/gguf_convert.py): its wall time and the converting process's peak
 resident memory, for a random-weight Llama-shaped GGUF written as llama.cpp lays one out (the default model's
 tokenizer fields; tensors under gguf's names). A bring-your-own GGUF must convert within the machine's memory.
 
