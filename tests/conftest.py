@@ -175,7 +175,7 @@ def tool_servers(tmp_path_factory: pytest.TempPathFactory):
 
 def launch_children(server: Server) -> list[int]:
     """Every live child of launch.py right now: its engine cores and their spares (not one killed and not yet
-    reaped: a dead spare waits for its supervisor to look at it)."""
+    reaped: its supervisor looks every 0.1 s)."""
     pid = server.proc.pid
     return [c for c in map(int, Path(f"/proc/{pid}/task/{pid}/children").read_text().split()) if not _zombie(c)]
 
