@@ -12,6 +12,7 @@ weights are random and its q/k are not in llama.cpp's permuted order: the file m
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import shutil
@@ -40,6 +41,15 @@ print(time.perf_counter() - start, resource.getrusage(resource.RUSAGE_SELF).ru_m
 """
 
 
+@functools.cache
+def default_tokenizer_fields() -> list[tuple]:
+    """The default model's tokenizer fields (name, value, type, array item type), for GGUFs written with its
+    vocabulary; read once per process: a parse of its GGUF takes about 2 s."""
+    fields = gguf.GGUFReader(str(_default_gguf())).fields.values()
+    return [(f.name, f.contents(), f.types[0], f.types[-1] if f.types[0] == gguf.GGUFValueType.ARRAY else None)
+            for f in fields if f.name.startswith("tokenizer.")]  # fmt: skip
+
+
 def write_gguf(shape: str, kind: str, path: Path, seed: int = 0) -> None:
     """Tensor by tensor, so that a large shape never sits in memory whole."""
     config = model_config(shape)
@@ -53,10 +63,8 @@ def write_gguf(shape: str, kind: str, path: Path, seed: int = 0) -> None:
     writer.add_head_count_kv(config["num_key_value_heads"])
     writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
     writer.add_rope_freq_base(config["rope_parameters"]["rope_theta"])
-    for field in gguf.GGUFReader(str(_default_gguf())).fields.values():
-        if field.name.startswith("tokenizer."):
-            sub_type = field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
-            writer.add_key_value(field.name, field.contents(), field.types[0], sub_type)
+    for name, value, value_type, sub_type in default_tokenizer_fields():
+        writer.add_key_value(name, value, value_type, sub_type)
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, config["num_hidden_layers"])
     shapes = list(tensor_shapes(config))
     rng = np.random.default_rng(seed)

@@ -6,14 +6,13 @@ from."""
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 from pathlib import Path
 
 import gguf
 import torch
 
-from tests.test_model_source import _default_gguf_path
+from bench.gguf_convert import default_tokenizer_fields
 
 VOCAB = 49152  # the default model's tokenizer, whose GGUF fields the files take
 
@@ -32,7 +31,7 @@ def write_gguf(path: Path, arch: gguf.MODEL_ARCH, config, fields: Callable[[gguf
     writer.add_head_count_kv(config.num_key_value_heads)
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     fields(writer)
-    for name, value, value_type, sub_type in _default_tokenizer_fields() if tokenizer else []:
+    for name, value, value_type, sub_type in default_tokenizer_fields() if tokenizer else []:
         writer.add_key_value(name, value, value_type, sub_type)
     names = gguf.get_tensor_name_map(arch, config.num_hidden_layers)
     for name, tensor in tensors.items():
@@ -43,14 +42,6 @@ def write_gguf(path: Path, arch: gguf.MODEL_ARCH, config, fields: Callable[[gguf
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-
-
-@functools.cache
-def _default_tokenizer_fields() -> list[tuple]:
-    """The default model's tokenizer fields, read once per session: a parse of its GGUF takes about 2 s."""
-    fields = gguf.GGUFReader(_default_gguf_path()).fields.values()
-    return [(f.name, f.contents(), f.types[0], f.types[-1] if f.types[0] == gguf.GGUFValueType.ARRAY else None)
-            for f in fields if f.name.startswith("tokenizer.")]  # fmt: skip
 
 
 def random_model(hf_class, config, norm: float = 1.0, std: float = 0.15):
