@@ -29,7 +29,7 @@ from common.pooling import read_pooling
 from engine_core.tp_procs import layout as tp_layout
 from engine_core.tp_procs import run_node_agent
 from frontend.api.api_server import create_app
-from frontend.api.http_limits import uvicorn_limits
+from frontend.api.http_options import check_http_flags, http_options
 from frontend.api.lora_adapters import LoraRegistry, runtime_updates_allowed
 from frontend.api.sampling_defaults import GenerationConfigError, load_sampling_defaults
 from frontend.api.serving import ServingContext
@@ -38,6 +38,8 @@ from frontend.engine.engine_handle import EngineHandle
 from frontend.engine.spawn import EngineStartError
 from frontend.engine.supervisor import RestartBudget
 from frontend.metrics import Metrics
+from frontend.request_log import RequestLog
+from frontend.stats_log import StatsLog
 from frontend.text.tokenizer import Tokenizer, TokenizerError
 from frontend.tools.reasoning import ReasoningTokens, thinking_tokens
 
@@ -91,6 +93,7 @@ class Launch:
         self.stopping = asyncio.Event()
         self.server: _Server | None = None
         self.exit_code: int | None = None  # set when the server stops itself
+        self.tasks: list[asyncio.Task] = []  # engine supervision, the stats line: cancelled at exit
 
     def on_signal(self, sig: signal.Signals) -> None:
         if self.stopping.is_set():  # a second signal: stop waiting for in-flight requests
@@ -116,9 +119,8 @@ class Launch:
             print(f"error: cannot listen on {self.config.host}:{self.config.port}: {exc}", file=sys.stderr)
             await self.client.close()
             return 1
-        supervising: asyncio.Task | None = None
         if self.client.resumable:
-            supervising = asyncio.create_task(self._supervise())
+            self.tasks.append(asyncio.create_task(self._supervise()))
         try:
             return await self._run(http)
         except (EngineStartError, ModelSourceError, TokenizerError, GenerationConfigError) as exc:
@@ -126,10 +128,10 @@ class Launch:
             return 1
         finally:
             http.close()
-            if supervising is not None:
-                supervising.cancel()
+            for task in self.tasks:
+                task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
-                    await supervising
+                    await task
             await self.client.close()  # stops the engine core, removes the ipc files
 
     async def _supervise(self) -> None:
@@ -207,9 +209,13 @@ class Launch:
                              pooling=pooling, pair_template=self.config.chat_template is not None)  # fmt: skip
         app = create_app(ctx, self.config, metrics)
         self.server = _Server(uvicorn.Config(app, host=self.config.host, port=self.config.port, lifespan="off",
-                                             log_level=self.config.log_level,
                                              timeout_graceful_shutdown=int(self.config.drain_timeout) + 5,
-                                             **uvicorn_limits(self.config)))  # fmt: skip
+                                             **http_options(self.config)))  # fmt: skip
+        if self.config.enable_log_requests and not self.config.disable_log_requests:
+            self.client.request_log = RequestLog(lambda ids: tokenizer.decode(ids, False), self.config.max_log_len)
+        if not self.config.disable_log_stats:
+            stats = StatsLog(metrics, len(self.client.handles), lambda: self.client.refresh_stats(timeout=1.0))
+            self.tasks.append(asyncio.create_task(stats.run()))
         if self.stopping.is_set():
             return self.exit_code or 0
         try:
@@ -241,6 +247,9 @@ def main(argv: list[str] | None = None) -> int:
                              "mistral)")
         if engine_config.nnodes > 1 and config.data_parallel_size > 1:  # the engine cores would share one port
             raise ValueError("--data-parallel-size > 1 with --nnodes > 1 is not supported")
+        if not config.enable_chunked_prefill:  # a step budget smaller than a prompt always chunks it here
+            raise ValueError("--no-enable-chunked-prefill: prompts are always chunked to fit --max-num-batched-tokens")
+        check_http_flags(config)
     except (ValueError, ModelSourceError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

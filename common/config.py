@@ -149,6 +149,27 @@ class ServerConfig:
                               "a restart starts from: the engine is back seconds sooner (not with tensor parallel)")
     data_parallel_size: int = flag(1, "engine cores, each with its own KV cache and share of the cores (or GPU)")
     log_level: str = flag("info", "warning hides the access log", choices=["error", "warning", "info", "debug"])
+    # vLLM's logging, HTTP and compatibility flags, so that its command lines run here
+    disable_log_stats: bool = flag(False, "no periodic stats line (throughput, running and waiting requests, KV cache "
+                                   "usage, prefix cache hit rate: every 10 s at INFO while an engine has work)")
+    enable_log_requests: bool = flag(False, "log each request at INFO: its prompt (text and token ids) and the "
+                                     "sampling parameters it sets (prompts are users' data: off by default)")
+    disable_log_requests: bool = flag(False, "vLLM's older flag; requests are logged only with --enable-log-requests")
+    max_log_len: int | None = flag(None, "characters of a prompt and ids of its tokens a request's log line shows "
+                                   "(default: all)")
+    uvicorn_log_level: str | None = flag(None, "uvicorn's log level (default: --log-level)",
+                                         choices=["critical", "error", "warning", "info", "debug", "trace"])
+    disable_uvicorn_access_log: bool = flag(False, "no access log line per HTTP request")
+    root_path: str = flag("", "the path prefix a proxy in front strips (FastAPI's root_path: the URLs the API writes)")
+    ssl_keyfile: str | None = flag(None, "serve HTTPS: the private key's PEM file (with --ssl-certfile)")
+    ssl_certfile: str | None = flag(None, "serve HTTPS: the certificate chain's PEM file")
+    ssl_ca_certs: str | None = flag(None, "CA certificates that client certificates are checked against")
+    ssl_cert_reqs: int = flag(0, "client certificates: 0 not asked, 1 optional, 2 required (Python's ssl.CERT_*)",
+                              choices=[0, 1, 2])
+    trust_remote_code: bool = flag(False, "taken so that vLLM command lines run: no code from a model's directory is "
+                                   "ever run here (each architecture is our own implementation)")
+    enable_chunked_prefill: bool = flag(True, "prompts are always chunked to fit the step budget; "
+                                        "--no-enable-chunked-prefill is refused")
 
 
 def _base_type(tp: Any) -> Any:

@@ -110,6 +110,12 @@ class Addresses:
         write_owner(run_dir, os.getpid())
         return Addresses(f"ipc://{run_dir}/in", f"ipc://{run_dir}/out", run_dir)
 
+    def of_engine(self, index: int) -> Addresses:
+        """Engine `index`'s (data parallel): the shared input ROUTER, an output socket of its own (the engine needs no
+        index in its messages, and the socket monitor tells which engine's connection dropped)."""
+        output = self.output if index == 0 else f"{self.output}{index}"
+        return Addresses(self.input, output, self.run_dir)
+
     def cleanup(self) -> None:
         remove_run_dir(self.run_dir)
 

@@ -6,11 +6,25 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable
+from typing import NamedTuple
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from common.messages import SchedulerStats
 from frontend.engine.request_stream import RequestStream
+
+
+class EngineTotals(NamedTuple):
+    prompt_tokens: float  # counters: totals since the server started
+    generation_tokens: float
+    running: int  # gauges: now
+    waiting: int
+    kv_usage: float  # 0-1
+    prefix_queries: float
+    prefix_hits: float
+    draft_tokens: float
+    accepted_tokens: float
+
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0,
                     80.0, 160.0)  # fmt: skip
@@ -48,6 +62,7 @@ class Metrics:
         self.spec_decode_accepted_tokens = per_engine(Counter, "spec_decode_num_accepted_tokens",
                                                       "Speculative tokens the model agreed with")  # fmt: skip
         self.generation_tokens_by_engine = per_engine(Counter, "engine_generation_tokens", "Tokens generated")
+        self.prompt_tokens_by_engine = per_engine(Counter, "engine_prompt_tokens", "Prompt tokens sent to the engine")
         self.engine_restarts = per_engine(Counter, "engine_restarts", "Engine core restarts after a crash or a hang")
         self.lora_adapters_loaded = per_engine(Gauge, "lora_adapters_loaded",
                                                "LoRA adapters whose weights the engine holds")  # fmt: skip
@@ -65,6 +80,7 @@ class Metrics:
             registry=r,
         ) if lora else None  # fmt: skip
         self._model_name = model_name
+        self._prefix = prefix
         self._last = [SchedulerStats() for _ in engines]
 
     def observe_stats(self, stats: SchedulerStats, engine: int = 0) -> None:
@@ -97,6 +113,10 @@ class Metrics:
             self.e2e.observe(time.monotonic() - stream.arrival)
             self.request_success.labels(self._model_name, stream.finish_reason or "abort").inc()
 
+    def observe_prompt(self, num_tokens: int, engine: int = 0) -> None:
+        self.prompt_tokens.inc(num_tokens)
+        self.prompt_tokens_by_engine[engine].inc(num_tokens)
+
     def observe_generated(self, num_tokens: int, engine: int = 0) -> None:
         if num_tokens:
             self.generation_tokens.inc(num_tokens)
@@ -119,6 +139,19 @@ class Metrics:
     def engine_down(self, engine: int = 0) -> None:
         self.num_requests_running[engine].set(0)
         self.num_requests_waiting[engine].set(0)
+
+    def engine_totals(self, engine: int) -> EngineTotals:
+        """Where engine `engine` stands now, read back from the series (the periodic stats line's source)."""
+
+        def value(name: str) -> float:
+            labels = {"model_name": self._model_name, "engine": str(engine)}
+            return self.registry.get_sample_value(f"{self._prefix}:{name}", labels) or 0.0
+
+        return EngineTotals(value("engine_prompt_tokens_total"), value("engine_generation_tokens_total"),
+                            int(value("num_requests_running")), int(value("num_requests_waiting")),
+                            value("kv_cache_usage_perc"), value("prefix_cache_queries_total"),
+                            value("prefix_cache_hits_total"), value("spec_decode_num_draft_tokens_total"),
+                            value("spec_decode_num_accepted_tokens_total"))  # fmt: skip
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -6,6 +6,7 @@ import os
 import random
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import time
@@ -74,6 +75,7 @@ class Server:
         self.tmp = tmp  # the server's TMPDIR: its ipc run directory lives here
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
+        self.verify: ssl.SSLContext | bool = True  # what wait_healthy's client trusts (HTTPS: the server's certificate)
         self.log = tmp / "server.log"
         env = {**os.environ, "HF_HUB_OFFLINE": "1", "TMPDIR": str(tmp), **(env or {})}
         with open(self.log, "wb") as log:
@@ -87,7 +89,7 @@ class Server:
         while time.monotonic() < deadline:
             assert self.proc.poll() is None, f"launch.py exited with {self.proc.returncode}:\n{self.log_text()}"
             try:
-                r = httpx.get(self.url + "/health", timeout=5)
+                r = httpx.get(self.url + "/health", timeout=5, verify=self.verify)
                 if r.status_code == 200 and all(e["state"] == "ready" for e in r.json()["engines"]):
                     children = engine_children(self)
                     assert len(children) == self.num_engines, children  # launch.py's children are its engine cores

@@ -149,7 +149,8 @@ def create_app(ctx: ServingContext, config: ServerConfig, metrics: Metrics) -> F
         body = ApiError(503, why, None, "engine_unavailable").body()
         return JSONResponse({**body, "status": "unavailable", "engines": engines}, status_code=503)
 
-    @app.api_route("/ping", methods=["GET", "POST"])
+    @app.get("/ping")
+    @app.post("/ping", operation_id="ping_post")  # one id per method: the schema's ids must be unique
     async def ping() -> Response:
         """vLLM's (and SageMaker's) name for /health."""
         return await health()

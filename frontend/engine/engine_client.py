@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 
 import msgspec
 import zmq
@@ -35,13 +35,6 @@ class QueueFull(RuntimeError):
     """More requests in flight than --max-queued-requests allows (HTTP 429)."""
 
 
-def output_address(addresses: ipc.Addresses, index: int) -> ipc.Addresses:
-    """Engine `index`'s addresses: the shared input ROUTER, an output socket of its own (the engine needs no
-    index in its messages, and the socket monitor tells which engine's connection dropped)."""
-    return ipc.Addresses(addresses.input, addresses.output if index == 0 else f"{addresses.output}{index}",
-                         addresses.run_dir)  # fmt: skip
-
-
 class AsyncEngineClient:
     """Also the asyncio direct client: `await AsyncEngineClient.spawn(EngineConfig(...))` needs no HTTP.
 
@@ -67,12 +60,13 @@ class AsyncEngineClient:
         self.retired_loras: list[LoraRef] = []
         self.handles: list[EngineHandle] = []
         for i, process in enumerate(processes):
-            out = ipc.make_socket(self._ctx, zmq.PULL, output_address(addresses, i).output, bind=True)
+            out = ipc.make_socket(self._ctx, zmq.PULL, addresses.of_engine(i).output, bind=True)
             label = f"engine core {i}" if several else "engine core"
             self.handles.append(EngineHandle(i, label, out, self._send, process, self._changed.set, ping_timeout,
                                              self.retired_loras))  # fmt: skip
         self.router: PrefixRouter | None = None  # several engines: set once the block size is known
         self.metrics = metrics
+        self.request_log: Callable[[EngineRequest, int], None] | None = None  # --enable-log-requests: (request, engine)
         self.pacing = StreamPacing(lambda: self.num_in_flight)  # many streams: several tokens per consumer wakeup
         self._tasks: list[asyncio.Task] = []
         self._num_added = 0  # makes each engine request id unique (add)
@@ -205,7 +199,9 @@ class AsyncEngineClient:
             if handle.add(stream, park=not live):
                 break
         if self.metrics is not None:
-            self.metrics.prompt_tokens.inc(len(request.prompt_token_ids))
+            self.metrics.observe_prompt(len(request.prompt_token_ids), handle.index)
+        if self.request_log is not None:
+            self.request_log(request, handle.index)
         return stream
 
     def abort(self, request_ids: list[str]) -> None:
@@ -296,5 +292,5 @@ def supervisors(config: EngineConfig, addresses: ipc.Addresses, data_parallel_si
                 keep_spares: bool = False) -> list[EngineSupervisor | None]:  # fmt: skip
     """One engine process per data-parallel rank, each placed on its own cores (and GPU), each with a warm spare
     for its restarts if asked (supervisor.py)."""
-    return [EngineSupervisor(p.config, output_address(addresses, p.config.engine_index), p.cpus, p.env, keep_spares)
+    return [EngineSupervisor(p.config, addresses.of_engine(p.config.engine_index), p.cpus, p.env, keep_spares)
             for p in place_engines(config, data_parallel_size)]  # fmt: skip

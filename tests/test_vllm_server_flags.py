@@ -1,0 +1,160 @@
+"""vLLM's logging, HTTPS and compatibility flags: the periodic stats line, request logging, TLS, the root path, the
+access log, and the flags taken so that vLLM command lines run."""
+
+from __future__ import annotations
+
+import logging
+import re
+import ssl
+import subprocess
+from pathlib import Path
+
+import httpx
+import pytest
+
+import launch
+from common.config import ServerConfig
+from common.messages import EngineRequest, LoraRef, SamplingParams, SchedulerStats
+from frontend.api.http_options import check_http_flags
+from frontend.metrics import Metrics
+from frontend.request_log import RequestLog
+from frontend.stats_log import INTERVAL_ENV, StatsLog, stats_line
+from tests.conftest import Server
+
+MODEL = "SmolLM2-135M-Instruct"
+
+
+def make_cert(directory: Path, name: str = "server") -> tuple[str, str]:
+    """A self-signed certificate for 127.0.0.1 and its key."""
+    key, cert = directory / f"{name}.key", directory / f"{name}.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out", str(cert),
+                    "-days", "1", "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1"],
+                   check=True, capture_output=True)  # fmt: skip
+    return str(key), str(cert)
+
+
+# ---- the stats line ----
+
+
+async def _no_refresh() -> None:
+    return None
+
+
+def test_the_stats_line_reads_the_metrics_and_goes_quiet_once_idle() -> None:
+    metrics = Metrics("m", num_engines=2)
+    stats = StatsLog(metrics, 2, _no_refresh, interval=10)
+    start = stats.last_time
+    assert stats.lines(start + 10) == []  # nothing happened: no line
+    metrics.observe_prompt(300, engine=1)
+    metrics.observe_generated(50, engine=1)
+    metrics.observe_stats(SchedulerStats(num_running=3, num_waiting=2, kv_usage=0.125, prefix_queries=400,
+                                         prefix_hits=100), engine=1)  # fmt: skip
+    assert stats.lines(start + 20) == [
+        "Engine 001: Avg prompt throughput: 30.0 tokens/s, Avg generation throughput: 5.0 tokens/s, Running: 3 reqs, "
+        "Waiting: 2 reqs, KV cache usage: 12.5%, Prefix cache hit rate: 25.0%"
+    ]
+    metrics.observe_stats(SchedulerStats(prefix_queries=400, prefix_hits=100), engine=1)  # all done
+    metrics.observe_generated(20, engine=1)
+    (line,) = stats.lines(start + 30)  # the engine still moved: a line, its rates over the last 10 s only
+    assert "prompt throughput: 0.0 tokens/s, Avg generation throughput: 2.0 tokens/s, Running: 0 reqs" in line
+    (line,) = stats.lines(start + 40)  # the first idle interval: one more line, showing it idle
+    assert "Avg generation throughput: 0.0 tokens/s, Running: 0 reqs, Waiting: 0 reqs" in line
+    assert stats.lines(start + 50) == []  # then quiet
+
+
+def test_the_stats_line_gives_the_draft_acceptance_where_drafts_ran() -> None:
+    metrics = Metrics("m")
+    before = metrics.engine_totals(0)
+    metrics.observe_stats(SchedulerStats(num_running=1, num_draft_tokens=40, num_accepted_tokens=30))
+    assert stats_line(0, before, metrics.engine_totals(0), 1.0).endswith(", Draft acceptance rate: 75.0%")
+    assert "Draft" not in stats_line(0, before, before, 1.0)
+
+
+# ---- request logging ----
+
+
+def test_a_request_line_shows_the_prompt_cut_and_only_the_parameters_set(caplog: pytest.LogCaptureFixture) -> None:
+    decoded: list[list[int]] = []
+
+    def decode(ids: list[int]) -> str:
+        decoded.append(ids)
+        return "".join(chr(ord("a") + i) for i in ids)
+
+    params = SamplingParams(max_tokens=7, temperature=0.0, stop_token_ids=[2])
+    lora = LoraRef(1, "sql", "/adapters/sql")
+    request = EngineRequest("cmpl-1#1", list(range(10)), params, lora=lora)
+    with caplog.at_level(logging.INFO, logger="roseinfer.requests"):
+        RequestLog(decode, max_len=4)(request, engine=1)
+        RequestLog(decode)(EngineRequest("cmpl-2#2", [3, 4], SamplingParams()), engine=0)
+    first, second = (r.getMessage() for r in caplog.records)
+    assert decoded == [[0, 1, 2, 3], [3, 4]]  # only what is shown is decoded
+    assert first == ("received request cmpl-1#1 (engine 1): prompt: 'abcd', prompt_token_ids: [0, 1, 2, 3] ... "
+                     "(10 in all), params: max_tokens=7, temperature=0.0, stop_token_ids=[2], lora: sql")  # fmt: skip
+    assert second == ("received request cmpl-2#2 (engine 0): prompt: 'de', prompt_token_ids: [3, 4], params: all "
+                      "defaults, lora: None")  # fmt: skip
+
+
+# ---- flags checked at start ----
+
+
+def test_http_flags_are_checked_before_anything_starts(tmp_path: Path) -> None:
+    key, cert = make_cert(tmp_path)
+    other_key, _ = make_cert(tmp_path, "other")
+    check_http_flags(ServerConfig(ssl_certfile=cert, ssl_keyfile=key, root_path="/api"))  # fine
+    bad = [
+        (ServerConfig(root_path="api"), "--root-path"),
+        (ServerConfig(root_path="/api/"), "--root-path"),
+        (ServerConfig(ssl_certfile=str(tmp_path / "missing.pem")), "--ssl-certfile: no such file"),
+        (ServerConfig(ssl_keyfile=key), "need --ssl-certfile"),
+        (ServerConfig(ssl_certfile=cert, ssl_keyfile=key, ssl_cert_reqs=2), "--ssl-ca-certs, which is missing"),
+        (ServerConfig(ssl_certfile=cert, ssl_keyfile=other_key), "--ssl-certfile/--ssl-keyfile"),  # not its key
+    ]
+    for config, message in bad:
+        with pytest.raises(ValueError, match=re.escape(message)):
+            check_http_flags(config)
+
+
+@pytest.mark.parametrize(("flags", "message"), [
+    (["--no-enable-chunked-prefill"], "prompts are always chunked"),
+    (["--ssl-certfile", "/nonexistent/cert.pem"], "--ssl-certfile: no such file"),
+])  # fmt: skip
+def test_launch_refuses_what_it_cannot_do_before_the_engine_loads(flags, message, capsys) -> None:
+    assert launch.main(["--port", "1", *flags]) == 2
+    assert message in capsys.readouterr().err
+
+
+# ---- a server started with a vLLM command line's flags ----
+
+
+def test_a_vllm_command_line_serves_https_and_logs_stats_and_requests(tmp_path: Path) -> None:
+    key, cert = make_cert(tmp_path)
+    flags = ["--log-level", "info", "--ssl-certfile", cert, "--ssl-keyfile", key, "--root-path", "/api",
+             "--enable-log-requests", "--max-log-len", "6", "--disable-uvicorn-access-log", "--enable-docs",
+             "--trust-remote-code", "--enable-chunked-prefill"]  # fmt: skip
+    server = Server(tmp_path, *flags, env={INTERVAL_ENV: "0.5"})
+    trusted = ssl.create_default_context(cafile=cert)
+    server.url, server.verify = server.url.replace("http://", "https://"), trusted
+    try:
+        server.wait_healthy()
+        with httpx.Client(base_url=server.url, verify=trusted, timeout=120) as client:
+            body = {"model": MODEL, "prompt": "The capital of France is", "max_tokens": 24, "temperature": 0,
+                    "ignore_eos": True}  # fmt: skip
+            answer = client.post("/v1/completions", json=body)
+            assert answer.status_code == 200 and answer.json()["usage"]["completion_tokens"] == 24
+            schema = client.get("/openapi.json").json()
+            assert schema["servers"] == [{"url": "/api"}]  # the URLs the API writes carry the proxy's prefix
+        with pytest.raises(httpx.TransportError):  # HTTPS only
+            httpx.get(server.url.replace("https://", "http://") + "/health", timeout=5)
+        with pytest.raises(httpx.ConnectError):  # a client that does not trust the certificate is refused
+            httpx.get(server.url + "/health", timeout=5)
+        server.assert_clean_exit()
+        log = server.log.read_text()
+        (received,) = [line for line in log.splitlines() if "received request cmpl-" in line]
+        assert re.search(r"\(engine 0\): prompt: 'The ca', prompt_token_ids: \[[\d, ]+\]( \.\.\. \(\d+ in all\))?, "
+                         r"params: max_tokens=24, temperature=0\.0, ignore_eos=True, lora: None$", received), received
+        generated = [float(m) for m in re.findall(r"Engine 000: .*Avg generation throughput: ([\d.]+) tokens/s", log)]
+        assert any(rate > 0 for rate in generated), log[-3000:]
+        assert 'HTTP/1.1" 200' not in log  # no access log
+        assert "Duplicate Operation ID" not in log  # the schema's operation ids are unique (GET and POST /ping)
+    finally:
+        server.stop()
