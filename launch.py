@@ -14,6 +14,7 @@ import argparse
 import asyncio
 import contextlib
 import logging
+import os
 import signal
 import socket
 import sys
@@ -51,6 +52,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[EngineConfig, ServerConfi
     add_cli_args(parser, EngineConfig)
     add_cli_args(parser, ServerConfig)
     ns = parser.parse_args(argv)
+    if ns.api_key is None:  # a key in the environment stays out of the process list
+        ns.api_key = os.environ.get("ROSEINFER_API_KEY") or os.environ.get("VLLM_API_KEY")
     return from_cli_args(EngineConfig, ns), from_cli_args(ServerConfig, ns)
 
 

@@ -93,13 +93,16 @@ class ServerConfig:
     served_model_name: list[str] = flag(list, "model name(s) in the API, as vLLM's: a request may name any of them, "
                                         "responses and metrics name the first (default: the model's name)", nargs="+")
     api_key: str | None = flag(None, "require 'Authorization: Bearer KEY' on every route but /health, /ping and "
-                               "/metrics")
+                               "/metrics (default: $ROSEINFER_API_KEY, else $VLLM_API_KEY, which ps does not show)")
     api_key_on_health: bool = flag(False, "with --api-key: also require the key on /health, /ping and /metrics")
     enable_docs: bool = flag(False, "serve /docs, /redoc and /openapi.json (behind --api-key when set)")
     metrics_prefix: str = flag("roseinfer", "prefix of the Prometheus metrics' names: vllm gives vLLM's names, for "
                                "dashboards, autoscalers and inference gateways set up for vLLM",
                                choices=["roseinfer", "vllm"])  # fmt: skip
     allowed_origins: list[str] = flag(list, "CORS origins allowed (none by default)", nargs="*")
+    allowed_methods: list[str] = flag(list, "CORS methods allowed to those origins (default: all)", nargs="*")
+    allowed_headers: list[str] = flag(list, "CORS request headers allowed to those origins (default: all)", nargs="*")
+    allow_credentials: bool = flag(False, "CORS: let those origins' browsers send cookies and credentials")
     max_queued_requests: int = flag(1024, "requests waiting or running beyond which new ones get 429")
     max_request_bytes: int = flag(8 << 20, "largest request body accepted; larger ones get 413 before parsing")
     max_connections: int = flag(1024, "open HTTP connections beyond which new requests get 503")

@@ -30,7 +30,9 @@ def servers(tmp_path_factory: pytest.TempPathFactory):
     """Two servers loading side by side: `guarded` (key, CORS, queue of 6, no engine restarts: the fail-fast path)
     and `draining` (5 s drain)."""
     guarded = Server(tmp_path_factory.mktemp("guarded"), "--api-key", "sk-test", "--allowed-origins", ORIGIN,
-                     "--max-queued-requests", "6", "--max-engine-restarts", "0", *CONTEXT)  # fmt: skip
+                     "--allowed-methods", "GET", "POST", "--allowed-headers", "authorization", "content-type",
+                     "--allow-credentials", "--max-queued-requests", "6", "--max-engine-restarts", "0",
+                     *CONTEXT)  # fmt: skip
     draining = Server(tmp_path_factory.mktemp("draining"), "--drain-timeout", "5", *CONTEXT)
     yield guarded.wait_healthy(), draining.wait_healthy()
     for s in (guarded, draining):
@@ -71,8 +73,12 @@ def test_cors_allows_only_the_configured_origin(servers):
     preflight = {"Access-Control-Request-Method": "POST", "Access-Control-Request-Headers": "authorization"}
     ok = httpx.options(url, headers={"Origin": ORIGIN, **preflight})
     assert ok.status_code == 200 and ok.headers["access-control-allow-origin"] == ORIGIN
+    assert ok.headers["access-control-allow-credentials"] == "true"  # --allow-credentials
+    assert ok.headers["access-control-allow-methods"] == "GET, POST"  # --allowed-methods
     other = httpx.options(url, headers={"Origin": "http://evil.example", **preflight})
     assert "access-control-allow-origin" not in other.headers
+    for refused in ({"Access-Control-Request-Method": "DELETE"}, {**preflight, "Access-Control-Request-Headers": "x"}):
+        assert httpx.options(url, headers={"Origin": ORIGIN, **refused}).status_code == 400  # not allowed
 
 
 async def _stream(client: httpx.AsyncClient, body: dict, started: asyncio.Event | None = None,

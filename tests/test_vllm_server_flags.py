@@ -131,12 +131,16 @@ def test_a_vllm_command_line_serves_https_and_logs_stats_and_requests(tmp_path: 
     flags = ["--log-level", "info", "--ssl-certfile", cert, "--ssl-keyfile", key, "--root-path", "/api",
              "--enable-log-requests", "--max-log-len", "6", "--disable-uvicorn-access-log", "--enable-docs",
              "--trust-remote-code", "--enable-chunked-prefill"]  # fmt: skip
-    server = Server(tmp_path, *flags, env={INTERVAL_ENV: "0.5"})
+    server = Server(tmp_path, *flags, env={INTERVAL_ENV: "0.5", "VLLM_API_KEY": "sk-env"})  # the key, as vLLM reads it
     trusted = ssl.create_default_context(cafile=cert)
     server.url, server.verify = server.url.replace("http://", "https://"), trusted
     try:
         server.wait_healthy()
         with httpx.Client(base_url=server.url, verify=trusted, timeout=120) as client:
+            assert client.get("/v1/models").status_code == 401
+            refused = client.post("/v1/messages", json={})  # behind the root path, still Anthropic's error shape here
+            assert refused.status_code == 401 and refused.json()["error"]["type"] == "authentication_error"
+            client.headers["Authorization"] = "Bearer sk-env"
             body = {"model": MODEL, "prompt": "The capital of France is", "max_tokens": 24, "temperature": 0,
                     "ignore_eos": True}  # fmt: skip
             answer = client.post("/v1/completions", json=body)

@@ -13,7 +13,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from common.config import ServerConfig
-from frontend.api.http_guard import BodyRefused, HttpGuard
+from frontend.api.http_guard import BodyRefused, HttpGuard, route_path
 from frontend.api.lora_adapters import LoadLoraAdapterRequest, UnloadLoraAdapterRequest
 from frontend.api.protocol import ChatCompletionRequest, CompletionRequest
 from frontend.api.protocol_embeddings import EmbeddingRequest
@@ -49,20 +49,20 @@ def create_app(ctx: ServingContext, config: ServerConfig, metrics: Metrics) -> F
     # Each error in OpenAI's shape, or Anthropic's on its Messages API routes (ApiError.response)
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
-        return from_validation_errors(list(exc.errors())).response(path=request.url.path)
+        return from_validation_errors(list(exc.errors())).response(path=route_path(request.scope))
 
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
-        return exc.response(path=request.url.path)
+        return exc.response(path=route_path(request.scope))
 
     @app.exception_handler(BodyRefused)
     async def _body_refused(request: Request, exc: BodyRefused) -> JSONResponse:
-        return exc.error.response(path=request.url.path)
+        return exc.error.response(path=route_path(request.scope))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         error = ApiError(exc.status_code, str(exc.detail))
-        return error.response(getattr(exc, "headers", None), path=request.url.path)
+        return error.response(getattr(exc, "headers", None), path=route_path(request.scope))
 
     def generating() -> None:
         """A pooling server's engines have no LM head (common/pooling.py): its generation routes are 400s."""
@@ -200,6 +200,7 @@ def create_app(ctx: ServingContext, config: ServerConfig, metrics: Metrics) -> F
     start_time = time.time()
     app.add_middleware(HttpGuard, config=config)
     if config.allowed_origins:  # outermost, so preflight requests need no API key
-        app.add_middleware(CORSMiddleware, allow_origins=config.allowed_origins, allow_methods=["*"],
-                           allow_headers=["*"], expose_headers=["X-Request-Id"])  # fmt: skip
+        app.add_middleware(CORSMiddleware, allow_origins=config.allowed_origins,
+                           allow_methods=config.allowed_methods or ["*"], allow_headers=config.allowed_headers or ["*"],
+                           allow_credentials=config.allow_credentials, expose_headers=["X-Request-Id"])  # fmt: skip
     return app

@@ -23,6 +23,15 @@ log = logging.getLogger("roseinfer.frontend")
 _TRIM_AFTER_BYTES = 1 << 20
 
 
+def route_path(scope: Scope) -> str:
+    """The path the routes see. Behind --root-path, uvicorn puts the prefix in front of every request's path (and
+    Starlette's routing takes it off again): the key's open paths and the error shape go by the route."""
+    path, root = scope["path"], scope.get("root_path", "")
+    if root and path.startswith(root) and path[len(root) : len(root) + 1] in ("", "/"):
+        return path[len(root) :] or "/"
+    return path
+
+
 class BodyRefused(HTTPException):
     """Raised from receive(): an HTTPException, so that FastAPI's body reading re-raises it instead of turning it
     into its own 400, and the app's handler answers with `error` (api_server.py)."""
@@ -66,25 +75,25 @@ class HttpGuard:
 
         refusal = self._refusal(scope, headers)
         if refusal is not None:  # answered before a byte of the body is read (uvicorn discards the rest)
-            await refusal.response(path=scope["path"])(scope, receive, send_with_id)
+            await refusal.response(path=route_path(scope))(scope, receive, send_with_id)
             return
         length = int(headers.get("content-length") or 0)
         try:
             await self.app(scope, self._limited(receive), send_with_id)
         except BodyRefused as exc:
             if not started:
-                await exc.error.response(path=scope["path"])(scope, receive, send_with_id)
+                await exc.error.response(path=route_path(scope))(scope, receive, send_with_id)
         except Exception as exc:
             log.exception("unhandled error in %s %s", scope["method"], scope["path"])
             if not started:  # once a response has started, ending it is all that is left to do
                 error = ApiError(500, f"internal error: {type(exc).__name__}", None, "internal_error")
-                await error.response(path=scope["path"])(scope, receive, send_with_id)
+                await error.response(path=route_path(scope))(scope, receive, send_with_id)
         finally:
             if length >= _TRIM_AFTER_BYTES:
                 _return_freed_memory()
 
     def _refusal(self, scope: Scope, headers: Headers) -> ApiError | None:
-        if self.expected and scope["method"] != "OPTIONS" and scope["path"] not in self.open_paths:
+        if self.expected and scope["method"] != "OPTIONS" and route_path(scope) not in self.open_paths:
             given = headers.get("authorization", "").encode("latin-1")
             given_key = headers.get("x-api-key", "").encode("latin-1")
             if not (hmac.compare_digest(given, self.expected) or hmac.compare_digest(given_key, self.key)):
