@@ -51,8 +51,10 @@ def run_engine(config: EngineConfig, addresses: ipc.Addresses) -> int:
         start_pulses(core.runner.progress, outputs, epoch, stop)
         runner = core.runner
         dtype = str(runner.dtype).removeprefix("torch.")
-        log.info("engine core ready: %s, %s on %s, %d KV blocks", core.model_name, dtype, runner.device.type,
-                 runner.num_blocks)  # fmt: skip
+        tokens = runner.num_blocks * runner.block_size  # as vLLM says it: how many full-context requests fit at once
+        log.info("engine core ready: %s, %s on %s, %d KV blocks (%d tokens; maximum concurrency for %d tokens per "
+                 "request: %.2fx)", core.model_name, dtype, runner.device.type, runner.num_blocks, tokens,
+                 core.max_model_len, tokens / core.max_model_len)  # fmt: skip
         _busy_loop(core, inputs, outputs, notices, epoch)
         code = 0
     except KeyboardInterrupt:
