@@ -49,9 +49,14 @@ log = logging.getLogger("roseinfer.launch")
 
 def parse_args(argv: list[str] | None = None) -> tuple[EngineConfig, ServerConfig]:
     parser = argparse.ArgumentParser(prog="python launch.py", description="OpenAI-compatible roseinfer server")
+    parser.add_argument("model_tag", nargs="?", help="the model, first, as `vllm serve MODEL` takes it (or --model)")
     add_cli_args(parser, EngineConfig)
     add_cli_args(parser, ServerConfig)
     ns = parser.parse_args(argv)
+    if ns.model_tag is not None:
+        if ns.model not in (None, ns.model_tag):
+            parser.error(f"the model is given twice: {ns.model_tag} and --model {ns.model}")
+        ns.model = ns.model_tag
     if ns.api_key is None:  # a key in the environment stays out of the process list
         ns.api_key = os.environ.get("ROSEINFER_API_KEY") or os.environ.get("VLLM_API_KEY")
     return from_cli_args(EngineConfig, ns), from_cli_args(ServerConfig, ns)

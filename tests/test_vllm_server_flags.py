@@ -123,6 +123,15 @@ def test_launch_refuses_what_it_cannot_do_before_the_engine_loads(flags, message
     assert message in capsys.readouterr().err
 
 
+def test_the_model_may_come_first_as_vllm_serve_takes_it(capsys) -> None:
+    assert launch.parse_args(["/models/qwen", "--port", "9000"])[0].model == "/models/qwen"
+    assert launch.parse_args(["/models/qwen", "--model", "/models/qwen"])[0].model == "/models/qwen"
+    assert launch.parse_args([])[0].model is None  # the default model
+    with pytest.raises(SystemExit):
+        launch.parse_args(["/models/qwen", "--model", "/models/llama"])
+    assert "the model is given twice" in capsys.readouterr().err
+
+
 # ---- a server started with a vLLM command line's flags ----
 
 
