@@ -214,7 +214,8 @@ class Launch:
                              reasoning_tokens=ReasoningTokens.of(self.config.reasoning_parser, tokenizer),
                              priority_scheduling=self.engine_config.scheduling_policy == "priority",
                              sampling_defaults=defaults, loras=loras, model_aliases=tuple(names[1:]),
-                             pooling=pooling, pair_template=self.config.chat_template is not None)  # fmt: skip
+                             pooling=pooling, pair_template=self.config.chat_template is not None,
+                             prompt_tokens_details=self.config.enable_prompt_tokens_details)  # fmt: skip
         app = create_app(ctx, self.config, metrics)
         self.server = _Server(uvicorn.Config(app, host=self.config.host, port=self.config.port, lifespan="off",
                                              timeout_graceful_shutdown=int(self.config.drain_timeout) + 5,

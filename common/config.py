@@ -169,6 +169,8 @@ class ServerConfig:
     ssl_ca_certs: str | None = flag(None, "CA certificates that client certificates are checked against")
     ssl_cert_reqs: int = flag(0, "client certificates: 0 not asked, 1 optional, 2 required (Python's ssl.CERT_*)",
                               choices=[0, 1, 2])
+    enable_prompt_tokens_details: bool = flag(False, "chat and completions usage gives prompt_tokens_details."
+                                              "cached_tokens, the prompt tokens the prefix cache held (as OpenAI's)")
     trust_remote_code: bool = flag(False, "taken so that vLLM command lines run: no code from a model's directory is "
                                    "ever run here (each architecture is our own implementation)")
     enable_chunked_prefill: bool = flag(True, "prompts are always chunked to fit the step budget; "

@@ -3,6 +3,7 @@ access log, and the flags taken so that vLLM command lines run."""
 
 from __future__ import annotations
 
+import json
 import logging
 import re
 import ssl
@@ -139,7 +140,7 @@ def test_a_vllm_command_line_serves_https_and_logs_stats_and_requests(tmp_path: 
     key, cert = make_cert(tmp_path)
     flags = ["--log-level", "info", "--ssl-certfile", cert, "--ssl-keyfile", key, "--root-path", "/api",
              "--enable-log-requests", "--max-log-len", "6", "--disable-uvicorn-access-log", "--enable-docs",
-             "--trust-remote-code", "--enable-chunked-prefill"]  # fmt: skip
+             "--trust-remote-code", "--enable-chunked-prefill", "--enable-prompt-tokens-details"]  # fmt: skip
     server = Server(tmp_path, *flags, env={INTERVAL_ENV: "0.5", "VLLM_API_KEY": "sk-env"})  # the key, as vLLM reads it
     trusted = ssl.create_default_context(cafile=cert)
     server.url, server.verify = server.url.replace("http://", "https://"), trusted
@@ -154,6 +155,16 @@ def test_a_vllm_command_line_serves_https_and_logs_stats_and_requests(tmp_path: 
                     "ignore_eos": True}  # fmt: skip
             answer = client.post("/v1/completions", json=body)
             assert answer.status_code == 200 and answer.json()["usage"]["completion_tokens"] == 24
+            # --enable-prompt-tokens-details: a prompt sent again finds its whole blocks in the prefix cache
+            chat = {"model": MODEL, "messages": [{"role": "user", "content": "Tell me about the sea. " * 8}],
+                    "max_tokens": 2}  # fmt: skip
+            cold = client.post("/v1/chat/completions", json=chat).json()["usage"]
+            assert cold["prompt_tokens_details"] == {"cached_tokens": 0} and cold["prompt_tokens"] > 32
+            streamed = client.post("/v1/chat/completions", json={**chat, "stream": True,
+                                                                 "stream_options": {"include_usage": True}})
+            final = json.loads(streamed.text.split("data: ")[-2])["usage"]  # the usage chunk, before [DONE]
+            cached = final["prompt_tokens_details"]["cached_tokens"]
+            assert 16 <= cached < cold["prompt_tokens"] and cached % 16 == 0, final  # whole blocks of 16 tokens
             schema = client.get("/openapi.json").json()
             assert schema["servers"] == [{"url": "/api"}]  # the URLs the API writes carry the proxy's prefix
         with pytest.raises(httpx.TransportError):  # HTTPS only
@@ -162,7 +173,7 @@ def test_a_vllm_command_line_serves_https_and_logs_stats_and_requests(tmp_path: 
             httpx.get(server.url + "/health", timeout=5)
         server.assert_clean_exit()
         log = server.log.read_text()
-        (received,) = [line for line in log.splitlines() if "received request cmpl-" in line]
+        (received,) = [line for line in log.splitlines() if "received request cmpl-" in line]  # one completion
         assert re.search(r"\(engine 0\): prompt: 'The ca', prompt_token_ids: \[[\d, ]+\]( \.\.\. \(\d+ in all\))?, "
                          r"params: max_tokens=24, temperature=0\.0, ignore_eos=True, lora: None$", received), received
         generated = [float(m) for m in re.findall(r"Engine 000: .*Avg generation throughput: ([\d.]+) tokens/s", log)]

@@ -48,6 +48,7 @@ class ServingContext:
     # --runner pooling: the server embeds or scores (api/serving_embeddings.py, serving_scores.py), never generates
     pooling: Pooling | None = None
     pair_template: bool = False  # --chat-template given: a scored pair is rendered by it, as vLLM's score template
+    prompt_tokens_details: bool = False  # --enable-prompt-tokens-details: usage says how many prompt tokens were cached
 
     @property
     def base_names(self) -> tuple[str, ...]:
@@ -152,8 +153,10 @@ class ServingContext:
                                           req.skip_special_tokens, req.min_tokens)  # fmt: skip
 
         shared = self.request_fields(req.model, req.priority, req.cache_salt)
-        return await self.start(lambda: FanOut(self.client, request_id, prompts, req.n, params, detokenizer,
-                                               req.include_stop_str_in_output, shared))  # fmt: skip
+        fan = await self.start(lambda: FanOut(self.client, request_id, prompts, req.n, params, detokenizer,
+                                              req.include_stop_str_in_output, shared))  # fmt: skip
+        fan.prompt_tokens_details = self.prompt_tokens_details
+        return fan
 
     async def start(self, fan_out: Callable[[], FanOut]) -> FanOut:
         """Sends an API request's engine requests once an engine is up (a 503 if none comes back in time)."""

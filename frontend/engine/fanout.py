@@ -38,6 +38,7 @@ class FanOut:
         self.params = params  # what every choice was sent with (each with its own seed)
         self.choices: list[Choice] = []
         self.count_reasoning: Callable[[list[int]], int] | None = None  # a choice's thinking tokens, for usage
+        self.prompt_tokens_details = False  # usage says how many prompt tokens the prefix cache held
         arrival = time.time()
         try:
             for prompt_index, prompt in enumerate(prompts):
@@ -71,6 +72,8 @@ class FanOut:
         prompt, completion = self.num_prompt_tokens, self.num_completion_tokens
         usage: dict[str, Any] = {"prompt_tokens": prompt, "completion_tokens": completion,
                                  "total_tokens": prompt + completion}  # fmt: skip
+        if self.prompt_tokens_details:
+            usage["prompt_tokens_details"] = {"cached_tokens": self.num_cached_tokens}
         if self.count_reasoning is not None:
             reasoning = sum(self.count_reasoning(c.stream.output_token_ids) for c in self.choices)
             usage["completion_tokens_details"] = {"reasoning_tokens": reasoning}
