@@ -157,7 +157,7 @@ class ServerConfig:
                                    "usage, prefix cache hit rate: every 10 s at INFO while an engine has work)")
     enable_log_requests: bool = flag(False, "log each request at INFO: its prompt (text and token ids) and the "
                                      "sampling parameters it sets (prompts are users' data: off by default)")
-    disable_log_requests: bool = flag(False, "vLLM's older flag; requests are logged only with --enable-log-requests")
+    disable_log_requests: bool = flag(False, "vLLM's older flag: turns --enable-log-requests off (off by default)")
     max_log_len: int | None = flag(None, "characters of a prompt and ids of its tokens a request's log line shows "
                                    "(default: all)")
     uvicorn_log_level: str | None = flag(None, "uvicorn's log level (default: --log-level)",

@@ -30,6 +30,18 @@ def stats_line(engine: int, before: EngineTotals, now: EngineTotals, seconds: fl
     return line
 
 
+def interval_from_env() -> float:
+    text = os.environ.get(INTERVAL_ENV, "10")
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = 0.0
+    if not seconds > 0:  # NaN too
+        log.warning("%s=%r is not a positive number of seconds: 10 s it is", INTERVAL_ENV, text)
+        return 10.0
+    return seconds
+
+
 def busy(before: EngineTotals, now: EngineTotals) -> bool:
     moved = now.prompt_tokens != before.prompt_tokens or now.generation_tokens != before.generation_tokens
     return moved or now.running > 0 or now.waiting > 0
@@ -41,7 +53,7 @@ class StatsLog:
         """`refresh`: brings the scheduler gauges up to date (an idle engine runs no step that would report them)."""
         self.metrics = metrics
         self.refresh = refresh
-        self.interval = interval if interval is not None else float(os.environ.get(INTERVAL_ENV, "10"))
+        self.interval = interval if interval is not None else interval_from_env()
         self.last = [metrics.engine_totals(i) for i in range(num_engines)]
         self.was_busy = [False] * num_engines
         self.last_time = time.monotonic()

@@ -63,6 +63,12 @@ def test_the_stats_line_reads_the_metrics_and_goes_quiet_once_idle() -> None:
     assert stats.lines(start + 50) == []  # then quiet
 
 
+def test_a_stats_interval_that_is_not_a_positive_number_is_10_s(monkeypatch: pytest.MonkeyPatch) -> None:
+    for text, seconds in (("2.5", 2.5), ("0", 10.0), ("-1", 10.0), ("nan", 10.0), ("often", 10.0)):
+        monkeypatch.setenv(INTERVAL_ENV, text)
+        assert StatsLog(Metrics("m"), 1, _no_refresh).interval == seconds
+
+
 def test_the_stats_line_gives_the_draft_acceptance_where_drafts_ran() -> None:
     metrics = Metrics("m")
     before = metrics.engine_totals(0)
