@@ -25,7 +25,7 @@ import uvicorn
 from common import ipc
 from common.config import EngineConfig, ServerConfig, SpeculativeConfig, add_cli_args, from_cli_args
 from common.lora import LoraModule, lora_modules
-from common.model_source import ModelSourceError, parse_hf_overrides, resolve_model
+from common.model_source import ModelSourceError, parse_hf_overrides, resolve_model, tokenizer_dir
 from common.pooling import read_pooling
 from engine_core.tp_procs import layout as tp_layout
 from engine_core.tp_procs import run_node_agent
@@ -185,7 +185,7 @@ class Launch:
         ready = starting.result()
         # After EngineReady: the engine resolved (and for a .gguf, converted) the model, so this is a cache hit.
         overrides = parse_hf_overrides(self.engine_config.hf_overrides)
-        source = resolve_model(self.engine_config.model, overrides=overrides)
+        source = resolve_model(self.engine_config.model, overrides=overrides, tokenizer=self.engine_config.tokenizer)
         pooling = read_pooling(source.path, overrides) if ready.runner == "pooling" else None
         names = list(dict.fromkeys(self.config.served_model_name)) or [ready.model]  # each once, in order
         loras = LoraRegistry(self.adapters, self.engine_config.enable_lora, self.engine_config.max_lora_rank,
@@ -198,7 +198,7 @@ class Launch:
             return 2
         metrics = Metrics(names[0], len(self.client.handles), lora=loras.enabled, prefix=self.config.metrics_prefix)
         self.client.metrics = metrics
-        tokenizer = Tokenizer(source.path, parse_special_in_content=self.config.parse_special_tokens_in_content,
+        tokenizer = Tokenizer(source.tokenizer, parse_special_in_content=self.config.parse_special_tokens_in_content,
                               chat_template=self.config.chat_template)  # fmt: skip
         defaults = load_sampling_defaults(source.path, self.config.generation_config,
                                           self.config.override_generation_config)  # fmt: skip
@@ -227,6 +227,9 @@ class Launch:
             self.tasks.append(asyncio.create_task(stats.run()))
         if self.stopping.is_set():
             return self.exit_code or 0
+        host, port = http.getsockname()[:2]  # uvicorn says nothing of a socket handed to it; --port 0 picks one
+        log.info("serving %s on %s://%s:%d", names[0], "https" if self.config.ssl_certfile else "http",
+                 f"[{host}]" if ":" in host else host, port)  # fmt: skip
         try:
             await self.server.serve(sockets=[http])
         except SystemExit as exc:  # uvicorn could not start: it logged why
@@ -246,6 +249,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         tp_layout(engine_config)
         parse_hf_overrides(engine_config.hf_overrides)  # bad JSON fails here, before the engine loads
+        tokenizer_dir(engine_config.tokenizer)  # likewise a --tokenizer that is not one
         SpeculativeConfig.parse(engine_config.speculative_config)  # a bad one fails here, before the engine loads
         adapters = lora_modules(engine_config)  # each adapter's config, likewise
         # The flags' own generation config and override, checked before the engine loads (the model's, once it has)

@@ -28,6 +28,8 @@ class EngineConfig:
         "Qwen3Model)",
         choices=["auto", "generate", "pooling"],
     )
+    tokenizer: str | None = flag(None, "a local directory whose tokenizer (tokenizer.json, tokenizer_config.json, chat "
+                                 "template) is used instead of the model's (vLLM's --tokenizer, as for a GGUF)")
     hf_overrides: str | None = flag(
         None, "JSON laid over the model's config.json (vLLM's), such as Qwen3-Reranker's '{\"architectures\": "
         "[\"Qwen3ForSequenceClassification\"], \"classifier_from_token\": [\"no\", \"yes\"], "

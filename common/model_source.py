@@ -39,21 +39,41 @@ class ResolvedModel:
     path: Path  # local HF-format dir: config.json, tokenizer files, *.safetensors, chat template
     name: str  # served model name
     architecture: str
+    tokenizer_dir: Path | None = None  # --tokenizer: the tokenizer files and chat template come from here instead
+
+    @property
+    def tokenizer(self) -> Path:
+        """Where the tokenizer and chat template are read from (the model's directory unless --tokenizer)."""
+        return self.tokenizer_dir or self.path
 
 
-def resolve_model(spec: str | None, cache_dir: Path | None = None, overrides: dict | None = None) -> ResolvedModel:
+def tokenizer_dir(spec: str | None) -> Path | None:
+    """--tokenizer, checked: a local directory with a fast tokenizer (there is no model hub to fetch one from)."""
+    if spec is None:
+        return None
+    path = Path(spec).expanduser().resolve()
+    if not (path / "tokenizer.json").is_file():
+        raise ModelSourceError(f"--tokenizer {spec}: not a directory with a tokenizer.json (a local directory with a "
+                               "fast tokenizer, its tokenizer_config.json and chat template)")  # fmt: skip
+    return path
+
+
+def resolve_model(spec: str | None, cache_dir: Path | None = None, overrides: dict | None = None,
+                  tokenizer: str | None = None) -> ResolvedModel:  # fmt: skip
     """Resolve a local HF dir, a .gguf file path, or the default model (None, "" or its name). `overrides`
-    (--hf-overrides, parsed) may name another architecture for the checkpoint."""
+    (--hf-overrides, parsed) may name another architecture for the checkpoint; `tokenizer` (--tokenizer) another
+    directory to read the tokenizer from."""
+    tok = tokenizer_dir(tokenizer)
     if not spec or spec == DEFAULT_MODEL_NAME:
         with importlib.resources.as_file(_default_gguf()) as gguf_path:
             path = _cached_conversion(gguf_path, _cache_root(cache_dir))
-        return ResolvedModel(path, DEFAULT_MODEL_NAME, _read_architecture(path, overrides))
+        return ResolvedModel(path, DEFAULT_MODEL_NAME, _read_architecture(path, overrides), tok)
     path = Path(spec).expanduser().resolve()
     if path.is_dir() and (path / "config.json").is_file():
-        return ResolvedModel(path, path.name, _read_architecture(path, overrides))
+        return ResolvedModel(path, path.name, _read_architecture(path, overrides), tok)
     if path.is_file() and path.suffix == ".gguf":
         converted = _cached_conversion(path, _cache_root(cache_dir))
-        return ResolvedModel(converted, path.stem, _read_architecture(converted, overrides))
+        return ResolvedModel(converted, path.stem, _read_architecture(converted, overrides), tok)
     if path.is_dir():
         raise ModelSourceError(f"{path} is not a model directory (no config.json)")
     if path.exists():

@@ -36,7 +36,7 @@ RanParts = list[tuple[SchedulerOutput, SampledTokens]]  # sub-batches of a step 
 class EngineCore:
     def __init__(self, config: EngineConfig) -> None:
         overrides = parse_hf_overrides(config.hf_overrides)
-        source = resolve_model(config.model, overrides=overrides)
+        source = resolve_model(config.model, overrides=overrides, tokenizer=config.tokenizer)
         self.model_name = source.name
         # generate or pooling (common/pooling.py), decided once here: the TP workers take the engine's config
         runner = pick_runner(config.runner, source.path, source.architecture, overrides)
@@ -45,12 +45,12 @@ class EngineCore:
         hf_config = load_config(source.path, overrides)
         limit = getattr(hf_config, "max_position_embeddings", None) or getattr(hf_config, "n_positions", 2048)
         max_model_len = min(config.max_model_len or min(limit, 8192), limit)
-        self.runner = ModelRunner(config, source.path, max_model_len)
+        self.runner = ModelRunner(config, source, max_model_len)
         # A single request must always fit in the cache, or it could wait forever.
         self.max_model_len = min(max_model_len, self.runner.num_blocks * config.block_size)
         self.vocab_size = self.runner.vocab_size
         self.eos_token_ids = model_eos_ids(source.path, hf_config)
-        self.grammars = GrammarService(source.path, self.vocab_size, self.eos_token_ids)  # constrained decoding
+        self.grammars = GrammarService(source.tokenizer, self.vocab_size, self.eos_token_ids)  # constrained decoding
         self.kv = KVCacheManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
         speculator = Speculator.build(config.speculative_config, self.max_model_len)  # n-gram drafts, if asked
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, self.runner.config.max_num_batched_tokens,

@@ -8,13 +8,12 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import time
-from pathlib import Path
 
 import torch
 
 from common.config import EngineConfig
 from common.lora import lora_modules
-from common.model_source import parse_hf_overrides
+from common.model_source import ResolvedModel, parse_hf_overrides
 from common.pooling import read_pooling
 from engine_core import distributed, memory_profile
 from engine_core.attention import AttentionBackend, AttentionMetadata, PrefillChunk, select_backend
@@ -33,8 +32,9 @@ from engine_core.transfer import padded_rows, to_device
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, model_path: Path, max_model_len: int) -> None:
+    def __init__(self, config: EngineConfig, source: ResolvedModel, max_model_len: int) -> None:
         self.config = config
+        model_path = source.path
         self.device = pick_device(config.device)
         self.dtype = pick_dtype(config.dtype, self.device)
         # Tensor parallel: a worker has joined its group already; rank 0 starts it here (before the model
@@ -61,7 +61,8 @@ class ModelRunner:
         # Embeddings or scores only: no LM head (a classifier's head instead), no decode steps
         overrides = parse_hf_overrides(config.hf_overrides)
         self.pooling = read_pooling(model_path, overrides) if config.runner == "pooling" else None
-        self.model = load_model(model_path, self.dtype, self.device, max_model_len, self.pooling, overrides)
+        self.model = load_model(model_path, self.dtype, self.device, max_model_len, self.pooling, overrides,
+                                source.tokenizer)  # fmt: skip
         # int8 or int4, or packed bf16 on CPU; min_rows keeps a row's result independent of the rows beside it.
         self.min_rows = prepare_linears(self.model, config.quantization, self.device, self.dtype)
         quantization_hint(model_path, config.quantization, self.device, self.dtype)  # a 4- or 8-bit GGUF, dequantized

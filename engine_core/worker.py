@@ -87,8 +87,8 @@ def main() -> int:
         os.sched_setaffinity(0, [int(c) for c in args.cpus.split(",")])
     distributed.join(dist.PrefixStore(generation, store), args.rank, shape.size, shape.local_rank(args.rank), device,
                      pick_dtype(config.dtype, device))  # fmt: skip
-    source = resolve_model(config.model, overrides=parse_hf_overrides(config.hf_overrides))
-    runner = ModelRunner(config, source.path, info["max_model_len"])
+    source = resolve_model(config.model, overrides=parse_hf_overrides(config.hf_overrides), tokenizer=config.tokenizer)
+    runner = ModelRunner(config, source, info["max_model_len"])
     log.info("rank %d of %d ready", args.rank, shape.size)
     serve(runner)
 

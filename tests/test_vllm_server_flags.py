@@ -184,6 +184,7 @@ def test_a_vllm_command_line_serves_https_and_logs_stats_and_requests(tmp_path: 
                          r"params: max_tokens=24, temperature=0\.0, ignore_eos=True, lora: None$", received), received
         generated = [float(m) for m in re.findall(r"Engine 000: .*Avg generation throughput: ([\d.]+) tokens/s", log)]
         assert any(rate > 0 for rate in generated), log[-3000:]
+        assert f"serving {MODEL} on https://127.0.0.1:{server.port}\n" in log  # where it listens, said once up
         assert 'HTTP/1.1" 200' not in log  # no access log
         assert "Duplicate Operation ID" not in log  # the schema's operation ids are unique (GET and POST /ping)
     finally:

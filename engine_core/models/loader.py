@@ -175,11 +175,13 @@ def _iter_checkpoint(state: dict[str, torch.Tensor] | Path):
 
 
 def load_model(path: str | Path, dtype: torch.dtype, device: torch.device, max_positions: int,
-               pooling: Pooling | None = None, overrides: dict | None = None) -> nn.Module:  # fmt: skip
-    """`pooling`: a pooling engine's (--runner pooling), whose model has a pooling head instead of its LM head."""
+               pooling: Pooling | None = None, overrides: dict | None = None,
+               tokenizer: Path | None = None) -> nn.Module:  # fmt: skip
+    """`pooling`: a pooling engine's (--runner pooling), whose model has a pooling head instead of its LM head (a
+    classifier's label tokens are looked up in `tokenizer`'s directory, by default the model's)."""
     config = load_config(path, overrides)
     model = build_model(config, dtype, device, max_positions)
     if pooling is not None:
-        model.lm_head = pooling_head(config, pooling, Path(path), device)
+        model.lm_head = pooling_head(config, pooling, tokenizer or Path(path), device)
     load_weights(model, Path(path))
     return model
