@@ -146,7 +146,8 @@ def test_a_vllm_command_line_serves_https_and_logs_stats_and_requests(tmp_path: 
     key, cert = make_cert(tmp_path)
     flags = ["--log-level", "info", "--ssl-certfile", cert, "--ssl-keyfile", key, "--root-path", "/api",
              "--enable-log-requests", "--max-log-len", "6", "--disable-uvicorn-access-log", "--enable-docs",
-             "--trust-remote-code", "--enable-chunked-prefill", "--enable-prompt-tokens-details"]  # fmt: skip
+             "--trust-remote-code", "--swap-space", "16", "--enable-chunked-prefill",
+             "--enable-prompt-tokens-details"]  # fmt: skip
     server = Server(tmp_path, *flags, env={INTERVAL_ENV: "0.5", "VLLM_API_KEY": "sk-env"})  # the key, as vLLM reads it
     trusted = ssl.create_default_context(cafile=cert)
     server.url, server.verify = server.url.replace("http://", "https://"), trusted
