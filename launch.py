@@ -200,6 +200,9 @@ class Launch:
         self.client.metrics = metrics
         tokenizer = Tokenizer(source.tokenizer, parse_special_in_content=self.config.parse_special_tokens_in_content,
                               chat_template=self.config.chat_template)  # fmt: skip
+        if tokenizer.vocab_size > ready.vocab_size:  # a --tokenizer of another model: its last ids have no embedding
+            log.warning("the tokenizer (%s) has %d tokens, the model %d: prompts holding the others are refused",
+                        source.tokenizer, tokenizer.vocab_size, ready.vocab_size)  # fmt: skip
         defaults = load_sampling_defaults(source.path, self.config.generation_config,
                                           self.config.override_generation_config)  # fmt: skip
         if overridden := defaults.overridden():  # said at start, as vLLM does: not the API's usual defaults

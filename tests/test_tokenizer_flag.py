@@ -6,6 +6,7 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
+import httpx
 import pytest
 
 import launch
@@ -15,7 +16,8 @@ from common.model_source import ModelSourceError, resolve_model
 from engine_core.core import EngineCore
 from frontend.offline.llm import LLM
 from frontend.text.tokenizer import Tokenizer, TokenizerError
-from tests.engine_helpers import GPU_TEST_KV, fp32_config, greedy_request, run_engine, tokens_of
+from tests.conftest import Server
+from tests.engine_helpers import GPU_TEST_KV, fp32_config, greedy_request, run_engine, save_tiny_llama, tokens_of
 
 
 @pytest.fixture(scope="module")
@@ -59,3 +61,22 @@ def test_a_tokenizer_that_is_not_one_stops_the_server_at_start(tmp_path: Path, c
         resolve_model(None, tokenizer=str(tmp_path))
     assert launch.main(["--port", "1", "--tokenizer", str(tmp_path)]) == 2
     assert "not a directory with a tokenizer.json" in capsys.readouterr().err
+
+
+def test_a_tokenizer_larger_than_the_model_is_warned_of_and_its_extra_ids_refused(tmp_path: Path) -> None:
+    """A 300-token model served with the default model's 49152-token tokenizer: a warning at start; a prompt whose
+    text encodes to ids past the model's vocabulary is a 400, not an index error in the engine."""
+    model = save_tiny_llama(tmp_path / "tiny", max_positions=512, init=0.02)
+    server = Server(tmp_path, "--model", model, "--tokenizer", str(resolve_model(None).path), "--max-model-len", "512",
+                    "--log-level", "info")  # fmt: skip
+    try:
+        server.wait_healthy()
+        body = {"model": "tiny", "prompt": "The capital of France is", "max_tokens": 4, "ignore_eos": True}
+        refused = httpx.post(server.url + "/v1/completions", json=body, timeout=60)
+        assert refused.status_code == 400 and "outside the vocabulary [0, 300)" in refused.json()["error"]["message"]
+        ids = httpx.post(server.url + "/v1/completions", json={**body, "prompt": [5, 17, 299]}, timeout=60)
+        assert ids.status_code == 200 and ids.json()["usage"]["completion_tokens"] == 4
+        server.assert_clean_exit()
+        assert "has 49152 tokens, the model 300: prompts holding the others are refused" in server.log.read_text()
+    finally:
+        server.stop()
