@@ -74,6 +74,9 @@ class StatsLog:
     async def run(self) -> None:
         while True:
             await asyncio.sleep(self.interval)
-            await self.refresh()
-            for line in self.lines(time.monotonic()):
-                log.info(line)
+            try:
+                await self.refresh()
+                for line in self.lines(time.monotonic()):
+                    log.info(line)
+            except Exception:  # a log line is never worth the task: say why and go on
+                log.exception("the stats line failed")
