@@ -110,8 +110,11 @@ class CpuKernels:
         self.has_linear, self.panel_cols = bool(lib.linear_kernels_available()), lib.linear_panel_cols()
         self.has_int8_linear = bool(lib.linear_int8_available())
         self.has_int4_linear = bool(lib.linear_int4_available())
+        self.has_f32_linear = bool(lib.linear_f32_available())  # fp32 panels with AVX-512 (csrc/linear_f32.c)
         self._linear = lib.linear
         self._linear.argtypes = [_P, _I64, _I64, _P, _I, _P, _P, _I64, _I64, _I64]
+        self._linear_f32 = lib.linear_f32
+        self._linear_f32.argtypes = [_P, _I64, _I64, _P, _P, _P, _I64, _I64, _I64]
         self._moe_experts = lib.moe_experts_bf16
         self._moe_experts.argtypes = [_P, _I64, _P, _P, _I64, _P, _P, _I, _I64, _P, _P]
 
@@ -212,24 +215,31 @@ class CpuKernels:
         self._funcs["rotary", x.dtype](x.data_ptr(), positions.data_ptr(), cos.data_ptr(), sin.data_ptr(),
                                        x.shape[0], x.stride(0), num_heads, head_dim, cos.shape[1])  # fmt: skip
 
-    # ---- linears (csrc/linear*.c): bf16, weight-only int8 and int4; packed by linear_packing ----
+    # ---- linears (csrc/linear*.c): bf16, fp32, weight-only int8 and int4; packed by linear_packing ----
 
-    def supports_bf16_linear(self, in_features: int) -> bool:
-        return self.has_linear and in_features % 2 == 0
+    def supports_linear(self, dtype: torch.dtype, in_features: int) -> bool:
+        """Whether our kernel runs a plain linear of this dtype (bf16 packs k in pairs: in_features even)."""
+        if dtype == torch.float32:
+            return self.has_f32_linear
+        return dtype == torch.bfloat16 and self.has_linear and in_features % 2 == 0
 
     def supports_quantized_linear(self, method: str, in_features: int) -> bool:
         """method: "int8" or "int4"; both quantize groups of GROUP weights."""
         return (self.has_int8_linear if method == "int8" else self.has_int4_linear) and in_features % GROUP == 0
 
     def linear(self, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int):
-        """x: bf16 [..., K]; packed: from linear_packing (its dtype names the format); bias: bf16 [N] or None. Rows
-        of a 2-D x may be strided (a slice of a wider activation)."""
+        """x: [..., K], fp32 for fp32 panels, else bf16; packed: from linear_packing (its dtype names the format);
+        bias: [N] in x's dtype, or None. Rows of a 2-D x may be strided (a slice of a wider activation)."""
         rows = x.reshape(-1, x.shape[-1])
         rows = rows if rows.stride(1) == 1 else rows.contiguous()
-        out = torch.empty((rows.shape[0], out_features), dtype=torch.bfloat16)
-        self._linear(rows.data_ptr(), rows.stride(0), rows.shape[0], packed.data_ptr(), weight_format(packed),
-                     None if bias is None else bias.data_ptr(), out.data_ptr(), out_features, out_features,
-                     rows.shape[1])  # fmt: skip
+        out = torch.empty((rows.shape[0], out_features), dtype=x.dtype)
+        bias_ptr = None if bias is None else bias.data_ptr()
+        if packed.dtype == torch.float32:
+            self._linear_f32(rows.data_ptr(), rows.stride(0), rows.shape[0], packed.data_ptr(), bias_ptr,
+                             out.data_ptr(), out_features, out_features, rows.shape[1])  # fmt: skip
+        else:
+            self._linear(rows.data_ptr(), rows.stride(0), rows.shape[0], packed.data_ptr(), weight_format(packed),
+                         bias_ptr, out.data_ptr(), out_features, out_features, rows.shape[1])  # fmt: skip
         return out.view(*x.shape[:-1], out_features)
 
     def moe_experts(self, x: torch.Tensor, slots: torch.Tensor, counts: torch.Tensor, gate_up, down, fmt: int,

@@ -1,18 +1,19 @@
-"""Weights laid out for our CPU matmul kernels (csrc/linear.c, csrc/linear_int4.c), once at load.
+"""Weights laid out for our CPU matmul kernels (csrc/linear.c, csrc/linear_int4.c, csrc/linear_f32.c), once at
+load.
 
 Every format cuts the weight [N, K] into panels of up to `cols` output rows (48), the last one's rows rounded up to
-16 with zeros, and lays each panel out in vdpbf16ps's pair layout: for each pair of k, the panel's rows x 2
-values. The packed tensor's dtype names its format for the kernel (FORMATS): bf16 panels, int8 panels (per group
-of 32 k, the weights then each lane's scale), or int4 panels (per group of 32 k, four pairs' nibbles in each
-16-bit lane, then each row's scale and min).
+16 with zeros. The packed tensor's dtype names its format for the kernel (FORMATS): bf16 panels in vdpbf16ps's
+pair layout (for each pair of k, the panel's rows x 2 values), int8 panels (per group of 32 k, the weights then
+each lane's scale), int4 panels (per group of 32 k, four pairs' nibbles in each 16-bit lane, then each row's scale
+and min), or fp32 panels (for each k, the panel's rows).
 """
 
 from __future__ import annotations
 
 import torch
 
-# The kernels' `format` argument (csrc/linear.c's linear) for each packed dtype.
-FORMATS = {torch.bfloat16: 0, torch.int8: 1, torch.uint8: 2}
+# The kernels' `format` argument (csrc/linear.c's linear; 3 is csrc/linear_f32.c's) for each packed dtype.
+FORMATS = {torch.bfloat16: 0, torch.int8: 1, torch.uint8: 2, torch.float32: 3}
 GROUP = 32  # int8 and int4: k per scale (and min), the kernels' unit
 
 
@@ -31,20 +32,31 @@ def _rows_to_16(t: torch.Tensor) -> torch.Tensor:
     return torch.cat([t, t.new_zeros((-len(t) % 16, *t.shape[1:]))])
 
 
-def pack_bf16(weight: torch.Tensor, cols: int) -> torch.Tensor:
-    """[N, K] bf16 (K even) -> bf16 panels."""
-    half = weight.shape[1] // 2
-    pairs = weight.to(torch.bfloat16).contiguous().view(torch.int32)  # a k pair as one int32
-    if len(pairs) % 16:
-        pairs = _rows_to_16(pairs)
+def _k_major_panels(units: torch.Tensor, cols: int) -> torch.Tensor:
+    """[N, U] -> panels of `cols` rows (the last rounded up to 16 with zeros), each laid out unit-major: for each
+    of the U units, the panel's rows' values side by side."""
+    if len(units) % 16:
+        units = _rows_to_16(units)
     # Transposed straight into the result, the whole panels in one copy: packing the default model at each start
     # took 0.93 s a pair and a panel at a time; 128 experts' 5 GB took 13 s with a copy before and after this one,
     # half that without.
-    whole = len(pairs) // cols * cols
-    out = torch.empty(len(pairs) * half, dtype=torch.int32)
-    out[: whole * half].view(-1, half, cols).copy_(pairs[:whole].view(-1, cols, half).transpose(1, 2))
-    out[whole * half :].view(half, len(pairs) - whole).copy_(pairs[whole:].T)
-    return out.view(torch.bfloat16)
+    n, u = units.shape
+    whole = n // cols * cols
+    out = units.new_empty(n * u)
+    out[: whole * u].view(-1, u, cols).copy_(units[:whole].view(-1, cols, u).transpose(1, 2))
+    out[whole * u :].view(u, n - whole).copy_(units[whole:].T)
+    return out
+
+
+def pack_bf16(weight: torch.Tensor, cols: int) -> torch.Tensor:
+    """[N, K] bf16 (K even) -> bf16 panels: a k pair (one int32) is the unit."""
+    pairs = weight.to(torch.bfloat16).contiguous().view(torch.int32)
+    return _k_major_panels(pairs, cols).view(torch.bfloat16)
+
+
+def pack_f32(weight: torch.Tensor, cols: int) -> torch.Tensor:
+    """[N, K] -> fp32 panels, k-major (csrc/linear_f32.c)."""
+    return _k_major_panels(weight.to(torch.float32).contiguous(), cols)
 
 
 def pack_int8(q: torch.Tensor, scale: torch.Tensor, cols: int) -> torch.Tensor:

@@ -75,12 +75,14 @@ class LoraLinear(nn.Module):
 
 def low_rank(a: torch.Tensor, b: torch.Tensor, device: torch.device, dtype: torch.dtype) -> nn.Module:
     """(x A^T) B^T as two linears, packed for our CPU kernels (or oneDNN's) where the base layers are: a few rows'
-    products then cost what reading A and B costs, where a plain bf16 matmul reorders both in every call."""
+    products then cost what reading A and B costs, where a plain bf16 matmul reorders both in every call, and each
+    row's bits do not depend on the rows beside it (prepare_linears)."""
     linears = []
+    packed = device.type == "cpu" and dtype in (torch.bfloat16, torch.float32)
     for weight in (a, b):
         linear = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
         linear.weight = nn.Parameter(weight.to(device, dtype), requires_grad=False)
-        linears.append(PackedLinear(linear) if device.type == "cpu" and dtype == torch.bfloat16 else linear)
+        linears.append(PackedLinear(linear) if packed else linear)
     return nn.Sequential(*linears)
 
 

@@ -1,7 +1,7 @@
 """Which of our C kernels this CPU runs. The bf16, int8 and int4 linears, the decode stack and the prefill attention
-need AVX-512 (AVX512-BF16 for the linears) or AVX2 with FMA (and F16C for int8 and int4); on a CPU without them the
-engine runs torch there, so tests of those kernels skip, as the CUDA-only tests skip on CPU, and tests of the
-engine expect the torch path."""
+need AVX-512 (AVX512-BF16 for the linears) or AVX2 with FMA (and F16C for int8 and int4), the fp32 linear AVX-512;
+on a CPU without them the engine runs torch there, so tests of those kernels skip, as the CUDA-only tests skip on
+CPU, and tests of the engine expect the torch path."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ HAS_LINEAR = _KERNELS is not None and _KERNELS.has_linear
 HAS_INT8_LINEAR = _KERNELS is not None and _KERNELS.has_int8_linear
 HAS_INT4_LINEAR = _KERNELS is not None and _KERNELS.has_int4_linear
 HAS_PREFILL = _KERNELS is not None and _KERNELS.has_prefill
+HAS_F32_LINEAR = _KERNELS is not None and _KERNELS.has_f32_linear
 
 needs_linear_kernels = pytest.mark.skipif(not HAS_LINEAR,
                                           reason="our linear kernels need AVX512-BF16 or AVX2 + FMA")  # fmt: skip
@@ -23,3 +24,5 @@ needs_int8_kernels = pytest.mark.skipif(not HAS_INT8_LINEAR,
                                         reason="our int8 linear kernels need AVX512-BF16 or AVX2 + FMA")  # fmt: skip
 needs_int4_kernels = pytest.mark.skipif(not HAS_INT4_LINEAR,
                                         reason="our int4 linear kernels need AVX512-BF16 or AVX2 + FMA")  # fmt: skip
+needs_f32_linear_kernel = pytest.mark.skipif(not HAS_F32_LINEAR,
+                                             reason="our fp32 linear kernel needs AVX-512")  # fmt: skip

@@ -154,7 +154,7 @@ def test_bf16_linear_matches_fp32_and_each_row_is_computed_alone(out_features, i
     strided input rows; and every row bit for bit the same alone as inside any batch: what makes seeded sampling
     independent of the batch (see prepare_linears)."""
     kernels = cpu_kernels()
-    assert kernels is not None and kernels.supports_bf16_linear(in_features)
+    assert kernels is not None and kernels.supports_linear(torch.bfloat16, in_features)
     torch.manual_seed(0)
     weight = torch.randn(out_features, in_features, dtype=torch.bfloat16)
     b = torch.randn(out_features, dtype=torch.bfloat16) if bias else None

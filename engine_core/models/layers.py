@@ -11,7 +11,7 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from engine_core import distributed
 from engine_core.cpu_kernels import cpu_kernels
-from engine_core.linear_packing import pack_bf16
+from engine_core.linear_packing import pack_bf16, pack_f32
 from engine_core.models.parallel import RowParallelLinear
 
 
@@ -169,24 +169,26 @@ def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
 
 
 class PackedLinear(nn.Module):
-    """A CPU bf16 linear layer whose weight is packed once at load for the matmul that runs it: our kernel
-    (csrc/linear.c; csrc/linear_avx2.c on AVX2) where it was built, else oneDNN's blocked layout (a plain bf16
-    linear on CPU reorders its weight inside every call: at 64 decode rows that reorder took about 40% of the
-    matmul). Ours reads the weights at memory speed for a few decode rows (SmolLM2 at 16 rows: 7 ms a step,
-    oneDNN 10.4), keeps up with oneDNN up to prefill sizes, and gives every row the same bits whatever runs
-    beside it."""
+    """A CPU linear layer whose weight is packed once at load for the matmul that runs it: our kernel where it was
+    built (bf16: csrc/linear.c, csrc/linear_avx2.c on AVX2; fp32: csrc/linear_f32.c on AVX-512), else, in bf16,
+    oneDNN's blocked layout (a plain bf16 linear on CPU reorders its weight inside every call: at 64 decode rows
+    that reorder took about 40% of the matmul), else the plain weight. Ours reads the weights at memory speed for a
+    few decode rows (SmolLM2 bf16 at 16 rows: 7 ms a step, oneDNN 10.4), keeps up with oneDNN and MKL up to prefill
+    sizes, and gives every row the same bits whatever runs beside it."""
 
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.shard_sizes = getattr(linear, "shard_sizes", None)  # a fused layer's parts (LoRA adapters read them)
-        kernels = cpu_kernels()
-        self.kernels = kernels if kernels is not None and kernels.supports_bf16_linear(self.in_features) else None
         weight = linear.weight.detach()
+        kernels = cpu_kernels()
+        supported = kernels is not None and kernels.supports_linear(weight.dtype, self.in_features)
+        self.kernels = kernels if supported else None
         # Neither (an odd in_features on a CPU without oneDNN's bf16 path): the plain weight, torch's emulation.
-        self.onednn = self.kernels is None and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+        bf16 = weight.dtype == torch.bfloat16
+        self.onednn = self.kernels is None and bf16 and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
         if self.kernels is not None:
-            self.packed_weight = pack_bf16(weight, self.kernels.panel_cols)
+            self.packed_weight = (pack_bf16 if bf16 else pack_f32)(weight, self.kernels.panel_cols)
         else:
             self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight, 64) if self.onednn else weight
         self.bias = linear.bias
@@ -216,8 +218,8 @@ def can_pack_bf16() -> bool:
 
 
 def pack_linears(model: nn.Module) -> int:
-    """Replaces every linear layer of a loaded CPU bf16 model by a PackedLinear; returns how many. Tied weights
-    stay usable: the embedding keeps the plain tensor, the head gets its packed copy."""
+    """Replaces every linear layer of a loaded CPU bf16 or fp32 model by a PackedLinear; returns how many. Tied
+    weights stay usable: the embedding keeps the plain tensor, the head gets its packed copy."""
     return replace_linears(model, PackedLinear)
 
 

@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from engine_core import distributed
-from engine_core.linear_packing import weight_format
+from engine_core.linear_packing import FORMATS, weight_format
 from engine_core.models.layers import PackedLinear
 from engine_core.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP
 from engine_core.models.parallel import split, take_cols, take_rows
@@ -159,7 +159,7 @@ class ExpertsInC:
         if not all(isinstance(m, PackedLinear | QuantizedLinear) and m.kernels is not None for m in linears):
             return None
         formats = {weight_format(m.packed_weight) for m in linears}
-        if len(formats) != 1:
+        if len(formats) != 1 or formats == {FORMATS[torch.float32]}:  # csrc/moe.c runs bf16 activations
             return None
         return ExpertsInC(linears[0].kernels, [e.gate_up_proj.packed_weight for e in experts],
                           [e.down_proj.packed_weight for e in experts], formats.pop(),

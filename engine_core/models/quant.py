@@ -135,12 +135,14 @@ def quantize_linears(model: nn.Module, method: str) -> int:
 
 
 def prepare_linears(model: nn.Module, quantization: str, device: torch.device, dtype: torch.dtype) -> int:
-    """At load: int8 or int4 linears when asked for; else, on CPU in bf16, packed ones (see PackedLinear).
+    """At load: int8 or int4 linears when asked for; else, on CPU in bf16 (or in fp32 where csrc/linear_f32.c runs),
+    packed ones (see PackedLinear).
 
     Returns the fewest rows these matmuls must be given for a row's result not to depend on how many rows run
     beside it: a seeded request then draws the same tokens alone as inside a batch. oneDNN's one-row bf16 path
-    and MKL's fp32 paths below 4 rows sum in another order than wider calls; our bf16, int8 and int4 kernels do
-    each row alone. On CUDA no row count promises that (cuBLAS picks kernels by shape): 8 there only limits the shapes.
+    and MKL's fp32 paths below 4 rows sum in another order than wider calls; our bf16, fp32, int8 and int4 kernels
+    do each row alone. On CUDA no row count promises that (cuBLAS picks kernels by shape): 8 there only limits the
+    shapes.
     """
     if quantization in ("int8", "int4"):
         quantize_linears(model, quantization)
@@ -159,8 +161,21 @@ def prepare_linears(model: nn.Module, quantization: str, device: torch.device, d
             return 8
         pack_linears(model)
         # Our bf16 kernel does each row alone; oneDNN (where it could not be built) needs 2 rows.
-        return 1 if all(m.kernels is not None for m in model.modules() if isinstance(m, PackedLinear)) else 2
+        return 1 if _all_ours(model) else 2
+    elif device.type == "cpu" and dtype == torch.float32 and _has_f32_linear():
+        pack_linears(model)
+        return 1 if _all_ours(model) else 8
     return 8
+
+
+def _has_f32_linear() -> bool:
+    kernels = cpu_kernels()
+    return kernels is not None and kernels.has_f32_linear
+
+
+def _all_ours(model: nn.Module) -> bool:
+    """Whether our kernels run every packed linear of the model."""
+    return all(m.kernels is not None for m in model.modules() if isinstance(m, PackedLinear))
 
 
 def quantization_hint(model_dir: Path, quantization: str, device: torch.device, dtype: torch.dtype) -> str | None:
