@@ -24,6 +24,7 @@ from engine_core.memory_profile import (
     kv_budget,
 )
 from tests.conftest import Server
+from tests.cpu_features import HAS_F32_LINEAR
 from tests.engine_helpers import run_engine, tokens_of
 
 MiB = 2**20
@@ -109,8 +110,11 @@ def test_profiling_step_runs_at_the_largest_shapes(tiny_dir: str) -> None:
     model.forward = lambda ids, pos, meta: seen.extend([ids.numel(), int(pos.max())]) or forward(ids, pos, meta)
     model.compute_logits = lambda h: seen.append(h.shape[0]) or logits(h)
     memory_profile._profile_step(core.runner, 100, padded_size)
-    # 99 + 99 + 52 tokens (250), padded to 256, each the last chunk of a 99-token context; 40 sampler rows
-    assert seen == [256, 98, 40]
+    # 99 + 99 + 52 tokens (250), padded as the runner pads a step (to 256 where torch's fp32 matmul runs; not at
+    # all on our fp32 kernel), each the last chunk of a 99-token context; 40 sampler rows
+    assert seen == [padded_size(250, core.runner.min_rows), 98, 40]
+    if core.runner.device.type == "cpu":
+        assert core.runner.min_rows == (1 if HAS_F32_LINEAR else 8)
 
 
 def test_launch_prints_the_error_and_exits_without_restarting(tmp_path) -> None:
