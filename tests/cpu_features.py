@@ -1,7 +1,7 @@
-"""Which of our C kernels this CPU runs. The bf16, int8 and int4 linears, the decode stack and the prefill attention
-need AVX-512 (AVX512-BF16 for the linears) or AVX2 with FMA (and F16C for int8 and int4), the fp32 linear AVX-512;
-on a CPU without them the engine runs torch there, so tests of those kernels skip, as the CUDA-only tests skip on
-CPU, and tests of the engine expect the torch path."""
+"""Which of our C kernels this CPU runs. The bf16, fp32, int8 and int4 linears, the decode stack and the prefill
+attention need AVX-512 (AVX512-BF16 for the bf16 and quantized linears) or AVX2 with FMA (and F16C for int8 and
+int4); on a CPU without them the engine runs torch there, so tests of those kernels skip, as the CUDA-only tests
+skip on CPU, and tests of the engine expect the torch path."""
 
 from __future__ import annotations
 
@@ -25,4 +25,4 @@ needs_int8_kernels = pytest.mark.skipif(not HAS_INT8_LINEAR,
 needs_int4_kernels = pytest.mark.skipif(not HAS_INT4_LINEAR,
                                         reason="our int4 linear kernels need AVX512-BF16 or AVX2 + FMA")  # fmt: skip
 needs_f32_linear_kernel = pytest.mark.skipif(not HAS_F32_LINEAR,
-                                             reason="our fp32 linear kernel needs AVX-512")  # fmt: skip
+                                             reason="our fp32 linear kernel needs AVX-512 or AVX2 + FMA")  # fmt: skip

@@ -1,6 +1,6 @@
-"""The AVX2 + FMA linears (csrc/linear_avx2.c, csrc/linear_quant_avx2.c), built for x86-64-v3 and loaded beside this
-machine's own kernels: on an AVX512-BF16 CPU the engine never runs them, so they are checked here on any CPU that
-has AVX2, against the fp32 matmul of the weights each format stands for."""
+"""The AVX2 + FMA linears (csrc/linear_avx2.c, csrc/linear_quant_avx2.c, and csrc/linear_f32.c's AVX2 half), built
+for x86-64-v3 and loaded beside this machine's own kernels: on an AVX512-BF16 CPU the engine never runs them, so they
+are checked here on any CPU that has AVX2, against the fp32 matmul of the weights each format stands for."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import shutil
 import pytest
 import torch
 
-from engine_core.cpu_kernels import CpuKernels, build_library, cpu_flags
-from engine_core.linear_packing import pack_bf16, pack_int4, pack_int8
+from engine_core.cpu_kernels import CpuKernels, build_library, cpu_flags, cpu_kernels
+from engine_core.linear_packing import pack_bf16, pack_f32, pack_int4, pack_int8
 from engine_core.models.quant import dequantize, quantize_int4, quantize_int8
 
 CC = shutil.which("cc") or shutil.which("gcc")
@@ -25,7 +25,7 @@ pytestmark = pytest.mark.skipif(CC is None or not V3_FLAGS.issubset(cpu_flags().
 def avx2() -> CpuKernels:
     assert CC is not None
     kernels = CpuKernels(ctypes.CDLL(str(build_library(CC, "x86-64-v3"))))
-    assert kernels.has_linear and kernels.has_int8_linear and kernels.has_int4_linear
+    assert kernels.has_linear and kernels.has_int8_linear and kernels.has_int4_linear and kernels.has_f32_linear
     return kernels
 
 
@@ -67,3 +67,24 @@ def test_avx2_linears_match_fp32_and_each_row_is_computed_alone(avx2, fmt, out_f
     for rows in (1, 2, 3, 4, 5, 7, 8, 9, 13, 16, 17, 32, 33):
         for start in (0, 40 - rows):
             assert torch.equal(avx2.linear(x[start : start + rows], packed, b, out_features), out[start : start + rows])
+
+
+@pytest.mark.parametrize("out_features,in_features", [(96, 64), (130, 1536), (20, 35), (100, 576), (40, 4096)])
+def test_avx2_fp32_linear_matches_float64_and_avx512_bit_for_bit(avx2, out_features, in_features) -> None:
+    """One row over whole panels, more in 6-row strips of 16 columns, partial panels and strided rows: within fp32
+    rounding of the exact sums, every row the same alone as in any batch, and, on a CPU with AVX-512, the same
+    bits as the AVX-512 tiles: both add each output's products one after the other with FMAs."""
+    torch.manual_seed(in_features)
+    weight, b = torch.randn(out_features, in_features), torch.randn(out_features)
+    packed = pack_f32(weight, avx2.panel_cols)
+    x = torch.randn(40, in_features + 3)[:, 1 : in_features + 1]
+    out = avx2.linear(x, packed, b, out_features)
+    ref = x.double() @ weight.double().T + b.double()
+    bound = in_features * 2**-23 * float((x.double().abs() @ weight.double().abs().T).max() + 1)
+    assert out.dtype == torch.float32 and float((out.double() - ref).abs().max()) <= bound
+    for rows in (1, 2, 5, 6, 7, 13, 33):
+        for start in (0, 40 - rows):
+            assert torch.equal(avx2.linear(x[start : start + rows], packed, b, out_features), out[start : start + rows])
+    native = cpu_kernels()
+    if native is not None and native.has_f32_linear:
+        assert torch.equal(native.linear(x, packed, b, out_features), out)

@@ -1,14 +1,19 @@
-// fp32 linear layers on CPUs with AVX-512 (--dtype float32): out[m, n] = sum_k x[m, k] * w[n, k] (+ bias[n]).
+// fp32 linear layers on CPU (--dtype float32): out[m, n] = sum_k x[m, k] * w[n, k] (+ bias[n]), with AVX-512, or
+// with AVX2 + FMA.
 //
 // torch's fp32 matmul (MKL) is fast at prefill sizes but slow at a decode step's few rows (SmolLM2's LM head at 8
 // rows: 21.6 ms, 5 GB/s of weights), and it sums a row in another order below 4 rows than above, so the engine
 // padded every step to 8 rows to keep a row's result independent of its neighbours. Here the weight is packed once
 // at load into csrc/linear.c's panels of up to 48 output columns, laid out k-major in fp32: for each k, the
-// panel's columns (three vectors of 16). A tile of up to 8 rows x one panel keeps 24 accumulators in registers;
-// each k broadcasts one value of each row against the panel's three vectors. Every output adds its products one
-// after the other in k order whatever the number of rows, so a row's result never depends on the rows beside it
-// and one row costs no more than reading the weights. With one tile of rows, the next panel is prefetched while
-// this one is worked on (as csrc/linear.c).
+// panel's columns. Every output adds its products one after the other in k order, from zero, with FMAs, then adds
+// the bias, whatever the number of rows and whichever of the tiles below computes it: a row's result never depends
+// on the rows beside it (nor on the ISA: an FMA rounds the same everywhere), and one row costs no more than
+// reading the weights.
+// - AVX-512: a tile of up to 8 rows x one panel keeps 24 accumulators in registers; each k broadcasts one value of
+//   each row against the panel's three vectors. With one tile of rows, the next panel is prefetched while this one
+//   is worked on (as csrc/linear.c).
+// - AVX2 (16 registers): one row takes the whole panel (6 accumulators, 6 weight vectors); more rows go through
+//   the panel in strips of 16 columns, 6 rows at a time (12 accumulators), as csrc/linear_avx2.c's strips.
 #include <omp.h>
 
 #include "kernel_common.h"
@@ -74,6 +79,75 @@ static void any_tile(const float* x, int64_t ldx, int mr, const float* panel, in
     if (nv == PANEL_VECS) TILE_CASES(PANEL_VECS) else if (nv == 2) TILE_CASES(2) else TILE_CASES(1)
 }
 
+#define PANEL_TILE(x, ldx, mr, it, k_len, bias, out, ldo, pf, pf_len) \
+    any_tile(x, ldx, mr, (const float*)(it).panel, (it).nv, k_len, bias, out, ldo, (it).cols, pf, pf_len)
+#elif defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define PANEL_COLS LINEAR_PANEL_COLS
+#define TILE_ROWS 6
+#define UNROLLED _Pragma("GCC unroll 6")  // every row and vector: a partly unrolled loop keeps sums in memory
+
+// mr rows x nv vectors of 8 columns of a panel whose k rows are ldw floats apart; writes the first `cols` columns
+// (+ bias). mr x nv <= 12: accumulators, the k's weight vectors and one broadcast fit the 16 registers.
+static inline __attribute__((always_inline)) void tile8(const float* x, int64_t ldx, int mr, const float* w,
+                                                        int64_t ldw, int nv, int64_t k_len, const float* bias,
+                                                        float* out, int64_t ldo, int cols) {
+    __m256 acc[TILE_ROWS][PANEL_COLS / 8];
+    UNROLLED for (int i = 0; i < mr; i++)
+        UNROLLED for (int j = 0; j < nv; j++) acc[i][j] = _mm256_setzero_ps();
+    for (int64_t k = 0; k < k_len; k++) {
+        __m256 wk[PANEL_COLS / 8];
+        UNROLLED for (int j = 0; j < nv; j++) wk[j] = _mm256_loadu_ps(w + k * ldw + 8 * j);
+        UNROLLED for (int i = 0; i < mr; i++) {
+            const __m256 xi = _mm256_broadcast_ss(x + i * ldx + k);
+            UNROLLED for (int j = 0; j < nv; j++) acc[i][j] = _mm256_fmadd_ps(xi, wk[j], acc[i][j]);
+        }
+    }
+    float sums[TILE_ROWS][PANEL_COLS];
+    UNROLLED for (int i = 0; i < mr; i++)
+        UNROLLED for (int j = 0; j < nv; j++) _mm256_storeu_ps(sums[i] + 8 * j, acc[i][j]);
+    for (int i = 0; i < mr; i++)
+        for (int c = 0; c < cols; c++) out[i * ldo + c] = sums[i][c] + (bias ? bias[c] : 0.f);
+}
+
+// Not inlined, so that each case's accumulators stay in registers (csrc/linear_avx2.c measured the spill).
+static __attribute__((noinline)) void strip_rows(const float* x, int64_t ldx, int mr, const float* w, int64_t ldw,
+                                                 int64_t k_len, const float* bias, float* out, int64_t ldo, int cols) {
+#define STRIP(MR) tile8(x, ldx, MR, w, ldw, 2, k_len, bias, out, ldo, cols); break
+    switch (mr) {
+        case 6: STRIP(6);
+        case 5: STRIP(5);
+        case 4: STRIP(4);
+        case 3: STRIP(3);
+        case 2: STRIP(2);
+        default: STRIP(1);
+    }
+#undef STRIP
+}
+
+static __attribute__((noinline)) void one_row(const float* x, const float* panel, int nv, int64_t k_len,
+                                              const float* bias, float* out, int cols) {
+    if (nv == 6) tile8(x, 0, 1, panel, 48, 6, k_len, bias, out, 0, cols);
+    else if (nv == 4) tile8(x, 0, 1, panel, 32, 4, k_len, bias, out, 0, cols);
+    else tile8(x, 0, 1, panel, 16, 2, k_len, bias, out, 0, cols);
+}
+
+// mr rows x one panel of nv16 vectors of 16 columns (the first `cols` of them real).
+static void panel_tile(const float* x, int64_t ldx, int mr, const float* panel, int nv16, int64_t k_len,
+                       const float* bias, float* out, int64_t ldo, int64_t cols) {
+    if (mr == 1) {
+        one_row(x, panel, 2 * nv16, k_len, bias, out, (int)cols);
+        return;
+    }
+    for (int c0 = 0; c0 < cols; c0 += 16)
+        strip_rows(x, ldx, mr, panel + c0, 16 * nv16, k_len, bias ? bias + c0 : NULL, out + c0, ldo,
+                   cols - c0 < 16 ? (int)(cols - c0) : 16);
+}
+#define PANEL_TILE(x, ldx, mr, it, k_len, bias, out, ldo, pf, pf_len) \
+    panel_tile(x, ldx, mr, (const float*)(it).panel, (it).nv, k_len, bias, out, ldo, (it).cols)
+#endif
+
+#if defined(PANEL_TILE)
 int linear_f32_available(void) { return 1; }
 
 // x: fp32 [m_len, k_len] with row stride ldx; packed: the weight [n_len, k_len] as fp32 panels (see the top; the
@@ -91,8 +165,8 @@ void linear_f32(const float* x, int64_t ldx, int64_t m_len, const float* packed,
         for (int64_t t = it.part * tiles / row_parts; t < (it.part + 1) * tiles / row_parts; t++) {
             const int64_t m0 = t * TILE_ROWS;
             const int mr = m_len - m0 < TILE_ROWS ? (int)(m_len - m0) : TILE_ROWS;
-            any_tile(x + m0 * ldx, ldx, mr, (const float*)it.panel, it.nv, k_len, bias ? bias + it.n0 : 0,
-                     out + m0 * ldo + it.n0, ldo, it.cols, it.next, tiles == 1 ? it.next_bytes : 0);
+            PANEL_TILE(x + m0 * ldx, ldx, mr, it, k_len, bias ? bias + it.n0 : 0, out + m0 * ldo + it.n0, ldo,
+                       it.next, tiles == 1 ? it.next_bytes : 0);
         }
     }
 }

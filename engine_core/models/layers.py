@@ -170,7 +170,7 @@ def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
 
 class PackedLinear(nn.Module):
     """A CPU linear layer whose weight is packed once at load for the matmul that runs it: our kernel where it was
-    built (bf16: csrc/linear.c, csrc/linear_avx2.c on AVX2; fp32: csrc/linear_f32.c on AVX-512), else, in bf16,
+    built (bf16: csrc/linear.c, csrc/linear_avx2.c on AVX2; fp32: csrc/linear_f32.c, AVX-512 or AVX2), else, in bf16,
     oneDNN's blocked layout (a plain bf16 linear on CPU reorders its weight inside every call: at 64 decode rows
     that reorder took about 40% of the matmul), else the plain weight. Ours reads the weights at memory speed for a
     few decode rows (SmolLM2 bf16 at 16 rows: 7 ms a step, oneDNN 10.4), keeps up with oneDNN and MKL up to prefill
