@@ -12,8 +12,10 @@
 // - AVX-512: a tile of up to 8 rows x one panel keeps 24 accumulators in registers; each k broadcasts one value of
 //   each row against the panel's three vectors. With one tile of rows, the next panel is prefetched while this one
 //   is worked on (as csrc/linear.c).
-// - AVX2 (16 registers): one row takes the whole panel (6 accumulators, 6 weight vectors); more rows go through
-//   the panel in strips of 16 columns, 6 rows at a time (12 accumulators), as csrc/linear_avx2.c's strips.
+// - AVX2 (16 registers), as csrc/linear_avx2.c: up to 12 rows take whole panels, 1 or 2 rows a pass (12
+//   accumulators, each k's weight vectors used as they are loaded); more rows go through the panel in strips of 16
+//   columns, 6 rows at a time (12 accumulators, each k's row values broadcast as they are used). Strips at 2 rows
+//   took 34-37 ms for SmolLM2's linears and head against 19-21 for whole panels.
 #include <omp.h>
 
 #include "kernel_common.h"
@@ -79,7 +81,7 @@ static void any_tile(const float* x, int64_t ldx, int mr, const float* panel, in
     if (nv == PANEL_VECS) TILE_CASES(PANEL_VECS) else if (nv == 2) TILE_CASES(2) else TILE_CASES(1)
 }
 
-#define PANEL_TILE(x, ldx, mr, it, k_len, bias, out, ldo, pf, pf_len) \
+#define PANEL_TILE(x, ldx, mr, m_len, it, k_len, bias, out, ldo, pf, pf_len) \
     any_tile(x, ldx, mr, (const float*)(it).panel, (it).nv, k_len, bias, out, ldo, (it).cols, pf, pf_len)
 #elif defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
@@ -88,7 +90,8 @@ static void any_tile(const float* x, int64_t ldx, int mr, const float* panel, in
 #define UNROLLED _Pragma("GCC unroll 6")  // every row and vector: a partly unrolled loop keeps sums in memory
 
 // mr rows x nv vectors of 8 columns of a panel whose k rows are ldw floats apart; writes the first `cols` columns
-// (+ bias). mr x nv <= 12: accumulators, the k's weight vectors and one broadcast fit the 16 registers.
+// (+ bias). mr x nv <= 12, and the rest of the 16 registers hold, for 1 or 2 rows, the rows' broadcast values and
+// one weight vector at a time, for more rows the k's weight vectors and one broadcast at a time.
 static inline __attribute__((always_inline)) void tile8(const float* x, int64_t ldx, int mr, const float* w,
                                                         int64_t ldw, int nv, int64_t k_len, const float* bias,
                                                         float* out, int64_t ldo, int cols) {
@@ -96,6 +99,15 @@ static inline __attribute__((always_inline)) void tile8(const float* x, int64_t 
     UNROLLED for (int i = 0; i < mr; i++)
         UNROLLED for (int j = 0; j < nv; j++) acc[i][j] = _mm256_setzero_ps();
     for (int64_t k = 0; k < k_len; k++) {
+        if (mr <= 2) {
+            __m256 xk[2];
+            UNROLLED for (int i = 0; i < mr; i++) xk[i] = _mm256_broadcast_ss(x + i * ldx + k);
+            UNROLLED for (int j = 0; j < nv; j++) {
+                const __m256 wj = _mm256_loadu_ps(w + k * ldw + 8 * j);
+                UNROLLED for (int i = 0; i < mr; i++) acc[i][j] = _mm256_fmadd_ps(xk[i], wj, acc[i][j]);
+            }
+            continue;
+        }
         __m256 wk[PANEL_COLS / 8];
         UNROLLED for (int j = 0; j < nv; j++) wk[j] = _mm256_loadu_ps(w + k * ldw + 8 * j);
         UNROLLED for (int i = 0; i < mr; i++) {
@@ -125,26 +137,32 @@ static __attribute__((noinline)) void strip_rows(const float* x, int64_t ldx, in
 #undef STRIP
 }
 
-static __attribute__((noinline)) void one_row(const float* x, const float* panel, int nv, int64_t k_len,
-                                              const float* bias, float* out, int cols) {
-    if (nv == 6) tile8(x, 0, 1, panel, 48, 6, k_len, bias, out, 0, cols);
-    else if (nv == 4) tile8(x, 0, 1, panel, 32, 4, k_len, bias, out, 0, cols);
-    else tile8(x, 0, 1, panel, 16, 2, k_len, bias, out, 0, cols);
+// 1 or 2 rows over a whole panel of nv vectors of 8 columns (6, or 4 or 2 in a weight's last panel).
+static __attribute__((noinline)) void wide_rows(const float* x, int64_t ldx, int mr, const float* panel, int nv,
+                                                int64_t k_len, const float* bias, float* out, int64_t ldo, int cols) {
+#define WIDE(NV)                                                                      \
+    if (mr == 2) tile8(x, ldx, 2, panel, 8 * NV, NV, k_len, bias, out, ldo, cols); \
+    else tile8(x, ldx, 1, panel, 8 * NV, NV, k_len, bias, out, ldo, cols)
+    if (nv == 6) WIDE(6); else if (nv == 4) WIDE(4); else WIDE(2);
+#undef WIDE
 }
 
-// mr rows x one panel of nv16 vectors of 16 columns (the first `cols` of them real).
+// mr rows x one panel of nv16 vectors of 16 columns (the first `cols` of them real): whole panels for a call of few
+// rows (wide), else strips.
 static void panel_tile(const float* x, int64_t ldx, int mr, const float* panel, int nv16, int64_t k_len,
-                       const float* bias, float* out, int64_t ldo, int64_t cols) {
-    if (mr == 1) {
-        one_row(x, panel, 2 * nv16, k_len, bias, out, (int)cols);
+                       const float* bias, float* out, int64_t ldo, int64_t cols, int wide) {
+    if (wide) {
+        for (int i = 0; i < mr; i += 2)
+            wide_rows(x + i * ldx, ldx, mr - i < 2 ? 1 : 2, panel, 2 * nv16, k_len, bias, out + i * ldo, ldo, (int)cols);
         return;
     }
     for (int c0 = 0; c0 < cols; c0 += 16)
         strip_rows(x, ldx, mr, panel + c0, 16 * nv16, k_len, bias ? bias + c0 : NULL, out + c0, ldo,
                    cols - c0 < 16 ? (int)(cols - c0) : 16);
 }
-#define PANEL_TILE(x, ldx, mr, it, k_len, bias, out, ldo, pf, pf_len) \
-    panel_tile(x, ldx, mr, (const float*)(it).panel, (it).nv, k_len, bias, out, ldo, (it).cols)
+#define WIDE_MAX_ROWS 12  // up to this many rows in a call: whole panels
+#define PANEL_TILE(x, ldx, mr, m_len, it, k_len, bias, out, ldo, pf, pf_len) \
+    panel_tile(x, ldx, mr, (const float*)(it).panel, (it).nv, k_len, bias, out, ldo, (it).cols, m_len <= WIDE_MAX_ROWS)
 #endif
 
 #if defined(PANEL_TILE)
@@ -165,7 +183,7 @@ void linear_f32(const float* x, int64_t ldx, int64_t m_len, const float* packed,
         for (int64_t t = it.part * tiles / row_parts; t < (it.part + 1) * tiles / row_parts; t++) {
             const int64_t m0 = t * TILE_ROWS;
             const int mr = m_len - m0 < TILE_ROWS ? (int)(m_len - m0) : TILE_ROWS;
-            PANEL_TILE(x + m0 * ldx, ldx, mr, it, k_len, bias ? bias + it.n0 : 0, out + m0 * ldo + it.n0, ldo,
+            PANEL_TILE(x + m0 * ldx, ldx, mr, m_len, it, k_len, bias ? bias + it.n0 : 0, out + m0 * ldo + it.n0, ldo,
                        it.next, tiles == 1 ? it.next_bytes : 0);
         }
     }
