@@ -21,7 +21,8 @@ def flag(default: Any, help: str, **kw: Any) -> Any:
 @dataclass
 class EngineConfig:
     model: str | None = flag(None, "HF model dir, .gguf file, or empty for the default SmolLM2-135M-Instruct")
-    dtype: str = flag("auto", "auto | float32 | bfloat16 | float16 (auto: bf16 on CUDA, AVX512-BF16 or AVX2 CPUs)")
+    dtype: str = flag("auto", "auto | float32 (float) | bfloat16 | float16 (half), vLLM's names (auto: bf16 on CUDA, "
+                      "AVX512-BF16 or AVX2 CPUs)", choices=["auto", "float32", "float", "bfloat16", "float16", "half"])
     runner: str = flag(
         "auto", "auto | generate | pooling (vLLM's): pooling serves embeddings and scores, not generation (auto: "
         "pooling for a sentence-transformers directory, a classifier or a checkpoint without an LM head, such as "

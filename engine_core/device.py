@@ -57,7 +57,11 @@ def cpu_has_fast_bf16() -> bool:
 def pick_dtype(name: str, device: torch.device) -> torch.dtype:
     if name == "auto":
         return torch.bfloat16 if device.type == "cuda" or cpu_has_fast_bf16() else torch.float32
-    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+    names = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
+             "half": torch.float16}  # vLLM's --dtype names, its aliases included  # fmt: skip
+    if name not in names:  # the command line's choices stop it there; this is for configs built in code (LLM)
+        raise ValueError(f"dtype {name!r} is not one of auto, {', '.join(names)}")
+    return names[name]
 
 
 def tune_cpu_process(num_threads: int | None) -> None:

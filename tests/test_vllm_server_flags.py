@@ -12,10 +12,12 @@ from pathlib import Path
 
 import httpx
 import pytest
+import torch
 
 import launch
 from common.config import ServerConfig
 from common.messages import EngineRequest, LoraRef, SamplingParams, SchedulerStats
+from engine_core.device import pick_dtype
 from frontend.api.http_options import check_http_flags
 from frontend.metrics import Metrics
 from frontend.request_log import RequestLog
@@ -137,6 +139,21 @@ def test_the_model_may_come_first_as_vllm_serve_takes_it(capsys) -> None:
     with pytest.raises(SystemExit):
         launch.parse_args(["/models/qwen", "--model", "/models/llama"])
     assert "the model is given twice" in capsys.readouterr().err
+
+
+def test_vllms_dtype_names_and_a_wrong_one_is_a_usage_error(capsys) -> None:
+    """`--dtype half` (common in vLLM command lines) and `float` are vLLM's names for float16 and float32; any other
+    name stops at the command line, where it used to reach the engine and end its start with a KeyError."""
+    cpu = torch.device("cpu")
+    for name, dtype in (("half", torch.float16), ("float16", torch.float16), ("float", torch.float32),
+                        ("float32", torch.float32), ("bfloat16", torch.bfloat16)):  # fmt: skip
+        assert launch.parse_args(["--dtype", name])[0].dtype == name
+        assert pick_dtype(name, cpu) == dtype
+    with pytest.raises(SystemExit):
+        launch.parse_args(["--dtype", "fp16"])
+    assert "argument --dtype: invalid choice: 'fp16'" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="dtype 'fp16' is not one of auto, float32, float, bfloat16"):
+        pick_dtype("fp16", cpu)
 
 
 # ---- a server started with a vLLM command line's flags ----

@@ -165,6 +165,9 @@ def prepare_linears(model: nn.Module, quantization: str, device: torch.device, d
     elif device.type == "cpu" and dtype == torch.float32 and _has_f32_linear():
         pack_linears(model)
         return 1 if _all_ours(model) else 8
+    elif device.type == "cpu" and dtype == torch.float16:
+        log.warning("float16 on CPU: none of our kernels takes it, so torch runs its matmuls (a decode step here "
+                    "took 3.4x float32's); --dtype auto picks the fast one")  # fmt: skip
     return 8
 
 
