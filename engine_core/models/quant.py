@@ -166,8 +166,8 @@ def prepare_linears(model: nn.Module, quantization: str, device: torch.device, d
         pack_linears(model)
         return 1 if _all_ours(model) else 8
     elif device.type == "cpu" and dtype == torch.float16:
-        log.warning("float16 on CPU: none of our kernels takes it, so torch runs its matmuls (a decode step here "
-                    "took 3.4x float32's); --dtype auto picks the fast one")  # fmt: skip
+        log.warning("float16 on CPU: none of our kernels takes it, so torch runs its matmuls, several times slower "
+                    "than float32 or bfloat16; --dtype auto picks the faster of those")  # fmt: skip
     return 8
 
 
