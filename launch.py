@@ -22,11 +22,12 @@ from pathlib import Path
 
 import uvicorn
 
-from common import ipc
+from common import ipc, vllm_flags
 from common.config import EngineConfig, ServerConfig, SpeculativeConfig, add_cli_args, from_cli_args
 from common.lora import LoraModule, lora_modules
 from common.model_source import ModelSourceError, parse_hf_overrides, resolve_model, tokenizer_dir
 from common.pooling import read_pooling
+from common.vllm_flags import VllmFlags
 from engine_core.tp_procs import layout as tp_layout
 from engine_core.tp_procs import run_node_agent
 from frontend.api.api_server import create_app
@@ -52,7 +53,9 @@ def parse_args(argv: list[str] | None = None) -> tuple[EngineConfig, ServerConfi
     parser.add_argument("model_tag", nargs="?", help="the model, first, as `vllm serve MODEL` takes it (or --model)")
     add_cli_args(parser, EngineConfig)
     add_cli_args(parser, ServerConfig)
+    add_cli_args(parser, VllmFlags)  # vLLM's flags with no setting of their own here
     ns = parser.parse_args(argv)
+    vllm_flags.fold_into(parser, ns)
     if ns.model_tag is not None:
         if ns.model not in (None, ns.model_tag):
             parser.error(f"the model is given twice: {ns.model_tag} and --model {ns.model}")
@@ -263,8 +266,6 @@ def main(argv: list[str] | None = None) -> int:
                              "mistral)")
         if engine_config.nnodes > 1 and config.data_parallel_size > 1:  # the engine cores would share one port
             raise ValueError("--data-parallel-size > 1 with --nnodes > 1 is not supported")
-        if not config.enable_chunked_prefill:  # a step budget smaller than a prompt always chunks it here
-            raise ValueError("--no-enable-chunked-prefill: prompts are always chunked to fit --max-num-batched-tokens")
         check_http_flags(config)
     except (ValueError, ModelSourceError) as exc:
         print(f"error: {exc}", file=sys.stderr)

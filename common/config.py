@@ -174,12 +174,6 @@ class ServerConfig:
                               choices=[0, 1, 2])
     enable_prompt_tokens_details: bool = flag(False, "chat and completions usage gives prompt_tokens_details."
                                               "cached_tokens, the prompt tokens the prefix cache held (as OpenAI's)")
-    trust_remote_code: bool = flag(False, "taken so that vLLM command lines run: no code from a model's directory is "
-                                   "ever run here (each architecture is our own implementation)")
-    swap_space: float = flag(4.0, "taken so that vLLM command lines run: a preempted request is recomputed from its "
-                             "tokens here, never swapped out to CPU memory")
-    enable_chunked_prefill: bool = flag(True, "prompts are always chunked to fit the step budget; "
-                                        "--no-enable-chunked-prefill is refused")
 
 
 def _base_type(tp: Any) -> Any:

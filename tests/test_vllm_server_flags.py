@@ -123,13 +123,41 @@ def test_http_flags_are_checked_before_anything_starts(tmp_path: Path) -> None:
             check_http_flags(config)
 
 
+def test_launch_refuses_what_it_cannot_do_before_the_engine_loads(capsys) -> None:
+    assert launch.main(["--port", "1", "--ssl-certfile", "/nonexistent/cert.pem"]) == 2
+    assert "--ssl-certfile: no such file" in capsys.readouterr().err
+
+
+def test_vllms_other_names_fold_into_our_settings() -> None:
+    engine, server = launch.parse_args(["--task", "embed", "--num-gpu-blocks-override", "300", "--async-scheduling",
+                                        "--disable-fastapi-docs"])  # fmt: skip
+    assert (engine.runner, engine.num_kv_blocks, engine.overlap_decode, server.enable_docs) == ("pooling", 300, "on",
+                                                                                              False)  # fmt: skip
+    engine, _ = launch.parse_args(["--task", "generate", "--runner", "generate", "--num-kv-blocks", "64",
+                                   "--num-gpu-blocks-override", "64"])  # fmt: skip
+    assert (engine.runner, engine.num_kv_blocks, engine.overlap_decode) == ("generate", 64, "auto")
+    # Flags that change nothing here, and the values this server always runs with, are taken.
+    taken = ["--trust-remote-code", "--swap-space", "16", "--download-dir", "/tmp", "--max-parallel-loading-workers",
+             "2", "--disable-custom-all-reduce", "--enable-request-id-headers", "--kv-cache-dtype", "auto",
+             "--load-format", "auto", "--tokenizer-mode", "auto", "--pipeline-parallel-size", "1",
+             "--distributed-executor-backend", "mp", "--enable-chunked-prefill"]  # fmt: skip
+    assert launch.parse_args(taken) == launch.parse_args([])
+
+
 @pytest.mark.parametrize(("flags", "message"), [
     (["--no-enable-chunked-prefill"], "prompts are always chunked"),
-    (["--ssl-certfile", "/nonexistent/cert.pem"], "--ssl-certfile: no such file"),
+    (["--kv-cache-dtype", "fp8"], "argument --kv-cache-dtype: invalid choice: 'fp8'"),
+    (["--pipeline-parallel-size", "2"], "argument --pipeline-parallel-size: invalid choice: 2"),
+    (["--distributed-executor-backend", "ray"], "invalid choice: 'ray'"),
+    (["--task", "embed", "--runner", "generate"], "--task embed contradicts --runner generate"),
+    (["--num-kv-blocks", "8", "--num-gpu-blocks-override", "9"], "--num-gpu-blocks-override contradicts"),
+    (["--overlap-decode", "off", "--async-scheduling"], "--async-scheduling contradicts --overlap-decode off"),
+    (["--enable-docs", "--disable-fastapi-docs"], "--disable-fastapi-docs contradicts --enable-docs True"),
 ])  # fmt: skip
-def test_launch_refuses_what_it_cannot_do_before_the_engine_loads(flags, message, capsys) -> None:
-    assert launch.main(["--port", "1", *flags]) == 2
-    assert message in capsys.readouterr().err
+def test_a_vllm_flag_this_server_cannot_honour_is_a_usage_error(flags, message, capsys) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        launch.parse_args(flags)
+    assert exit_.value.code == 2 and message in capsys.readouterr().err
 
 
 def test_the_model_may_come_first_as_vllm_serve_takes_it(capsys) -> None:
