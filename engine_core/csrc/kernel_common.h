@@ -355,6 +355,18 @@ DECLARE_ATTEND_TILE(attend_avx2_tile_f32, float);
 // where the CPU has AVX2 + FMA and no AVX512-BF16 (1 from linear_avx2_available()).
 #define LINEAR_PANEL_COLS 48
 
+// CASE(MR) for the row count mr (1 to 6) as a constant, so that a tile's loops unroll into registers: the AVX2
+// strips' dispatch (csrc/linear_avx2.c, csrc/linear_f32.c).
+#define SWITCH_ROWS_1_TO_6(mr, CASE) \
+    switch (mr) {                    \
+        case 6: CASE(6); break;      \
+        case 5: CASE(5); break;      \
+        case 4: CASE(4); break;      \
+        case 3: CASE(3); break;      \
+        case 2: CASE(2); break;      \
+        default: CASE(1); break;     \
+    }
+
 // Both linear kernels' work split: threads from 64k weights or a million multiply-adds; and the shares each panel's
 // row tiles are cut into (`tiles` of them at most), so that a weight of few panels (a LoRA adapter's A or B) still
 // gives every thread rows. Every output stays one tile's sum over all k in order: no split moves a bit.

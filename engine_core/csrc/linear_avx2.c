@@ -106,15 +106,8 @@ static inline __attribute__((always_inline)) void strip_tile(const float* xf, in
 static __attribute__((noinline)) void strip_rows(const float* xf, int64_t k_len, int mr, const uint16_t* strip,
                                                  int64_t pair_u16, const uint16_t* bias, uint16_t* out, int64_t ldo,
                                                  int n) {
-#define STRIP(MR) strip_tile(xf, k_len, MR, strip, pair_u16, bias, out, ldo, n); break
-    switch (mr) {
-        case 6: STRIP(6);
-        case 5: STRIP(5);
-        case 4: STRIP(4);
-        case 3: STRIP(3);
-        case 2: STRIP(2);
-        default: STRIP(1);
-    }
+#define STRIP(MR) strip_tile(xf, k_len, MR, strip, pair_u16, bias, out, ldo, n)
+    SWITCH_ROWS_1_TO_6(mr, STRIP)
 #undef STRIP
 }
 

@@ -125,15 +125,8 @@ static inline __attribute__((always_inline)) void tile8(const float* x, int64_t 
 // Not inlined, so that each case's accumulators stay in registers (csrc/linear_avx2.c measured the spill).
 static __attribute__((noinline)) void strip_rows(const float* x, int64_t ldx, int mr, const float* w, int64_t ldw,
                                                  int64_t k_len, const float* bias, float* out, int64_t ldo, int cols) {
-#define STRIP(MR) tile8(x, ldx, MR, w, ldw, 2, k_len, bias, out, ldo, cols); break
-    switch (mr) {
-        case 6: STRIP(6);
-        case 5: STRIP(5);
-        case 4: STRIP(4);
-        case 3: STRIP(3);
-        case 2: STRIP(2);
-        default: STRIP(1);
-    }
+#define STRIP(MR) tile8(x, ldx, MR, w, ldw, 2, k_len, bias, out, ldo, cols)
+    SWITCH_ROWS_1_TO_6(mr, STRIP)
 #undef STRIP
 }
 
