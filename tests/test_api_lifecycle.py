@@ -191,9 +191,10 @@ def _launch(tmp_path, *args: str) -> subprocess.CompletedProcess:
 
 
 def test_engine_start_failure_exits_with_the_engine_error(tmp_path):
-    r = _launch(tmp_path, "--dtype", "no-such-dtype", "--port", str(free_port()))
+    # A KV cache too small for one request passes the command line and fails in the engine, as it loads.
+    r = _launch(tmp_path, "--num-kv-blocks", "4", "--port", str(free_port()))
     assert r.returncode != 0
-    assert "error: engine core failed to start" in r.stderr and "no-such-dtype" in r.stderr
+    assert "error: engine core failed to start" in r.stderr and "--num-kv-blocks 4 cannot hold" in r.stderr
     assert not any(p.name.startswith("roseinfer-") for p in tmp_path.iterdir())
 
 
