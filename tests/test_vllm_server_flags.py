@@ -169,6 +169,23 @@ def test_the_model_may_come_first_as_vllm_serve_takes_it(capsys) -> None:
     assert "the model is given twice" in capsys.readouterr().err
 
 
+def test_a_model_swallowed_by_served_model_name_is_a_usage_error(tmp_path: Path, capsys) -> None:
+    """--served-model-name takes several names, so a model after it became one more name and the server served its
+    default model under that name; a name that is a model's path (a directory with a config.json, or a GGUF file),
+    with no model given, is now an error."""
+    (tmp_path / "config.json").write_text("{}")
+    (tmp_path / "m.gguf").touch()
+    (tmp_path / "plain").mkdir()
+    for model in (str(tmp_path), str(tmp_path / "m.gguf")):
+        with pytest.raises(SystemExit):
+            launch.parse_args(["--served-model-name", "qwen", model])
+        assert f"{model} is a path, taken as a --served-model-name: put the model first" in capsys.readouterr().err
+    engine, server = launch.parse_args([str(tmp_path), "--served-model-name", "qwen", "q"])
+    assert engine.model == str(tmp_path) and server.served_model_name == ["qwen", "q"]
+    names = ["qwen", str(tmp_path / "plain"), "not-a-path"]  # names that are no model's path stay names
+    assert launch.parse_args(["--served-model-name", *names])[1].served_model_name == names
+
+
 def test_vllms_dtype_names_and_a_wrong_one_is_a_usage_error(capsys) -> None:
     """`--dtype half` (common in vLLM command lines) and `float` are vLLM's names for float16 and float32; any other
     name stops at the command line, where it used to reach the engine and end its start with a KeyError."""
