@@ -25,7 +25,7 @@ import uvicorn
 from common import ipc, vllm_flags
 from common.config import EngineConfig, ServerConfig, SpeculativeConfig, add_cli_args, from_cli_args
 from common.lora import LoraModule, lora_modules
-from common.model_source import ModelSourceError, parse_hf_overrides, resolve_model, tokenizer_dir
+from common.model_source import ModelSourceError, is_model_path, parse_hf_overrides, resolve_model, tokenizer_dir
 from common.pooling import read_pooling
 from common.vllm_flags import VllmFlags
 from engine_core.tp_procs import layout as tp_layout
@@ -48,12 +48,6 @@ from frontend.tools.reasoning import ReasoningTokens, thinking_tokens
 log = logging.getLogger("roseinfer.launch")
 
 
-def _looks_like_a_model(name: str) -> bool:
-    """A GGUF file, or a directory with a config.json: what --model takes."""
-    path = Path(name)
-    return (path.is_file() and path.suffix == ".gguf") or (path / "config.json").is_file()
-
-
 def parse_args(argv: list[str] | None = None) -> tuple[EngineConfig, ServerConfig]:
     parser = argparse.ArgumentParser(prog="python launch.py", description="OpenAI-compatible roseinfer server")
     parser.add_argument("model_tag", nargs="?", help="the model, first, as `vllm serve MODEL` takes it (or --model)")
@@ -66,7 +60,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[EngineConfig, ServerConfi
         if ns.model not in (None, ns.model_tag):
             parser.error(f"the model is given twice: {ns.model_tag} and --model {ns.model}")
         ns.model = ns.model_tag
-    elif ns.model is None and (path := next(filter(_looks_like_a_model, ns.served_model_name), None)):
+    elif ns.model is None and (path := next(filter(is_model_path, ns.served_model_name), None)):
         # `--served-model-name a ./model` takes the model as a second name and would serve the default model
         parser.error(f"{path} is a path, taken as a --served-model-name: put the model first (python launch.py "
                      f"{path} --served-model-name ...) or give it with --model")  # fmt: skip

@@ -58,6 +58,20 @@ def tokenizer_dir(spec: str | None) -> Path | None:
     return path
 
 
+def _is_model_dir(path: Path) -> bool:
+    return path.is_dir() and (path / "config.json").is_file()
+
+
+def _is_gguf(path: Path) -> bool:
+    return path.is_file() and path.suffix == ".gguf"
+
+
+def is_model_path(spec: str) -> bool:
+    """Whether `spec` names what resolve_model takes from disk: a HF model directory or a .gguf file."""
+    path = Path(spec).expanduser()
+    return _is_model_dir(path) or _is_gguf(path)
+
+
 def resolve_model(spec: str | None, cache_dir: Path | None = None, overrides: dict | None = None,
                   tokenizer: str | None = None) -> ResolvedModel:  # fmt: skip
     """Resolve a local HF dir, a .gguf file path, or the default model (None, "" or its name). `overrides`
@@ -69,9 +83,9 @@ def resolve_model(spec: str | None, cache_dir: Path | None = None, overrides: di
             path = _cached_conversion(gguf_path, _cache_root(cache_dir))
         return ResolvedModel(path, DEFAULT_MODEL_NAME, _read_architecture(path, overrides), tok)
     path = Path(spec).expanduser().resolve()
-    if path.is_dir() and (path / "config.json").is_file():
+    if _is_model_dir(path):
         return ResolvedModel(path, path.name, _read_architecture(path, overrides), tok)
-    if path.is_file() and path.suffix == ".gguf":
+    if _is_gguf(path):
         converted = _cached_conversion(path, _cache_root(cache_dir))
         return ResolvedModel(converted, path.stem, _read_architecture(converted, overrides), tok)
     if path.is_dir():
