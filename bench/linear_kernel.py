@@ -1,5 +1,5 @@
 """The linears alone: the compiled CPU kernel (with AVX512-BF16 csrc/linear.c, and csrc/linear_int4.c for int4;
-with AVX2 csrc/linear_avx2.c, and csrc/linear_quant_avx2.c for int8 and int4; with --dtype float32 on AVX-512
+with AVX2 csrc/linear_avx2.c, and csrc/linear_quant_avx2.c for int8 and int4; with --dtype float32
 csrc/linear_f32.c, timed beside torch's fp32 matmul on the same weights; through CpuKernels.linear) over
 SmolLM2-135M's 30 layers of linears (qkv 576 -> 960, o 576 -> 576, gate_up 576 -> 3072, down 1536 -> 576) and its
 LM head (576 -> 49152, only at decode's row counts: a prefill runs it on each prompt's last row), each layer its own
@@ -57,7 +57,7 @@ def main() -> None:
     dtype = getattr(torch, args.dtype)
     kernels = cpu_kernels()
     assert kernels is not None and kernels.supports_linear(dtype, 2), "needs our compiled linear kernel for " + \
-        args.dtype + " (bf16: AVX-512 or AVX2 + FMA; fp32: AVX-512)"  # fmt: skip
+        args.dtype + " (AVX-512 or AVX2 + FMA)"  # fmt: skip
     torch.manual_seed(0)
     shapes = LAYER_SHAPES
     if args.lora_rank:  # A [parts x rank, in], then B [out, parts x rank]
