@@ -64,6 +64,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[EngineConfig, ServerConfi
         # `--served-model-name a ./model` takes the model as a second name and would serve the default model
         parser.error(f"{path} is a path, taken as a --served-model-name: put the model first (python launch.py "
                      f"{path} --served-model-name ...) or give it with --model")  # fmt: skip
+    if ns.max_logprobs < -1:
+        parser.error(f"--max-logprobs must be -1 (the whole vocabulary) or at least 0, not {ns.max_logprobs}")
     if ns.api_key is None:  # a key in the environment stays out of the process list
         ns.api_key = os.environ.get("ROSEINFER_API_KEY") or os.environ.get("VLLM_API_KEY")
     return from_cli_args(EngineConfig, ns), from_cli_args(ServerConfig, ns)
@@ -225,13 +227,18 @@ class Launch:
                              priority_scheduling=self.engine_config.scheduling_policy == "priority",
                              sampling_defaults=defaults, loras=loras, model_aliases=tuple(names[1:]),
                              pooling=pooling, pair_template=self.config.chat_template is not None,
-                             prompt_tokens_details=self.config.enable_prompt_tokens_details)  # fmt: skip
+                             prompt_tokens_details=self.config.enable_prompt_tokens_details,
+                             max_logprobs=self.engine_config.logprobs_limit(ready.vocab_size),
+                             tokens_as_ids=self.config.return_tokens_as_token_ids)  # fmt: skip
         app = create_app(ctx, self.config, metrics)
         self.server = _Server(uvicorn.Config(app, host=self.config.host, port=self.config.port, lifespan="off",
                                              timeout_graceful_shutdown=int(self.config.drain_timeout) + 5,
                                              **http_options(self.config)))  # fmt: skip
+        request_log = RequestLog(lambda ids: tokenizer.decode(ids, False), self.config.max_log_len)
         if self.config.enable_log_requests and not self.config.disable_log_requests:
-            self.client.request_log = RequestLog(lambda ids: tokenizer.decode(ids, False), self.config.max_log_len)
+            self.client.request_log = request_log
+        if self.config.enable_log_outputs:
+            self.client.output_log = request_log.output
         if not self.config.disable_log_stats:
             stats = StatsLog(metrics, len(self.client.handles), lambda: self.client.refresh_stats(timeout=1.0))
             self.tasks.append(asyncio.create_task(stats.run()))

@@ -79,6 +79,8 @@ class EngineConfig:
         "request whose `model` is that name is served by the base model with the adapter", nargs="*",
     )
     max_lora_rank: int = flag(16, "largest LoRA rank an adapter may have")
+    max_logprobs: int = flag(20, "most logprobs (top alternatives per token, sampled or prompt) a request may ask for, "
+                             "as vLLM's; -1: the whole vocabulary")  # fmt: skip
     seed: int = flag(0, "seed for requests that give none")
     epoch: int = flag(0, "restart generation of this engine (set by launch.py)")
     engine_index: int = flag(0, "identity of this engine on the input socket")
@@ -87,6 +89,12 @@ class EngineConfig:
     node_rank: int = flag(0, "this machine's index: 0 runs the API and rank 0; others run only their workers")
     master_addr: str = flag("127.0.0.1", "address of node 0, where the group's rendezvous store listens")
     master_port: int | None = flag(None, "rendezvous port on node 0 (required with --nnodes > 1; default: a free one)")
+
+    def logprobs_limit(self, vocab_size: int) -> int:
+        """The most logprobs a request may ask for on a model with this vocabulary (--max-logprobs)."""
+        if self.max_logprobs < -1:
+            raise ValueError(f"--max-logprobs must be -1 (the vocabulary) or at least 0, not {self.max_logprobs}")
+        return vocab_size if self.max_logprobs == -1 else min(self.max_logprobs, vocab_size)
 
 
 @dataclass
@@ -161,7 +169,9 @@ class ServerConfig:
     enable_log_requests: bool = flag(False, "log each request at INFO: its prompt (text and token ids) and the "
                                      "sampling parameters it sets (prompts are users' data: off by default)")
     disable_log_requests: bool = flag(False, "vLLM's older flag: turns --enable-log-requests off (off by default)")
-    max_log_len: int | None = flag(None, "characters of a prompt and ids of its tokens a request's log line shows "
+    enable_log_outputs: bool = flag(False, "log each generation as it ends, at INFO: its text and token ids and why it "
+                                    "ended (users' data: off by default)")  # fmt: skip
+    max_log_len: int | None = flag(None, "characters of text and ids of tokens a prompt's or output's log line shows "
                                    "(default: all)")
     uvicorn_log_level: str | None = flag(None, "uvicorn's log level (default: --log-level)",
                                          choices=["critical", "error", "warning", "info", "debug", "trace"])
@@ -172,6 +182,8 @@ class ServerConfig:
     ssl_ca_certs: str | None = flag(None, "CA certificates that client certificates are checked against")
     ssl_cert_reqs: int = flag(0, "client certificates: 0 not asked, 1 optional, 2 required (Python's ssl.CERT_*)",
                               choices=[0, 1, 2])
+    return_tokens_as_token_ids: bool = flag(False, "logprobs name each token \"token_id:{id}\" rather than its text, "
+                                            "unless a request sends return_tokens_as_token_ids false (vLLM's)")
     enable_prompt_tokens_details: bool = flag(False, "chat and completions usage gives prompt_tokens_details."
                                               "cached_tokens, the prompt tokens the prefix cache held (as OpenAI's)")
 
@@ -189,13 +201,14 @@ def add_cli_args(parser: argparse.ArgumentParser, cls: type) -> None:
         name = "--" + f.name.replace("_", "-")
         meta = dict(f.metadata)
         help_text = meta.pop("help", "")
+        names = [*meta.pop("short", []), name]  # such as vLLM's -O
         tp = _base_type(hints[f.name])
         if tp is bool:
-            parser.add_argument(name, action=argparse.BooleanOptionalAction, default=f.default, help=help_text)
+            parser.add_argument(*names, action=argparse.BooleanOptionalAction, default=f.default, help=help_text)
         elif get_origin(tp) is list:
-            parser.add_argument(name, type=get_args(tp)[0], default=[], help=help_text, **meta)
+            parser.add_argument(*names, type=get_args(tp)[0], default=[], help=help_text, **meta)
         else:
-            parser.add_argument(name, type=tp, default=f.default, help=help_text, **meta)
+            parser.add_argument(*names, type=tp, default=f.default, help=help_text, **meta)
 
 
 def from_cli_args(cls: type[T], ns: argparse.Namespace) -> T:

@@ -12,7 +12,6 @@ class _Msg(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
 
 
 # Limits on SamplingParams that both sides enforce: the API refuses past them with a 400, the engine re-checks.
-MAX_LOGPROBS = 20  # top alternatives per token
 MAX_TOP_K = 2**31 - 1  # above the vocabulary means "off"; bounded so that no tensor build can overflow
 MAX_LOGIT_BIAS = 1024  # entries (OpenAI allows about 300)
 MAX_BAD_WORDS = 16  # bad_words per request; each becomes up to two token sequences

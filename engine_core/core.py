@@ -49,6 +49,7 @@ class EngineCore:
         # A single request must always fit in the cache, or it could wait forever.
         self.max_model_len = min(max_model_len, self.runner.num_blocks * config.block_size)
         self.vocab_size = self.runner.vocab_size
+        self.max_logprobs = config.logprobs_limit(self.vocab_size)
         self.eos_token_ids = model_eos_ids(source.path, hf_config)
         self.grammars = GrammarService(source.tokenizer, self.vocab_size, self.eos_token_ids)  # constrained decoding
         self.kv = KVCacheManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
@@ -67,7 +68,8 @@ class EngineCore:
     # ---- requests ----
 
     def add_request(self, msg: EngineRequest) -> None:
-        error = invalid_request(msg, self.vocab_size, self.max_model_len, self.scheduler.requests, self.pooling)
+        error = invalid_request(msg, self.vocab_size, self.max_model_len, self.scheduler.requests, self.pooling,
+                                self.max_logprobs)
         if error is None and msg.lora is not None:  # loaded on first use: a restarted engine resumes its requests
             error = self.load_lora(msg.lora)
         if error is not None:

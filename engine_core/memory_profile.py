@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from common.messages import MAX_LOGPROBS, EngineRequest, SamplingParams
+from common.messages import EngineRequest, SamplingParams
 from engine_core import distributed
 from engine_core.batch import SchedulerOutput
 from engine_core.request import Request
@@ -204,6 +204,7 @@ def _profile_step(runner: Any, max_model_len: int, pad_rows: Callable[[int], int
         logits = torch.zeros(num_rows, runner.vocab_size, dtype=runner.dtype, device=runner.device)
     else:
         logits = runner.model.compute_logits(hidden[rows])[:num_rows]
-    params = SamplingParams(temperature=1.0, top_k=50, top_p=0.9, min_p=0.01, logprobs=MAX_LOGPROBS)
+    params = SamplingParams(temperature=1.0, top_k=50, top_p=0.9, min_p=0.01,
+                            logprobs=cfg.logprobs_limit(runner.vocab_size))
     requests = [Request(EngineRequest(f"profile-s{i}", [0], params), i) for i in range(num_rows)]
     Sampler(runner.device, runner.vocab_size)(logits, requests)

@@ -10,7 +10,6 @@ from common.messages import (
     MAX_BAD_WORD_TOKENS,
     MAX_BAD_WORDS,
     MAX_LOGIT_BIAS,
-    MAX_LOGPROBS,
     MAX_TOP_K,
     EngineRequest,
     SamplingParams,
@@ -23,10 +22,10 @@ MAX_CACHE_SALT = 1024  # characters (the API takes 256)
 MIN_REPETITION_PENALTY = 1e-6
 
 
-def invalid_request(msg: EngineRequest, vocab_size: int, max_model_len: int, running: dict,
-                    pooling: bool = False) -> str | None:  # fmt: skip
+def invalid_request(msg: EngineRequest, vocab_size: int, max_model_len: int, running: dict, pooling: bool = False,
+                    max_logprobs: int = 20) -> str | None:  # fmt: skip
     """Why the engine refuses this request, or None. pooling: the engine serves pooling requests (embeddings,
-    classifier scores), and only those."""
+    classifier scores), and only those. max_logprobs: --max-logprobs, resolved (EngineConfig.logprobs_limit)."""
 
     def in_vocab(ids: Iterable[int]) -> bool:
         return all(0 <= t < vocab_size for t in ids)
@@ -45,7 +44,7 @@ def invalid_request(msg: EngineRequest, vocab_size: int, max_model_len: int, run
         return f"prompt has {total} tokens; the maximum context length is {max_model_len}"
     if len(msg.eos_token_ids) > MAX_STOP_TOKEN_IDS or not in_vocab(msg.eos_token_ids):
         return "eos_token_ids out of range"
-    if bad := [name for name, ok in _param_checks(msg.params, vocab_size, in_vocab) if not ok]:
+    if bad := [name for name, ok in _param_checks(msg.params, vocab_size, in_vocab, max_logprobs) if not ok]:
         return f"sampling parameter {bad[0]} out of range"
     if len(msg.cache_salt) > MAX_CACHE_SALT:
         return "cache_salt too long"
@@ -54,7 +53,7 @@ def invalid_request(msg: EngineRequest, vocab_size: int, max_model_len: int, run
     return None
 
 
-def _param_checks(p: SamplingParams, vocab_size: int, in_vocab) -> list[tuple[str, bool]]:
+def _param_checks(p: SamplingParams, vocab_size: int, in_vocab, max_logprobs: int) -> list[tuple[str, bool]]:
     """Every field, again. NaN fails every comparison."""
     bias = p.logit_bias
     bias_ok = len(bias) <= MAX_LOGIT_BIAS and in_vocab(bias) and all(-100 <= b <= 100 for b in bias.values())
@@ -72,7 +71,7 @@ def _param_checks(p: SamplingParams, vocab_size: int, in_vocab) -> list[tuple[st
         ("repetition_penalty", MIN_REPETITION_PENALTY <= p.repetition_penalty <= 2),
         ("seed", p.seed is None or -(2**63) <= p.seed < 2**63),
         ("stop_token_ids", len(p.stop_token_ids) <= MAX_STOP_TOKEN_IDS and in_vocab(p.stop_token_ids)),
-        ("logprobs", all(n is None or 0 <= n <= MAX_LOGPROBS for n in (p.logprobs, p.prompt_logprobs))),
+        ("logprobs", all(n is None or 0 <= n <= max_logprobs for n in (p.logprobs, p.prompt_logprobs))),
         ("logit_bias", bias_ok),
         ("allowed_token_ids", len(p.allowed_token_ids) <= vocab_size and in_vocab(p.allowed_token_ids)),
         ("bad_words", len(p.bad_words) <= 2 * MAX_BAD_WORDS and all(

@@ -25,7 +25,8 @@ CASES = [
     (CMPL, {"prompt": [[]]}, 400, "prompt", "empty"),
     (CMPL, {"prompt": "x", "max_tokens": -1}, 400, "max_tokens", "greater than or equal to 0"),
     (CHAT, {"messages": MSG, "max_tokens": 0}, 400, "max_tokens", "greater than or equal to 1"),
-    (CMPL, {"prompt": "x", "prompt_logprobs": 21}, 400, "prompt_logprobs", "less than or equal to 20"),
+    (CMPL, {"prompt": "x", "prompt_logprobs": 21}, 400, "prompt_logprobs", "prompt logprobs of 21, which is greater "
+     "than max allowed: 20"),  # vLLM's words
     (CMPL, {"prompt": "x", "max_tokens": 2048}, 400, "max_tokens", "maximum context length is 2048"),
     (CMPL, {"prompt": [1, 2, 49152]}, 400, "prompt", "vocabulary"),
     (CMPL, {"prompt": [1, -1]}, 400, "prompt", "vocabulary"),
@@ -36,7 +37,8 @@ CASES = [
     (CMPL, {"prompt": "x", "n": 0}, 400, "n", "greater than or equal to 1"),
     (CMPL, {"prompt": "x", "n": 10_000}, 400, "n", "less than or equal to"),
     (CMPL, {"prompt": "x", "stop": [f"s{i}" for i in range(40)]}, 400, "stop", "at most"),
-    (CMPL, {"prompt": "x", "logprobs": 50}, 400, "logprobs", "less than or equal to 20"),
+    (CMPL, {"prompt": "x", "logprobs": 50}, 400, "logprobs", "sample logprobs of 50, which is greater than max"),
+    (CHAT, {"messages": MSG, "logprobs": True, "top_logprobs": 21}, 400, "top_logprobs", "max allowed: 20"),
     (CMPL, {"prompt": "x", "min_tokens": 20, "max_tokens": 5}, 400, "min_tokens", "max_tokens"),
     (CMPL, {"prompt": "x", "seed": 2**70}, 400, "seed", "less than or equal to"),
     (CHAT, {"messages": []}, 400, "messages", "at least 1"),

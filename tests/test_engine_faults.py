@@ -81,6 +81,8 @@ def test_engine_rejects_what_the_frontend_should_have(core: EngineCore) -> None:
         "stop-id": SamplingParams(stop_token_ids=[vocab]),
         "seed": SamplingParams(seed=2**63),
         "min-tokens": SamplingParams(min_tokens=-1),
+        "logprobs": SamplingParams(logprobs=21),  # past --max-logprobs (20)
+        "prompt-logprobs": SamplingParams(prompt_logprobs=21),
         "think-end": SamplingParams(structured=StructuredOutput("json_object", reasoning_end=vocab)),
     }
     prompt = mixed_prompts()[2]

@@ -16,9 +16,10 @@ import torch
 
 import launch
 from common.config import ServerConfig
-from common.messages import EngineRequest, LoraRef, SamplingParams, SchedulerStats
+from common.messages import EngineOutput, EngineRequest, FinishReason, LoraRef, SamplingParams, SchedulerStats
 from engine_core.device import pick_dtype
 from frontend.api.http_options import check_http_flags
+from frontend.engine.request_stream import RequestStream
 from frontend.metrics import Metrics
 from frontend.request_log import RequestLog
 from frontend.stats_log import INTERVAL_ENV, StatsLog, stats_line
@@ -103,6 +104,34 @@ def test_a_request_line_shows_the_prompt_cut_and_only_the_parameters_set(caplog:
                       "defaults, lora: None")  # fmt: skip
 
 
+def test_an_output_line_shows_the_output_cut_and_why_it_ended(caplog: pytest.LogCaptureFixture) -> None:
+    def decode(ids: list[int]) -> str:
+        return "".join(chr(ord("a") + i) for i in ids)
+
+    long, failed = (RequestStream(EngineRequest(rid, [7], SamplingParams()), None) for rid in ("c-1#1", "c-2#2"))
+    long.on_finish, failed.on_finish = RequestLog(decode, max_len=4).output, RequestLog(decode).output
+    with caplog.at_level(logging.INFO, logger="roseinfer.requests"):
+        long.on_output(EngineOutput("c-1#1", list(range(5))))
+        failed.on_output(EngineOutput("c-2#2", [3]))
+        assert not caplog.records  # nothing until a request ends
+        long.on_output(EngineOutput("c-1#1", list(range(5, 10)), FinishReason.LENGTH))
+        failed.fail("the engine core died")
+    first, second = (r.getMessage() for r in caplog.records)
+    assert first == ("finished request c-1#1: output: 'abcd', output_token_ids: [0, 1, 2, 3] ... (10 in all), "
+                     "finish_reason: length")  # fmt: skip
+    assert second == ("finished request c-2#2: output: 'd', output_token_ids: [3], finish_reason: error (the engine "
+                      "core died)")  # fmt: skip
+
+
+def test_max_logprobs_is_checked_and_minus_1_is_the_vocabulary(capsys) -> None:
+    assert launch.parse_args(["--max-logprobs", "-1"])[0].logprobs_limit(49152) == 49152
+    assert launch.parse_args(["--max-logprobs", "100"])[0].logprobs_limit(50) == 50  # never past the vocabulary
+    assert launch.parse_args([])[0].logprobs_limit(49152) == 20  # vLLM's default
+    with pytest.raises(SystemExit):
+        launch.parse_args(["--max-logprobs", "-2"])
+    assert "--max-logprobs must be -1 (the whole vocabulary) or at least 0" in capsys.readouterr().err
+
+
 # ---- flags checked at start ----
 
 
@@ -140,8 +169,19 @@ def test_vllms_other_names_fold_into_our_settings() -> None:
     taken = ["--trust-remote-code", "--swap-space", "16", "--download-dir", "/tmp", "--max-parallel-loading-workers",
              "2", "--disable-custom-all-reduce", "--enable-request-id-headers", "--kv-cache-dtype", "auto",
              "--load-format", "auto", "--tokenizer-mode", "auto", "--pipeline-parallel-size", "1",
-             "--distributed-executor-backend", "mp", "--enable-chunked-prefill"]  # fmt: skip
+             "--distributed-executor-backend", "mp", "--enable-chunked-prefill", "--preemption-mode", "recompute",
+             "--api-server-count", "1", "--lora-dtype", "auto", "--guided-decoding-backend", "xgrammar",
+             "--chat-template-content-format", "string", "--limit-mm-per-prompt", '{"image": 0, "video": {"count": 0}}',
+             "--max-loras", "4", "--max-cpu-loras", "8", "--max-seq-len-to-capture", "8192",
+             "--disable-frontend-multiprocessing", "--revision", "main", "--tokenizer-revision", "main",
+             "--code-revision", "main", "--hf-token"]  # fmt: skip
     assert launch.parse_args(taken) == launch.parse_args([])
+    # -O0 and cudagraph_mode NONE run eagerly; other levels, modes and torch.compile's keys change nothing
+    no_graphs = [["-O0"], ["--optimization-level", "0"], ["--compilation-config", '{"cudagraph_mode": "NONE"}']]
+    assert all(launch.parse_args(flags)[0].enforce_eager for flags in no_graphs)
+    graphs = [["-O3"], ["-O", "1"], ["--compilation-config", "3"], ["--compilation-config", '{"cudagraph_mode": '
+              '"FULL_AND_PIECEWISE", "cudagraph_capture_sizes": [1, 2, 4], "mode": 3}']]  # fmt: skip
+    assert all(launch.parse_args(flags) == launch.parse_args([]) for flags in graphs)
 
 
 @pytest.mark.parametrize(("flags", "message"), [
@@ -153,6 +193,15 @@ def test_vllms_other_names_fold_into_our_settings() -> None:
     (["--num-kv-blocks", "8", "--num-gpu-blocks-override", "9"], "--num-gpu-blocks-override contradicts"),
     (["--overlap-decode", "off", "--async-scheduling"], "--async-scheduling contradicts --overlap-decode off"),
     (["--enable-docs", "--disable-fastapi-docs"], "--disable-fastapi-docs contradicts --enable-docs True"),
+    (["-O4"], "argument -O/--optimization-level: invalid choice: 4"),
+    (["--limit-mm-per-prompt", '{"image": 1}'], "this server takes text only"),
+    (["--limit-mm-per-prompt", '{"video": {"count": 2, "num_frames": 8}}'], "this server takes text only"),
+    (["--limit-mm-per-prompt", "image=2"], "--limit-mm-per-prompt is not JSON"),
+    (["--chat-template-content-format", "openai"], "invalid choice: 'openai'"),
+    (["--api-server-count", "4"], "invalid choice: 4"),
+    (["--compilation-config", "{cudagraph_mode: NONE}"], "--compilation-config is not JSON"),
+    (["--compilation-config", "[3]"], "--compilation-config must be a JSON object (or a level, 0 to 3)"),
+    (["--compilation-config", '{"cudagraph_mode": "none"}'], "cudagraph_mode 'none' is not one of NONE, PIECEWISE"),
 ])  # fmt: skip
 def test_a_vllm_flag_this_server_cannot_honour_is_a_usage_error(flags, message, capsys) -> None:
     with pytest.raises(SystemExit) as exit_:
@@ -209,7 +258,8 @@ def test_a_vllm_command_line_serves_https_and_logs_stats_and_requests(tmp_path: 
     flags = ["--log-level", "info", "--ssl-certfile", cert, "--ssl-keyfile", key, "--root-path", "/api",
              "--enable-log-requests", "--max-log-len", "6", "--disable-uvicorn-access-log", "--enable-docs",
              "--trust-remote-code", "--swap-space", "16", "--enable-chunked-prefill",
-             "--enable-prompt-tokens-details"]  # fmt: skip
+             "--enable-prompt-tokens-details", "--enable-log-outputs", "--max-logprobs", "5",
+             "--return-tokens-as-token-ids"]  # fmt: skip
     server = Server(tmp_path, *flags, env={INTERVAL_ENV: "0.5", "VLLM_API_KEY": "sk-env"})  # the key, as vLLM reads it
     trusted = ssl.create_default_context(cafile=cert)
     server.url, server.verify = server.url.replace("http://", "https://"), trusted
@@ -221,9 +271,16 @@ def test_a_vllm_command_line_serves_https_and_logs_stats_and_requests(tmp_path: 
             assert refused.status_code == 401 and refused.json()["error"]["type"] == "authentication_error"
             client.headers["Authorization"] = "Bearer sk-env"
             body = {"model": MODEL, "prompt": "The capital of France is", "max_tokens": 24, "temperature": 0,
-                    "ignore_eos": True}  # fmt: skip
+                    "ignore_eos": True, "logprobs": 5}  # fmt: skip
             answer = client.post("/v1/completions", json=body)
             assert answer.status_code == 200 and answer.json()["usage"]["completion_tokens"] == 24
+            # --return-tokens-as-token-ids names tokens by id; --max-logprobs 5 allows 5 and refuses 6
+            logprobs = answer.json()["choices"][0]["logprobs"]
+            assert all(re.fullmatch(r"token_id:\d+", t) for t in logprobs["tokens"]) and len(logprobs["tokens"]) == 24
+            assert all(len(top) == 5 for top in logprobs["top_logprobs"])
+            too_many = client.post("/v1/completions", json={**body, "logprobs": 6, "prompt_logprobs": 1})
+            assert too_many.status_code == 400 and too_many.json()["error"]["param"] == "logprobs"
+            assert "sample logprobs of 6, which is greater than max allowed: 5" in too_many.text
             # --enable-prompt-tokens-details: a prompt sent again finds its whole blocks in the prefix cache
             chat = {"model": MODEL, "messages": [{"role": "user", "content": "Tell me about the sea. " * 8}],
                     "max_tokens": 2}  # fmt: skip
@@ -234,6 +291,10 @@ def test_a_vllm_command_line_serves_https_and_logs_stats_and_requests(tmp_path: 
             final = json.loads(streamed.text.split("data: ")[-2])["usage"]  # the usage chunk, before [DONE]
             cached = final["prompt_tokens_details"]["cached_tokens"]
             assert 16 <= cached < cold["prompt_tokens"] and cached % 16 == 0, final  # whole blocks of 16 tokens
+            asked = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3,
+                     "logprobs": True, "top_logprobs": 5, "return_tokens_as_token_ids": False}  # fmt: skip
+            named = client.post("/v1/chat/completions", json=asked).json()["choices"][0]["logprobs"]["content"]
+            assert not any(entry["token"].startswith("token_id:") for entry in named)  # the request's own choice
             schema = client.get("/openapi.json").json()
             assert schema["servers"] == [{"url": "/api"}]  # the URLs the API writes carry the proxy's prefix
         with pytest.raises(httpx.TransportError):  # HTTPS only
@@ -244,7 +305,13 @@ def test_a_vllm_command_line_serves_https_and_logs_stats_and_requests(tmp_path: 
         log = server.log.read_text()
         (received,) = [line for line in log.splitlines() if "received request cmpl-" in line]  # one completion
         assert re.search(r"\(engine 0\): prompt: 'The ca', prompt_token_ids: \[[\d, ]+\]( \.\.\. \(\d+ in all\))?, "
-                         r"params: max_tokens=24, temperature=0\.0, ignore_eos=True, lora: None$", received), received
+                         r"params: max_tokens=24, temperature=0\.0, ignore_eos=True, logprobs=5, lora: None$",
+                         received), received  # fmt: skip
+        (finished,) = [line for line in log.splitlines() if "finished request cmpl-" in line]
+        ids = answer.json()["choices"][0]["logprobs"]["tokens"][:6]
+        assert finished.endswith(f"output_token_ids: [{', '.join(t.split(':')[1] for t in ids)}] ... (24 in all), "
+                                 "finish_reason: length"), finished  # fmt: skip
+        assert re.search(r": output: (['\"]).*\1, output_token_ids", finished), finished
         generated = [float(m) for m in re.findall(r"Engine 000: .*Avg generation throughput: ([\d.]+) tokens/s", log)]
         assert any(rate > 0 for rate in generated), log[-3000:]
         assert f"serving {MODEL} on https://127.0.0.1:{server.port}\n" in log  # where it listens, said once up

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
-from common.messages import MAX_BAD_WORDS, MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_TOP_K, SamplingParams
+from common.messages import MAX_BAD_WORDS, MAX_LOGIT_BIAS, MAX_TOP_K, SamplingParams
 from frontend.tools.tool_parsers import no_constant
 
 if TYPE_CHECKING:  # sampling_defaults checks its values with SamplingFields' own bounds
@@ -181,9 +181,9 @@ class CompletionRequest(SamplingFields, StructuredFields):
     # null: the default, not "the whole context"; 0 scores the prompt (echo + logprobs) and generates nothing
     max_tokens: int | None = Field(DEFAULT_COMPLETION_TOKENS, ge=0)
     echo: bool = False
-    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    return_tokens_as_token_ids: bool = False  # vLLM's: logprobs name tokens "token_id:{id}"
-    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # vLLM's extension
+    logprobs: int | None = Field(None, ge=0)
+    return_tokens_as_token_ids: bool | None = None  # vLLM's: logprobs name tokens "token_id:{id}" (None: the server's)
+    prompt_logprobs: int | None = Field(None, ge=0)  # vLLM's extension
     add_special_tokens: bool = True  # vLLM's: the tokenizer's own special tokens (a BOS) around a text prompt
     suffix: Text | None = None  # not supported: a 400 when given, as vLLM
     best_of: int | None = Field(None, ge=1, le=MAX_N)  # supported only as n (no ranking of candidates), as vLLM V1
@@ -270,9 +270,9 @@ class ChatCompletionRequest(SamplingFields, StructuredFields):
     max_tokens: int | None = Field(None, ge=1)  # deprecated by OpenAI in favour of max_completion_tokens
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    return_tokens_as_token_ids: bool = False  # vLLM's: logprobs name tokens "token_id:{id}"
-    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # vLLM's extension
+    top_logprobs: int | None = Field(None, ge=0)
+    return_tokens_as_token_ids: bool | None = None  # vLLM's: logprobs name tokens "token_id:{id}" (None: the server's)
+    prompt_logprobs: int | None = Field(None, ge=0)  # vLLM's extension
     add_generation_prompt: bool = True
     continue_final_message: bool = False  # vLLM's: the final message is left open for the model to continue
     add_special_tokens: bool = False  # vLLM's: the tokenizer's own (a BOS) around the rendered template too

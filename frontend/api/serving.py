@@ -49,6 +49,8 @@ class ServingContext:
     pooling: Pooling | None = None
     pair_template: bool = False  # --chat-template given: a scored pair is rendered by it, as vLLM's score template
     prompt_tokens_details: bool = False  # --enable-prompt-tokens-details: usage says how many prompt tokens were cached
+    max_logprobs: int = 20  # --max-logprobs, resolved: the most top alternatives a request may ask for
+    tokens_as_ids: bool = False  # --return-tokens-as-token-ids: what a request that does not say takes
 
     @property
     def base_names(self) -> tuple[str, ...]:
@@ -102,6 +104,13 @@ class ServingContext:
                               f"requested {prompt_len + requested} tokens ({prompt_len} in the prompt, {requested} "
                               f"in the completion).", param)  # fmt: skip
         return min(requested, cap)
+
+    def check_logprobs(self, sampled: tuple[str, int | None], prompt: int | None) -> None:
+        """Refuses logprobs past --max-logprobs, as vLLM words it; `sampled`: the field that asks, and its value."""
+        for what, (param, k) in (("sample", sampled), ("prompt", ("prompt_logprobs", prompt))):
+            if k is not None and k > self.max_logprobs:
+                raise bad_request(f"Requested {what} logprobs of {k}, which is greater than max allowed: "
+                                  f"{self.max_logprobs}", param)  # fmt: skip
 
     def sampling_params(self, req: SamplingFields, max_tokens: int, logprobs: int | None) -> SamplingParams:
         self.check_token_ids(list(req.stop_token_ids or []), "stop_token_ids")
@@ -195,10 +204,11 @@ async def off_loop(fn: Callable[..., T], *args: Any) -> T:
     return await asyncio.to_thread(fn, *args)
 
 
-def token_namer(tok: Tokenizer, as_ids: bool) -> Callable[[int], str]:
+def token_namer(ctx: ServingContext, as_ids: bool | None) -> Callable[[int], str]:
     """How logprobs name a token: its text, or with vLLM's return_tokens_as_token_ids "token_id:{id}" (a token
-    that is part of a character has no text of its own)."""
-    return (lambda t: f"token_id:{t}") if as_ids else tok.token_text
+    that is part of a character has no text of its own). `as_ids`: the request's choice (None: the server's)."""
+    as_ids = ctx.tokens_as_ids if as_ids is None else as_ids
+    return (lambda t: f"token_id:{t}") if as_ids else ctx.tokenizer.token_text
 
 
 def clamp(logprob: float) -> float:

@@ -48,7 +48,7 @@ class ChatFormat:
         """`structured`: the grammar that holds the answer (a forced call, a response format), if any."""
         self.tok = ctx.tokenizer
         self.want_logprobs = req.logprobs
-        self.name = token_namer(self.tok, req.return_tokens_as_token_ids)  # how logprobs name a token
+        self.name = token_namer(ctx, req.return_tokens_as_token_ids)  # how logprobs name a token
         make_parser = tools.make_parser() if tools is not None else None
         make_parser = with_reasoning(ctx.reasoning_parser, make_parser, structured)
         self.tool_streams = ToolStreams(make_parser) if make_parser is not None else None  # None: plain content
@@ -134,6 +134,7 @@ async def start_chat(ctx: ServingContext, req: ChatCompletionRequest, rid: str,
     ctx.check_model(req.model)
     if req.top_logprobs is not None and not req.logprobs:
         raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
+    ctx.check_logprobs(("top_logprobs", req.top_logprobs), req.prompt_logprobs)
     check_stream(req.prompt_logprobs, req.stream)
     check_stream_options(req)
     req = functions_as_tools(req)

@@ -29,7 +29,7 @@ class CompletionFormat:
     def __init__(self, ctx: ServingContext, req: CompletionRequest, prompts: list[list[int]],
                  prompt_texts: list[str]) -> None:  # fmt: skip
         self.tok = ctx.tokenizer
-        self.name = token_namer(self.tok, req.return_tokens_as_token_ids)  # how logprobs name a token
+        self.name = token_namer(ctx, req.return_tokens_as_token_ids)  # how logprobs name a token
         self.n = req.n
         self.echo = req.echo
         self.want_logprobs = req.logprobs is not None
@@ -148,6 +148,7 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest, raw: Re
     if req.best_of is not None and req.best_of != req.n:  # no engine ranks candidates by their logprob sum
         raise bad_request(f"best_of is not supported (best_of={req.best_of}, n={req.n}): leave it unset or equal "
                           "to n", "best_of")  # fmt: skip
+    ctx.check_logprobs(("logprobs", req.logprobs), req.prompt_logprobs)
     check_stream(req.prompt_logprobs, req.stream)
     check_stream_options(req)
     await ctx.admit(num_prompts(req.prompt) * req.n)

@@ -67,6 +67,7 @@ class AsyncEngineClient:
         self.router: PrefixRouter | None = None  # several engines: set once the block size is known
         self.metrics = metrics
         self.request_log: Callable[[EngineRequest, int], None] | None = None  # --enable-log-requests: (request, engine)
+        self.output_log: Callable[[RequestStream], None] | None = None  # --enable-log-outputs: each ended request
         self.pacing = StreamPacing(lambda: self.num_in_flight)  # many streams: several tokens per consumer wakeup
         self._tasks: list[asyncio.Task] = []
         self._num_added = 0  # makes each engine request id unique (add)
@@ -190,6 +191,7 @@ class AsyncEngineClient:
         self._num_added += 1
         request = msgspec.structs.replace(request, request_id=f"{request.request_id}#{self._num_added}")
         stream = RequestStream(request, detokenizer, include_stop_token, self.pacing)
+        stream.on_finish = self.output_log
         live = [h for h in self.handles if h.healthy]  # a dead engine takes nothing new while it restarts
         while True:
             scope = (request.lora.id if request.lora is not None else 0, request.cache_salt)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import msgspec
@@ -56,6 +57,8 @@ class RequestStream:
         self.num_cached_tokens = 0
         self.finished = False
         self.finish_reason: str | None = None
+        self.error: str | None = None  # why it failed (finish_reason "error")
+        self.on_finish: Callable[[RequestStream], None] | None = None  # --enable-log-outputs' line
         self.arrival = time.monotonic()
         self.first_token_time: float | None = None
         self.last_token_time: float | None = None
@@ -151,7 +154,9 @@ class RequestStream:
             self.last_token_time = now
         if delta.finish_reason is not None:
             self.finished = True
-            self.finish_reason = delta.finish_reason
+            self.finish_reason, self.error = delta.finish_reason, delta.error
+            if self.on_finish is not None:
+                self.on_finish(self)
         if self._slot is None:
             self._slot, self._held_since = delta, now
         else:
