@@ -254,7 +254,8 @@ def test_vllm_prompt_logprobs_on_completions_and_chat(server: Server) -> None:
 
 @pytest.mark.parametrize("route, body", [
     ("/v1/completions", {"prompt": "hi", "prompt_logprobs": 21}),
-    ("/v1/completions", {"prompt": "hi", "prompt_logprobs": -1}),
+    ("/v1/completions", {"prompt": "hi", "prompt_logprobs": -2}),
+    ("/v1/completions", {"prompt": "hi", "prompt_logprobs": -1}),  # the whole vocabulary: past --max-logprobs 20
     ("/v1/completions", {"prompt": "hi", "prompt_logprobs": 1, "stream": True}),
     ("/v1/completions", {"prompt": "hi", "max_tokens": -1}),
     ("/v1/completions", {"prompt": [5] * 2048, "max_tokens": 0, "echo": True, "logprobs": 1}),

@@ -78,6 +78,18 @@ def test_logprobs_of_chosen_and_top_n() -> None:
     assert none is None
 
 
+def test_logprobs_of_the_whole_vocabulary_beside_a_row_asking_for_one() -> None:
+    """--max-logprobs -1 lets a request ask for every token's logprob (its `logprobs: -1`)."""
+    logits = [[0.5, 3.0, -1.0, 2.0, 0, 1.5, -2.0, 0.25], [1.0, 0, 0, 0, 0, 0, 0, 4.0]]
+    _, (full, one) = sample(logits, [req(SamplingParams(temperature=0, logprobs=V)),
+                                     req(SamplingParams(temperature=0, logprobs=1))])  # fmt: skip
+    expected = torch.log_softmax(torch.tensor(logits[0]), -1)
+    assert full is not None and one is not None
+    assert full.top_ids == [expected.argsort(descending=True).tolist()]  # every token, best first
+    assert torch.allclose(torch.tensor(full.top_logprobs[0]), expected.sort(descending=True).values, atol=1e-6)
+    assert one.top_ids == [[7]] and len(one.top_logprobs[0]) == 1
+
+
 def test_logit_bias_forces_or_avoids_the_greedy_token() -> None:
     logits = [[0, 1.0, 5.0, 2.0, 0, 0, 0, 0]]
     (tok,), (lp,) = sample(logits, [req(SamplingParams(temperature=0, logit_bias={6: 100.0}, logprobs=0))])

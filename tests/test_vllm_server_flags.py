@@ -13,12 +13,16 @@ from pathlib import Path
 
 import httpx
 import pytest
+from pydantic import ValidationError
 
 import launch
 from common.config import ServerConfig
 from common.messages import EngineOutput, EngineRequest, FinishReason, LoraRef, SamplingParams, SchedulerStats
 from frontend.api.http_options import check_http_flags
+from frontend.api.protocol import ChatCompletionRequest, CompletionRequest
+from frontend.api.serving import ServingContext
 from frontend.engine.request_stream import RequestStream
+from frontend.errors import ApiError
 from frontend.metrics import Metrics
 from frontend.request_log import RequestLog
 from frontend.stats_log import INTERVAL_ENV, StatsLog, stats_line
@@ -120,6 +124,20 @@ def test_an_output_line_shows_the_output_cut_and_why_it_ended(caplog: pytest.Log
                      "finish_reason: length")  # fmt: skip
     assert second == ("finished request c-2#2: output: 'd', output_token_ids: [3], finish_reason: error (the engine "
                       "core died)")  # fmt: skip
+
+
+def test_minus_1_asks_for_the_whole_vocabulary_within_max_logprobs() -> None:
+    chat = {"messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": -1}
+    wide = ServingContext(None, None, "m", 2048, 100, max_logprobs=100)  # type: ignore[arg-type]
+    assert wide.checked_logprobs(ChatCompletionRequest(**chat), "top_logprobs").top_logprobs == 100
+    completion = CompletionRequest(prompt="hi", logprobs=3, prompt_logprobs=-1)
+    asked = wide.checked_logprobs(completion, "logprobs")
+    assert (asked.logprobs, asked.prompt_logprobs) == (3, 100)
+    narrow = ServingContext(None, None, "m", 2048, 100)  # type: ignore[arg-type]  # vLLM's default, 20
+    with pytest.raises(ApiError, match="Requested prompt logprobs of 100, which is greater than max allowed: 20"):
+        narrow.checked_logprobs(completion, "logprobs")
+    with pytest.raises(ValidationError):  # -1 is the only negative k
+        CompletionRequest(prompt="hi", logprobs=-2)
 
 
 # ---- flags checked at start ----

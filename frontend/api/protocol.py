@@ -181,9 +181,9 @@ class CompletionRequest(SamplingFields, StructuredFields):
     # null: the default, not "the whole context"; 0 scores the prompt (echo + logprobs) and generates nothing
     max_tokens: int | None = Field(DEFAULT_COMPLETION_TOKENS, ge=0)
     echo: bool = False
-    logprobs: int | None = Field(None, ge=0)
+    logprobs: int | None = Field(None, ge=-1)  # -1: the whole vocabulary (vLLM's), within --max-logprobs
     return_tokens_as_token_ids: bool | None = None  # vLLM's: logprobs name tokens "token_id:{id}" (None: the server's)
-    prompt_logprobs: int | None = Field(None, ge=0)  # vLLM's extension
+    prompt_logprobs: int | None = Field(None, ge=-1)  # vLLM's extension; -1 as above
     add_special_tokens: bool = True  # vLLM's: the tokenizer's own special tokens (a BOS) around a text prompt
     suffix: Text | None = None  # not supported: a 400 when given, as vLLM
     best_of: int | None = Field(None, ge=1, le=MAX_N)  # supported only as n (no ranking of candidates), as vLLM V1
@@ -270,9 +270,9 @@ class ChatCompletionRequest(SamplingFields, StructuredFields):
     max_tokens: int | None = Field(None, ge=1)  # deprecated by OpenAI in favour of max_completion_tokens
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0)
+    top_logprobs: int | None = Field(None, ge=-1)  # -1: the whole vocabulary (vLLM's), within --max-logprobs
     return_tokens_as_token_ids: bool | None = None  # vLLM's: logprobs name tokens "token_id:{id}" (None: the server's)
-    prompt_logprobs: int | None = Field(None, ge=0)  # vLLM's extension
+    prompt_logprobs: int | None = Field(None, ge=-1)  # vLLM's extension; -1 as above
     add_generation_prompt: bool = True
     continue_final_message: bool = False  # vLLM's: the final message is left open for the model to continue
     add_special_tokens: bool = False  # vLLM's: the tokenizer's own (a BOS) around the rendered template too

@@ -28,6 +28,7 @@ from frontend.text.tokenizer import Tokenizer
 from frontend.tools.reasoning import ReasoningTokens
 
 T = TypeVar("T")
+R = TypeVar("R", bound=SamplingFields)
 
 
 @dataclass
@@ -105,12 +106,19 @@ class ServingContext:
                               f"in the completion).", param)  # fmt: skip
         return min(requested, cap)
 
-    def check_logprobs(self, sampled: tuple[str, int | None], prompt: int | None) -> None:
-        """Refuses logprobs past --max-logprobs, as vLLM words it; `sampled`: the field that asks, and its value."""
-        for what, (param, k) in (("sample", sampled), ("prompt", ("prompt_logprobs", prompt))):
-            if k is not None and k > self.max_logprobs:
+    def checked_logprobs(self, req: R, field: str) -> R:
+        """`req` with -1 (vLLM's: the whole vocabulary) resolved in `field` (the k of its sampled logprobs) and in
+        prompt_logprobs; more than --max-logprobs is refused, in vLLM's words."""
+        resolved: dict[str, int] = {}
+        for what, name in (("sample", field), ("prompt", "prompt_logprobs")):
+            k = getattr(req, name)
+            if k is None:
+                continue
+            resolved[name] = k = self.vocab_size if k == -1 else k
+            if k > self.max_logprobs:
                 raise bad_request(f"Requested {what} logprobs of {k}, which is greater than max allowed: "
-                                  f"{self.max_logprobs}", param)  # fmt: skip
+                                  f"{self.max_logprobs}", name)  # fmt: skip
+        return req.model_copy(update=resolved) if resolved else req
 
     def sampling_params(self, req: SamplingFields, max_tokens: int, logprobs: int | None) -> SamplingParams:
         self.check_token_ids(list(req.stop_token_ids or []), "stop_token_ids")

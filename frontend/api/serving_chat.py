@@ -134,7 +134,7 @@ async def start_chat(ctx: ServingContext, req: ChatCompletionRequest, rid: str,
     ctx.check_model(req.model)
     if req.top_logprobs is not None and not req.logprobs:
         raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
-    ctx.check_logprobs(("top_logprobs", req.top_logprobs), req.prompt_logprobs)
+    req = ctx.checked_logprobs(req, "top_logprobs")
     check_stream(req.prompt_logprobs, req.stream)
     check_stream_options(req)
     req = functions_as_tools(req)

@@ -148,7 +148,7 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest, raw: Re
     if req.best_of is not None and req.best_of != req.n:  # no engine ranks candidates by their logprob sum
         raise bad_request(f"best_of is not supported (best_of={req.best_of}, n={req.n}): leave it unset or equal "
                           "to n", "best_of")  # fmt: skip
-    ctx.check_logprobs(("logprobs", req.logprobs), req.prompt_logprobs)
+    req = ctx.checked_logprobs(req, "logprobs")
     check_stream(req.prompt_logprobs, req.stream)
     check_stream_options(req)
     await ctx.admit(num_prompts(req.prompt) * req.n)
