@@ -10,6 +10,8 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar, Union, get_args, get_origin, get_type_hints
 
 T = TypeVar("T")
+# What sampled logprobs report (vLLM's --logprobs-mode; engine_core/sampler.py computes them)
+LOGPROBS_MODES = ["raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits"]
 
 
 def flag(default: Any, help: str, **kw: Any) -> Any:
@@ -81,6 +83,9 @@ class EngineConfig:
     max_lora_rank: int = flag(16, "largest LoRA rank an adapter may have")
     max_logprobs: int = flag(20, "most logprobs (top alternatives per token, sampled or prompt) a request may ask for, "
                              "as vLLM's; -1: the whole vocabulary")  # fmt: skip
+    logprobs_mode: str = flag("raw_logprobs", "what sampled logprobs report (vLLM's): the model's distribution (raw) "
+                              "or the one each token was drawn from, after penalties, biases, temperature and top-k/p "
+                              "(processed); as logprobs or logits", choices=LOGPROBS_MODES)  # fmt: skip
     seed: int = flag(0, "seed for requests that give none")
     epoch: int = flag(0, "restart generation of this engine (set by launch.py)")
     engine_index: int = flag(0, "identity of this engine on the input socket")

@@ -93,7 +93,7 @@ class ModelRunner:
                                               mixed=config.mixed_step_graphs)  # fmt: skip
             self.decode_graphs.capture_all()
         self.lora.attach()  # after the graphs (base layers only) and the decode stack (it takes them too)
-        self.sampler = Sampler(self.device, self.vocab_size, config.seed)
+        self.sampler = Sampler(self.device, self.vocab_size, config.seed, config.logprobs_mode)
         self.last_forward_time = 0.0
 
     @property

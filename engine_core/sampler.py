@@ -12,6 +12,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
+from common.config import LOGPROBS_MODES
 from common.messages import Logprobs, SamplingParams
 from engine_core.batch import LogprobRows
 from engine_core.cpu_kernels import cpu_kernels
@@ -26,9 +27,14 @@ _MAX_TEMPERATURE = float(torch.finfo(torch.float32).max)
 
 
 class Sampler:
-    def __init__(self, device: torch.device, vocab_size: int, seed: int = 0) -> None:
+    def __init__(self, device: torch.device, vocab_size: int, seed: int = 0,
+                 logprobs_mode: str = "raw_logprobs") -> None:  # fmt: skip
+        # What logprobs report: the model's own distribution (raw), or the one each token was drawn from
+        # (processed: _drawn_from); as log probabilities, or as the logits themselves.
+        assert logprobs_mode in LOGPROBS_MODES, logprobs_mode
         self.device = device
         self.vocab_size = vocab_size
+        self.logprobs_mode = logprobs_mode
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
         self._seeded = torch.Generator(device=device)
@@ -68,8 +74,10 @@ class Sampler:
             tokens = kernels.sample_rows(logits.contiguous(), temps, top_k, top_p, min_p, uniforms)
         else:
             tokens = self._sample(logits.float(), requests, params, offsets)
-        # Reported from `raw`, the model's own distribution before any processor: a choice we keep.
-        return tokens, _logprobs(raw, tokens, params) if any(p.logprobs is not None for p in params) else None
+        if all(p.logprobs is None for p in params):
+            return tokens, None
+        source = raw if self.logprobs_mode.startswith("raw") else _drawn_from(logits, params)
+        return tokens, _logprobs(source, tokens, params, normalize=self.logprobs_mode.endswith("logprobs"))
 
     def _process(self, raw: torch.Tensor, requests: list[Request], offsets: list[int],
                  in_flight: torch.Tensor | None) -> torch.Tensor:  # fmt: skip
@@ -88,13 +96,7 @@ class Sampler:
     def _sample(self, logits: torch.Tensor, requests: list[Request], params: list[SamplingParams],
                 offsets: list[int]) -> torch.Tensor:  # fmt: skip
         """torch's way (CUDA, or no compiled kernels): the same filters, drawn by an exponential race."""
-        temps = to_device([1.0 if p.greedy else _temperature(p) for p in params], logits.device)
-        probs = torch.softmax(logits / temps[:, None], dim=-1)
-        if any(p.min_p > 0 for p in params):
-            min_p = to_device([p.min_p for p in params], probs.device)
-            probs = probs.masked_fill(probs < min_p[:, None] * probs.max(dim=-1, keepdim=True).values, 0.0)
-        if any(p.top_k > 0 or p.top_p < 1.0 for p in params):
-            probs = _top_k_top_p(probs, params)
+        probs = _filtered_probs(logits, params)
         # Exponential race: argmax(p / E) with E ~ Exp(1) draws from p; each row's E has its own source.
         noise = torch.empty_like(probs).exponential_(generator=self.generator)
         for i, (req, p) in enumerate(zip(requests, params, strict=True)):
@@ -104,6 +106,34 @@ class Sampler:
         sampled = (probs / noise).argmax(dim=-1)
         greedy_rows = to_device([p.greedy for p in params], logits.device)
         return torch.where(greedy_rows, logits.argmax(dim=-1), sampled)
+
+
+def _filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """fp32 rows' probabilities at their temperatures (1 for a greedy row), then min-p, top-k and top-p: 0 for every
+    token they drop."""
+    temps = to_device([1.0 if p.greedy else _temperature(p) for p in params], logits.device)
+    probs = torch.softmax(logits / temps[:, None], dim=-1)
+    if any(p.min_p > 0 for p in params):
+        min_p = to_device([p.min_p for p in params], probs.device)
+        probs = probs.masked_fill(probs < min_p[:, None] * probs.max(dim=-1, keepdim=True).values, 0.0)
+    if any(p.top_k > 0 or p.top_p < 1.0 for p in params):
+        probs = _top_k_top_p(probs, params)
+    return probs
+
+
+def _drawn_from(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """The logits each row's token was drawn from (--logprobs-mode processed_*): after the processors, a greedy row
+    as it is, a sampled row at its temperature with what its filters drop at -inf."""
+    drawn = logits.float()
+    sampled = [i for i, p in enumerate(params) if not p.greedy]
+    if sampled:
+        drawn = drawn.clone()
+        rows = to_device(sampled, logits.device, torch.long)
+        chosen = [params[i] for i in sampled]
+        temps = to_device([_temperature(p) for p in chosen], logits.device)
+        kept = _filtered_probs(drawn[rows], chosen) > 0
+        drawn[rows] = (drawn[rows] / temps[:, None]).masked_fill(~kept, float("-inf"))
+    return drawn
 
 
 def _temperature(p: SamplingParams) -> float:
@@ -249,8 +279,10 @@ def _top_k_top_p(probs: torch.Tensor, params: list[SamplingParams]) -> torch.Ten
     return torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
 
 
-def _logprobs(raw: torch.Tensor, tokens: torch.Tensor, params: list[SamplingParams]) -> LogprobRows:
-    logp = torch.log_softmax(raw.float(), dim=-1)
+def _logprobs(source: torch.Tensor, tokens: torch.Tensor, params: list[SamplingParams],
+              normalize: bool = True) -> LogprobRows:  # fmt: skip
+    """Each row's chosen token's value and its top n, from `source` (logits) or its log-softmax (`normalize`)."""
+    logp = torch.log_softmax(source.float(), dim=-1) if normalize else source.float()
     max_n = max(p.logprobs or 0 for p in params)
     top_values, top_ids = logp.topk(max_n, dim=-1) if max_n else (None, None)
     return LogprobRows(logp.gather(1, tokens[:, None])[:, 0], top_ids, top_values, [p.logprobs for p in params])

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import re
 import ssl
 import subprocess
@@ -174,7 +175,7 @@ def test_a_vllm_command_line_serves_https_and_logs_stats_and_requests(tmp_path: 
              "--enable-log-requests", "--max-log-len", "6", "--disable-uvicorn-access-log", "--enable-docs",
              "--trust-remote-code", "--swap-space", "16", "--enable-chunked-prefill",
              "--enable-prompt-tokens-details", "--enable-log-outputs", "--max-logprobs", "5",
-             "--return-tokens-as-token-ids"]  # fmt: skip
+             "--return-tokens-as-token-ids", "--logprobs-mode", "processed_logprobs"]  # fmt: skip
     server = Server(tmp_path, *flags, env={INTERVAL_ENV: "0.5", "VLLM_API_KEY": "sk-env"})  # the key, as vLLM reads it
     trusted = ssl.create_default_context(cafile=cert)
     server.url, server.verify = server.url.replace("http://", "https://"), trusted
@@ -196,6 +197,11 @@ def test_a_vllm_command_line_serves_https_and_logs_stats_and_requests(tmp_path: 
             too_many = client.post("/v1/completions", json={**body, "logprobs": 6, "prompt_logprobs": 1})
             assert too_many.status_code == 400 and too_many.json()["error"]["param"] == "logprobs"
             assert "sample logprobs of 6, which is greater than max allowed: 5" in too_many.text
+            # --logprobs-mode processed_logprobs: the distribution each token was drawn from, top_k 2 of it here
+            drawn = client.post("/v1/completions", json={**body, "temperature": 0.5, "top_k": 2, "max_tokens": 4})
+            for top in drawn.json()["choices"][0]["logprobs"]["top_logprobs"]:
+                kept = [lp for lp in top.values() if lp > -9999]  # a dropped token's -inf is reported as -9999
+                assert len(kept) == 2 and sum(math.exp(lp) for lp in kept) == pytest.approx(1.0, abs=1e-4), top
             # --enable-prompt-tokens-details: a prompt sent again finds its whole blocks in the prefix cache
             chat = {"model": MODEL, "messages": [{"role": "user", "content": "Tell me about the sea. " * 8}],
                     "max_tokens": 2}  # fmt: skip
@@ -218,11 +224,11 @@ def test_a_vllm_command_line_serves_https_and_logs_stats_and_requests(tmp_path: 
             httpx.get(server.url + "/health", timeout=5)
         server.assert_clean_exit()
         log = server.log.read_text()
-        (received,) = [line for line in log.splitlines() if "received request cmpl-" in line]  # one completion
+        received, _ = [line for line in log.splitlines() if "received request cmpl-" in line]  # two completions
         assert re.search(r"\(engine 0\): prompt: 'The ca', prompt_token_ids: \[[\d, ]+\]( \.\.\. \(\d+ in all\))?, "
                          r"params: max_tokens=24, temperature=0\.0, ignore_eos=True, logprobs=5, lora: None$",
                          received), received  # fmt: skip
-        (finished,) = [line for line in log.splitlines() if "finished request cmpl-" in line]
+        finished, _ = [line for line in log.splitlines() if "finished request cmpl-" in line]
         ids = answer.json()["choices"][0]["logprobs"]["tokens"][:6]
         assert finished.endswith(f"output_token_ids: [{', '.join(t.split(':')[1] for t in ids)}] ... (24 in all), "
                                  "finish_reason: length"), finished  # fmt: skip
