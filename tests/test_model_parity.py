@@ -95,6 +95,11 @@ TINY_CONFIGS = {
         rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
                          "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1e6}},
     ),  # fmt: skip
+    # Granite 3: embeddings, attention scores, each block's output and the logits scaled by its multipliers
+    "granite": lambda: transformers.GraniteConfig(
+        **LLAMA_LIKE, num_attention_heads=4, num_key_value_heads=2, embedding_multiplier=3.0, residual_multiplier=0.4,
+        attention_multiplier=0.3, logits_scaling=0.5, tie_word_embeddings=True, architectures=["GraniteForCausalLM"],
+    ),  # fmt: skip
     "gpt2": lambda: transformers.GPT2Config(
         n_embd=64, n_layer=2, n_head=4, vocab_size=VOCAB, n_positions=MAX_POSITIONS, bos_token_id=0, eos_token_id=0,
         architectures=["GPT2LMHeadModel"],
@@ -110,6 +115,7 @@ HF_CLASSES = {
     "mistral-window": transformers.MistralForCausalLM,
     "qwen2-window": transformers.Qwen2ForCausalLM,
     "gemma3": transformers.Gemma3ForCausalLM,
+    "granite": transformers.GraniteForCausalLM,
     "gpt2": transformers.GPT2LMHeadModel,
 }
 
@@ -284,3 +290,10 @@ def test_a_sliding_windows_model_serves_transformers_greedy_tokens_past_the_wind
     hf.save_pretrained(tmp_path)
     # Its explicit attention mask matters: generate would take Gemma's pad id (0) in a random prompt for padding.
     assert_serves_hf_greedy(tmp_path, hf, random_prompts([3, 17, 30], VOCAB, seed=4), max_num_batched_tokens=16)
+
+
+def test_a_saved_granite_serves_transformers_greedy_tokens(tmp_path) -> None:
+    """Through the engine: Granite's checkpoint names, tied embeddings and multipliers, in one batch of three."""
+    hf = tiny_hf_model("granite")
+    hf.save_pretrained(tmp_path)
+    assert_serves_hf_greedy(tmp_path, hf, random_prompts([3, 17, 30], VOCAB, seed=3))

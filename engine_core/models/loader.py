@@ -15,6 +15,7 @@ from common.model_source import ModelSourceError
 from common.pooling import Pooling
 from engine_core.models.gemma3 import Gemma3ForCausalLM
 from engine_core.models.gpt2 import GPT2LMHeadModel
+from engine_core.models.granite import GraniteForCausalLM
 from engine_core.models.llama import LlamaForCausalLM
 from engine_core.models.moe import MoeForCausalLM
 
@@ -25,6 +26,7 @@ ARCHITECTURES: dict[str, type[nn.Module]] = {
     "MistralForCausalLM": LlamaForCausalLM,
     "SmolLM3ForCausalLM": LlamaForCausalLM,
     "Phi3ForCausalLM": LlamaForCausalLM,  # q/k/v and gate/up fused in the checkpoint, as ours are
+    "GraniteForCausalLM": GraniteForCausalLM,
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
     "GPT2LMHeadModel": GPT2LMHeadModel,
     "Qwen3MoeForCausalLM": MoeForCausalLM,
