@@ -41,7 +41,7 @@ def events_of(parser: ToolParser, pieces: list[str]) -> tuple[list[Event], str, 
     calls: list[list[str]] = []
     for e in events:
         if isinstance(e, CallStart):
-            mistral = isinstance(parser, MistralParser)  # nine letters and digits, as Mistral's templates demand
+            mistral = type(parser) is MistralParser  # nine letters and digits, as Mistral's templates demand
             assert e.index == len(calls) and re.fullmatch(r"[A-Za-z0-9]{9}" if mistral else r"call_\w{17,}", e.id)
             calls.append([e.name, ""])
         elif isinstance(e, Arguments):

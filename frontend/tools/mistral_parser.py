@@ -32,6 +32,7 @@ def mistral_call_id() -> str:
 
 
 class MistralParser(CallsUpTo):
+    tag = TAG  # what opens the calls (Granite's parser: another tag, the same JSON list after it)
     new_id = staticmethod(mistral_call_id)
 
     def __init__(self, max_calls: int | None = None) -> None:
@@ -62,9 +63,9 @@ class MistralParser(CallsUpTo):
                 if not self.held:
                     break
                 self.after_calls = False
-            at = self.held.find(TAG)
+            at = self.held.find(self.tag)
             if at < 0:
-                keep = 0 if final else partial_tag(self.held, TAG)
+                keep = 0 if final else partial_tag(self.held, self.tag)
                 head = self.held[: len(self.held) - keep]
                 body = head if final else head.rstrip()  # trailing whitespace waits: a tag may follow it
                 self._content(events, body)
@@ -73,7 +74,7 @@ class MistralParser(CallsUpTo):
             before = self.held[:at]
             body = before.rstrip()
             self._content(events, body)
-            self.tag_ws, self.in_calls, self.held = before[len(body) :], True, self.held[at + len(TAG) :]
+            self.tag_ws, self.in_calls, self.held = before[len(body) :], True, self.held[at + len(self.tag) :]
         if final and self.in_calls:  # a tag at the very end
             self._not_calls(events)
         return events
@@ -126,7 +127,7 @@ class MistralParser(CallsUpTo):
 
     def _not_calls(self, events: list[Event]) -> bool:
         """The tag leads to no calls: it is content as written, and what follows it is read as content again."""
-        self._content(events, self.tag_ws + TAG)
+        self._content(events, self.tag_ws + self.tag)
         self.in_calls = False
         return True
 

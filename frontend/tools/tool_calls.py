@@ -26,6 +26,7 @@ from frontend.api.protocol import (
 from frontend.errors import bad_request
 from frontend.tools.functiongemma_parser import STOP as FUNCTIONGEMMA_STOP
 from frontend.tools.functiongemma_parser import FunctionGemmaParser
+from frontend.tools.granite_parser import GraniteParser
 from frontend.tools.mistral_parser import MistralParser
 from frontend.tools.pythonic_parser import PythonicParser
 from frontend.tools.tool_forced import ForcedCallsParser, NamedCallParser
@@ -34,7 +35,8 @@ from frontend.tools.tool_parsers import CLOSE, OPEN, HermesParser, Llama3JsonPar
 # --tool-call-parser NAME -> the parser's class, called with max_calls
 PARSERS: dict[str, Callable[[int | None], ToolParser]] = {"hermes": HermesParser, "llama3_json": Llama3JsonParser,
                                                           "pythonic": PythonicParser, "mistral": MistralParser,
-                                                          "functiongemma": FunctionGemmaParser}  # fmt: skip
+                                                          "functiongemma": FunctionGemmaParser,
+                                                          "granite": GraniteParser}  # fmt: skip
 _EMPTY_PARAMETERS = {"type": "object", "properties": {}}  # OpenAI: no parameters is a function without arguments
 
 Mode = Literal["none", "auto", "required", "named"]
@@ -53,9 +55,9 @@ class ToolPlan:
 
     @property
     def keeps_special_tokens(self) -> bool:
-        """Mistral's and FunctionGemma's tags are special tokens: their parsers read them only where the text keeps
-        them (as in vLLM)."""
-        return self.mode == "auto" and self.parser in ("mistral", "functiongemma")
+        """Mistral's, FunctionGemma's and Granite's tags are special tokens: their parsers read them only where the
+        text keeps them (as in vLLM)."""
+        return self.mode == "auto" and self.parser in ("mistral", "functiongemma", "granite")
 
     @property
     def stop(self) -> list[str]:
