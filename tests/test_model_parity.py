@@ -11,10 +11,7 @@ import pytest
 import torch
 import transformers
 
-from common.config import EngineConfig
-from engine_core.core import EngineCore
 from engine_core.models.loader import build_model, load_model, load_weights
-from tests.engine_helpers import assert_serves_hf_greedy, greedy_request, run_engine, tokens_of
 from tests.model_harness import PagedRun
 
 TOL = 1e-3
@@ -100,6 +97,19 @@ TINY_CONFIGS = {
         **LLAMA_LIKE, num_attention_heads=4, num_key_value_heads=2, embedding_multiplier=3.0, residual_multiplier=0.4,
         attention_multiplier=0.3, logits_scaling=0.5, tie_word_embeddings=True, architectures=["GraniteForCausalLM"],
     ),  # fmt: skip
+    # OLMo 2: norms after the blocks, q and k each normed whole; OLMo 3: and a sliding layer (window 8) beside a full
+    # one, each kind with its own rotary base
+    "olmo2": lambda: transformers.Olmo2Config(
+        **LLAMA_LIKE, num_attention_heads=4, num_key_value_heads=2, pad_token_id=None, bos_token_id=None,
+        eos_token_id=None, architectures=["Olmo2ForCausalLM"],
+    ),  # fmt: skip
+    "olmo3": lambda: transformers.Olmo3Config(
+        **LLAMA_LIKE, num_attention_heads=4, num_key_value_heads=2, sliding_window=8, pad_token_id=None,
+        bos_token_id=None, eos_token_id=None, layer_types=["sliding_attention", "full_attention"],
+        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                         "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1e6}},
+        architectures=["Olmo3ForCausalLM"],
+    ),  # fmt: skip
     "gpt2": lambda: transformers.GPT2Config(
         n_embd=64, n_layer=2, n_head=4, vocab_size=VOCAB, n_positions=MAX_POSITIONS, bos_token_id=0, eos_token_id=0,
         architectures=["GPT2LMHeadModel"],
@@ -116,6 +126,8 @@ HF_CLASSES = {
     "qwen2-window": transformers.Qwen2ForCausalLM,
     "gemma3": transformers.Gemma3ForCausalLM,
     "granite": transformers.GraniteForCausalLM,
+    "olmo2": transformers.Olmo2ForCausalLM,
+    "olmo3": transformers.Olmo3ForCausalLM,
     "gpt2": transformers.GPT2LMHeadModel,
 }
 
@@ -264,36 +276,3 @@ def test_smollm2_parity(smollm2):
     prefill_diff, decode_diff = prefill_then_decode(ours, hf, prompts, DECODE_STEPS)
     assert prefill_diff < TOL
     assert decode_diff < TOL
-
-
-def test_a_saved_qwen3_serves_transformers_greedy_tokens(tmp_path) -> None:
-    """A Qwen3 directory through the engine (the architecture check, the checkpoint's names, the q/k norms): the
-    greedy tokens of transformers' generate, for prompts of different lengths in one batch."""
-    hf = tiny_hf_model("qwen3")
-    hf.save_pretrained(tmp_path)
-    prompts = random_prompts([3, 17, 30], VOCAB, seed=2)
-    core = EngineCore(EngineConfig(model=str(tmp_path), dtype="float32", num_kv_blocks=64, max_model_len=MAX_POSITIONS))
-    requests = [greedy_request(f"q{i}", p, 12) for i, p in enumerate(prompts)]
-    ours = tokens_of(run_engine(core, requests), [r.request_id for r in requests])
-    with torch.inference_mode():
-        refs = [hf.generate(torch.tensor([p]), max_new_tokens=12, min_new_tokens=12, do_sample=False)[0, len(p) :]
-                for p in prompts]  # fmt: skip
-    assert ours == [r.tolist() for r in refs]
-
-
-@pytest.mark.parametrize("arch", ["qwen2-window", "gemma3"])
-def test_a_sliding_windows_model_serves_transformers_greedy_tokens_past_the_window(arch: str, tmp_path) -> None:
-    """Through the engine (chunked prefill, decode steps, the CPU kernels up to the window and the masks past it):
-    transformers' greedy tokens for prompts shorter and longer than a window of 8 on one of the two layers."""
-    hf = tiny_hf_model(arch)
-    assert sorted(hf.config.layer_types) == ["full_attention", "sliding_attention"]
-    hf.save_pretrained(tmp_path)
-    # Its explicit attention mask matters: generate would take Gemma's pad id (0) in a random prompt for padding.
-    assert_serves_hf_greedy(tmp_path, hf, random_prompts([3, 17, 30], VOCAB, seed=4), max_num_batched_tokens=16)
-
-
-def test_a_saved_granite_serves_transformers_greedy_tokens(tmp_path) -> None:
-    """Through the engine: Granite's checkpoint names, tied embeddings and multipliers, in one batch of three."""
-    hf = tiny_hf_model("granite")
-    hf.save_pretrained(tmp_path)
-    assert_serves_hf_greedy(tmp_path, hf, random_prompts([3, 17, 30], VOCAB, seed=3))

@@ -18,6 +18,7 @@ from engine_core.models.gpt2 import GPT2LMHeadModel
 from engine_core.models.granite import GraniteForCausalLM
 from engine_core.models.llama import LlamaForCausalLM
 from engine_core.models.moe import MoeForCausalLM
+from engine_core.models.olmo2 import Olmo2ForCausalLM
 
 ARCHITECTURES: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
@@ -27,6 +28,8 @@ ARCHITECTURES: dict[str, type[nn.Module]] = {
     "SmolLM3ForCausalLM": LlamaForCausalLM,
     "Phi3ForCausalLM": LlamaForCausalLM,  # q/k/v and gate/up fused in the checkpoint, as ours are
     "GraniteForCausalLM": GraniteForCausalLM,
+    "Olmo2ForCausalLM": Olmo2ForCausalLM,
+    "Olmo3ForCausalLM": Olmo2ForCausalLM,  # OLMo 2 with sliding-window layers
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
     "GPT2LMHeadModel": GPT2LMHeadModel,
     "Qwen3MoeForCausalLM": MoeForCausalLM,
