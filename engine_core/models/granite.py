@@ -33,14 +33,8 @@ class GraniteForCausalLM(LlamaForCausalLM):
         qkv_bias, o_bias = self.attention_biases(self.config)
         return GraniteDecoderLayer(self.config, qkv_bias, o_bias, self.heads, self.columns, window, rotate)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        x = self.embed_tokens(input_ids) * self.config.embedding_multiplier
-        rope = self.rotary.for_step(positions, x.dtype)
-        residual = None
-        for layer in self.layers:
-            x, residual = layer(x, residual, rope, meta)
-        x, _ = self.norm(x, residual)
-        return x
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens(input_ids) * self.config.embedding_multiplier
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return super().compute_logits(hidden) / self.config.logits_scaling

@@ -182,8 +182,12 @@ class LlamaForCausalLM(nn.Module):
     def attention_layers(self) -> list[nn.Module]:
         return [layer.self_attn for layer in self.layers]
 
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The tokens' embeddings as the first layer takes them (Granite scales them)."""
+        return self.embed_tokens(input_ids)
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)
+        x = self.embed(input_ids)
         if self.decode_stack is not None and self.decode_stack.takes(meta, x.shape[0]):
             return self.decode_stack(x, positions, meta)  # the same layers' kernels, called from C
         rope = self.rotary.for_step(positions, x.dtype)
