@@ -25,7 +25,8 @@ HEADLESS_ARCHITECTURES = ("LlamaModel", "Qwen2Model", "Qwen3Model", "MistralMode
 CLASSIFIER_ARCHITECTURES = ("LlamaForSequenceClassification", "Qwen2ForSequenceClassification",
                             "Qwen3ForSequenceClassification", "MistralForSequenceClassification")
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM",
-                           "SmolLM3ForCausalLM", "Phi3ForCausalLM", "GraniteForCausalLM", "Olmo2ForCausalLM",
+                           "SmolLM3ForCausalLM", "Phi3ForCausalLM", "GraniteForCausalLM",
+                           "GraniteMoeHybridForCausalLM", "Olmo2ForCausalLM",
                            "Olmo3ForCausalLM", "Gemma3ForCausalLM", "GPT2LMHeadModel",
                            "Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM", "MixtralForCausalLM", "OlmoeForCausalLM",
                            *HEADLESS_ARCHITECTURES, *CLASSIFIER_ARCHITECTURES)

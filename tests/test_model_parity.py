@@ -97,6 +97,18 @@ TINY_CONFIGS = {
         **LLAMA_LIKE, num_attention_heads=4, num_key_value_heads=2, embedding_multiplier=3.0, residual_multiplier=0.4,
         attention_multiplier=0.3, logits_scaling=0.5, tie_word_embeddings=True, architectures=["GraniteForCausalLM"],
     ),  # fmt: skip
+    # Granite 4.0's attention-only models: Granite 3's layer, the MLP as shared_mlp (gate and up fused)
+    "granite4": lambda: transformers.GraniteMoeHybridConfig(
+        **LLAMA_LIKE, num_attention_heads=4, num_key_value_heads=2, shared_intermediate_size=96, num_local_experts=0,
+        layer_types=["attention", "attention"], position_embedding_type="rope", embedding_multiplier=3.0,
+        residual_multiplier=0.4, attention_multiplier=0.3, logits_scaling=0.5, pad_token_id=None, bos_token_id=None,
+        eos_token_id=None, architectures=["GraniteMoeHybridForCausalLM"],
+    ),  # fmt: skip
+    "granite4-nope": lambda: transformers.GraniteMoeHybridConfig(  # no rotary embedding in any layer
+        **LLAMA_LIKE, num_attention_heads=4, num_key_value_heads=2, shared_intermediate_size=96, num_local_experts=0,
+        layer_types=["attention", "attention"], position_embedding_type="nope", pad_token_id=None,
+        bos_token_id=None, eos_token_id=None, architectures=["GraniteMoeHybridForCausalLM"],
+    ),  # fmt: skip
     # OLMo 2: norms after the blocks, q and k each normed whole; OLMo 3: and a sliding layer (window 8) beside a full
     # one, each kind with its own rotary base
     "olmo2": lambda: transformers.Olmo2Config(
@@ -126,6 +138,8 @@ HF_CLASSES = {
     "qwen2-window": transformers.Qwen2ForCausalLM,
     "gemma3": transformers.Gemma3ForCausalLM,
     "granite": transformers.GraniteForCausalLM,
+    "granite4": transformers.GraniteMoeHybridForCausalLM,
+    "granite4-nope": transformers.GraniteMoeHybridForCausalLM,
     "olmo2": transformers.Olmo2ForCausalLM,
     "olmo3": transformers.Olmo3ForCausalLM,
     "gpt2": transformers.GPT2LMHeadModel,

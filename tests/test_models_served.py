@@ -3,13 +3,17 @@ greedy tokens of transformers' generate on the same random weights, saved as a c
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
+import transformers
 
 from common.config import EngineConfig
 from engine_core.core import EngineCore
+from engine_core.models.loader import build_model
 from tests.engine_helpers import assert_serves_hf_greedy, greedy_request, run_engine, tokens_of
-from tests.test_model_parity import MAX_POSITIONS, VOCAB, random_prompts, tiny_hf_model
+from tests.test_model_parity import MAX_POSITIONS, TINY_CONFIGS, VOCAB, random_prompts, tiny_hf_model
 
 
 def test_a_saved_qwen3_serves_transformers_greedy_tokens(tmp_path) -> None:
@@ -38,8 +42,20 @@ def test_a_sliding_windows_model_serves_transformers_greedy_tokens_past_the_wind
     assert_serves_hf_greedy(tmp_path, hf, random_prompts([3, 17, 30], VOCAB, seed=4), max_num_batched_tokens=16)
 
 
-def test_a_saved_granite_serves_transformers_greedy_tokens(tmp_path) -> None:
-    """Through the engine: Granite's checkpoint names, tied embeddings and multipliers, in one batch of three."""
-    hf = tiny_hf_model("granite")
+@pytest.mark.parametrize("arch", ["granite", "granite4"])
+def test_a_saved_granite_serves_transformers_greedy_tokens(arch: str, tmp_path) -> None:
+    """Through the engine: Granite's checkpoint names (Granite 4.0's shared_mlp), tied embeddings and multipliers,
+    in one batch of three."""
+    hf = tiny_hf_model(arch)
     hf.save_pretrained(tmp_path)
     assert_serves_hf_greedy(tmp_path, hf, random_prompts([3, 17, 30], VOCAB, seed=3))
+
+
+@pytest.mark.parametrize(("fields", "words"), [
+    ({"layer_types": ["attention", "mamba"]}, "Mamba layers (its -H models) are not supported"),
+    ({"num_local_experts": 4}, "mixture of experts is not supported"),
+])  # fmt: skip
+def test_granite4_models_with_mamba_layers_or_experts_are_refused(fields: dict, words: str) -> None:
+    config = transformers.GraniteMoeHybridConfig(**{**TINY_CONFIGS["granite4"]().to_dict(), **fields})
+    with pytest.raises(ValueError, match=re.escape(words)):
+        build_model(config, torch.float32, torch.device("cpu"), MAX_POSITIONS)

@@ -1,9 +1,15 @@
 """IBM's Granite 3 (GraniteForCausalLM): the Llama layer with four multipliers from its config. Embeddings are
 scaled by `embedding_multiplier`; each attention and MLP output by `residual_multiplier` before it joins the
 residual stream; attention scores by `attention_multiplier` (in place of 1/sqrt(head_dim)); logits are divided by
-`logits_scaling`. The one-call CPU decode stack has no multipliers, so its decode steps run layer by layer."""
+`logits_scaling`. The one-call CPU decode stack has no multipliers, so its decode steps run layer by layer.
+
+Granite 4.0's attention-only models (GraniteMoeHybridForCausalLM with no Mamba layer and no experts:
+granite-4.0-micro, -1b, -350m) are the same layer, its MLP stored as `shared_mlp` (`input_linear`: gate and up
+fused, gate first; `output_linear`), rotating q and k only where `position_embedding_type` is "rope"."""
 
 from __future__ import annotations
+
+import copy
 
 import torch
 
@@ -38,3 +44,25 @@ class GraniteForCausalLM(LlamaForCausalLM):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return super().compute_logits(hidden) / self.config.logits_scaling
+
+
+class GraniteHybridForCausalLM(GraniteForCausalLM):
+    def __init__(self, config, max_positions: int) -> None:
+        if any(kind not in ("attention", "full_attention") for kind in config.layers_block_type):
+            raise ValueError("Granite 4.0's Mamba layers (its -H models) are not supported: only its attention-only "
+                             "models (granite-4.0-micro, -1b, -350m)")  # fmt: skip
+        if config.num_local_experts:
+            raise ValueError("Granite 4.0's mixture of experts is not supported: only its dense attention models")
+        config = copy.copy(config)
+        config.intermediate_size = config.shared_intermediate_size  # the MLP Llama's layer builds
+        super().__init__(config, max_positions)
+
+    def decoder_layer(self, index: int, window: int | None, rotate: bool) -> LlamaDecoderLayer:
+        return super().decoder_layer(index, window, self.config.position_embedding_type == "rope")
+
+    def checkpoint_name(self, name: str) -> str | None:
+        ours = super().checkpoint_name(name)
+        if ours is None:
+            return None
+        return ours.replace(".shared_mlp.input_linear.", ".mlp.gate_up_proj.").replace(
+            ".shared_mlp.output_linear.", ".mlp.down_proj.")

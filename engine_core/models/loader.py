@@ -15,7 +15,7 @@ from common.model_source import ModelSourceError
 from common.pooling import Pooling
 from engine_core.models.gemma3 import Gemma3ForCausalLM
 from engine_core.models.gpt2 import GPT2LMHeadModel
-from engine_core.models.granite import GraniteForCausalLM
+from engine_core.models.granite import GraniteForCausalLM, GraniteHybridForCausalLM
 from engine_core.models.llama import LlamaForCausalLM
 from engine_core.models.moe import MoeForCausalLM
 from engine_core.models.olmo2 import Olmo2ForCausalLM
@@ -28,6 +28,7 @@ ARCHITECTURES: dict[str, type[nn.Module]] = {
     "SmolLM3ForCausalLM": LlamaForCausalLM,
     "Phi3ForCausalLM": LlamaForCausalLM,  # q/k/v and gate/up fused in the checkpoint, as ours are
     "GraniteForCausalLM": GraniteForCausalLM,
+    "GraniteMoeHybridForCausalLM": GraniteHybridForCausalLM,  # Granite 4.0: its attention-only, dense models
     "Olmo2ForCausalLM": Olmo2ForCausalLM,
     "Olmo3ForCausalLM": Olmo2ForCausalLM,  # OLMo 2 with sliding-window layers
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
