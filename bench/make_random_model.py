@@ -1,10 +1,10 @@
-"""Random-weight Llama-family (and Gemma 3) models for benchmarks: an HF directory (config.json, sharded bf16
-safetensors, the default model's tokenizer and chat template) of a named shape. Speed depends on the shape, not on
-the values.
+"""Random-weight Llama-family (and Granite, OLMo 2, Gemma 3, mixture-of-experts) models for benchmarks: an HF
+directory (config.json, sharded bf16 safetensors, the default model's tokenizer and chat template) of a named
+shape. Speed depends on the shape, not on the values.
 
 python -m bench.make_random_model NAME OUT_DIR [--seed 0] [--base DIR]
 NAME: smollm2-135m | llama-1b | llama-7b | smollm3-3b | gemma3-270m | qwen3-embedding-0.6b | qwen3-reranker-0.6b |
-      qwen3-moe-a3b-4l | qwen3-moe-a3b-12l | olmoe-1b-7b | tiny
+      qwen3-moe-a3b-4l | qwen3-moe-a3b-12l | olmoe-1b-7b | granite-3-2b | olmo2-1b | tiny
 
 --base: a directory holding the default model's config.json and tokenizer files (TOKENIZER_FILES), to use instead
 of the default model itself: 4 MB to bring to a GPU machine rather than its 93 MB GGUF package.
@@ -77,6 +77,18 @@ SHAPES["olmoe-1b-7b"] = {"architectures": ["OlmoeForCausalLM"], "model_type": "o
                          "tie_word_embeddings": False, "max_position_embeddings": 4096, "rms_norm_eps": 1e-5,
                          "rope_parameters": {"rope_theta": 10000.0, "rope_type": "default"}}  # fmt: skip
 SHAPES["qwen3-moe-a3b-12l"] = {**SHAPES["qwen3-moe-a3b-4l"], "num_hidden_layers": 12}  # 15 GB, for a GPU
+# Granite-3.3-2B's layers and multipliers, and OLMo-2-0425-1B's (norms after the blocks), with the default vocabulary
+SHAPES["granite-3-2b"] = {"architectures": ["GraniteForCausalLM"], "model_type": "granite", "hidden_size": 2048,
+                          "num_hidden_layers": 40, "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 64,
+                          "intermediate_size": 8192, "vocab_size": 49152, "tie_word_embeddings": True,
+                          "max_position_embeddings": 131072, "rms_norm_eps": 1e-5, "embedding_multiplier": 12.0,
+                          "residual_multiplier": 0.22, "attention_multiplier": 0.015625, "logits_scaling": 8.0,
+                          "rope_parameters": {"rope_theta": 10000000.0, "rope_type": "default"}}  # fmt: skip
+SHAPES["olmo2-1b"] = {"architectures": ["Olmo2ForCausalLM"], "model_type": "olmo2", "hidden_size": 2048,
+                      "num_hidden_layers": 16, "num_attention_heads": 16, "num_key_value_heads": 16, "head_dim": 128,
+                      "intermediate_size": 8192, "vocab_size": 49152, "tie_word_embeddings": False,
+                      "max_position_embeddings": 4096, "rms_norm_eps": 1e-6,
+                      "rope_parameters": {"rope_theta": 500000.0, "rope_type": "default"}}  # fmt: skip
 # Qwen3-Reranker-0.6B: the same decoder, saved as a causal LM (served with --hf-overrides, bench/rerank.py)
 SHAPES["qwen3-reranker-0.6b"] = SHAPES["qwen3-embedding-0.6b"]
 SENTENCE_TRANSFORMERS = {"qwen3-embedding-0.6b"}
@@ -93,15 +105,16 @@ def model_config(name: str, base_dir: Path | None = None) -> dict:
 
 
 def tensor_shapes(config: dict) -> Iterator[tuple[str, tuple[int, ...]]]:
-    """HF Llama (or Gemma 3, Qwen3, Qwen3-MoE: every layer sparse) checkpoint names and shapes."""
-    gemma = config.get("model_type") == "gemma3_text"
+    """HF Llama (or Granite, Gemma 3, Qwen3, Qwen3-MoE: every layer sparse, OLMo 2) checkpoint names and shapes."""
+    gemma, olmo2 = config.get("model_type") == "gemma3_text", config.get("model_type") == "olmo2"
     h, inter, vocab = config["hidden_size"], config["intermediate_size"], config["vocab_size"]
     d = config.get("head_dim") or h // config["num_attention_heads"]
     q, kv = config["num_attention_heads"] * d, config["num_key_value_heads"] * d
     yield "model.embed_tokens.weight", (vocab, h)
     for i in range(config["num_hidden_layers"]):
         p = f"model.layers.{i}."
-        yield p + "input_layernorm.weight", (h,)
+        if not olmo2:  # OLMo 2 norms after the blocks only
+            yield p + "input_layernorm.weight", (h,)
         yield p + "self_attn.q_proj.weight", (q, h)
         yield p + "self_attn.k_proj.weight", (kv, h)
         yield p + "self_attn.v_proj.weight", (kv, h)
@@ -109,11 +122,12 @@ def tensor_shapes(config: dict) -> Iterator[tuple[str, tuple[int, ...]]]:
         yield p + "post_attention_layernorm.weight", (h,)
         if gemma or config.get("model_type") in ("qwen3", "qwen3_moe"):
             yield from ((p + name, (d,)) for name in ("self_attn.q_norm.weight", "self_attn.k_norm.weight"))
-        if config.get("model_type") == "olmoe":  # over all heads
+        if config.get("model_type") in ("olmoe", "olmo2"):  # over all heads
             yield from ((p + "self_attn.q_norm.weight", (q,)), (p + "self_attn.k_norm.weight", (kv,)))
         if gemma:
-            yield from ((p + name, (h,)) for name in ("pre_feedforward_layernorm.weight",
-                                                      "post_feedforward_layernorm.weight"))  # fmt: skip
+            yield p + "pre_feedforward_layernorm.weight", (h,)
+        if gemma or olmo2:
+            yield p + "post_feedforward_layernorm.weight", (h,)
         mlps = [("mlp.", inter)]
         if config.get("num_experts"):  # the router and its experts
             yield p + "mlp.gate.weight", (config["num_experts"], h)

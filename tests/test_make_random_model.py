@@ -34,6 +34,20 @@ def test_named_shapes() -> None:
     # Qwen3-30B-A3B's layer (623M parameters, 48 of them and 151936 tokens: its 30.5e9), 4 of them, 49152 tokens
     assert 2.69e9 < params_of("qwen3-moe-a3b-4l") < 2.7e9
     assert 6.91e9 < params_of("olmoe-1b-7b") < 6.92e9  # OLMoE-1B-7B's 6.92e9 with 49152 tokens, not 50304
+    assert 2.53e9 < params_of("granite-3-2b") < 2.54e9  # Granite-3.3-2B's 2.53e9 (49155 tokens)
+    assert 1.27e9 < params_of("olmo2-1b") < 1.28e9  # OLMo-2-0425-1B's 1.48e9 with 49152 tokens, not 100352
+
+
+def test_a_written_olmo2_loads_and_generates(tmp_path, monkeypatch) -> None:
+    """OLMo 2's names (no input norm; q and k norms over all heads; a norm after the MLP), on a small copy."""
+    small = {"hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 4, "head_dim": 16,
+             "intermediate_size": 96, "num_hidden_layers": 2}  # fmt: skip
+    monkeypatch.setitem(make_random_model.SHAPES, "olmo2-small", {**make_random_model.SHAPES["olmo2-1b"], **small})
+    core = EngineCore(fp32_config(model=str(write_model("olmo2-small", tmp_path / "o")), max_model_len=256))
+    assert type(core.runner.model).__name__ == "Olmo2ForCausalLM"
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    (tokens,) = tokens_of(run_engine(core, [EngineRequest("o", list(range(5, 40)), params)]), ["o"])
+    assert len(tokens) == 4 and all(0 <= t < 49152 for t in tokens)
 
 
 def test_a_written_mixture_of_experts_loads_and_generates(tmp_path, monkeypatch) -> None:
