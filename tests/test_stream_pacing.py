@@ -120,7 +120,7 @@ TRICKY = ["plain", 'a "quoted" \\ back\nslash\t\r\x00\x1f\x7f', "é中文😀\u2
 
 @pytest.mark.parametrize("chat", [False, True])
 def test_text_chunks_are_byte_identical_to_the_general_path(tok, chat):
-    ctx = SimpleNamespace(tokenizer=tok, reasoning_parser=None)  # a ServingContext's fields that ChatFormat reads
+    ctx = SimpleNamespace(tokenizer=tok, reasoning_parser=None, tokens_as_ids=False)  # the fields ChatFormat reads
     if chat:
         fmt = ChatFormat(ctx, ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}]))  # type: ignore
     else:
@@ -139,7 +139,7 @@ def test_text_chunks_are_byte_identical_to_the_general_path(tok, chat):
 
 
 def test_logprobs_keep_the_general_path(tok):
-    ctx = SimpleNamespace(tokenizer=tok)
+    ctx = SimpleNamespace(tokenizer=tok, tokens_as_ids=False)
     fmt = CompletionFormat(ctx, CompletionRequest(prompt="hi", logprobs=1), [[1]], ["hi"])  # type: ignore
     writer = ChunkWriter(fmt, {"id": "cmpl-x", "created": 1, "model": "m"}, False, 1)
     assert writer.affixes == [None]
