@@ -15,7 +15,9 @@ HAS_INT8_LINEAR = _KERNELS is not None and _KERNELS.has_int8_linear
 HAS_INT4_LINEAR = _KERNELS is not None and _KERNELS.has_int4_linear
 HAS_PREFILL = _KERNELS is not None and _KERNELS.has_prefill
 HAS_F32_LINEAR = _KERNELS is not None and _KERNELS.has_f32_linear
+HAS_AMX_LINEAR = _KERNELS is not None and _KERNELS.has_amx_linear
 
+needs_amx = pytest.mark.skipif(not HAS_AMX_LINEAR, reason="the AMX linears need an AMX CPU (Sapphire Rapids or later)")
 needs_linear_kernels = pytest.mark.skipif(not HAS_LINEAR,
                                           reason="our linear kernels need AVX512-BF16 or AVX2 + FMA")  # fmt: skip
 needs_prefill_kernel = pytest.mark.skipif(not HAS_PREFILL,

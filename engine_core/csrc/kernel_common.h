@@ -416,6 +416,10 @@ static inline __attribute__((always_inline)) void store_linear_tile(__m512 (*acc
 }
 #endif
 int linear_avx2_available(void);
+// csrc/linear_amx.c: bf16 panels on AMX where the CPU has it and k % 32 == 0; returns 0, having done nothing, elsewhere.
+int linear_amx_available(void);
+int linear_amx(const uint16_t* x, int64_t ldx, int64_t m_len, const void* packed, const uint16_t* bias,
+               uint16_t* out, int64_t ldo, int64_t n_len, int64_t k_len);
 // csrc/linear_int4.c: weight-only int4 panels (linear's format 2), defined where the CPU has AVX512-BF16.
 int linear_int4_available(void);
 void linear_int4(const uint16_t* x, int64_t ldx, int64_t m_len, const void* packed, const uint16_t* bias,

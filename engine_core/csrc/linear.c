@@ -172,6 +172,7 @@ int linear_panel_cols(void) { return PANEL_COLS; }
 void linear(const uint16_t* x, int64_t ldx, int64_t m_len, const void* packed, int format, const uint16_t* bias,
             uint16_t* out, int64_t ldo, int64_t n_len, int64_t k_len) {
 #if defined(__AVX512BF16__)
+    if (format == 0 && linear_amx(x, ldx, m_len, packed, bias, out, ldo, n_len, k_len)) return;
     if (format == 2) linear_int4(x, ldx, m_len, packed, bias, out, ldo, n_len, k_len);
     else panel_linear(x, ldx, m_len, packed, format, bias, out, ldo, n_len, k_len);
 #else

@@ -1,0 +1,55 @@
+"""csrc/linear_amx.c: bf16 linears on AMX tiles, reading the AVX-512 kernel's panels. Every bf16 call whose k is a
+multiple of 32 runs there on an AMX CPU (tests/test_cpu_kernels.py's linear tests then check it too); here, rows
+across its 16-row blocks and the threads, panels of 1 to 3 vectors, and ROSEINFER_AMX=0, which keeps every call on
+the AVX-512 tiles."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import torch
+
+from engine_core.cpu_kernels import cpu_kernels
+from engine_core.linear_packing import pack_bf16
+from tests.cpu_features import needs_amx
+
+# 100 columns: panels of 48, 48 and 4 (one vector); k 96: three 32-k steps; 70 rows: four 16-row blocks and 6.
+OUT, IN, ROWS = 100, 96, 70
+
+
+def _case() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    torch.manual_seed(3)
+    weight = torch.randn(OUT, IN, dtype=torch.bfloat16)
+    bias = torch.randn(OUT, dtype=torch.bfloat16)
+    x = torch.randn(ROWS, IN + 32, dtype=torch.bfloat16)[:, 16 : 16 + IN]  # strided rows
+    return weight, bias, x, x.float() @ weight.float().T + bias.float()
+
+
+@needs_amx
+def test_amx_rows_match_fp32_and_each_row_is_computed_alone() -> None:
+    kernels = cpu_kernels()
+    assert kernels is not None and kernels.has_amx_linear
+    weight, bias, x, ref = _case()
+    packed = pack_bf16(weight, kernels.panel_cols)
+    out = kernels.linear(x, packed, bias, OUT)
+    assert float((out.float() - ref).abs().max()) <= 2 * float(ref.abs().max()) * 2**-8 + 1e-3
+    for start, rows in ((0, 1), (3, 15), (15, 2), (16, 16), (30, 40), (69, 1)):
+        assert torch.equal(kernels.linear(x[start : start + rows], packed, bias, OUT), out[start : start + rows])
+    many = torch.randn(2000, IN, dtype=torch.bfloat16)  # split over the threads by rows and panels
+    wide = kernels.linear(many, packed, bias, OUT)
+    assert torch.equal(kernels.linear(many[1234:1251], packed, bias, OUT), wide[1234:1251])
+
+
+@needs_amx
+def test_roseinfer_amx_0_keeps_the_avx512_tiles() -> None:
+    code = ("import torch; from engine_core.cpu_kernels import cpu_kernels; from engine_core.linear_packing import "
+            "pack_bf16; from tests.test_amx_linear import _case, OUT; k = cpu_kernels(); w, b, x, ref = _case(); "
+            "out = k.linear(x, pack_bf16(w, k.panel_cols), b, OUT); "
+            "print(k.has_amx_linear, float((out.float() - ref).abs().max()) / float(ref.abs().max()))")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "ROSEINFER_AMX": "0"})  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    amx, error = proc.stdout.split()
+    assert amx == "False" and float(error) <= 2 * 2**-8
