@@ -23,7 +23,7 @@ from pathlib import Path
 import uvicorn
 
 from common import ipc, vllm_flags
-from common.config import EngineConfig, ServerConfig, SpeculativeConfig, add_cli_args, from_cli_args
+from common.config import EngineConfig, ServerConfig, SpeculativeConfig, add_cli_args, check_max_logprobs, from_cli_args
 from common.lora import LoraModule, lora_modules
 from common.model_source import ModelSourceError, is_model_path, parse_hf_overrides, resolve_model, tokenizer_dir
 from common.pooling import read_pooling
@@ -64,8 +64,10 @@ def parse_args(argv: list[str] | None = None) -> tuple[EngineConfig, ServerConfi
         # `--served-model-name a ./model` takes the model as a second name and would serve the default model
         parser.error(f"{path} is a path, taken as a --served-model-name: put the model first (python launch.py "
                      f"{path} --served-model-name ...) or give it with --model")  # fmt: skip
-    if ns.max_logprobs < -1:
-        parser.error(f"--max-logprobs must be -1 (the whole vocabulary) or at least 0, not {ns.max_logprobs}")
+    try:
+        check_max_logprobs(ns.max_logprobs)
+    except ValueError as exc:
+        parser.error(str(exc))
     if ns.api_key is None:  # a key in the environment stays out of the process list
         ns.api_key = os.environ.get("ROSEINFER_API_KEY") or os.environ.get("VLLM_API_KEY")
     return from_cli_args(EngineConfig, ns), from_cli_args(ServerConfig, ns)

@@ -12,6 +12,7 @@ from typing import Any, TypeVar, Union, get_args, get_origin, get_type_hints
 T = TypeVar("T")
 # What sampled logprobs report (vLLM's --logprobs-mode; engine_core/sampler.py computes them)
 LOGPROBS_MODES = ["raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits"]
+DEFAULT_MAX_LOGPROBS = 20  # vLLM's --max-logprobs
 
 
 def flag(default: Any, help: str, **kw: Any) -> Any:
@@ -81,8 +82,8 @@ class EngineConfig:
         "request whose `model` is that name is served by the base model with the adapter", nargs="*",
     )
     max_lora_rank: int = flag(16, "largest LoRA rank an adapter may have")
-    max_logprobs: int = flag(20, "most logprobs (top alternatives per token, sampled or prompt) a request may ask for, "
-                             "as vLLM's; -1: the whole vocabulary")  # fmt: skip
+    max_logprobs: int = flag(DEFAULT_MAX_LOGPROBS, "most logprobs (top alternatives per token, sampled or prompt) "
+                             "a request may ask for, as vLLM's; -1: the whole vocabulary")  # fmt: skip
     logprobs_mode: str = flag("raw_logprobs", "what sampled logprobs report (vLLM's): the model's distribution (raw) "
                               "or the one each token was drawn from, after penalties, biases, temperature and top-k/p "
                               "(processed); as logprobs or logits", choices=LOGPROBS_MODES)  # fmt: skip
@@ -97,9 +98,13 @@ class EngineConfig:
 
     def logprobs_limit(self, vocab_size: int) -> int:
         """The most logprobs a request may ask for on a model with this vocabulary (--max-logprobs)."""
-        if self.max_logprobs < -1:
-            raise ValueError(f"--max-logprobs must be -1 (the vocabulary) or at least 0, not {self.max_logprobs}")
+        check_max_logprobs(self.max_logprobs)
         return vocab_size if self.max_logprobs == -1 else min(self.max_logprobs, vocab_size)
+
+
+def check_max_logprobs(value: int) -> None:
+    if value < -1:
+        raise ValueError(f"--max-logprobs must be -1 (the whole vocabulary) or at least 0, not {value}")
 
 
 @dataclass

@@ -106,10 +106,7 @@ def fold_into(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> None:
 def _limits(parser: argparse.ArgumentParser, text: str) -> bool:
     """Whether --limit-mm-per-prompt allows any item: a JSON object of modalities (vLLM's {"image": 0}) and counts,
     or of option objects holding one (its newer {"video": {"count": 1, ...}})."""
-    try:
-        limits = json.loads(text)
-    except json.JSONDecodeError as exc:
-        parser.error(f"--limit-mm-per-prompt is not JSON: {exc}")
+    limits = _json(parser, "--limit-mm-per-prompt", text)
     if not isinstance(limits, dict):
         parser.error("--limit-mm-per-prompt must be a JSON object")
     counts = [v.get("count", 1) if isinstance(v, dict) else v for v in limits.values()]
@@ -118,10 +115,7 @@ def _limits(parser: argparse.ArgumentParser, text: str) -> bool:
 
 def _graph_mode(parser: argparse.ArgumentParser, text: str) -> str | None:
     """--compilation-config's cudagraph_mode (None: not given); anything but a JSON object is a usage error."""
-    try:
-        config = json.loads(text)
-    except json.JSONDecodeError as exc:
-        parser.error(f"--compilation-config is not JSON: {exc}")
+    config = _json(parser, "--compilation-config", text)
     if type(config) is int and 0 <= config <= 3:  # vLLM's older form: a compilation level alone
         return None
     if not isinstance(config, dict):
@@ -130,6 +124,13 @@ def _graph_mode(parser: argparse.ArgumentParser, text: str) -> str | None:
     if mode is not None and mode not in GRAPH_MODES:
         parser.error(f"--compilation-config: cudagraph_mode {mode!r} is not one of {', '.join(GRAPH_MODES)}")
     return mode
+
+
+def _json(parser: argparse.ArgumentParser, flag_name: str, text: str) -> object:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        parser.error(f"{flag_name} is not JSON: {exc}")
 
 
 def _fold(parser: argparse.ArgumentParser, ns: argparse.Namespace, name: str, value: object, default: object,

@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable
 
+from common.config import DEFAULT_MAX_LOGPROBS
 from common.messages import (
     MAX_BAD_WORD_TOKENS,
     MAX_BAD_WORDS,
@@ -23,7 +24,7 @@ MIN_REPETITION_PENALTY = 1e-6
 
 
 def invalid_request(msg: EngineRequest, vocab_size: int, max_model_len: int, running: dict, pooling: bool = False,
-                    max_logprobs: int = 20) -> str | None:  # fmt: skip
+                    max_logprobs: int = DEFAULT_MAX_LOGPROBS) -> str | None:  # fmt: skip
     """Why the engine refuses this request, or None. pooling: the engine serves pooling requests (embeddings,
     classifier scores), and only those. max_logprobs: --max-logprobs, resolved (EngineConfig.logprobs_limit)."""
 

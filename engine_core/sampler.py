@@ -96,7 +96,7 @@ class Sampler:
     def _sample(self, logits: torch.Tensor, requests: list[Request], params: list[SamplingParams],
                 offsets: list[int]) -> torch.Tensor:  # fmt: skip
         """torch's way (CUDA, or no compiled kernels): the same filters, drawn by an exponential race."""
-        probs = _filtered_probs(logits, params)
+        probs = _filtered_probs(_at_temperature(logits, params), params)
         # Exponential race: argmax(p / E) with E ~ Exp(1) draws from p; each row's E has its own source.
         noise = torch.empty_like(probs).exponential_(generator=self.generator)
         for i, (req, p) in enumerate(zip(requests, params, strict=True)):
@@ -108,11 +108,15 @@ class Sampler:
         return torch.where(greedy_rows, logits.argmax(dim=-1), sampled)
 
 
-def _filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-    """fp32 rows' probabilities at their temperatures (1 for a greedy row), then min-p, top-k and top-p: 0 for every
-    token they drop."""
-    temps = to_device([1.0 if p.greedy else _temperature(p) for p in params], logits.device)
-    probs = torch.softmax(logits / temps[:, None], dim=-1)
+def _at_temperature(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """fp32 rows divided by their temperatures (1 for a greedy row)."""
+    return logits / to_device([1.0 if p.greedy else _temperature(p) for p in params], logits.device)[:, None]
+
+
+def _filtered_probs(scaled: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """Rows at their temperatures (_at_temperature) as probabilities, then min-p, top-k and top-p: 0 for every token
+    they drop."""
+    probs = torch.softmax(scaled, dim=-1)
     if any(p.min_p > 0 for p in params):
         min_p = to_device([p.min_p for p in params], probs.device)
         probs = probs.masked_fill(probs < min_p[:, None] * probs.max(dim=-1, keepdim=True).values, 0.0)
@@ -130,9 +134,8 @@ def _drawn_from(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Ten
         drawn = drawn.clone()
         rows = to_device(sampled, logits.device, torch.long)
         chosen = [params[i] for i in sampled]
-        temps = to_device([_temperature(p) for p in chosen], logits.device)
-        kept = _filtered_probs(drawn[rows], chosen) > 0
-        drawn[rows] = (drawn[rows] / temps[:, None]).masked_fill(~kept, float("-inf"))
+        scaled = _at_temperature(drawn[rows], chosen)
+        drawn[rows] = scaled.masked_fill(_filtered_probs(scaled, chosen) == 0, float("-inf"))
     return drawn
 
 

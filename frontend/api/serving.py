@@ -12,6 +12,7 @@ import msgspec
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from common.config import DEFAULT_MAX_LOGPROBS
 from common.messages import LoraRef, SamplingParams
 from common.pooling import Pooling
 from common.structured import INVALID_CONSTRAINT
@@ -50,7 +51,7 @@ class ServingContext:
     pooling: Pooling | None = None
     pair_template: bool = False  # --chat-template given: a scored pair is rendered by it, as vLLM's score template
     prompt_tokens_details: bool = False  # --enable-prompt-tokens-details: usage says how many prompt tokens were cached
-    max_logprobs: int = 20  # --max-logprobs, resolved: the most top alternatives a request may ask for
+    max_logprobs: int = DEFAULT_MAX_LOGPROBS  # --max-logprobs, resolved: the most alternatives a request may ask for
     tokens_as_ids: bool = False  # --return-tokens-as-token-ids: what a request that does not say takes
 
     @property
