@@ -19,7 +19,7 @@
 #include "kernel_common.h"
 
 #if defined(__AVX512BF16__)
-#define KEYS 16
+#define KEYS SLICE_KEYS
 
 int attend_bf16_takes(int head_dim, int block_size) {
     return head_dim % 32 == 0 && head_dim <= ATTEND_MAX_DIM && block_size % KEYS == 0;
@@ -90,61 +90,25 @@ void attend_bf16_tile(const uint16_t* q, int64_t q_row_stride, const uint16_t* k
     __m512i qt[group][pairs];
     __m512 acc[group][head_dim], m[group], l[group], s[KEYS];
     __attribute__((aligned(64))) uint32_t vp[KEYS / 2][ATTEND_MAX_DIM];
-    // Which keys each lane may see, [from, seen); lanes past the tile's rows see the whole context (their q is 0).
-    int32_t seen[16], from[16];
-    for (int r = 0; r < 16; r++) {
-        seen[r] = (int32_t)(r < rows ? first_pos + r + 1 : context);
-        from[r] = (int32_t)(r < rows ? window_start(first_pos + r + 1, window) : 0);
-    }
-    const __m512i seen_end = _mm512_loadu_si512((const void*)seen), seen_from = _mm512_loadu_si512((const void*)from);
-    const __m512 vscale = _mm512_set1_ps(scale), no_score = _mm512_set1_ps(NO_SCORE);
-    // Weight pairs: word 2r of the result is word r of cvtne2ps_pbh's low half (key 2k), word 2r + 1 word 16 + r.
-    uint16_t interleave[32];
-    for (int r = 0; r < 16; r++) interleave[2 * r] = (uint16_t)r, interleave[2 * r + 1] = (uint16_t)(16 + r);
-    const __m512i pair_words = _mm512_loadu_si512((const void*)interleave);
+    const TileSight sight = tile_sight(first_pos, rows, window);
+    const __m512 vscale = _mm512_set1_ps(scale);
     for (int h = 0; h < num_kv_heads; h++) {
         for (int g = 0; g < group; g++) {
-            uint32_t* lanes = (uint32_t*)qt[g];
-            memset(lanes, 0, sizeof(qt[g]));  // lanes past the tile's rows: q = 0
-            for (int r = 0; r < rows; r++) {
-                const uint32_t* qr = (const uint32_t*)(q + r * q_row_stride + (h * group + g) * head_dim);
-                for (int p = 0; p < pairs; p++) lanes[p * 16 + r] = qr[p];
-            }
+            tile_queries(q + (h * group + g) * head_dim, q_row_stride, rows, pairs, qt[g]);
             for (int i = 0; i < head_dim; i++) acc[g][i] = _mm512_setzero_ps();
-            m[g] = no_score, l[g] = _mm512_setzero_ps();
+            m[g] = _mm512_set1_ps(NO_SCORE), l[g] = _mm512_setzero_ps();
         }
         for (int64_t start = window_walk_start(first_pos + 1, window, KEYS); start < context; start += KEYS) {
             const int n = (int)(context - start < KEYS ? context - start : KEYS);
             const int64_t at = table[start / block_size] * block_elems + start % block_size * stride + h * head_dim;
             pair_slice_values(v_cache + at, stride, n, head_dim, vp);
-            // visible[t]: the lanes that may see key start + t (all of them in every slice but the last few). Every
-            // slice is masked: with an unmasked copy of the loop beside the masked one (the compiler may contract
-            // the two copies' arithmetic differently), a row's bits depended on where its tile began.
             __mmask16 visible[KEYS];
-            for (int t = 0; t < KEYS; t++) {
-                const __m512i key = _mm512_set1_epi32((int32_t)(start + t));
-                visible[t] = _mm512_cmpgt_epi32_mask(seen_end, key) & ~_mm512_cmpgt_epi32_mask(seen_from, key);
-            }
+            slice_visible(sight, start, visible);
             for (int g = 0; g < group; g++) {
                 score16(qt[g], k_cache + at, stride, pairs, s);
-                __m512 top = m[g];
-                for (int t = 0; t < KEYS; t++) {
-                    s[t] = _mm512_mul_ps(s[t], vscale);
-                    s[t] = _mm512_mask_mov_ps(no_score, visible[t], s[t]);
-                    top = _mm512_max_ps(top, s[t]);
-                }
-                const __m512 c = exp16(_mm512_sub_ps(m[g], top));  // exactly 1 where the max stayed
-                __m512 sum = _mm512_setzero_ps();
-                for (int t = 0; t < KEYS; t++) {
-                    s[t] = exp16(_mm512_sub_ps(s[t], top));
-                    s[t] = _mm512_maskz_mov_ps(visible[t], s[t]);
-                    sum = _mm512_add_ps(sum, s[t]);
-                }
-                l[g] = _mm512_add_ps(_mm512_mul_ps(l[g], c), sum), m[g] = top;
+                const __m512 c = fold_slice(s, visible, vscale, &m[g], &l[g]);
                 __m512i pw[KEYS / 2];
-                for (int k = 0; k < KEYS / 2; k++)
-                    pw[k] = _mm512_permutexvar_epi16(pair_words,
-                                                     (__m512i)_mm512_cvtne2ps_pbh(s[2 * k + 1], s[2 * k]));
+                pair_weights(s, pw);
                 const int rescale = _mm512_cmpneq_ps_mask(c, _mm512_set1_ps(1.f)) != 0;  // x * 1 is x: skip it
                 add_values16(acc[g], c, rescale, pw, vp, head_dim);
             }

@@ -329,12 +329,85 @@ static inline void store_unpaired_bf16(__m512 lo, __m512 hi, __m512 scale, uint1
     _mm512_storeu_si512((void*)out, (__m512i)_mm512_cvtne2ps_pbh(second, first));
 }
 
-// csrc/attend_bf16.c: a tile of up to 16 query rows (in the lanes) attending over paged bf16 K/V (see there).
+// The 16-row tiles of prefill attention (csrc/attend_bf16.c, csrc/attend_amx.c) hold query row r of a tile in lane r
+// of every vector, and take the keys 16 at a time (a slice): the online softmax is lane-wise vector work.
 #define ATTEND_BF16_ROWS 16
+#define SLICE_KEYS 16
+
+// Which lanes may see a key: those whose [from, end) holds it. Lanes past the tile's rows see the whole context.
+typedef struct {
+    __m512i end, from;
+} TileSight;
+static inline TileSight tile_sight(int64_t first_pos, int rows, int64_t window) {
+    int32_t end[16], from[16];
+    for (int r = 0; r < 16; r++) {
+        end[r] = (int32_t)(r < rows ? first_pos + r + 1 : first_pos + rows);
+        from[r] = (int32_t)(r < rows ? window_start(first_pos + r + 1, window) : 0);
+    }
+    TileSight sight = {_mm512_loadu_si512((const void*)end), _mm512_loadu_si512((const void*)from)};
+    return sight;
+}
+
+// visible[t]: the lanes that may see key start + t. Every slice is masked: with an unmasked copy of the slice loop
+// beside the masked one (the compiler may contract the two copies' arithmetic differently), a row's bits depended
+// on where its tile began.
+static inline __attribute__((always_inline)) void slice_visible(TileSight sight, int64_t start, __mmask16* visible) {
+    for (int t = 0; t < SLICE_KEYS; t++) {
+        const __m512i key = _mm512_set1_epi32((int32_t)(start + t));
+        visible[t] = _mm512_cmpgt_epi32_mask(sight.end, key) & ~_mm512_cmpgt_epi32_mask(sight.from, key);
+    }
+}
+
+// One query head's rows as pairs: qt[p] lane r = row r's dims 2p and 2p + 1 (0 in lanes past the tile's rows).
+static inline void tile_queries(const uint16_t* q, int64_t q_row_stride, int rows, int pairs, __m512i* qt) {
+    uint32_t* lanes = (uint32_t*)qt;
+    memset(lanes, 0, (size_t)pairs * sizeof(__m512i));
+    for (int r = 0; r < rows; r++) {
+        const uint32_t* qr = (const uint32_t*)(q + r * q_row_stride);
+        for (int p = 0; p < pairs; p++) lanes[p * 16 + r] = qr[p];
+    }
+}
+
+// Folds a slice into one query head's rows (online softmax, lane-wise): s[t], the rows' raw scores of key t,
+// becomes its weights e^(s * scale - max) (exactly 0 where a row may not see it); m, l: the rows' running max (of
+// scaled scores) and sum. Returns the factor the rows' accumulated output must be scaled by (exactly 1 where the max
+// stayed). scale > 0, so the scaled max is the max's scaled score.
+static inline __attribute__((always_inline)) __m512 fold_slice(__m512* s, const __mmask16* visible, __m512 scale,
+                                                               __m512* m, __m512* l) {
+    __m512 top = _mm512_set1_ps(NO_SCORE);
+    for (int t = 0; t < SLICE_KEYS; t++) top = _mm512_mask_max_ps(top, visible[t], top, s[t]);
+    top = _mm512_max_ps(*m, _mm512_mul_ps(top, scale));
+    const __m512 c = exp16(_mm512_sub_ps(*m, top));
+    __m512 sum = _mm512_setzero_ps();
+    for (int t = 0; t < SLICE_KEYS; t++) {
+        s[t] = _mm512_maskz_mov_ps(visible[t], exp16(_mm512_fmsub_ps(s[t], scale, top)));
+        sum = _mm512_add_ps(sum, s[t]);
+    }
+    *l = _mm512_add_ps(_mm512_mul_ps(*l, c), sum), *m = top;
+    return c;
+}
+
+// The weights of keys 2k and 2k + 1 as bf16 pairs, rounded as transformers' eager bf16 attention rounds them:
+// pw[k] lane r = row r's pair.
+static inline __attribute__((always_inline)) void pair_weights(const __m512* s, __m512i* pw) {
+    // Word 2r of a pair vector is word r of cvtne2ps_pbh's low half (key 2k), word 2r + 1 word 16 + r (key 2k + 1).
+    static const uint16_t order[32] = {0, 16, 1, 17, 2,  18, 3,  19, 4,  20, 5,  21, 6,  22, 7,  23,
+                                       8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+    const __m512i words = _mm512_loadu_si512((const void*)order);
+    for (int k = 0; k < SLICE_KEYS / 2; k++)
+        pw[k] = _mm512_permutexvar_epi16(words, (__m512i)_mm512_cvtne2ps_pbh(s[2 * k + 1], s[2 * k]));
+}
+
+// csrc/attend_bf16.c: a tile of up to 16 query rows attending over paged bf16 K/V (see there); csrc/attend_amx.c:
+// the same on AMX tiles where attend_amx_takes says so.
 int attend_bf16_takes(int head_dim, int block_size);
 void attend_bf16_tile(const uint16_t* q, int64_t q_row_stride, const uint16_t* k_cache, const uint16_t* v_cache,
                       const int64_t* table, int64_t first_pos, int rows, uint16_t* out, int num_q_heads,
                       int num_kv_heads, int head_dim, int block_size, float scale, int64_t window);
+int attend_amx_takes(int head_dim, int block_size);
+void attend_amx_tile(const uint16_t* q, int64_t q_row_stride, const uint16_t* k_cache, const uint16_t* v_cache,
+                     const int64_t* table, int64_t first_pos, int rows, uint16_t* out, int num_q_heads,
+                     int num_kv_heads, int head_dim, int block_size, float scale, int64_t window);
 #endif
 
 // The tile kernels of prefill attention: csrc/attend_bf16.c (AVX512-BF16), csrc/attend_avx2.c (AVX2 + FMA).
@@ -417,7 +490,16 @@ static inline __attribute__((always_inline)) void store_linear_tile(__m512 (*acc
 #endif
 int linear_avx2_available(void);
 // csrc/linear_amx.c: bf16 panels on AMX where the CPU has it and k % 32 == 0; returns 0, having done nothing, elsewhere.
+// linear_amx_available() says whether this process may use the AMX tiles (csrc/attend_amx.c asks it too).
 int linear_amx_available(void);
+#if defined(__AMX_TILE__)
+// The tile configuration ldtilecfg reads (palette 1): each tile's rows and bytes per row. Each thread has its own.
+typedef struct __attribute__((packed, aligned(64))) {
+    uint8_t palette_id, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} AmxTileConfig;
+#endif
 int linear_amx(const uint16_t* x, int64_t ldx, int64_t m_len, const void* packed, const uint16_t* bias,
                uint16_t* out, int64_t ldo, int64_t n_len, int64_t k_len);
 // csrc/linear_int4.c: weight-only int4 panels (linear's format 2), defined where the CPU has AVX512-BF16.

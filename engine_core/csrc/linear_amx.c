@@ -24,12 +24,6 @@
 #define CHUNK_K 32  // k per tile step: 16 pairs
 #define NV (LINEAR_PANEL_COLS / 16)
 
-typedef struct __attribute__((packed, aligned(64))) {
-    uint8_t palette_id, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} TileConfig;
-
 static int amx_usable = -1;  // -1: not asked yet
 
 // Whether this process may use AMX: Linux hands the tile registers out on request (else they fault).
@@ -44,7 +38,7 @@ int linear_amx_available(void) {
 
 // Tiles 0-2: C, one per vector (mr rows x 16 fp32); 3: A (mr rows x 32 bf16); 4-6: B (16 pairs x 16 columns x 2).
 static void configure(int mr) {
-    TileConfig cfg = {0};
+    AmxTileConfig cfg = {0};
     cfg.palette_id = 1;
     for (int t = 0; t < 3; t++) cfg.rows[t] = (uint8_t)mr, cfg.colsb[t] = 64;
     cfg.rows[3] = (uint8_t)mr, cfg.colsb[3] = 2 * CHUNK_K;

@@ -97,12 +97,15 @@ _Static_assert(PREFILL_TILE <= ATTEND_MAX_ROWS && PREFILL_MAX_GROUP <= ATTEND_MA
                "a prefill tile the tile kernels cannot hold");
 
 // The tile kernel for a call's shapes, chosen once, and the query rows it takes per work item: 16 in the lanes
-// (csrc/attend_bf16.c, AVX512-BF16), 8 (csrc/attend_avx2.c, AVX2 + FMA, AVX-512 CPUs included), else PREFILL_TILE
+// (csrc/attend_amx.c on AMX, else csrc/attend_bf16.c, AVX512-BF16), 8 (csrc/attend_avx2.c, AVX2 + FMA, AVX-512 CPUs included), else PREFILL_TILE
 // rows a key at a time.
 typedef DECLARE_ATTEND_TILE((*attend_tile_bf16), uint16_t);
 typedef DECLARE_ATTEND_TILE((*attend_tile_f32), float);
 
 static attend_tile_bf16 pick_tile_bf16(int head_dim, int block_size, int* rows) {
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+    if (attend_amx_takes(head_dim, block_size)) return *rows = ATTEND_BF16_ROWS, attend_amx_tile;
+#endif
 #if defined(__AVX512BF16__)
     if (attend_bf16_takes(head_dim, block_size)) return *rows = ATTEND_BF16_ROWS, attend_bf16_tile;
 #endif

@@ -1,13 +1,15 @@
-"""csrc/linear_amx.c: bf16 linears on AMX tiles, reading the AVX-512 kernel's panels. Every bf16 call whose k is a
-multiple of 32 runs there on an AMX CPU (tests/test_cpu_kernels.py's linear tests then check it too); here, rows
-across its 16-row blocks and the threads, panels of 1 to 3 vectors, and ROSEINFER_AMX=0, which keeps every call on
-the AVX-512 tiles."""
+"""The AMX kernels. csrc/linear_amx.c: bf16 linears on AMX tiles, reading the AVX-512 kernel's panels. Every bf16
+call whose k is a multiple of 32 runs there on an AMX CPU (tests/test_cpu_kernels.py's linear tests then check it
+too); here, rows across its 16-row blocks and the threads, panels of 1 to 3 vectors, and ROSEINFER_AMX=0, which keeps
+every call on the AVX-512 tiles. csrc/attend_amx.c: bf16 prefill attention tiles, which tests/test_attention.py's
+prefill tests check on an AMX CPU; here, those tests again with ROSEINFER_AMX=0, for csrc/attend_bf16.c."""
 
 from __future__ import annotations
 
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import torch
 
@@ -45,7 +47,7 @@ def test_amx_rows_match_fp32_and_each_row_is_computed_alone() -> None:
 @needs_amx
 def test_roseinfer_amx_0_keeps_the_avx512_tiles() -> None:
     code = ("import torch; from engine_core.cpu_kernels import cpu_kernels; from engine_core.linear_packing import "
-            "pack_bf16; from tests.test_amx_linear import _case, OUT; k = cpu_kernels(); w, b, x, ref = _case(); "
+            "pack_bf16; from tests.test_amx import _case, OUT; k = cpu_kernels(); w, b, x, ref = _case(); "
             "out = k.linear(x, pack_bf16(w, k.panel_cols), b, OUT); "
             "print(k.has_amx_linear, float((out.float() - ref).abs().max()) / float(ref.abs().max()))")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
@@ -53,3 +55,15 @@ def test_roseinfer_amx_0_keeps_the_avx512_tiles() -> None:
     assert proc.returncode == 0, proc.stderr[-2000:]
     amx, error = proc.stdout.split()
     assert amx == "False" and float(error) <= 2 * 2**-8
+
+
+@needs_amx
+def test_roseinfer_amx_0_runs_the_prefill_attention_tests_on_avx512() -> None:
+    """Every AVX512-BF16 CPU without AMX takes csrc/attend_bf16.c, which an AMX CPU never reaches: run its tests
+    here with AMX off."""
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_attention.py",
+                           "-k", "prefill"], capture_output=True, text=True, timeout=300,
+                          cwd=Path(__file__).parent.parent, env={**os.environ, "ROSEINFER_AMX": "0"})  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    summary = proc.stdout.strip().splitlines()[-1]
+    assert " passed" in summary and "skipped" not in summary and "deselected" in summary, summary
