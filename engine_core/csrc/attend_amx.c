@@ -16,6 +16,8 @@
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
 #define KEYS SLICE_KEYS
 #define ROWS ATTEND_BF16_ROWS
+#define MAX_TILES 4
+#define RUN_KEYS 64  // keys a call's tiles take in turn
 
 int attend_amx_takes(int head_dim, int block_size) {
     return head_dim % 32 == 0 && head_dim <= ATTEND_MAX_DIM && block_size % KEYS == 0 && linear_amx_available();
@@ -97,74 +99,123 @@ static inline __attribute__((always_inline)) void weights_tile(const __m512* s, 
     }
 }
 
-// Rows r of the tile sit at positions first_pos + r and see keys [0, first_pos + r] (with a sliding window, its
+// The rows one call may take: up to 4 tiles of 16, so that each slice's keys and values, read and paired once,
+// serve them all (at 8k keys a KV head's K and V fill this CPU's L2), as many as fit a 256 KiB stack.
+int attend_amx_rows(int group, int head_dim) {
+    const int64_t tile_state = (int64_t)group * (head_dim / 2 * 64 + ROWS * head_dim * 4);  // queries + outputs
+    const int64_t tiles = (256 << 10) / tile_state;
+    return ROWS * (int)(tiles < 1 ? 1 : tiles > MAX_TILES ? MAX_TILES : tiles);
+}
+
+// Where key `key` of a sequence lies in a cache of its block table.
+static inline int64_t key_row(const int64_t* table, int64_t key, int block_size, int64_t block_elems,
+                              int64_t stride) {
+    return table[key / block_size] * block_elems + key % block_size * stride;
+}
+
+// One tile's slice for one query head: scores on the tile unit, the softmax, the weighted values added to o
+// (16 rows x head_dim fp32, row-major); qt: the rows' query pairs; at: the slice's first key row of this KV head.
+static inline __attribute__((always_inline)) void attend_slice(const __m512i* qt, const uint16_t* keys,
+                                                               int64_t stride, const __mmask16* visible,
+                                                               __m512 vscale, uint32_t (*vp)[ATTEND_MAX_DIM],
+                                                               int head_dim, __m512* m, __m512* l, float* o) {
+    __attribute__((aligned(64))) float scores[KEYS][ROWS], factor[ROWS];
+    __attribute__((aligned(64))) uint32_t pa[ROWS][KEYS / 2];
+    __m512 s[KEYS];
+    // Key rows past the context are stale cache memory: visible masks their scores out, whatever they hold.
+    _tile_zero(0);
+    for (int d = 0; d < head_dim; d += 32) {
+        _tile_loadd(1, keys + d, stride * 2);
+        _tile_loadd(2, &qt[d / 2], 64);
+        _tile_dpbf16ps(0, 1, 2);
+    }
+    _tile_stored(0, scores, sizeof scores[0]);
+    for (int t = 0; t < KEYS; t++) s[t] = _mm512_load_ps(scores[t]);
+    const __m512 c = fold_slice(s, visible, vscale, m, l);
+    weights_tile(s, pa);
+    if (_mm512_cmpneq_ps_mask(c, _mm512_set1_ps(1.f))) {  // x * 1 is x: skip it
+        _mm512_store_ps(factor, c);
+        for (int r = 0; r < ROWS; r++)
+            for (int d = 0; d < head_dim; d += 16)
+                _mm512_store_ps(o + r * head_dim + d,
+                                _mm512_mul_ps(_mm512_load_ps(o + r * head_dim + d), _mm512_set1_ps(factor[r])));
+    }
+    _tile_loadd(3, pa, sizeof pa[0]);
+    for (int d = 0; d < head_dim; d += 16) {
+        _tile_loadd(5, o + d, head_dim * 4);
+        _tile_loadd(4, &vp[0][d], sizeof vp[0]);
+        _tile_dpbf16ps(5, 3, 4);
+        _tile_stored(5, o + d, head_dim * 4);
+    }
+}
+
+// Rows r of the call sit at positions first_pos + r and see keys [0, first_pos + r] (with a sliding window, its
 // last `window` of them); q rows are q_row_stride elements apart; out rows are num_q_heads * head_dim apart.
-// rows <= ATTEND_BF16_ROWS.
+// rows <= attend_amx_rows(group, head_dim): tiles of 16 (the last one shorter), each walking the keys it sees.
 void attend_amx_tile(const uint16_t* q, int64_t q_row_stride, const uint16_t* k_cache, const uint16_t* v_cache,
                      const int64_t* table, int64_t first_pos, int rows, uint16_t* out, int num_q_heads,
                      int num_kv_heads, int head_dim, int block_size, float scale, int64_t window) {
-    const int group = num_q_heads / num_kv_heads, pairs = head_dim / 2;
+    const int group = num_q_heads / num_kv_heads, pairs = head_dim / 2, tiles = (rows + ROWS - 1) / ROWS;
     const int64_t stride = (int64_t)num_kv_heads * head_dim, block_elems = block_size * stride;
-    const int64_t context = first_pos + rows;  // keys the last row of the tile sees
-    __m512i qt[group][pairs];
-    __m512 o[group][ROWS][head_dim / 16], m[group], l[group], s[KEYS];  // o[g][r]: row r's output, 16 dims a vector
-    __attribute__((aligned(64))) uint32_t vp[KEYS / 2][ATTEND_MAX_DIM], pa[ROWS][KEYS / 2];
-    __attribute__((aligned(64))) float scores[KEYS][ROWS], factor[ROWS];
-    const TileSight sight = tile_sight(first_pos, rows, window);
+    const int64_t context = first_pos + rows;  // keys the last row sees
+    __m512i qt[tiles][group][pairs];
+    __m512 o[tiles][group][ROWS * head_dim / 16], m[tiles][group], l[tiles][group];  // o: rows x head_dim
+    __attribute__((aligned(64))) uint32_t vp[RUN_KEYS / KEYS][KEYS / 2][ATTEND_MAX_DIM];
+    TileSight sight[tiles];
+    int64_t walk[tiles], seen[tiles];  // each tile's slices: [walk, seen)
+    for (int i = 0; i < tiles; i++) {
+        const int n = rows - ROWS * i < ROWS ? rows - ROWS * i : ROWS;
+        sight[i] = tile_sight(first_pos + ROWS * i, n, window);
+        walk[i] = window_walk_start(first_pos + ROWS * i + 1, window, KEYS), seen[i] = first_pos + ROWS * i + n;
+    }
     const __m512 vscale = _mm512_set1_ps(scale);
     configure_tiles();
     for (int h = 0; h < num_kv_heads; h++) {
-        for (int g = 0; g < group; g++) {
-            tile_queries(q + (h * group + g) * head_dim, q_row_stride, rows, pairs, qt[g]);
-            memset(o[g], 0, sizeof o[g]);
-            m[g] = _mm512_set1_ps(NO_SCORE), l[g] = _mm512_setzero_ps();
-        }
-        for (int64_t start = window_walk_start(first_pos + 1, window, KEYS); start < context; start += KEYS) {
-            const int n = (int)(context - start < KEYS ? context - start : KEYS);
-            const int64_t at = table[start / block_size] * block_elems + start % block_size * stride + h * head_dim;
-            pair_slice(v_cache + at, stride, n, head_dim, vp);
-            __mmask16 visible[KEYS];
-            slice_visible(sight, start, visible);
+        for (int i = 0; i < tiles; i++)
             for (int g = 0; g < group; g++) {
-                // Key rows past n are stale cache memory: their scores are masked out by visible, whatever they hold.
-                _tile_zero(0);
-                for (int d = 0; d < head_dim; d += 32) {
-                    _tile_loadd(1, k_cache + at + d, stride * 2);
-                    _tile_loadd(2, &qt[g][d / 2], 64);
-                    _tile_dpbf16ps(0, 1, 2);
+                const int n = rows - ROWS * i < ROWS ? rows - ROWS * i : ROWS;
+                tile_queries(q + ROWS * i * q_row_stride + (h * group + g) * head_dim, q_row_stride, n, pairs,
+                             qt[i][g]);
+                memset(o[i][g], 0, sizeof o[i][g]);
+                m[i][g] = _mm512_set1_ps(NO_SCORE), l[i][g] = _mm512_setzero_ps();
+            }
+        // The keys a run of slices at a time: each tile takes the run's slices in turn while their keys and
+        // values stay in this core's caches.
+        for (int64_t run = walk[0]; run < context; run += RUN_KEYS) {
+            const int64_t end = context - run < RUN_KEYS ? context : run + RUN_KEYS;
+            for (int64_t start = run; start < end; start += KEYS) {
+                const int n = (int)(context - start < KEYS ? context - start : KEYS);
+                pair_slice(v_cache + key_row(table, start, block_size, block_elems, stride) + h * head_dim, stride,
+                           n, head_dim, vp[(start - run) / KEYS]);
+            }
+            for (int i = 0; i < tiles; i++)
+                for (int64_t start = run > walk[i] ? run : walk[i]; start < end && start < seen[i]; start += KEYS) {
+                    const uint16_t* keys = k_cache + key_row(table, start, block_size, block_elems, stride) +
+                                           h * head_dim;
+                    __mmask16 visible[KEYS];
+                    slice_visible(sight[i], start, visible);
+                    for (int g = 0; g < group; g++)
+                        attend_slice(qt[i][g], keys, stride, visible, vscale, vp[(start - run) / KEYS], head_dim,
+                                     &m[i][g], &l[i][g], (float*)o[i][g]);
                 }
-                _tile_stored(0, scores, sizeof scores[0]);
-                for (int t = 0; t < KEYS; t++) s[t] = _mm512_load_ps(scores[t]);
-                const __m512 c = fold_slice(s, visible, vscale, &m[g], &l[g]);
-                weights_tile(s, pa);
-                if (_mm512_cmpneq_ps_mask(c, _mm512_set1_ps(1.f))) {  // x * 1 is x: skip it
-                    _mm512_store_ps(factor, c);
-                    for (int r = 0; r < ROWS; r++)
-                        for (int j = 0; j < head_dim / 16; j++)
-                            o[g][r][j] = _mm512_mul_ps(o[g][r][j], _mm512_set1_ps(factor[r]));
-                }
-                _tile_loadd(3, pa, sizeof pa[0]);
-                for (int j = 0; j < head_dim / 16; j++) {
-                    _tile_loadd(5, &o[g][0][j], sizeof o[g][0]);
-                    _tile_loadd(4, &vp[0][16 * j], sizeof vp[0]);
-                    _tile_dpbf16ps(5, 3, 4);
-                    _tile_stored(5, &o[g][0][j], sizeof o[g][0]);
+        }
+        for (int i = 0; i < tiles; i++)
+            for (int g = 0; g < group; g++) {
+                float inv[ROWS];
+                _mm512_storeu_ps(inv, _mm512_div_ps(_mm512_set1_ps(1.f), l[i][g]));  // l >= 1: the max's own weight
+                const float* oi = (const float*)o[i][g];
+                for (int r = 0; r < ROWS && ROWS * i + r < rows; r++) {
+                    uint16_t* row = out + ((int64_t)(ROWS * i + r) * num_q_heads + h * group + g) * head_dim;
+                    for (int d = 0; d < head_dim; d += 16)
+                        _mm256_storeu_si256((__m256i*)(row + d), (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(
+                                                                     _mm512_load_ps(oi + r * head_dim + d),
+                                                                     _mm512_set1_ps(inv[r]))));
                 }
             }
-        }
-        for (int g = 0; g < group; g++) {
-            float inv[ROWS];
-            _mm512_storeu_ps(inv, _mm512_div_ps(_mm512_set1_ps(1.f), l[g]));  // l >= 1: the max's own weight
-            for (int r = 0; r < rows; r++) {
-                uint16_t* row = out + ((int64_t)r * num_q_heads + h * group + g) * head_dim;
-                for (int j = 0; j < head_dim / 16; j++)
-                    _mm256_storeu_si256((__m256i*)(row + 16 * j),
-                                        (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(o[g][r][j], _mm512_set1_ps(inv[r]))));
-            }
-        }
     }
     _tile_release();
 }
 #else
 int attend_amx_takes(int head_dim, int block_size) { (void)head_dim, (void)block_size; return 0; }
+int attend_amx_rows(int group, int head_dim) { (void)group, (void)head_dim; return 0; }
 #endif

@@ -4,6 +4,8 @@
 // their blocks, once per tile of query rows, for all the query heads that share them.
 // AVX-512 or AVX2 + FMA (head_dim % 16 == 0); elsewhere the caller takes the torch path. Each query row is
 // computed alone, whatever the rest of its tile or chunk: a prefix-cache hit leaves its logprobs bit for bit.
+#include <omp.h>
+
 #include "kernel_common.h"
 
 #define PREFILL_TILE 8  // query rows per work item (csrc/attend_bf16.c: ATTEND_BF16_ROWS); each key row serves them all
@@ -96,15 +98,15 @@ DEFINE_PREFILL_TILE(prefill_rows_f32, float, vload_f32, F32_STORE)
 _Static_assert(PREFILL_TILE <= ATTEND_MAX_ROWS && PREFILL_MAX_GROUP <= ATTEND_MAX_GROUP,
                "a prefill tile the tile kernels cannot hold");
 
-// The tile kernel for a call's shapes, chosen once, and the query rows it takes per work item: 16 in the lanes
-// (csrc/attend_amx.c on AMX, else csrc/attend_bf16.c, AVX512-BF16), 8 (csrc/attend_avx2.c, AVX2 + FMA, AVX-512 CPUs included), else PREFILL_TILE
-// rows a key at a time.
+// The tile kernel for a call's shapes, chosen once, and the most query rows it takes per work item: 16 in the lanes
+// (csrc/attend_bf16.c, AVX512-BF16), or several such tiles (csrc/attend_amx.c, AMX); 8 (csrc/attend_avx2.c, AVX2 +
+// FMA, AVX-512 CPUs included), else PREFILL_TILE rows a key at a time.
 typedef DECLARE_ATTEND_TILE((*attend_tile_bf16), uint16_t);
 typedef DECLARE_ATTEND_TILE((*attend_tile_f32), float);
 
-static attend_tile_bf16 pick_tile_bf16(int head_dim, int block_size, int* rows) {
+static attend_tile_bf16 pick_tile_bf16(int head_dim, int block_size, int group, int* rows) {
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
-    if (attend_amx_takes(head_dim, block_size)) return *rows = ATTEND_BF16_ROWS, attend_amx_tile;
+    if (attend_amx_takes(head_dim, block_size)) return *rows = attend_amx_rows(group, head_dim), attend_amx_tile;
 #endif
 #if defined(__AVX512BF16__)
     if (attend_bf16_takes(head_dim, block_size)) return *rows = ATTEND_BF16_ROWS, attend_bf16_tile;
@@ -113,16 +115,16 @@ static attend_tile_bf16 pick_tile_bf16(int head_dim, int block_size, int* rows) 
 #if defined(__AVX2__) && defined(__FMA__)
     if (attend_avx2_takes(head_dim, block_size)) return attend_avx2_tile_bf16;
 #endif
-    (void)head_dim, (void)block_size;
+    (void)head_dim, (void)block_size, (void)group;
     return prefill_rows_bf16;
 }
 
-static attend_tile_f32 pick_tile_f32(int head_dim, int block_size, int* rows) {
+static attend_tile_f32 pick_tile_f32(int head_dim, int block_size, int group, int* rows) {
     *rows = PREFILL_TILE;
 #if defined(__AVX2__) && defined(__FMA__)
     if (attend_avx2_takes(head_dim, block_size)) return attend_avx2_tile_f32;
 #endif
-    (void)head_dim, (void)block_size;
+    (void)head_dim, (void)block_size, (void)group;
     return prefill_rows_f32;
 }
 
@@ -130,18 +132,28 @@ static attend_tile_f32 pick_tile_f32(int head_dim, int block_size, int* rows) {
 // the chunk); block_tables: [num_chunks, max_blocks]. q rows are q_row_stride elements apart (a view into
 // the qkv projection); out: [T, num_q_heads, head_dim] contiguous, written only at the chunks' rows. window: a
 // sliding window (each row sees its last `window` keys), 0 for none.
+// The work items of a call at `rows` query rows each (a chunk's last one shorter).
+static int64_t work_items(const int64_t* chunks, int num_chunks, int rows) {
+    int64_t items = 0;
+    for (int c = 0; c < num_chunks; c++) items += (chunks[3 * c + 1] + rows - 1) / rows;
+    return items;
+}
+
 #define DEFINE_PREFILL(NAME, T, PICK)                                                                   \
 void NAME(const T* q, int64_t q_row_stride, const T* k_cache, const T* v_cache, const int64_t* chunks,  \
           int num_chunks, const int64_t* block_tables, int max_blocks, T* out, int num_q_heads,         \
           int num_kv_heads, int head_dim, int block_size, float scale, int64_t window) {                \
     int tile_rows;                                                                                      \
-    DECLARE_ATTEND_TILE((*kernel), T) = PICK(head_dim, block_size, &tile_rows);                         \
-    int64_t tiles = 0;                                                                                  \
-    for (int c = 0; c < num_chunks; c++) tiles += (chunks[3 * c + 1] + tile_rows - 1) / tile_rows;      \
+    DECLARE_ATTEND_TILE((*kernel), T) = PICK(head_dim, block_size, num_q_heads / num_kv_heads, &tile_rows); \
+    /* Several 16-row tiles per item share its keys' reads, as long as every thread still gets two items */ \
+    while (tile_rows > 16 && work_items(chunks, num_chunks, tile_rows) < 2 * omp_get_max_threads())     \
+        tile_rows -= 16;                                                                                \
+    const int64_t tiles = work_items(chunks, num_chunks, tile_rows);                                    \
+    /* Items from the last: a chunk's last rows see the most keys, and the longest items should start first */ \
     _Pragma("omp parallel for schedule(dynamic, 1)")                                                    \
     for (int64_t w = 0; w < tiles; w++) {                                                               \
         int c = 0;                                                                                      \
-        int64_t tile = w;                                                                               \
+        int64_t tile = tiles - 1 - w;                                                                   \
         while (tile >= (chunks[3 * c + 1] + tile_rows - 1) / tile_rows)                                 \
             tile -= (chunks[3 * c + 1] + tile_rows - 1) / tile_rows, c++;                               \
         const int64_t first_row = chunks[3 * c], num_rows = chunks[3 * c + 1], context = chunks[3 * c + 2]; \
