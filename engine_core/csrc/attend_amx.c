@@ -10,33 +10,36 @@
 // Every output is a sum in a fixed order over its own row's scores and weights, so a query row's bits never depend
 // on the rest of its tile or chunk (a prefix-cache hit needs that), as in csrc/attend_bf16.c. Keys a row may not see
 // get a weight of exactly 0; value rows past the context are zeros, never stale memory times 0.
-// On a 2-vCPU Sapphire Rapids csrc/attend_bf16.c ran the last 2048-row chunk of an 8k prompt at ~170 GFLOP/s.
+// A call takes up to 4 tiles, which walk each run of 64 keys in turn: a KV head's keys and values are read and
+// paired once per 64 rows while they sit in the core's caches. On 2 vCPUs of an AMX Xeon the last 2048-row chunk of
+// an 8k prompt ran at 183-186 GFLOP/s in csrc/attend_bf16.c, 696-699 here (bench.prefill_kernel, one layer of
+// SmolLM2's heads), where about three fifths of the time goes to the softmax's exponentials and the weights' transposes.
 #include "kernel_common.h"
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
-#define KEYS SLICE_KEYS
+#define KEYS 32  // keys a slice: two halves of 16, each inside one cache block
+#define HALF 16
 #define ROWS ATTEND_BF16_ROWS
 #define MAX_TILES 4
 #define RUN_KEYS 64  // keys a call's tiles take in turn
 
 int attend_amx_takes(int head_dim, int block_size) {
-    return head_dim % 32 == 0 && head_dim <= ATTEND_MAX_DIM && block_size % KEYS == 0 && linear_amx_available();
+    return head_dim % 32 == 0 && head_dim <= ATTEND_MAX_DIM && block_size % HALF == 0 && linear_amx_available();
 }
 
-// Tiles: 0 scores (C, keys x rows, fp32); 1 keys (A, keys x 32 dims); 2 queries (B, 16 dim pairs x rows);
-// 3 weights (A, rows x keys); 4 values (B, key pairs x 16 dims); 5 output (C, rows x 16 dims, fp32).
+// Every tile is 16 rows of 64 bytes: 0, 1 the scores of the slice's two halves (C, keys x rows, fp32); 2 queries
+// (B, 16 dim pairs x rows); 3 keys (A, 16 keys x 32 dims); 4 weights (A, rows x 32 keys); 5 values (B, 16 key
+// pairs x 16 dims); 6 output (C, rows x 16 dims, fp32).
 static void configure_tiles(void) {
-    static const uint8_t rows[6] = {KEYS, KEYS, 16, ROWS, KEYS / 2, ROWS};
-    static const uint16_t bytes[6] = {64, 64, 64, 2 * KEYS, 64, 64};
     AmxTileConfig cfg = {0};
     cfg.palette_id = 1;
-    for (int t = 0; t < 6; t++) cfg.rows[t] = rows[t], cfg.colsb[t] = bytes[t];
+    for (int t = 0; t < 7; t++) cfg.rows[t] = 16, cfg.colsb[t] = 64;
     _tile_loadconfig(&cfg);
 }
 
-// The slice's values as the B tiles want them: vp[k][d] = the bf16 pair (value of key 2k, value of key 2k + 1) of
-// dim d, dims in order; keys past n are zeros.
-static inline __attribute__((always_inline)) void pair_slice(const uint16_t* rows, int64_t stride, int n,
+// The slice's values as the B tile wants them: vp[k][d] = the bf16 pair (value of key 2k, value of key 2k + 1) of
+// dim d, dims in order; keys past n are zeros. half[h]: the row of key 16h (NULL where n <= 16h).
+static inline __attribute__((always_inline)) void pair_slice(const uint16_t* const* half, int64_t stride, int n,
                                                              int head_dim, uint32_t (*vp)[ATTEND_MAX_DIM]) {
     // Word 2i of a result: dim i of key 2k (a's word i), word 2i + 1: of key 2k + 1 (b's word i, index 32 + i);
     // dims 16-31 of the 32 loaded take 16 more.
@@ -45,35 +48,33 @@ static inline __attribute__((always_inline)) void pair_slice(const uint16_t* row
     static const uint16_t second[32] = {16, 48, 17, 49, 18, 50, 19, 51, 20, 52, 21, 53, 22, 54, 23, 55,
                                         24, 56, 25, 57, 26, 58, 27, 59, 28, 60, 29, 61, 30, 62, 31, 63};
     const __m512i lo = _mm512_loadu_si512((const void*)first), hi = _mm512_loadu_si512((const void*)second);
-    for (int k = 0; k < KEYS / 2; k++)
-        for (int d = 0; d < head_dim; d += 32) {
-            const __m512i a = 2 * k < n ? _mm512_loadu_si512((const void*)(rows + 2 * k * stride + d))
-                                        : _mm512_setzero_si512();
-            const __m512i b = 2 * k + 1 < n ? _mm512_loadu_si512((const void*)(rows + (2 * k + 1) * stride + d))
-                                            : _mm512_setzero_si512();
-            _mm512_store_si512((void*)&vp[k][d], _mm512_permutex2var_epi16(a, lo, b));
-            _mm512_store_si512((void*)&vp[k][d + 16], _mm512_permutex2var_epi16(a, hi, b));
+    for (int k = 0; k < KEYS / 2; k++) {
+        if (2 * k >= n) {
+            memset(vp[k], 0, (size_t)head_dim * sizeof(uint32_t));
+            continue;
         }
+        const uint16_t* a = half[2 * k / HALF] + 2 * k % HALF * stride;  // key 2k; key 2k + 1 is the next row
+        for (int d = 0; d < head_dim; d += 32) {
+            const __m512i va = _mm512_loadu_si512((const void*)(a + d));
+            const __m512i vb = 2 * k + 1 < n ? _mm512_loadu_si512((const void*)(a + stride + d)) : _mm512_setzero_si512();
+            _mm512_store_si512((void*)&vp[k][d], _mm512_permutex2var_epi16(va, lo, vb));
+            _mm512_store_si512((void*)&vp[k][d + 16], _mm512_permutex2var_epi16(va, hi, vb));
+        }
+    }
 }
 
 // The slice's weights as an A tile: pa[r][k] = row r's bf16 pair of keys 2k and 2k + 1, rounded as transformers'
 // eager bf16 attention rounds them. cvtne2ps_pbh gives w[k] with row r's weight of key 2k in word r, of key 2k + 1
-// in word 16 + r; an 8 x 16 transpose of pairs follows, in three steps that each swap bit b of the vector index
-// (k) with bit b of the 32-bit lane (r). After them vector v holds row v in lanes 0-7 and row v + 8 in lanes 8-15.
+// in word 16 + r; a 16 x 16 transpose of those pairs follows, in four steps that each swap bit b of the vector
+// index (k) with bit b of the 32-bit lane (r), the first of them forming the pairs too.
 static inline __attribute__((always_inline)) void weights_tile(const __m512* s, uint32_t (*pa)[KEYS / 2]) {
-    // Step 0 pairs x = w[v] (v even) with y = w[v + 1] and also forms the pairs: lane L of the new x is row L's pair
-    // of x where L is even, of y (row L - 1) where odd; lane L of the new y row L + 1's of x where even, row L's of y
-    // where odd. As words of the two (32 + i is y's word i): word 2L + h from word 16h + (L & ~1) or 16h + (L | 1).
+    // Step 0 takes x = w[v] (v even) and y = w[v + 1]: lane L of the new x is row L's pair of x where L is even,
+    // row L - 1's of y where odd; lane L of the new y row L + 1's of x where even, row L's of y where odd. As words of
+    // the two (32 + i is y's word i): word 2L + h from word 16h + (L & ~1), or 16h + (L | 1).
     static const uint16_t pair_x[32] = {0, 16, 32, 48, 2,  18, 34, 50, 4,  20, 36, 52, 6,  22, 38, 54,
                                         8, 24, 40, 56, 10, 26, 42, 58, 12, 28, 44, 60, 14, 30, 46, 62};
     static const uint16_t pair_y[32] = {1, 17, 33, 49, 3,  19, 35, 51, 5,  21, 37, 53, 7,  23, 39, 55,
                                         9, 25, 41, 57, 11, 27, 43, 59, 13, 29, 45, 61, 15, 31, 47, 63};
-    // Steps 1 and 2 (bit 2, 4) on 32-bit lanes: the new x takes lane i from x where bit b of i is clear, else y's
-    // lane i & ~bit; the new y x's lane i | bit, else y's lane i. 16 + i is y's lane i.
-    static const int32_t to_x[2][16] = {{0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29},
-                                        {0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27}};
-    static const int32_t to_y[2][16] = {{2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31},
-                                        {4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31}};
     __m512i w[KEYS / 2];
     const __m512i px = _mm512_loadu_si512((const void*)pair_x), py = _mm512_loadu_si512((const void*)pair_y);
     for (int v = 0; v < KEYS / 2; v += 2) {
@@ -82,21 +83,8 @@ static inline __attribute__((always_inline)) void weights_tile(const __m512* s, 
         w[v] = _mm512_permutex2var_epi16(x, px, y);
         w[v + 1] = _mm512_permutex2var_epi16(x, py, y);
     }
-    for (int b = 1; b < 3; b++) {
-        const int bit = 1 << b;
-        const __m512i ix = _mm512_loadu_si512((const void*)to_x[b - 1]);
-        const __m512i iy = _mm512_loadu_si512((const void*)to_y[b - 1]);
-        for (int v = 0; v < KEYS / 2; v++)
-            if (!(v & bit)) {
-                const __m512i x = w[v], y = w[v | bit];
-                w[v] = _mm512_permutex2var_epi32(x, ix, y);
-                w[v | bit] = _mm512_permutex2var_epi32(x, iy, y);
-            }
-    }
-    for (int v = 0; v < KEYS / 2; v++) {
-        _mm256_store_si256((__m256i*)pa[v], _mm512_castsi512_si256(w[v]));
-        _mm256_store_si256((__m256i*)pa[v + 8], _mm512_extracti64x4_epi64(w[v], 1));
-    }
+    for (int b = 1; b < 4; b++) swap_index_bit(w, KEYS / 2, b);
+    for (int r = 0; r < ROWS; r++) _mm512_store_si512((void*)pa[r], w[r]);
 }
 
 // The rows one call may take: up to 4 tiles of 16, so that each slice's keys and values, read and paired once,
@@ -114,9 +102,11 @@ static inline int64_t key_row(const int64_t* table, int64_t key, int block_size,
 }
 
 // One tile's slice for one query head: scores on the tile unit, the softmax, the weighted values added to o
-// (16 rows x head_dim fp32, row-major); qt: the rows' query pairs; at: the slice's first key row of this KV head.
-static inline __attribute__((always_inline)) void attend_slice(const __m512i* qt, const uint16_t* keys,
-                                                               int64_t stride, const __mmask16* visible,
+// (16 rows x head_dim fp32, row-major). qt: the rows' query pairs; keys[h]: the first key row of half h in this KV
+// head; halves: 1 where the tile sees none of the second half's keys (its scores and weights are then zeros and
+// take no exponentials); vp: the slice's values paired (pair_slice).
+static inline __attribute__((always_inline)) void attend_slice(const __m512i* qt, const uint16_t* const* keys,
+                                                               int halves, int64_t stride, const __mmask16* visible,
                                                                __m512 vscale, uint32_t (*vp)[ATTEND_MAX_DIM],
                                                                int head_dim, __m512* m, __m512* l, float* o) {
     __attribute__((aligned(64))) float scores[KEYS][ROWS], factor[ROWS];
@@ -124,14 +114,20 @@ static inline __attribute__((always_inline)) void attend_slice(const __m512i* qt
     __m512 s[KEYS];
     // Key rows past the context are stale cache memory: visible masks their scores out, whatever they hold.
     _tile_zero(0);
+    _tile_zero(1);
     for (int d = 0; d < head_dim; d += 32) {
-        _tile_loadd(1, keys + d, stride * 2);
         _tile_loadd(2, &qt[d / 2], 64);
-        _tile_dpbf16ps(0, 1, 2);
+        _tile_loadd(3, keys[0] + d, stride * 2);
+        _tile_dpbf16ps(0, 3, 2);
+        if (halves > 1) {
+            _tile_loadd(3, keys[1] + d, stride * 2);
+            _tile_dpbf16ps(1, 3, 2);
+        }
     }
-    _tile_stored(0, scores, sizeof scores[0]);
+    _tile_stored(0, scores[0], sizeof scores[0]);
+    _tile_stored(1, scores[HALF], sizeof scores[0]);
     for (int t = 0; t < KEYS; t++) s[t] = _mm512_load_ps(scores[t]);
-    const __m512 c = fold_slice(s, visible, vscale, m, l);
+    const __m512 c = halves > 1 ? fold_slice(s, visible, KEYS, vscale, m, l) : fold_slice(s, visible, HALF, vscale, m, l);
     weights_tile(s, pa);
     if (_mm512_cmpneq_ps_mask(c, _mm512_set1_ps(1.f))) {  // x * 1 is x: skip it
         _mm512_store_ps(factor, c);
@@ -140,12 +136,12 @@ static inline __attribute__((always_inline)) void attend_slice(const __m512i* qt
                 _mm512_store_ps(o + r * head_dim + d,
                                 _mm512_mul_ps(_mm512_load_ps(o + r * head_dim + d), _mm512_set1_ps(factor[r])));
     }
-    _tile_loadd(3, pa, sizeof pa[0]);
+    _tile_loadd(4, pa, sizeof pa[0]);
     for (int d = 0; d < head_dim; d += 16) {
-        _tile_loadd(5, o + d, head_dim * 4);
-        _tile_loadd(4, &vp[0][d], sizeof vp[0]);
-        _tile_dpbf16ps(5, 3, 4);
-        _tile_stored(5, o + d, head_dim * 4);
+        _tile_loadd(6, o + d, head_dim * 4);
+        _tile_loadd(5, &vp[0][d], sizeof vp[0]);
+        _tile_dpbf16ps(6, 4, 5);
+        _tile_stored(6, o + d, head_dim * 4);
     }
 }
 
@@ -183,19 +179,26 @@ void attend_amx_tile(const uint16_t* q, int64_t q_row_stride, const uint16_t* k_
         // values stay in this core's caches.
         for (int64_t run = walk[0]; run < context; run += RUN_KEYS) {
             const int64_t end = context - run < RUN_KEYS ? context : run + RUN_KEYS;
+            const uint16_t* keys[RUN_KEYS / KEYS][2];
+            int halves[RUN_KEYS / KEYS];
             for (int64_t start = run; start < end; start += KEYS) {
-                const int n = (int)(context - start < KEYS ? context - start : KEYS);
-                pair_slice(v_cache + key_row(table, start, block_size, block_elems, stride) + h * head_dim, stride,
-                           n, head_dim, vp[(start - run) / KEYS]);
+                const int j = (int)((start - run) / KEYS), n = (int)(context - start < KEYS ? context - start : KEYS);
+                const uint16_t* values[2] = {NULL, NULL};
+                halves[j] = n > HALF ? 2 : 1;
+                for (int x = 0; x < halves[j]; x++) {
+                    const int64_t at = key_row(table, start + HALF * x, block_size, block_elems, stride) + h * head_dim;
+                    keys[j][x] = k_cache + at, values[x] = v_cache + at;
+                }
+                pair_slice(values, stride, n, head_dim, vp[j]);
             }
             for (int i = 0; i < tiles; i++)
                 for (int64_t start = run > walk[i] ? run : walk[i]; start < end && start < seen[i]; start += KEYS) {
-                    const uint16_t* keys = k_cache + key_row(table, start, block_size, block_elems, stride) +
-                                           h * head_dim;
+                    const int j = (int)((start - run) / KEYS);
                     __mmask16 visible[KEYS];
-                    slice_visible(sight[i], start, visible);
+                    slice_visible(sight[i], start, KEYS, visible);
+                    const int seen_halves = seen[i] - start > HALF ? halves[j] : 1;
                     for (int g = 0; g < group; g++)
-                        attend_slice(qt[i][g], keys, stride, visible, vscale, vp[(start - run) / KEYS], head_dim,
+                        attend_slice(qt[i][g], keys[j], seen_halves, stride, visible, vscale, vp[j], head_dim,
                                      &m[i][g], &l[i][g], (float*)o[i][g]);
                 }
         }

@@ -19,7 +19,7 @@
 #include "kernel_common.h"
 
 #if defined(__AVX512BF16__)
-#define KEYS SLICE_KEYS
+#define KEYS 16
 
 int attend_bf16_takes(int head_dim, int block_size) {
     return head_dim % 32 == 0 && head_dim <= ATTEND_MAX_DIM && block_size % KEYS == 0;
@@ -64,6 +64,17 @@ static inline __attribute__((always_inline)) void score16(const __m512i* qt, con
     for (int t = 0; t < KEYS; t++) s[t] = a[t];
 }
 
+// The weights of keys 2k and 2k + 1 as bf16 pairs, rounded as transformers' eager bf16 attention rounds them:
+// pw[k] lane r = row r's pair.
+static inline __attribute__((always_inline)) void pair_weights(const __m512* s, __m512i* pw) {
+    // Word 2r of a pair vector is word r of cvtne2ps_pbh's low half (key 2k), word 2r + 1 word 16 + r (key 2k + 1).
+    static const uint16_t order[32] = {0, 16, 1, 17, 2,  18, 3,  19, 4,  20, 5,  21, 6,  22, 7,  23,
+                                       8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+    const __m512i words = _mm512_loadu_si512((const void*)order);
+    for (int k = 0; k < KEYS / 2; k++)
+        pw[k] = _mm512_permutexvar_epi16(words, (__m512i)_mm512_cvtne2ps_pbh(s[2 * k + 1], s[2 * k]));
+}
+
 // acc[i] = acc[i] * c + the weighted values of the slice: pw[k] holds each row's bf16 weights of keys 2k and
 // 2k + 1, vp[k][i] their values of accumulator i. 16 accumulators at a time, in 16 chains.
 static inline __attribute__((always_inline)) void add_values16(__m512* acc, __m512 c, int rescale, const __m512i* pw,
@@ -103,10 +114,10 @@ void attend_bf16_tile(const uint16_t* q, int64_t q_row_stride, const uint16_t* k
             const int64_t at = table[start / block_size] * block_elems + start % block_size * stride + h * head_dim;
             pair_slice_values(v_cache + at, stride, n, head_dim, vp);
             __mmask16 visible[KEYS];
-            slice_visible(sight, start, visible);
+            slice_visible(sight, start, KEYS, visible);
             for (int g = 0; g < group; g++) {
                 score16(qt[g], k_cache + at, stride, pairs, s);
-                const __m512 c = fold_slice(s, visible, vscale, &m[g], &l[g]);
+                const __m512 c = fold_slice(s, visible, KEYS, vscale, &m[g], &l[g]);
                 __m512i pw[KEYS / 2];
                 pair_weights(s, pw);
                 const int rescale = _mm512_cmpneq_ps_mask(c, _mm512_set1_ps(1.f)) != 0;  // x * 1 is x: skip it

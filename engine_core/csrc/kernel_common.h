@@ -330,9 +330,8 @@ static inline void store_unpaired_bf16(__m512 lo, __m512 hi, __m512 scale, uint1
 }
 
 // The 16-row tiles of prefill attention (csrc/attend_bf16.c, csrc/attend_amx.c) hold query row r of a tile in lane r
-// of every vector, and take the keys 16 at a time (a slice): the online softmax is lane-wise vector work.
+// of every vector, and take the keys a slice at a time (16 or 32): the online softmax is lane-wise vector work.
 #define ATTEND_BF16_ROWS 16
-#define SLICE_KEYS 16
 
 // Which lanes may see a key: those whose [from, end) holds it. Lanes past the tile's rows see the whole context.
 typedef struct {
@@ -348,31 +347,38 @@ static inline TileSight tile_sight(int64_t first_pos, int rows, int64_t window) 
     return sight;
 }
 
-// visible[t]: the lanes that may see key start + t. Every slice is masked: with an unmasked copy of the slice loop
-// beside the masked one (the compiler may contract the two copies' arithmetic differently), a row's bits depended
-// on where its tile began.
-static inline __attribute__((always_inline)) void slice_visible(TileSight sight, int64_t start, __mmask16* visible) {
-    for (int t = 0; t < SLICE_KEYS; t++) {
+// visible[t]: the lanes that may see key start + t, for `keys` keys. Every slice is masked: with an unmasked copy
+// of the slice loop beside the masked one (the compiler may contract the two copies' arithmetic differently), a
+// row's bits depended on where its tile began.
+static inline __attribute__((always_inline)) void slice_visible(TileSight sight, int64_t start, int keys,
+                                                                __mmask16* visible) {
+    for (int t = 0; t < keys; t++) {
         const __m512i key = _mm512_set1_epi32((int32_t)(start + t));
         visible[t] = _mm512_cmpgt_epi32_mask(sight.end, key) & ~_mm512_cmpgt_epi32_mask(sight.from, key);
     }
 }
 
-// A 16 x 16 transpose of 32-bit lanes: v[i] lane j becomes v[j] lane i, in four steps that each swap bit b of the
-// vector index with bit b of the lane.
-static inline __attribute__((always_inline)) void transpose16_epi32(__m512i* v) {
-    for (int b = 0; b < 4; b++) {
-        const int bit = 1 << b;
-        int32_t to_x[16], to_y[16];  // lanes of the pair (x = v[i], y = v[i | bit]); 16 + j is y's lane j
-        for (int j = 0; j < 16; j++) to_x[j] = j & bit ? 16 + (j & ~bit) : j, to_y[j] = j & bit ? 16 + j : j | bit;
-        const __m512i ix = _mm512_loadu_si512((const void*)to_x), iy = _mm512_loadu_si512((const void*)to_y);
-        for (int i = 0; i < 16; i++)
-            if (!(i & bit)) {
-                const __m512i x = v[i], y = v[i | bit];
-                v[i] = _mm512_permutex2var_epi32(x, ix, y);
-                v[i | bit] = _mm512_permutex2var_epi32(x, iy, y);
-            }
-    }
+// One step of a transpose of 32-bit lanes over v[0, count): swaps bit b of the vector index with bit b of the lane
+// (v[i] lane j and v[i ^ bit] lane j ^ bit trade places where bit b of i and of j differ).
+static inline __attribute__((always_inline)) void swap_index_bit(__m512i* v, int count, int b) {
+    // For the pair x = v[i] (bit b of i clear), y = v[i | bit]; 16 + j is y's lane j. The new x takes lane j from x
+    // where bit b of j is clear, else y's lane j & ~bit; the new y x's lane j | bit, else y's lane j.
+    static const int32_t to_x[4][16] = {{0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30},
+                                        {0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29},
+                                        {0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27},
+                                        {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23}};
+    static const int32_t to_y[4][16] = {{1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31},
+                                        {2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31},
+                                        {4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31},
+                                        {8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31}};
+    const int bit = 1 << b;
+    const __m512i ix = _mm512_loadu_si512((const void*)to_x[b]), iy = _mm512_loadu_si512((const void*)to_y[b]);
+    for (int i = 0; i < count; i++)
+        if (!(i & bit)) {
+            const __m512i x = v[i], y = v[i | bit];
+            v[i] = _mm512_permutex2var_epi32(x, ix, y);
+            v[i | bit] = _mm512_permutex2var_epi32(x, iy, y);
+        }
 }
 
 // One query head's rows as pairs: qt[p] lane r = row r's dims 2p and 2p + 1 (0 in lanes past the tile's rows).
@@ -383,7 +389,7 @@ static inline void tile_queries(const uint16_t* q, int64_t q_row_stride, int row
         for (int r = 0; r < 16; r++)
             v[r] = r < rows ? _mm512_maskz_loadu_epi32(lanes, (const void*)(q + r * q_row_stride + 2 * p))
                             : _mm512_setzero_si512();
-        transpose16_epi32(v);
+        for (int b = 0; b < 4; b++) swap_index_bit(v, 16, b);  // v[j] lane r = row r's pair p + j
         for (int j = 0; j < 16 && p + j < pairs; j++) qt[p + j] = v[j];
     }
 }
@@ -403,34 +409,23 @@ static inline __m512 exp16_weight(__m512 x) {
     return _mm512_scalef_ps(y, k);
 }
 
-// Folds a slice into one query head's rows (online softmax, lane-wise): s[t], the rows' raw scores of key t,
-// becomes its weights e^(s * scale - max) (exactly 0 where a row may not see it); m, l: the rows' running max (of
-// scaled scores) and sum. Returns the factor the rows' accumulated output must be scaled by (exactly 1 where the max
-// stayed). scale > 0, so the scaled max is the max's scaled score.
-static inline __attribute__((always_inline)) __m512 fold_slice(__m512* s, const __mmask16* visible, __m512 scale,
-                                                               __m512* m, __m512* l) {
+// Folds a slice of `keys` keys into one query head's rows (online softmax, lane-wise): s[t], the rows' raw scores
+// of key t, becomes its weights e^(s * scale - max) (exactly 0 where a row may not see it); m, l: the rows' running
+// max (of scaled scores) and sum. Returns the factor the rows' accumulated output must be scaled by (exactly 1 where
+// the max stayed). scale > 0, so the scaled max is the max's scaled score.
+static inline __attribute__((always_inline)) __m512 fold_slice(__m512* s, const __mmask16* visible, int keys,
+                                                               __m512 scale, __m512* m, __m512* l) {
     __m512 top = _mm512_set1_ps(NO_SCORE);
-    for (int t = 0; t < SLICE_KEYS; t++) top = _mm512_mask_max_ps(top, visible[t], top, s[t]);
+    for (int t = 0; t < keys; t++) top = _mm512_mask_max_ps(top, visible[t], top, s[t]);
     top = _mm512_max_ps(*m, _mm512_mul_ps(top, scale));
     const __m512 c = exp16(_mm512_sub_ps(*m, top));
     __m512 sum = _mm512_setzero_ps();
-    for (int t = 0; t < SLICE_KEYS; t++) {
+    for (int t = 0; t < keys; t++) {
         s[t] = _mm512_maskz_mov_ps(visible[t], exp16_weight(_mm512_fmsub_ps(s[t], scale, top)));
         sum = _mm512_add_ps(sum, s[t]);
     }
     *l = _mm512_add_ps(_mm512_mul_ps(*l, c), sum), *m = top;
     return c;
-}
-
-// The weights of keys 2k and 2k + 1 as bf16 pairs, rounded as transformers' eager bf16 attention rounds them:
-// pw[k] lane r = row r's pair.
-static inline __attribute__((always_inline)) void pair_weights(const __m512* s, __m512i* pw) {
-    // Word 2r of a pair vector is word r of cvtne2ps_pbh's low half (key 2k), word 2r + 1 word 16 + r (key 2k + 1).
-    static const uint16_t order[32] = {0, 16, 1, 17, 2,  18, 3,  19, 4,  20, 5,  21, 6,  22, 7,  23,
-                                       8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
-    const __m512i words = _mm512_loadu_si512((const void*)order);
-    for (int k = 0; k < SLICE_KEYS / 2; k++)
-        pw[k] = _mm512_permutexvar_epi16(words, (__m512i)_mm512_cvtne2ps_pbh(s[2 * k + 1], s[2 * k]));
 }
 
 // csrc/attend_bf16.c: a tile of up to 16 query rows attending over paged bf16 K/V (see there); csrc/attend_amx.c:
