@@ -11,6 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 from engine_core.cpu_kernels import cpu_kernels
@@ -43,6 +44,26 @@ def test_amx_rows_match_fp32_and_each_row_is_computed_alone() -> None:
     wide = kernels.linear(many, packed, bias, OUT)
     assert torch.equal(kernels.linear(many[1234:1251], packed, bias, OUT), wide[1234:1251])
 
+
+
+@needs_amx
+@pytest.mark.parametrize("out_features", [2000, 96])
+def test_amx_rows_beyond_l2_take_groups_of_panels_and_change_no_bit(out_features) -> None:
+    """600 rows of k 1024 (1.2 MB of x, past the kernel's 1 MB) go a group of panels at a time, each 16-row block
+    across the group: 2000 columns make several groups per thread, 96 (two panels) split each panel's rows between
+    the threads. Each row still equals the fp32 product within bf16 rounding, and itself computed alone."""
+    torch.manual_seed(5)
+    kernels = cpu_kernels()
+    assert kernels is not None and kernels.has_amx_linear
+    weight = torch.randn(out_features, 1024, dtype=torch.bfloat16)
+    x = torch.randn(600, 1024, dtype=torch.bfloat16)
+    packed = pack_bf16(weight, kernels.panel_cols)
+    out = kernels.linear(x, packed, None, out_features)
+    ref = x.float() @ weight.float().T
+    assert float((out.float() - ref).abs().max()) <= 2 * float(ref.abs().max()) * 2**-8
+    for start, rows in ((0, 16), (100, 3), (587, 13)):
+        assert torch.equal(kernels.linear(x[start : start + rows], packed, None, out_features),
+                           out[start : start + rows])  # fmt: skip
 
 @needs_amx
 def test_roseinfer_amx_0_keeps_the_avx512_tiles() -> None:
