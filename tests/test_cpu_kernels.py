@@ -90,6 +90,23 @@ def test_act_and_mul(torch_path, dtype, tol, rows, act_and_mul) -> None:
     assert close(ours, torch_path(lambda: act_and_mul(x)), 1e-2)
 
 
+@pytest.mark.parametrize("width", [100, 7])
+def test_bf16_norm_and_activation_of_widths_off_the_vector(torch_path, width) -> None:
+    """With AVX512-BF16 the bf16 RMSNorm and activations take 16 values at a time: a row whose width is not a
+    multiple of 16 ends in a masked part, which must give what the rest of the row gets."""
+    torch.manual_seed(1)
+    norm = RMSNorm(width, 1e-5).to(torch.bfloat16)
+    norm.weight.data.uniform_(0.5, 1.5)
+    x, residual = torch.randn(300, width, dtype=torch.bfloat16) * 3, torch.randn(300, width, dtype=torch.bfloat16)
+    ref_out, ref_residual = torch_path(lambda: norm(x, residual.clone()))
+    out, new_residual = norm(x, residual.clone())
+    assert torch.equal(new_residual, ref_residual) and close(out, ref_out, 2e-2)
+    gates = torch.randn(300, 2 * width, dtype=torch.bfloat16) * 4
+    gate, up = gates.double().chunk(2, dim=-1)
+    exact = ((gate * torch.sigmoid(gate)).to(torch.bfloat16).double() * up).to(torch.bfloat16)
+    assert (silu_and_mul(gates) == exact).float().mean() > 0.99
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("act_and_mul", [silu_and_mul, gelu_tanh_and_mul])
 def test_act_and_mul_of_very_negative_gates_is_zero_not_nan(dtype, act_and_mul) -> None:
