@@ -1,19 +1,22 @@
-// Prefill attention tiles on Intel AMX: csrc/attend_bf16.c's plan (a tile's 16 query rows in the lanes, 16 keys a
-// slice, a lane-wise online softmax), with both products on the tile unit instead of the dot instruction:
-//   - scores, S^T = K Q^T (16 keys x 16 rows): the A tile is the slice's key rows read from the cache as they lie
-//     (32 dims a tile, rows a cache row apart), the B tile the rows' query pairs (tile_queries: row r in column r).
-//     Stored, the C tile is one vector of the 16 rows' scores per key: the layout the softmax works in;
-//   - values, O += P V (16 rows x 16 dims a C tile): the A tile is the rows' bf16 weights, turned from the softmax's
-//     key-major vectors into row-major pairs (weights_tile); the B tile the slice's values of keys 2k and 2k + 1
-//     interleaved per dim (pair_slice, once per KV head for all its query heads). O stays in memory between slices,
-//     where the softmax's rescaling reaches it; a slice adds to it on the tile unit.
+// Prefill attention tiles on Intel AMX: csrc/attend_bf16.c's plan (a tile's 16 query rows in the lanes, the keys a
+// slice at a time, a lane-wise online softmax), with both products on the tile unit instead of the dot instruction,
+// 32 keys a slice (two halves of 16, each inside one cache block, as block sizes are multiples of 16):
+//   - scores, S^T = K Q^T (16 keys x 16 rows per half): the A tile is the half's key rows read from the cache as they
+//     lie (32 dims a tile, rows a cache row apart), the B tile the rows' query pairs (tile_queries: row r in column
+//     r), which serves both halves. Stored, the C tiles are one vector of the 16 rows' scores per key: the layout
+//     the softmax works in;
+//   - values, O += P V (16 rows x 16 dims a C tile): the A tile is the rows' bf16 weights of the 32 keys, turned from
+//     the softmax's key-major vectors into row-major pairs (weights_tile); the B tile the slice's values of keys 2k
+//     and 2k + 1 interleaved per dim (pair_slice, once per KV head for all its query heads). O stays in memory
+//     between slices, where the softmax's rescaling reaches it; a slice adds to it on the tile unit.
 // Every output is a sum in a fixed order over its own row's scores and weights, so a query row's bits never depend
 // on the rest of its tile or chunk (a prefix-cache hit needs that), as in csrc/attend_bf16.c. Keys a row may not see
 // get a weight of exactly 0; value rows past the context are zeros, never stale memory times 0.
 // A call takes up to 4 tiles, which walk each run of 64 keys in turn: a KV head's keys and values are read and
 // paired once per 64 rows while they sit in the core's caches. On 2 vCPUs of an AMX Xeon the last 2048-row chunk of
-// an 8k prompt ran at 183-186 GFLOP/s in csrc/attend_bf16.c, 696-699 here (bench.prefill_kernel, one layer of
-// SmolLM2's heads), where about three fifths of the time goes to the softmax's exponentials and the weights' transposes.
+// an 8k prompt ran at 158-161 GFLOP/s in csrc/attend_bf16.c, 679-718 here (bench.prefill_kernel, one layer of
+// SmolLM2's heads), where the softmax's exponentials and the weights' transposes take most of the time. 16-key
+// slices ran at 613-699: twice the tile loads and stores per key.
 #include "kernel_common.h"
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
