@@ -128,10 +128,6 @@ static attend_tile_f32 pick_tile_f32(int head_dim, int block_size, int group, in
     return prefill_rows_f32;
 }
 
-// chunks: [num_chunks, 3] int64 rows of (first row in the flat batch, query rows, context length after
-// the chunk); block_tables: [num_chunks, max_blocks]. q rows are q_row_stride elements apart (a view into
-// the qkv projection); out: [T, num_q_heads, head_dim] contiguous, written only at the chunks' rows. window: a
-// sliding window (each row sees its last `window` keys), 0 for none.
 // The work items of a call at `rows` query rows each (a chunk's last one shorter).
 static int64_t work_items(const int64_t* chunks, int num_chunks, int rows) {
     int64_t items = 0;
@@ -139,6 +135,10 @@ static int64_t work_items(const int64_t* chunks, int num_chunks, int rows) {
     return items;
 }
 
+// chunks: [num_chunks, 3] int64 rows of (first row in the flat batch, query rows, context length after
+// the chunk); block_tables: [num_chunks, max_blocks]. q rows are q_row_stride elements apart (a view into
+// the qkv projection); out: [T, num_q_heads, head_dim] contiguous, written only at the chunks' rows. window: a
+// sliding window (each row sees its last `window` keys), 0 for none.
 #define DEFINE_PREFILL(NAME, T, PICK)                                                                   \
 void NAME(const T* q, int64_t q_row_stride, const T* k_cache, const T* v_cache, const int64_t* chunks,  \
           int num_chunks, const int64_t* block_tables, int max_blocks, T* out, int num_q_heads,         \
