@@ -1,7 +1,7 @@
 """The AMX kernels. csrc/linear_amx.c: bf16 linears on AMX tiles, reading the AVX-512 kernel's panels. Every bf16
 call whose k is a multiple of 32 runs there on an AMX CPU (tests/test_cpu_kernels.py's linear tests then check it
-too); here, rows across its 16-row blocks and the threads, panels of 1 to 3 vectors, and ROSEINFER_AMX=0, which keeps
-every call on the AVX-512 tiles. csrc/attend_amx.c: bf16 prefill attention tiles, which tests/test_attention.py's
+too); here, rows across its 16-row blocks and the threads, panels of 1 to 3 vectors, inputs past L2 (taken in groups
+of panels), and ROSEINFER_AMX=0, which keeps every call on the AVX-512 tiles. csrc/attend_amx.c: bf16 prefill attention tiles, which tests/test_attention.py's
 prefill tests check on an AMX CPU; here, those tests again with ROSEINFER_AMX=0, for csrc/attend_bf16.c."""
 
 from __future__ import annotations
@@ -45,7 +45,6 @@ def test_amx_rows_match_fp32_and_each_row_is_computed_alone() -> None:
     assert torch.equal(kernels.linear(many[1234:1251], packed, bias, OUT), wide[1234:1251])
 
 
-
 @needs_amx
 @pytest.mark.parametrize("out_features", [2000, 96])
 def test_amx_rows_beyond_l2_take_groups_of_panels_and_change_no_bit(out_features) -> None:
@@ -64,6 +63,7 @@ def test_amx_rows_beyond_l2_take_groups_of_panels_and_change_no_bit(out_features
     for start, rows in ((0, 16), (100, 3), (587, 13)):
         assert torch.equal(kernels.linear(x[start : start + rows], packed, None, out_features),
                            out[start : start + rows])  # fmt: skip
+
 
 @needs_amx
 def test_roseinfer_amx_0_keeps_the_avx512_tiles() -> None:
