@@ -1,8 +1,9 @@
 """The AMX kernels. csrc/linear_amx.c: bf16 linears on AMX tiles, reading the AVX-512 kernel's panels. Every bf16
 call whose k is a multiple of 32 runs there on an AMX CPU (tests/test_cpu_kernels.py's linear tests then check it
-too); here, rows across its 16-row blocks and the threads, panels of 1 to 3 vectors, inputs past L2 (taken in groups
-of panels), and ROSEINFER_AMX=0, which keeps every call on the AVX-512 tiles. csrc/attend_amx.c: bf16 prefill attention tiles, which tests/test_attention.py's
-prefill tests check on an AMX CPU; here, those tests again with ROSEINFER_AMX=0, for csrc/attend_bf16.c."""
+too); here, rows across its 16-row blocks and the threads, panels of 1 to 3 vectors, inputs past L2 (taken in
+groups of panels), and ROSEINFER_AMX=0, which keeps every call on the AVX-512 tiles. csrc/attend_amx.c: bf16
+prefill attention tiles, which tests/test_attention.py's prefill tests check on an AMX CPU; here, those tests again
+with ROSEINFER_AMX=0, for csrc/attend_bf16.c."""
 
 from __future__ import annotations
 
