@@ -14,7 +14,7 @@ import os
 import platform
 import time
 
-from bench.offline import random_prompts
+from bench.offline import load_hf, random_prompts
 from common.config import EngineConfig
 from common.messages import EngineRequest, SamplingParams
 from frontend.offline.engine_link import EngineClient
@@ -35,13 +35,8 @@ def ours(lengths: list[int], repeats: int, config: EngineConfig) -> dict[int, li
 
 def transformers_forward(lengths: list[int], repeats: int, dtype: str, model: str | None) -> dict[int, list[float]]:
     import torch
-    from transformers import AutoModelForCausalLM
 
-    from common.model_source import resolve_model
-
-    torch.set_num_threads(len(os.sched_getaffinity(0)))
-    torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
-    hf = AutoModelForCausalLM.from_pretrained(resolve_model(model).path, dtype=torch_dtype).eval()
+    hf = load_hf(model, dtype)
     seconds: dict[int, list[float]] = {}
     with torch.inference_mode():
         hf(torch.tensor(random_prompts(1, 64, 99)), logits_to_keep=1)

@@ -70,8 +70,8 @@ def run_all_at_once(engine: EngineClient, prompts: list[list[int]], output_len: 
     }
 
 
-def bench_hf(prompts: list[list[int]], output_len: int, dtype: str, batch_size: int, model: str | None = None,
-             device: str = "cpu") -> dict:
+def load_hf(model: str | None, dtype: str, device: str = "cpu"):  # transformers is imported only when called
+    """transformers' model (the default one when None) in eval mode, torch on every CPU this process may use."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -79,7 +79,14 @@ def bench_hf(prompts: list[list[int]], output_len: int, dtype: str, batch_size: 
 
     torch.set_num_threads(len(os.sched_getaffinity(0)))
     torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
-    hf = AutoModelForCausalLM.from_pretrained(resolve_model(model).path, dtype=torch_dtype).eval().to(device)
+    return AutoModelForCausalLM.from_pretrained(resolve_model(model).path, dtype=torch_dtype).eval().to(device)
+
+
+def bench_hf(prompts: list[list[int]], output_len: int, dtype: str, batch_size: int, model: str | None = None,
+             device: str = "cpu") -> dict:
+    import torch
+
+    hf = load_hf(model, dtype, device)
     generated = 0
     if device != "cpu":  # CUDA context, cuBLAS handles and kernels loaded outside the timing
         with torch.inference_mode():

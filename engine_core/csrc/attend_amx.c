@@ -59,7 +59,8 @@ static inline __attribute__((always_inline)) void pair_slice(const uint16_t* con
         const uint16_t* a = half[2 * k / HALF] + 2 * k % HALF * stride;  // key 2k; key 2k + 1 is the next row
         for (int d = 0; d < head_dim; d += 32) {
             const __m512i va = _mm512_loadu_si512((const void*)(a + d));
-            const __m512i vb = 2 * k + 1 < n ? _mm512_loadu_si512((const void*)(a + stride + d)) : _mm512_setzero_si512();
+            const __m512i vb = 2 * k + 1 < n ? _mm512_loadu_si512((const void*)(a + stride + d))
+                                             : _mm512_setzero_si512();
             _mm512_store_si512((void*)&vp[k][d], _mm512_permutex2var_epi16(va, lo, vb));
             _mm512_store_si512((void*)&vp[k][d + 16], _mm512_permutex2var_epi16(va, hi, vb));
         }
@@ -130,7 +131,8 @@ static inline __attribute__((always_inline)) void attend_slice(const __m512i* qt
     _tile_stored(0, scores[0], sizeof scores[0]);
     _tile_stored(1, scores[HALF], sizeof scores[0]);
     for (int t = 0; t < KEYS; t++) s[t] = _mm512_load_ps(scores[t]);
-    const __m512 c = halves > 1 ? fold_slice(s, visible, KEYS, vscale, m, l) : fold_slice(s, visible, HALF, vscale, m, l);
+    const __m512 c = halves > 1 ? fold_slice(s, visible, KEYS, vscale, m, l)
+                                : fold_slice(s, visible, HALF, vscale, m, l);
     weights_tile(s, pa);
     if (_mm512_cmpneq_ps_mask(c, _mm512_set1_ps(1.f))) {  // x * 1 is x: skip it
         _mm512_store_ps(factor, c);
@@ -162,19 +164,20 @@ void attend_amx_tile(const uint16_t* q, int64_t q_row_stride, const uint16_t* k_
     __attribute__((aligned(64))) uint32_t vp[RUN_KEYS / KEYS][KEYS / 2][ATTEND_MAX_DIM];
     TileSight sight[tiles];
     int64_t walk[tiles], seen[tiles];  // each tile's slices: [walk, seen)
+    int tile_rows[tiles];
     for (int i = 0; i < tiles; i++) {
-        const int n = rows - ROWS * i < ROWS ? rows - ROWS * i : ROWS;
-        sight[i] = tile_sight(first_pos + ROWS * i, n, window);
-        walk[i] = window_walk_start(first_pos + ROWS * i + 1, window, KEYS), seen[i] = first_pos + ROWS * i + n;
+        tile_rows[i] = rows - ROWS * i < ROWS ? rows - ROWS * i : ROWS;
+        sight[i] = tile_sight(first_pos + ROWS * i, tile_rows[i], window);
+        walk[i] = window_walk_start(first_pos + ROWS * i + 1, window, KEYS);
+        seen[i] = first_pos + ROWS * i + tile_rows[i];
     }
     const __m512 vscale = _mm512_set1_ps(scale);
     configure_tiles();
     for (int h = 0; h < num_kv_heads; h++) {
         for (int i = 0; i < tiles; i++)
             for (int g = 0; g < group; g++) {
-                const int n = rows - ROWS * i < ROWS ? rows - ROWS * i : ROWS;
-                tile_queries(q + ROWS * i * q_row_stride + (h * group + g) * head_dim, q_row_stride, n, pairs,
-                             qt[i][g]);
+                tile_queries(q + ROWS * i * q_row_stride + (h * group + g) * head_dim, q_row_stride, tile_rows[i],
+                             pairs, qt[i][g]);
                 memset(o[i][g], 0, sizeof o[i][g]);
                 m[i][g] = _mm512_set1_ps(NO_SCORE), l[i][g] = _mm512_setzero_ps();
             }
@@ -210,7 +213,7 @@ void attend_amx_tile(const uint16_t* q, int64_t q_row_stride, const uint16_t* k_
                 float inv[ROWS];
                 _mm512_storeu_ps(inv, _mm512_div_ps(_mm512_set1_ps(1.f), l[i][g]));  // l >= 1: the max's own weight
                 const float* oi = (const float*)o[i][g];
-                for (int r = 0; r < ROWS && ROWS * i + r < rows; r++) {
+                for (int r = 0; r < tile_rows[i]; r++) {
                     uint16_t* row = out + ((int64_t)(ROWS * i + r) * num_q_heads + h * group + g) * head_dim;
                     for (int d = 0; d < head_dim; d += 16)
                         _mm256_storeu_si256((__m256i*)(row + d), (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(

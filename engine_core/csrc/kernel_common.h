@@ -155,15 +155,16 @@ static inline __attribute__((always_inline)) void prefetch_rows_l2(const void* k
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
-static inline __m512 vload_bf16(const uint16_t* p) {  // 16 bf16 values widened to fp32
-    __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p));
-    return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+static inline __m512 vwiden_bf16(__m256i v) {  // 16 bf16 values as fp32
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16));
 }
+static inline __m512 vload_bf16(const uint16_t* p) { return vwiden_bf16(_mm256_loadu_si256((const __m256i*)p)); }
 static inline __m512 vload_f32(const float* p) { return _mm512_loadu_ps(p); }
 static inline __m512 vload_bf16_masked(const uint16_t* p, __mmask16 mask) {  // the first lanes of mask; 0 elsewhere
-    __m512i wide = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, p));
-    return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+    return vwiden_bf16(_mm256_maskz_loadu_epi16(mask, p));
 }
+// The first n lanes (n >= 0): a row's last, partial vector.
+static inline __mmask16 first_lanes(int64_t n) { return n >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << n) - 1); }
 
 // e^x in 16 lanes, to fp32 rounding: e^x = 2^k e^r with k = round(x / ln 2), |r| <= ln 2 / 2, e^r by the
 // Cephes polynomial. Inputs below -104 give exactly 0 (flushed), as e^x does in fp32.
@@ -385,7 +386,7 @@ static inline __attribute__((always_inline)) void swap_index_bit(__m512i* v, int
 static inline void tile_queries(const uint16_t* q, int64_t q_row_stride, int rows, int pairs, __m512i* qt) {
     for (int p = 0; p < pairs; p += 16) {
         __m512i v[16];
-        const __mmask16 lanes = pairs - p >= 16 ? 0xFFFF : (__mmask16)((1u << (pairs - p)) - 1);
+        const __mmask16 lanes = first_lanes(pairs - p);
         for (int r = 0; r < 16; r++)
             v[r] = r < rows ? _mm512_maskz_loadu_epi32(lanes, (const void*)(q + r * q_row_stride + 2 * p))
                             : _mm512_setzero_si512();
@@ -511,7 +512,7 @@ static inline __attribute__((always_inline)) void store_linear_tile(__m512 (*acc
     for (int j = 0; j < nv; j++) {
         const int64_t c0 = 16 * j;
         if (c0 >= cols) break;
-        const __mmask16 mask = cols - c0 >= 16 ? 0xFFFF : (__mmask16)((1u << (cols - c0)) - 1);
+        const __mmask16 mask = first_lanes(cols - c0);
         const __m512 b = bias ? vload_bf16_masked(bias + c0, mask) : _mm512_setzero_ps();
         for (int i = 0; i < mr; i++)
             _mm256_mask_storeu_epi16(out + i * ldo + c0, mask,

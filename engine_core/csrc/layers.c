@@ -94,10 +94,6 @@ void NAME(T* x, const int64_t* positions, const float* cos, const float* sin, in
 // The bf16 RMSNorm and activations 16 values at a time: the compiler leaves the loops above scalar around expf and
 // the bf16 roundings, which made SwiGLU a third of a 2048-token prefill step's time outside the matmuls. The same
 // roundings; exp16 for expf; a row's squares summed in 16 lanes, then across them.
-static inline __mmask16 lanes_left(int n) { return n >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << n) - 1); }
-static inline __m512 widen_bf16(__m256bh v) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)v), 16));
-}
 static inline void store_bf16(uint16_t* p, __mmask16 mask, __m512 v) {
     _mm256_mask_storeu_epi16(p, mask, (__m256i)_mm512_cvtneps_pbh(v));
 }
@@ -109,19 +105,20 @@ void rms_norm_bf16(const uint16_t* x, uint16_t* residual, const uint16_t* weight
         const uint16_t* v = residual ? residual + r * dim : x + r * dim;  // the normed row, once the sum is stored
         __m512 squares = _mm512_setzero_ps();
         for (int d = 0; d < dim; d += 16) {
-            const __mmask16 mask = lanes_left(dim - d);
+            const __mmask16 mask = first_lanes(dim - d);
             __m512 value = vload_bf16_masked(x + r * dim + d, mask);
             if (residual) {
                 const __m256bh sum = _mm512_cvtneps_pbh(_mm512_add_ps(value, vload_bf16_masked(v + d, mask)));
                 _mm256_mask_storeu_epi16(residual + r * dim + d, mask, (__m256i)sum);
-                value = widen_bf16(sum);
+                value = vwiden_bf16((__m256i)sum);
             }
             squares = _mm512_fmadd_ps(value, value, squares);
         }
         const __m512 inv_rms = _mm512_set1_ps(1.f / sqrtf(_mm512_reduce_add_ps(squares) / dim + eps));
         for (int d = 0; d < dim; d += 16) {
-            const __mmask16 mask = lanes_left(dim - d);
-            const __m512 normed = widen_bf16(_mm512_cvtneps_pbh(_mm512_mul_ps(vload_bf16_masked(v + d, mask), inv_rms)));
+            const __mmask16 mask = first_lanes(dim - d);
+            const __m512 scaled = _mm512_mul_ps(vload_bf16_masked(v + d, mask), inv_rms);
+            const __m512 normed = vwiden_bf16((__m256i)_mm512_cvtneps_pbh(scaled));
             store_bf16(out + r * dim + d, mask, _mm512_mul_ps(normed, vload_bf16_masked(weight + d, mask)));
         }
     }
@@ -141,9 +138,9 @@ static void act_and_mul_bf16(const uint16_t* x, uint16_t* out, int64_t rows, int
     _Pragma("omp parallel for if (rows * width >= PARALLEL_MIN_ELEMENTS)")
     for (int64_t r = 0; r < rows; r++)
         for (int i = 0; i < width; i += 16) {
-            const __mmask16 mask = lanes_left(width - i);
+            const __mmask16 mask = first_lanes(width - i);
             const uint16_t* gate = x + r * 2 * width + i;
-            const __m512 act = widen_bf16(_mm512_cvtneps_pbh(act16(vload_bf16_masked(gate, mask), gelu)));
+            const __m512 act = vwiden_bf16((__m256i)_mm512_cvtneps_pbh(act16(vload_bf16_masked(gate, mask), gelu)));
             store_bf16(out + r * width + i, mask, _mm512_mul_ps(act, vload_bf16_masked(gate + width, mask)));
         }
 }

@@ -56,7 +56,7 @@ static inline __attribute__((always_inline)) void tile(const float* x, int64_t l
     for (int j = 0; j < nv; j++) {
         const int64_t c0 = 16 * j;
         if (c0 >= cols) break;
-        const __mmask16 mask = cols - c0 >= 16 ? 0xFFFF : (__mmask16)((1u << (cols - c0)) - 1);
+        const __mmask16 mask = first_lanes(cols - c0);
         const __m512 b = bias ? _mm512_maskz_loadu_ps(mask, bias + c0) : _mm512_setzero_ps();
         for (int i = 0; i < mr; i++) _mm512_mask_storeu_ps(out + i * ldo + c0, mask, _mm512_add_ps(acc[i][j], b));
     }
