@@ -23,20 +23,20 @@
 #define KEYS 32  // keys a slice: two halves of 16, each inside one cache block
 #define HALF 16
 #define ROWS ATTEND_BF16_ROWS
-#define MAX_TILES 4
+#define MAX_TILES 8
 #define RUN_KEYS 64  // keys a call's tiles take in turn
 
 int attend_amx_takes(int head_dim, int block_size) {
     return head_dim % 32 == 0 && head_dim <= ATTEND_MAX_DIM && block_size % HALF == 0 && linear_amx_available();
 }
 
-// Every tile is 16 rows of 64 bytes: 0, 1 the scores of the slice's two halves (C, keys x rows, fp32); 2 queries
-// (B, 16 dim pairs x rows); 3 keys (A, 16 keys x 32 dims); 4 weights (A, rows x 32 keys); 5 values (B, 16 key
-// pairs x 16 dims); 6 output (C, rows x 16 dims, fp32).
+// Every tile is 16 rows of 64 bytes. Scores: 0, 1 the slice's two halves (C, keys x rows, fp32); 2 queries (B, 16
+// dim pairs x rows); 3 keys (A, 16 keys x 32 dims). Then values: 4 weights (A, rows x 32 keys); 0, 1, 6, 7 output
+// (C, rows x 16 dims, fp32); 5, 3, 2 values (B, 16 key pairs x 16 dims).
 static void configure_tiles(void) {
     AmxTileConfig cfg = {0};
     cfg.palette_id = 1;
-    for (int t = 0; t < 7; t++) cfg.rows[t] = 16, cfg.colsb[t] = 64;
+    for (int t = 0; t < 8; t++) cfg.rows[t] = 16, cfg.colsb[t] = 64;
     _tile_loadconfig(&cfg);
 }
 
@@ -141,12 +141,31 @@ static inline __attribute__((always_inline)) void attend_slice(const __m512i* qt
                 _mm512_store_ps(o + r * head_dim + d,
                                 _mm512_mul_ps(_mm512_load_ps(o + r * head_dim + d), _mm512_set1_ps(factor[r])));
     }
+    // 64 dims at a time, in four C tiles (0, 1, 6, 7) each with its own B tile (5, 3, 2, 5 again), so that the
+    // products overlap: one C tile for all dims made each load wait for the store before it.
     _tile_loadd(4, pa, sizeof pa[0]);
-    for (int d = 0; d < head_dim; d += 16) {
-        _tile_loadd(6, o + d, head_dim * 4);
+    for (int d = 0; d < head_dim; d += 64) {
+        const int wide = head_dim - d >= 64;  // else 32 dims are left (head_dim % 32 == 0)
+        _tile_loadd(0, o + d, head_dim * 4);
         _tile_loadd(5, &vp[0][d], sizeof vp[0]);
-        _tile_dpbf16ps(6, 4, 5);
-        _tile_stored(6, o + d, head_dim * 4);
+        _tile_loadd(1, o + d + 16, head_dim * 4);
+        _tile_loadd(3, &vp[0][d + 16], sizeof vp[0]);
+        _tile_dpbf16ps(0, 4, 5);
+        _tile_dpbf16ps(1, 4, 3);
+        if (wide) {
+            _tile_loadd(6, o + d + 32, head_dim * 4);
+            _tile_loadd(2, &vp[0][d + 32], sizeof vp[0]);
+            _tile_loadd(7, o + d + 48, head_dim * 4);
+            _tile_dpbf16ps(6, 4, 2);
+            _tile_loadd(5, &vp[0][d + 48], sizeof vp[0]);
+            _tile_dpbf16ps(7, 4, 5);
+        }
+        _tile_stored(0, o + d, head_dim * 4);
+        _tile_stored(1, o + d + 16, head_dim * 4);
+        if (wide) {
+            _tile_stored(6, o + d + 32, head_dim * 4);
+            _tile_stored(7, o + d + 48, head_dim * 4);
+        }
     }
 }
 

@@ -335,8 +335,10 @@ static inline void store_unpaired_bf16(__m512 lo, __m512 hi, __m512 scale, uint1
 #define ATTEND_BF16_ROWS 16
 
 // Which lanes may see a key: those whose [from, end) holds it. Lanes past the tile's rows see the whole context.
+// Every lane sees the keys in [all_from, all_end): the first row sees the fewest, the last the latest first key.
 typedef struct {
     __m512i end, from;
+    int64_t all_from, all_end;
 } TileSight;
 static inline TileSight tile_sight(int64_t first_pos, int rows, int64_t window) {
     int32_t end[16], from[16];
@@ -344,7 +346,8 @@ static inline TileSight tile_sight(int64_t first_pos, int rows, int64_t window) 
         end[r] = (int32_t)(r < rows ? first_pos + r + 1 : first_pos + rows);
         from[r] = (int32_t)(r < rows ? window_start(first_pos + r + 1, window) : 0);
     }
-    TileSight sight = {_mm512_loadu_si512((const void*)end), _mm512_loadu_si512((const void*)from)};
+    TileSight sight = {_mm512_loadu_si512((const void*)end), _mm512_loadu_si512((const void*)from), from[rows - 1],
+                       first_pos + 1};
     return sight;
 }
 
@@ -353,6 +356,10 @@ static inline TileSight tile_sight(int64_t first_pos, int rows, int64_t window) 
 // row's bits depended on where its tile began.
 static inline __attribute__((always_inline)) void slice_visible(TileSight sight, int64_t start, int keys,
                                                                 __mmask16* visible) {
+    if (start >= sight.all_from && start + keys <= sight.all_end) {  // most slices of a long context
+        for (int t = 0; t < keys; t++) visible[t] = 0xffff;
+        return;
+    }
     for (int t = 0; t < keys; t++) {
         const __m512i key = _mm512_set1_epi32((int32_t)(start + t));
         visible[t] = _mm512_cmpgt_epi32_mask(sight.end, key) & ~_mm512_cmpgt_epi32_mask(sight.from, key);
@@ -395,37 +402,43 @@ static inline void tile_queries(const uint16_t* q, int64_t q_row_stride, int row
     }
 }
 
-// e^x for attention weights, which are rounded to bf16 (2^-9 apart): within 3e-6 of it (Taylor to r^5 after the
-// same reduction as exp16), three operations fewer than exp16 and no clamp, so x must be finite in every lane whose
-// result is kept (the callers zero the others). e^0 is exactly 1.
-static inline __m512 exp16_weight(__m512 x) {
-    const __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
-                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(k, _mm512_set1_ps(0.693359375f), x);
-    r = _mm512_fnmadd_ps(k, _mm512_set1_ps(-2.12194440e-4f), r);
-    __m512 p = _mm512_fmadd_ps(_mm512_set1_ps(1.f / 120), r, _mm512_set1_ps(1.f / 24));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-    const __m512 y = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
-    return _mm512_scalef_ps(y, k);
+// 2^x for attention weights, which are rounded to bf16 (2^-9 apart): within 3e-6 of it. f = x - floor(x) in [0, 1)
+// in one instruction, 2^f by a degree-4 polynomial fitted to it (p(0) = 1 exactly), and scalef multiplies by
+// 2^floor(x) itself: seven operations where e^x takes eleven. No clamp: x must be finite in every lane whose result
+// is kept (the callers zero the others).
+static inline __m512 exp2_weight(__m512 x) {
+    const __m512 f = _mm512_reduce_ps(x, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+    __m512 p = _mm512_fmadd_ps(_mm512_set1_ps(0.013426384888589382f), f, _mm512_set1_ps(0.052242957055568695f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.2412799745798111f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.693044900894165f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
+    return _mm512_scalef_ps(p, x);
 }
 
 // Folds a slice of `keys` keys into one query head's rows (online softmax, lane-wise): s[t], the rows' raw scores
 // of key t, becomes its weights e^(s * scale - max) (exactly 0 where a row may not see it); m, l: the rows' running
-// max (of scaled scores) and sum. Returns the factor the rows' accumulated output must be scaled by (exactly 1 where
-// the max stayed). scale > 0, so the scaled max is the max's scaled score.
+// max (of scores times scale * log2(e), where the weights are powers of 2) and sum. Returns the factor the rows'
+// accumulated output must be scaled by (exactly 1 where the max stayed). scale > 0, so the scaled max is the max's
+// scaled score.
 static inline __attribute__((always_inline)) __m512 fold_slice(__m512* s, const __mmask16* visible, int keys,
                                                                __m512 scale, __m512* m, __m512* l) {
-    __m512 top = _mm512_set1_ps(NO_SCORE);
-    for (int t = 0; t < keys; t++) top = _mm512_mask_max_ps(top, visible[t], top, s[t]);
-    top = _mm512_max_ps(*m, _mm512_mul_ps(top, scale));
-    const __m512 c = exp16(_mm512_sub_ps(*m, top));
-    __m512 sum = _mm512_setzero_ps();
+    // Four chains of maxes and of sums, keys t = j mod 4 each (keys % 4 == 0): one chain of `keys` dependent
+    // operations was the slice's longest wait. The sums' order is fixed, so a row's bits still depend on its row only.
+    const __m512 scale2 = _mm512_mul_ps(scale, _mm512_set1_ps(1.44269504f));
+    __m512 top[4], sum[4];
+    for (int j = 0; j < 4; j++) top[j] = _mm512_set1_ps(NO_SCORE), sum[j] = _mm512_setzero_ps();
+    for (int t = 0; t < keys; t++) top[t % 4] = _mm512_mask_max_ps(top[t % 4], visible[t], top[t % 4], s[t]);
+    const __m512 most = _mm512_max_ps(*m, _mm512_mul_ps(_mm512_max_ps(_mm512_max_ps(top[0], top[1]),
+                                                                      _mm512_max_ps(top[2], top[3])), scale2));
+    // e^((m - most) ln 2), exactly 1 where m == most (the output is skipped then); exp16 clamps NO_SCORE - most.
+    const __m512 c = exp16(_mm512_mul_ps(_mm512_sub_ps(*m, most), _mm512_set1_ps(0.693147181f)));
     for (int t = 0; t < keys; t++) {
-        s[t] = _mm512_maskz_mov_ps(visible[t], exp16_weight(_mm512_fmsub_ps(s[t], scale, top)));
-        sum = _mm512_add_ps(sum, s[t]);
+        s[t] = _mm512_maskz_mov_ps(visible[t], exp2_weight(_mm512_fmsub_ps(s[t], scale2, most)));
+        sum[t % 4] = _mm512_add_ps(sum[t % 4], s[t]);
     }
-    *l = _mm512_add_ps(_mm512_mul_ps(*l, c), sum), *m = top;
+    const __m512 slice_sum = _mm512_add_ps(_mm512_add_ps(sum[0], sum[1]), _mm512_add_ps(sum[2], sum[3]));
+    *l = _mm512_add_ps(_mm512_mul_ps(*l, c), slice_sum);
+    *m = most;
     return c;
 }
 
