@@ -12,11 +12,15 @@
 // Every output is a sum in a fixed order over its own row's scores and weights, so a query row's bits never depend
 // on the rest of its tile or chunk (a prefix-cache hit needs that), as in csrc/attend_bf16.c. Keys a row may not see
 // get a weight of exactly 0; value rows past the context are zeros, never stale memory times 0.
-// A call takes up to 4 tiles, which walk each run of 64 keys in turn: a KV head's keys and values are read and
-// paired once per 64 rows while they sit in the core's caches. On 2 vCPUs of an AMX Xeon the last 2048-row chunk of
+// A call takes up to 8 tiles, which walk each run of 64 keys in turn: a KV head's keys and values are read and
+// paired once per 128 rows while they sit in the core's caches. On 2 vCPUs of an AMX Xeon the last 2048-row chunk of
 // an 8k prompt ran at 158-161 GFLOP/s in csrc/attend_bf16.c, 679-718 here (bench.prefill_kernel, one layer of
-// SmolLM2's heads), where the softmax's exponentials and the weights' transposes take most of the time. With 16-key
-// slices (twice the tile loads and stores per key) that chunk took 53-55 ms against 45-48 in the same runs.
+// SmolLM2's heads), where the softmax's exponentials and the weights' transposes take most of the time; with 16-key
+// slices (twice the tile loads and stores per key) that chunk took 53-55 ms against 45-48 in the same runs. Then
+// 40.5 -> 32.9-34.1 ms: the softmax's max and sum in four independent chains (one chain of 32 dependent maxes was
+// the slice's longest wait), 2^x weights (exp2_weight), four C tiles for O += P V in place of one, 8 tiles a call in
+// place of 4, and no mask compares for slices every row sees whole. Prefetching the next run's rows, and value tiles
+// laid out contiguously, measured no faster.
 #include "kernel_common.h"
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
@@ -91,7 +95,7 @@ static inline __attribute__((always_inline)) void weights_tile(const __m512* s, 
     for (int r = 0; r < ROWS; r++) _mm512_store_si512((void*)pa[r], w[r]);
 }
 
-// The rows one call may take: up to 4 tiles of 16, so that each slice's keys and values, read and paired once,
+// The rows one call may take: up to 8 tiles of 16, so that each slice's keys and values, read and paired once,
 // serve them all (at 8k keys a KV head's K and V fill this CPU's L2), as many as fit a 256 KiB stack.
 int attend_amx_rows(int group, int head_dim) {
     const int64_t tile_state = (int64_t)group * (head_dim / 2 * 64 + ROWS * head_dim * 4);  // queries + outputs
