@@ -109,17 +109,14 @@ static inline int64_t key_row(const int64_t* table, int64_t key, int block_size,
     return table[key / block_size] * block_elems + key % block_size * stride;
 }
 
-// One tile's slice for one query head: scores on the tile unit, the softmax, the weighted values added to o
-// (16 rows x head_dim fp32, row-major). qt: the rows' query pairs; keys[h]: the first key row of half h in this KV
-// head; halves: 1 where the tile sees none of the second half's keys (its scores and weights are then zeros and
-// take no exponentials); vp: the slice's values paired (pair_slice).
-static inline __attribute__((always_inline)) void attend_slice(const __m512i* qt, const uint16_t* const* keys,
-                                                               int halves, int64_t stride, const __mmask16* visible,
-                                                               __m512 vscale, uint32_t (*vp)[ATTEND_MAX_DIM],
-                                                               int head_dim, __m512* m, __m512* l, float* o) {
-    __attribute__((aligned(64))) float factor[ROWS];
-    __attribute__((aligned(64))) uint32_t pa[ROWS][KEYS / 2];
-    __m512 s[KEYS];
+// One tile's slice for one query head, in two parts: slice_scores computes the scores on the tile unit into s (raw,
+// one vector of the 16 rows per key); slice_values folds them into the softmax and adds the weighted values to o
+// (16 rows x head_dim fp32, row-major). The caller issues the next head's scores before this head's values, so the
+// tile unit works while the vector unit takes the exponentials. qt: the rows' query pairs; keys[h]: the first key
+// row of half h in this KV head; halves: 1 where the tile sees none of the second half's keys (its scores and
+// weights are then zeros and take no exponentials); vp: the slice's values paired (pair_slice).
+static inline __attribute__((always_inline)) void slice_scores(const __m512i* qt, const uint16_t* const* keys,
+                                                               int halves, int64_t stride, int head_dim, __m512* s) {
     // Key rows past the context are stale cache memory: visible masks their scores out, whatever they hold.
     _tile_zero(0);
     _tile_zero(1);
@@ -135,6 +132,13 @@ static inline __attribute__((always_inline)) void attend_slice(const __m512i* qt
     // Stored straight into s (a copy from a scores buffer had cost a 2 KB memcpy a slice).
     _tile_stored(0, &s[0], sizeof s[0]);
     _tile_stored(1, &s[HALF], sizeof s[0]);
+}
+
+static inline __attribute__((always_inline)) void slice_values(__m512* s, int halves, const __mmask16* visible,
+                                                               __m512 vscale, uint32_t (*vp)[ATTEND_MAX_DIM],
+                                                               int head_dim, __m512* m, __m512* l, float* o) {
+    __attribute__((aligned(64))) float factor[ROWS];
+    __attribute__((aligned(64))) uint32_t pa[ROWS][KEYS / 2];
     const __m512 c = halves > 1 ? fold_slice(s, visible, KEYS, vscale, m, l)
                                 : fold_slice(s, visible, HALF, vscale, m, l);
     weights_tile(s, pa);
@@ -172,6 +176,12 @@ static inline __attribute__((always_inline)) void attend_slice(const __m512i* qt
         }
     }
 }
+
+// One tile's slice of a run: its tile, its slice in the run, the halves it sees and its rows' view of the keys.
+typedef struct {
+    int tile, slice, halves;
+    __mmask16 visible[KEYS];
+} Job;
 
 // Rows r of the call sit at positions first_pos + r and see keys [0, first_pos + r] (with a sliding window, its
 // last `window` of them); q rows are q_row_stride elements apart; out rows are num_q_heads * head_dim apart.
@@ -220,16 +230,30 @@ void attend_amx_tile(const uint16_t* q, int64_t q_row_stride, const uint16_t* k_
                 }
                 pair_slice(values, stride, n, head_dim, vp[j]);
             }
+            // The run's jobs, a tile's slice each: every query head of the group in turn, each head's scores
+            // issued before the previous head's values (the next slice's first head after the last one's).
+            Job jobs[MAX_TILES * RUN_KEYS / KEYS];
+            int count = 0;
             for (int i = 0; i < tiles; i++)
                 for (int64_t start = run > walk[i] ? run : walk[i]; start < end && start < seen[i]; start += KEYS) {
-                    const int j = (int)((start - run) / KEYS);
-                    __mmask16 visible[KEYS];
-                    slice_visible(sight[i], start, KEYS, visible);
-                    const int seen_halves = seen[i] - start > HALF ? halves[j] : 1;
-                    for (int g = 0; g < group; g++)
-                        attend_slice(qt[i][g], keys[j], seen_halves, stride, visible, vscale, vp[j], head_dim,
-                                     &m[i][g], &l[i][g], (float*)o[i][g]);
+                    Job* job = &jobs[count++];
+                    job->tile = i, job->slice = (int)((start - run) / KEYS);
+                    slice_visible(sight[i], start, KEYS, job->visible);
+                    job->halves = seen[i] - start > HALF ? halves[job->slice] : 1;
                 }
+            __m512 s[2][KEYS];  // this head's scores and the next one's
+            for (int n = -1; n < count * group; n++) {
+                if (n + 1 < count * group) {
+                    const Job* next = &jobs[(n + 1) / group];
+                    slice_scores(qt[next->tile][(n + 1) % group], keys[next->slice], next->halves, stride, head_dim,
+                                 s[(n + 1) & 1]);
+                }
+                if (n < 0) continue;
+                const Job* job = &jobs[n / group];
+                const int i = job->tile, g = n % group;
+                slice_values(s[n & 1], job->halves, job->visible, vscale, vp[job->slice], head_dim, &m[i][g], &l[i][g],
+                             (float*)o[i][g]);
+            }
         }
         for (int i = 0; i < tiles; i++)
             for (int g = 0; g < group; g++) {
