@@ -5,22 +5,26 @@
 //     lie (32 dims a tile, rows a cache row apart), the B tile the rows' query pairs (tile_queries: row r in column
 //     r), which serves both halves. Stored, the C tiles are one vector of the 16 rows' scores per key: the layout
 //     the softmax works in;
-//   - values, O += P V (16 rows x 16 dims a C tile): the A tile is the rows' bf16 weights of the 32 keys, turned from
-//     the softmax's key-major vectors into row-major pairs (weights_tile); the B tile the slice's values of keys 2k
-//     and 2k + 1 interleaved per dim (pair_slice, once per KV head for all its query heads). O stays in memory
-//     between slices, where the softmax's rescaling reaches it; a slice adds to it on the tile unit.
+//   - values, transposed, O^T += V^T P^T (16 dims x 16 rows a C tile): the B tile is the rows' bf16 weights of the
+//     32 keys as pairs of keys 2k, 2k + 1 per row (weights_tile: one conversion and one permutation per key pair,
+//     as the softmax's vectors already hold one key's 16 rows), the A tile the slice's values turned into dims x
+//     key pairs (value_tiles, once per KV head for all its query heads and tiles). O^T stays in memory between
+//     slices, one vector of the 16 rows per dim, so the softmax's rescaling is one multiply per dim; a slice adds to
+//     it on the tile unit, and each 16 x 16 block is transposed back into rows once, at the end.
 // Every output is a sum in a fixed order over its own row's scores and weights, so a query row's bits never depend
 // on the rest of its tile or chunk (a prefix-cache hit needs that), as in csrc/attend_bf16.c. Keys a row may not see
 // get a weight of exactly 0; value rows past the context are zeros, never stale memory times 0.
 // A call takes up to 8 tiles, which walk each run of 64 keys in turn: a KV head's keys and values are read and
-// paired once per 128 rows while they sit in the core's caches. On 2 vCPUs of an AMX Xeon the last 2048-row chunk of
+// laid out once per 128 rows while they sit in the core's caches. On 2 vCPUs of an AMX Xeon the last 2048-row chunk of
 // an 8k prompt ran at 158-161 GFLOP/s in csrc/attend_bf16.c, 679-718 here (bench.prefill_kernel, one layer of
 // SmolLM2's heads), where the softmax's exponentials and the weights' transposes take most of the time; with 16-key
 // slices (twice the tile loads and stores per key) that chunk took 53-55 ms against 45-48 in the same runs. Then
 // 40.5 -> 32.9-34.1 ms: the softmax's max and sum in four independent chains (one chain of 32 dependent maxes was
 // the slice's longest wait), 2^x weights (exp2_weight), four C tiles for O += P V in place of one, 8 tiles a call in
-// place of 4, and no mask compares for slices every row sees whole. Prefetching the next run's rows, and value tiles
-// laid out contiguously, measured no faster.
+// place of 4, and no mask compares for slices every row sees whole; then 36.0-36.6 -> 29.8-31.8 ms: O += P V
+// turned into O^T += V^T P^T, whose weights need one permutation per key pair where P's row-major pairs had needed a
+// 16 x 16 transpose per slice and head. Prefetching the next run's rows, and value tiles laid out contiguously,
+// measured no faster.
 #include "kernel_common.h"
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
@@ -44,10 +48,12 @@ static void configure_tiles(void) {
     _tile_loadconfig(&cfg);
 }
 
-// The slice's values as the B tile wants them: vp[k][d] = the bf16 pair (value of key 2k, value of key 2k + 1) of
-// dim d, dims in order; keys past n are zeros. half[h]: the row of key 16h (NULL where n <= 16h).
-static inline __attribute__((always_inline)) void pair_slice(const uint16_t* const* half, int64_t stride, int n,
-                                                             int head_dim, uint32_t (*vp)[ATTEND_MAX_DIM]) {
+// The slice's values as A tiles of V^T, one per 16 dims: vt[d / 16][d % 16][k] = the bf16 pair (value of key 2k,
+// value of key 2k + 1) of dim d; keys past n are zeros. half[h]: the row of key 16h (NULL where n <= 16h). Each
+// pair of key rows is interleaved per dim, then each 16 x 16 block of pairs transposed (swap_index_bit), once per
+// KV head for all the jobs of the run.
+static inline __attribute__((always_inline)) void value_tiles(const uint16_t* const* half, int64_t stride, int n,
+                                                              int head_dim, uint32_t (*vt)[16][KEYS / 2]) {
     // Word 2i of a result: dim i of key 2k (a's word i), word 2i + 1: of key 2k + 1 (b's word i, index 32 + i);
     // dims 16-31 of the 32 loaded take 16 more.
     static const uint16_t first[32] = {0, 32, 1, 33, 2,  34, 3,  35, 4,  36, 5,  37, 6,  38, 7,  39,
@@ -55,47 +61,40 @@ static inline __attribute__((always_inline)) void pair_slice(const uint16_t* con
     static const uint16_t second[32] = {16, 48, 17, 49, 18, 50, 19, 51, 20, 52, 21, 53, 22, 54, 23, 55,
                                         24, 56, 25, 57, 26, 58, 27, 59, 28, 60, 29, 61, 30, 62, 31, 63};
     const __m512i lo = _mm512_loadu_si512((const void*)first), hi = _mm512_loadu_si512((const void*)second);
-    for (int k = 0; k < KEYS / 2; k++) {
-        if (2 * k >= n) {
-            memset(vp[k], 0, (size_t)head_dim * sizeof(uint32_t));
-            continue;
-        }
-        const uint16_t* a = half[2 * k / HALF] + 2 * k % HALF * stride;  // key 2k; key 2k + 1 is the next row
-        for (int d = 0; d < head_dim; d += 32) {
+    for (int d = 0; d < head_dim; d += 32) {
+        __m512i v[2][KEYS / 2];  // v[h][k]: the pairs of key pair k, dims d + 16h .. d + 16h + 15
+        for (int k = 0; k < KEYS / 2; k++) {
+            if (2 * k >= n) {
+                v[0][k] = v[1][k] = _mm512_setzero_si512();
+                continue;
+            }
+            const uint16_t* a = half[2 * k / HALF] + 2 * k % HALF * stride;  // key 2k; key 2k + 1 is the next row
             const __m512i va = _mm512_loadu_si512((const void*)(a + d));
             const __m512i vb = 2 * k + 1 < n ? _mm512_loadu_si512((const void*)(a + stride + d))
                                              : _mm512_setzero_si512();
-            _mm512_store_si512((void*)&vp[k][d], _mm512_permutex2var_epi16(va, lo, vb));
-            _mm512_store_si512((void*)&vp[k][d + 16], _mm512_permutex2var_epi16(va, hi, vb));
+            v[0][k] = _mm512_permutex2var_epi16(va, lo, vb);
+            v[1][k] = _mm512_permutex2var_epi16(va, hi, vb);
+        }
+        for (int h = 0; h < 2; h++) {
+            for (int b = 0; b < 4; b++) swap_index_bit(v[h], KEYS / 2, b);  // v[h][j] lane k: dim d + 16h + j
+            for (int j = 0; j < 16; j++) _mm512_store_si512((void*)vt[d / 16 + h][j], v[h][j]);
         }
     }
 }
 
-// The slice's weights as an A tile: pa[r][k] = row r's bf16 pair of keys 2k and 2k + 1, rounded as transformers'
-// eager bf16 attention rounds them. cvtne2ps_pbh gives w[k] with row r's weight of key 2k in word r, of key 2k + 1
-// in word 16 + r; a 16 x 16 transpose of those pairs follows, in four steps that each swap bit b of the vector
-// index (k) with bit b of the 32-bit lane (r), the first of them forming the pairs too.
-static inline __attribute__((always_inline)) void weights_tile(const __m512* s, uint32_t (*pa)[KEYS / 2]) {
-    // Step 0 takes x = w[v] (v even) and y = w[v + 1]: lane L of the new x is row L's pair of x where L is even,
-    // row L - 1's of y where odd; lane L of the new y row L + 1's of x where even, row L's of y where odd. As words of
-    // the two (32 + i is y's word i): word 2L + h from word 16h + (L & ~1), or 16h + (L | 1).
-    static const uint16_t pair_x[32] = {0, 16, 32, 48, 2,  18, 34, 50, 4,  20, 36, 52, 6,  22, 38, 54,
-                                        8, 24, 40, 56, 10, 26, 42, 58, 12, 28, 44, 60, 14, 30, 46, 62};
-    static const uint16_t pair_y[32] = {1, 17, 33, 49, 3,  19, 35, 51, 5,  21, 37, 53, 7,  23, 39, 55,
-                                        9, 25, 41, 57, 11, 27, 43, 59, 13, 29, 45, 61, 15, 31, 47, 63};
-    __m512i w[KEYS / 2];
-    const __m512i px = _mm512_loadu_si512((const void*)pair_x), py = _mm512_loadu_si512((const void*)pair_y);
-    for (int v = 0; v < KEYS / 2; v += 2) {
-        const __m512i x = (__m512i)_mm512_cvtne2ps_pbh(s[2 * v + 1], s[2 * v]);
-        const __m512i y = (__m512i)_mm512_cvtne2ps_pbh(s[2 * v + 3], s[2 * v + 2]);
-        w[v] = _mm512_permutex2var_epi16(x, px, y);
-        w[v + 1] = _mm512_permutex2var_epi16(x, py, y);
-    }
-    for (int b = 1; b < 4; b++) swap_index_bit(w, KEYS / 2, b);
-    for (int r = 0; r < ROWS; r++) _mm512_store_si512((void*)pa[r], w[r]);
+// The slice's weights as a B tile: pb[k][r] = row r's bf16 pair of keys 2k and 2k + 1, rounded as transformers'
+// eager bf16 attention rounds them: cvtne2ps_pbh puts row r's weight of key 2k in word r and of key 2k + 1 in word
+// 16 + r, and one permutation interleaves them.
+static inline __attribute__((always_inline)) void weights_tile(const __m512* s, uint32_t (*pb)[16]) {
+    static const uint16_t pairs[32] = {0, 16, 1, 17, 2,  18, 3,  19, 4,  20, 5,  21, 6,  22, 7,  23,
+                                       8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+    const __m512i index = _mm512_loadu_si512((const void*)pairs);
+    for (int k = 0; k < KEYS / 2; k++)
+        _mm512_store_si512((void*)pb[k],
+                           _mm512_permutexvar_epi16(index, (__m512i)_mm512_cvtne2ps_pbh(s[2 * k + 1], s[2 * k])));
 }
 
-// The rows one call may take: up to 8 tiles of 16, so that each slice's keys and values, read and paired once,
+// The rows one call may take: up to 8 tiles of 16, so that each slice's keys and values, read and laid out once,
 // serve them all (at 8k keys a KV head's K and V fill this CPU's L2), as many as fit a 256 KiB stack.
 int attend_amx_rows(int group, int head_dim) {
     const int64_t tile_state = (int64_t)group * (head_dim / 2 * 64 + ROWS * head_dim * 4);  // queries + outputs
@@ -110,11 +109,11 @@ static inline int64_t key_row(const int64_t* table, int64_t key, int block_size,
 }
 
 // One tile's slice for one query head, in two parts: slice_scores computes the scores on the tile unit into s (raw,
-// one vector of the 16 rows per key); slice_values folds them into the softmax and adds the weighted values to o
-// (16 rows x head_dim fp32, row-major). The caller issues the next head's scores before this head's values, so the
+// one vector of the 16 rows per key); slice_values folds them into the softmax and adds the weighted values to ot
+// (ot[d]: dim d of the 16 rows, fp32). The caller issues the next head's scores before this head's values, so the
 // tile unit works while the vector unit takes the exponentials. qt: the rows' query pairs; keys[h]: the first key
 // row of half h in this KV head; halves: 1 where the tile sees none of the second half's keys (its scores and
-// weights are then zeros and take no exponentials); vp: the slice's values paired (pair_slice).
+// weights are then zeros and take no exponentials); vt: the slice's values as V^T tiles (value_tiles).
 static inline __attribute__((always_inline)) void slice_scores(const __m512i* qt, const uint16_t* const* keys,
                                                                int halves, int64_t stride, int head_dim, __m512* s) {
     // Key rows past the context are stale cache memory: visible masks their scores out, whatever they hold.
@@ -135,44 +134,38 @@ static inline __attribute__((always_inline)) void slice_scores(const __m512i* qt
 }
 
 static inline __attribute__((always_inline)) void slice_values(__m512* s, int halves, const __mmask16* visible,
-                                                               __m512 vscale, uint32_t (*vp)[ATTEND_MAX_DIM],
-                                                               int head_dim, __m512* m, __m512* l, float* o) {
-    __attribute__((aligned(64))) float factor[ROWS];
-    __attribute__((aligned(64))) uint32_t pa[ROWS][KEYS / 2];
+                                                               __m512 vscale, uint32_t (*vt)[16][KEYS / 2],
+                                                               int head_dim, __m512* m, __m512* l, __m512* ot) {
+    __attribute__((aligned(64))) uint32_t pb[KEYS / 2][16];
     const __m512 c = halves > 1 ? fold_slice(s, visible, KEYS, vscale, m, l)
                                 : fold_slice(s, visible, HALF, vscale, m, l);
-    weights_tile(s, pa);
-    if (_mm512_cmpneq_ps_mask(c, _mm512_set1_ps(1.f))) {  // x * 1 is x: skip it
-        _mm512_store_ps(factor, c);
-        for (int r = 0; r < ROWS; r++)
-            for (int d = 0; d < head_dim; d += 16)
-                _mm512_store_ps(o + r * head_dim + d,
-                                _mm512_mul_ps(_mm512_load_ps(o + r * head_dim + d), _mm512_set1_ps(factor[r])));
-    }
-    // 64 dims at a time, in four C tiles (0, 1, 6, 7) each with its own B tile (5, 3, 2, 5 again), so that the
-    // products overlap: one C tile for all dims made each load wait for the store before it.
-    _tile_loadd(4, pa, sizeof pa[0]);
+    weights_tile(s, pb);
+    if (_mm512_cmpneq_ps_mask(c, _mm512_set1_ps(1.f)))  // x * 1 is x: skip it
+        for (int d = 0; d < head_dim; d++) ot[d] = _mm512_mul_ps(ot[d], c);
+    // O^T += V^T P^T, 64 dims at a time in four C tiles (0, 1, 6, 7), each with its own A tile (5, 3, 2, 5 again),
+    // so that the products overlap: one C tile for all dims made each load wait for the store before it.
+    _tile_loadd(4, pb, sizeof pb[0]);
     for (int d = 0; d < head_dim; d += 64) {
         const int wide = head_dim - d >= 64;  // else 32 dims are left (head_dim % 32 == 0)
-        _tile_loadd(0, o + d, head_dim * 4);
-        _tile_loadd(5, &vp[0][d], sizeof vp[0]);
-        _tile_loadd(1, o + d + 16, head_dim * 4);
-        _tile_loadd(3, &vp[0][d + 16], sizeof vp[0]);
-        _tile_dpbf16ps(0, 4, 5);
-        _tile_dpbf16ps(1, 4, 3);
+        _tile_loadd(0, &ot[d], 64);
+        _tile_loadd(5, vt[d / 16], sizeof vt[0][0]);
+        _tile_loadd(1, &ot[d + 16], 64);
+        _tile_loadd(3, vt[d / 16 + 1], sizeof vt[0][0]);
+        _tile_dpbf16ps(0, 5, 4);
+        _tile_dpbf16ps(1, 3, 4);
         if (wide) {
-            _tile_loadd(6, o + d + 32, head_dim * 4);
-            _tile_loadd(2, &vp[0][d + 32], sizeof vp[0]);
-            _tile_loadd(7, o + d + 48, head_dim * 4);
-            _tile_dpbf16ps(6, 4, 2);
-            _tile_loadd(5, &vp[0][d + 48], sizeof vp[0]);
-            _tile_dpbf16ps(7, 4, 5);
+            _tile_loadd(6, &ot[d + 32], 64);
+            _tile_loadd(2, vt[d / 16 + 2], sizeof vt[0][0]);
+            _tile_loadd(7, &ot[d + 48], 64);
+            _tile_dpbf16ps(6, 2, 4);
+            _tile_loadd(5, vt[d / 16 + 3], sizeof vt[0][0]);
+            _tile_dpbf16ps(7, 5, 4);
         }
-        _tile_stored(0, o + d, head_dim * 4);
-        _tile_stored(1, o + d + 16, head_dim * 4);
+        _tile_stored(0, &ot[d], 64);
+        _tile_stored(1, &ot[d + 16], 64);
         if (wide) {
-            _tile_stored(6, o + d + 32, head_dim * 4);
-            _tile_stored(7, o + d + 48, head_dim * 4);
+            _tile_stored(6, &ot[d + 32], 64);
+            _tile_stored(7, &ot[d + 48], 64);
         }
     }
 }
@@ -193,8 +186,8 @@ void attend_amx_tile(const uint16_t* q, int64_t q_row_stride, const uint16_t* k_
     const int64_t stride = (int64_t)num_kv_heads * head_dim, block_elems = block_size * stride;
     const int64_t context = first_pos + rows;  // keys the last row sees
     __m512i qt[tiles][group][pairs];
-    __m512 o[tiles][group][ROWS * head_dim / 16], m[tiles][group], l[tiles][group];  // o: rows x head_dim
-    __attribute__((aligned(64))) uint32_t vp[RUN_KEYS / KEYS][KEYS / 2][ATTEND_MAX_DIM];
+    __m512 ot[tiles][group][head_dim], m[tiles][group], l[tiles][group];  // ot[d]: dim d of the tile's 16 rows
+    __attribute__((aligned(64))) uint32_t vt[RUN_KEYS / KEYS][ATTEND_MAX_DIM / 16][16][KEYS / 2];
     TileSight sight[tiles];
     int64_t walk[tiles], seen[tiles];  // each tile's slices: [walk, seen)
     int tile_rows[tiles];
@@ -211,7 +204,7 @@ void attend_amx_tile(const uint16_t* q, int64_t q_row_stride, const uint16_t* k_
             for (int g = 0; g < group; g++) {
                 tile_queries(q + ROWS * i * q_row_stride + (h * group + g) * head_dim, q_row_stride, tile_rows[i],
                              pairs, qt[i][g]);
-                memset(o[i][g], 0, sizeof o[i][g]);
+                memset(ot[i][g], 0, sizeof ot[i][g]);
                 m[i][g] = _mm512_set1_ps(NO_SCORE), l[i][g] = _mm512_setzero_ps();
             }
         // The keys a run of slices at a time: each tile takes the run's slices in turn while their keys and
@@ -228,7 +221,7 @@ void attend_amx_tile(const uint16_t* q, int64_t q_row_stride, const uint16_t* k_
                     const int64_t at = key_row(table, start + HALF * x, block_size, block_elems, stride) + h * head_dim;
                     keys[j][x] = k_cache + at, values[x] = v_cache + at;
                 }
-                pair_slice(values, stride, n, head_dim, vp[j]);
+                value_tiles(values, stride, n, head_dim, vt[j]);
             }
             // The run's jobs, a tile's slice each: every query head of the group in turn, each head's scores
             // issued before the previous head's values (the next slice's first head after the last one's).
@@ -251,21 +244,22 @@ void attend_amx_tile(const uint16_t* q, int64_t q_row_stride, const uint16_t* k_
                 if (n < 0) continue;
                 const Job* job = &jobs[n / group];
                 const int i = job->tile, g = n % group;
-                slice_values(s[n & 1], job->halves, job->visible, vscale, vp[job->slice], head_dim, &m[i][g], &l[i][g],
-                             (float*)o[i][g]);
+                slice_values(s[n & 1], job->halves, job->visible, vscale, vt[job->slice], head_dim, &m[i][g],
+                             &l[i][g], ot[i][g]);
             }
         }
+        // Each dim's 16 rows divided by the rows' sums (lane-wise), then each 16 x 16 block transposed into rows.
         for (int i = 0; i < tiles; i++)
             for (int g = 0; g < group; g++) {
-                float inv[ROWS];
-                _mm512_storeu_ps(inv, _mm512_div_ps(_mm512_set1_ps(1.f), l[i][g]));  // l >= 1: the max's own weight
-                const float* oi = (const float*)o[i][g];
-                for (int r = 0; r < tile_rows[i]; r++) {
-                    uint16_t* row = out + ((int64_t)(ROWS * i + r) * num_q_heads + h * group + g) * head_dim;
-                    for (int d = 0; d < head_dim; d += 16)
-                        _mm256_storeu_si256((__m256i*)(row + d), (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(
-                                                                     _mm512_load_ps(oi + r * head_dim + d),
-                                                                     _mm512_set1_ps(inv[r]))));
+                const __m512 inv = _mm512_div_ps(_mm512_set1_ps(1.f), l[i][g]);  // l >= 1: the max's own weight
+                for (int d = 0; d < head_dim; d += 16) {
+                    __m512i v[16];
+                    for (int j = 0; j < 16; j++) v[j] = (__m512i)_mm512_mul_ps(ot[i][g][d + j], inv);
+                    for (int b = 0; b < 4; b++) swap_index_bit(v, 16, b);  // v[r] lane j: row r, dim d + j
+                    for (int r = 0; r < tile_rows[i]; r++)
+                        _mm256_storeu_si256(
+                            (__m256i*)(out + ((int64_t)(ROWS * i + r) * num_q_heads + h * group + g) * head_dim + d),
+                            (__m256i)_mm512_cvtneps_pbh((__m512)v[r]));
                 }
             }
     }
