@@ -114,6 +114,8 @@ class CpuKernels:
         self.has_amx_linear = bool(lib.linear_amx_available())  # bf16 panels on AMX where k % 32 == 0 (linear_amx.c)
         self._linear = lib.linear
         self._linear.argtypes = [_P, _I64, _I64, _P, _I, _P, _P, _I64, _I64, _I64]
+        self._glu_amx = lib.glu_amx
+        self._glu_amx.argtypes = [_P, _I64, _I64, _P, _P, _P, _I64, _I64, _I64, _I]
         self._linear_f32 = lib.linear_f32
         self._linear_f32.argtypes = [_P, _I64, _I64, _P, _P, _P, _I64, _I64, _I64]
         self._moe_experts = lib.moe_experts_bf16
@@ -242,6 +244,18 @@ class CpuKernels:
             self._linear(rows.data_ptr(), rows.stride(0), rows.shape[0], packed.data_ptr(), weight_format(packed),
                          bias_ptr, out.data_ptr(), out_features, out_features, rows.shape[1])  # fmt: skip
         return out.view(*x.shape[:-1], out_features)
+
+    def linear_glu(self, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, half: int, act: str):
+        """act(gate) * up of a merged gate_up linear (gate its first `half` outputs, up the next) in one call on AMX
+        (csrc/glu_amx.c), bit for bit linear() then act_and_mul(); None where that kernel does not run (no AMX, not
+        bf16 panels, in_features % 32 or half % 16)."""
+        rows = x.reshape(-1, x.shape[-1])
+        rows = rows if rows.stride(1) == 1 else rows.contiguous()
+        out, bias_ptr = torch.empty((rows.shape[0], half), dtype=x.dtype), None if bias is None else bias.data_ptr()
+        ran = self.has_amx_linear and weight_format(packed) == 0 and self._glu_amx(
+            rows.data_ptr(), rows.stride(0), rows.shape[0], packed.data_ptr(), bias_ptr, out.data_ptr(), half, half,
+            rows.shape[1], act == "gelu_tanh")  # fmt: skip
+        return out.view(*x.shape[:-1], half) if ran else None
 
     def moe_experts(self, x: torch.Tensor, slots: torch.Tensor, counts: torch.Tensor, gate_up, down, fmt: int,
                     intermediate: int, work: torch.Tensor, out: torch.Tensor) -> None:  # fmt: skip

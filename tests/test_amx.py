@@ -3,7 +3,8 @@ call whose k is a multiple of 32 runs there on an AMX CPU (tests/test_cpu_kernel
 too); here, rows across its 16-row blocks and the threads, panels of 1 to 3 vectors, inputs past L2 (taken in
 groups of panels), and ROSEINFER_AMX=0, which keeps every call on the AVX-512 tiles. csrc/attend_amx.c: bf16
 prefill attention tiles, which tests/test_attention.py's prefill tests check on an AMX CPU; here, those tests again
-with ROSEINFER_AMX=0, for csrc/attend_bf16.c."""
+with ROSEINFER_AMX=0, for csrc/attend_bf16.c. csrc/glu_amx.c: a gated MLP's gate_up linear and activation in one
+call, bit for bit the two calls it replaces."""
 
 from __future__ import annotations
 
@@ -71,12 +72,13 @@ def test_roseinfer_amx_0_keeps_the_avx512_tiles() -> None:
     code = ("import torch; from engine_core.cpu_kernels import cpu_kernels; from engine_core.linear_packing import "
             "pack_bf16; from tests.test_amx import _case, OUT; k = cpu_kernels(); w, b, x, ref = _case(); "
             "out = k.linear(x, pack_bf16(w, k.panel_cols), b, OUT); "
-            "print(k.has_amx_linear, float((out.float() - ref).abs().max()) / float(ref.abs().max()))")
+            "print(k.has_amx_linear, float((out.float() - ref).abs().max()) / float(ref.abs().max()), "
+            "k.linear_glu(x, pack_bf16(w[:96], k.panel_cols), None, 48, 'silu') is None)")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                           env={**os.environ, "ROSEINFER_AMX": "0"})  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-2000:]
-    amx, error = proc.stdout.split()
-    assert amx == "False" and float(error) <= 2 * 2**-8
+    amx, error, no_glu = proc.stdout.split()
+    assert amx == "False" and float(error) <= 2 * 2**-8 and no_glu == "True"
 
 
 @needs_amx
@@ -89,3 +91,25 @@ def test_roseinfer_amx_0_runs_the_prefill_attention_tests_on_avx512() -> None:
     assert proc.returncode == 0, proc.stdout[-3000:]
     summary = proc.stdout.strip().splitlines()[-1]
     assert " passed" in summary and "skipped" not in summary and "deselected" in summary, summary
+
+
+@needs_amx
+@pytest.mark.parametrize("rows,k,half,bias,act", [(70, 96, 80, True, "silu"), (600, 1024, 48, False, "gelu_tanh"),
+                                                  (1, 64, 16, False, "silu"), (33, 576, 1536, True, "silu")])
+def test_fused_glu_is_the_linear_then_act_and_mul_bit_for_bit(rows, k, half, bias, act) -> None:
+    """Gate and up vectors in any panels (half = 80: five vectors, up starting mid-panel), whole pairs of 16-row
+    blocks and the rows left over, 600 rows of k 1024 in groups (x past 1 MB), with and without a bias; each row
+    also alone."""
+    torch.manual_seed(7)
+    kernels = cpu_kernels()
+    assert kernels is not None and kernels.has_amx_linear
+    weight = torch.randn(2 * half, k, dtype=torch.bfloat16) * 0.3
+    b = torch.randn(2 * half, dtype=torch.bfloat16) if bias else None
+    x = torch.randn(rows, k + 32, dtype=torch.bfloat16)[:, 16 : 16 + k]  # strided rows
+    packed = pack_bf16(weight, kernels.panel_cols)
+    fused = kernels.linear_glu(x, packed, b, half, act)
+    assert fused is not None and fused.shape == (rows, half)
+    assert torch.equal(fused, kernels.act_and_mul(kernels.linear(x, packed, b, 2 * half), act))
+    for start, count in ((0, 1), (rows // 2, 1), (rows - 1, 1)):
+        alone = kernels.linear_glu(x[start : start + count], packed, b, half, act)
+        assert torch.equal(alone, fused[start : start + count])

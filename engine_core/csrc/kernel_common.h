@@ -532,6 +532,16 @@ static inline __attribute__((always_inline)) void store_linear_tile(__m512 (*acc
                                      (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(acc[i][j], b)));
     }
 }
+// The gate's activation of csrc/layers.c's act_and_mul and csrc/glu_amx.c: g / (1 + e^-t), t = g (SiLU) or GELU's
+// 2u, clamped as layers.c's SIGMOID_DIV clamps it.
+static inline __m512 act16(__m512 g, int gelu) {
+    const __m512 t = gelu ? _mm512_mul_ps(_mm512_set1_ps(1.5957691216f),
+                                          _mm512_fmadd_ps(_mm512_mul_ps(_mm512_set1_ps(0.044715f), _mm512_mul_ps(g, g)),
+                                                          g, g))
+                          : g;
+    const __m512 e = exp16(_mm512_min_ps(_mm512_sub_ps(_mm512_setzero_ps(), t), _mm512_set1_ps(88.f)));
+    return _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.f), e));
+}
 #endif
 int linear_avx2_available(void);
 // csrc/linear_amx.c: bf16 panels on AMX where the CPU has it and k % 32 == 0; returns 0, having done nothing, elsewhere.
@@ -547,6 +557,7 @@ typedef struct __attribute__((packed, aligned(64))) {
 #endif
 int linear_amx(const uint16_t* x, int64_t ldx, int64_t m_len, const void* packed, const uint16_t* bias,
                uint16_t* out, int64_t ldo, int64_t n_len, int64_t k_len);
+#define AMX_GROUP_BYTES (1 << 20)  // weights a thread takes across its blocks of rows at a time, where x is large
 // csrc/linear_int4.c: weight-only int4 panels (linear's format 2), defined where the CPU has AVX512-BF16.
 int linear_int4_available(void);
 void linear_int4(const uint16_t* x, int64_t ldx, int64_t m_len, const void* packed, const uint16_t* bias,

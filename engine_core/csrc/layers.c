@@ -124,16 +124,6 @@ void rms_norm_bf16(const uint16_t* x, uint16_t* residual, const uint16_t* weight
     }
 }
 
-// g / (1 + e^-t), t clamped as SIGMOID_DIV clamps it; t = g (SiLU) or GELU's 2u.
-static inline __m512 act16(__m512 g, int gelu) {
-    const __m512 t = gelu ? _mm512_mul_ps(_mm512_set1_ps(1.5957691216f),
-                                          _mm512_fmadd_ps(_mm512_mul_ps(_mm512_set1_ps(0.044715f), _mm512_mul_ps(g, g)),
-                                                          g, g))
-                          : g;
-    const __m512 e = exp16(_mm512_min_ps(_mm512_sub_ps(_mm512_setzero_ps(), t), _mm512_set1_ps(88.f)));
-    return _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.f), e));
-}
-
 static void act_and_mul_bf16(const uint16_t* x, uint16_t* out, int64_t rows, int width, int gelu) {
     _Pragma("omp parallel for if (rows * width >= PARALLEL_MIN_ELEMENTS)")
     for (int64_t r = 0; r < rows; r++)

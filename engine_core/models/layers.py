@@ -202,6 +202,13 @@ class PackedLinear(nn.Module):
             return F.linear(x, self.packed_weight, bias)
         return self.kernels.linear(x, self.packed_weight, bias, self.out_features)
 
+    def glu(self, x: torch.Tensor, act: str) -> torch.Tensor | None:
+        """act(gate) * up in one kernel call, where this is a merged gate_up layer whose kernel fuses them (AMX);
+        else None. act: "silu" or "gelu_tanh", as act_and_mul takes it."""
+        if self.kernels is None or self.all_reduce or self.out_features % 2:
+            return None
+        return self.kernels.linear_glu(x, self.packed_weight, self.bias, self.out_features // 2, act)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.all_reduce:
             out = distributed.all_reduce(self._matmul(x, None))

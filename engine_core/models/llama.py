@@ -16,6 +16,7 @@ from engine_core.models.layers import (
     RMSNorm,
     RotaryEmbedding,
     StepRotary,
+    gelu_tanh_and_mul,
     layer_windows,
     rope_layers,
     silu_and_mul,
@@ -102,9 +103,16 @@ class LlamaMLP(nn.Module):
         self.gate_up_proj = MergedLinear(config.hidden_size, [size, size], bias)
         self.down_proj = down(size, config.hidden_size, bias=bias)
         self.act_and_mul = act_and_mul
+        self.act = {silu_and_mul: "silu", gelu_tanh_and_mul: "gelu_tanh"}.get(act_and_mul)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act_and_mul(self.gate_up_proj(x)))
+        # One kernel call where the packed gate_up layer fuses its activation (PackedLinear.glu, on AMX): the
+        # [tokens, 2 x intermediate] product then never goes to memory.
+        glu = getattr(self.gate_up_proj, "glu", None) if self.act is not None else None
+        hidden = glu(x, self.act) if glu is not None else None
+        if hidden is None:
+            hidden = self.act_and_mul(self.gate_up_proj(x))
+        return self.down_proj(hidden)
 
 
 class LlamaDecoderLayer(nn.Module):
