@@ -249,12 +249,13 @@ class CpuKernels:
         """act(gate) * up of a merged gate_up linear (gate its first `half` outputs, up the next) in one call on AMX
         (csrc/glu_amx.c), bit for bit linear() then act_and_mul(); None where that kernel does not run (no AMX, not
         bf16 panels, in_features % 32 or half % 16)."""
+        if not self.has_amx_linear or weight_format(packed) != 0:
+            return None
         rows = x.reshape(-1, x.shape[-1])
         rows = rows if rows.stride(1) == 1 else rows.contiguous()
         out, bias_ptr = torch.empty((rows.shape[0], half), dtype=x.dtype), None if bias is None else bias.data_ptr()
-        ran = self.has_amx_linear and weight_format(packed) == 0 and self._glu_amx(
-            rows.data_ptr(), rows.stride(0), rows.shape[0], packed.data_ptr(), bias_ptr, out.data_ptr(), half, half,
-            rows.shape[1], act == "gelu_tanh")  # fmt: skip
+        ran = self._glu_amx(rows.data_ptr(), rows.stride(0), rows.shape[0], packed.data_ptr(), bias_ptr, out.data_ptr(),
+                            half, half, rows.shape[1], act == "gelu_tanh")  # fmt: skip
         return out.view(*x.shape[:-1], half) if ran else None
 
     def moe_experts(self, x: torch.Tensor, slots: torch.Tensor, counts: torch.Tensor, gate_up, down, fmt: int,
