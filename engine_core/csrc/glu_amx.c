@@ -1,8 +1,8 @@
 // A gated MLP's first half in one call on Intel AMX: out = act(x W_gate^T + b_gate) * (x W_up^T + b_up), from the
 // merged gate_up linear's bf16 panels (csrc/linear.c's layout; gate the first `half` output columns, up the next).
 // The unfused path writes the [rows, 2 * half] product and act_and_mul reads it back: at a 2048-row prefill of
-// SmolLM2 that intermediate is 12.6 MB, past L2, and act_and_mul ran at the memory's speed. Here each block of 16
-// rows x 2 gate vectors is computed beside the matching 2 up vectors, and the activation runs on the tiles' sums.
+// SmolLM2 that intermediate is 12.6 MB, past L2, and act_and_mul ran at the memory's speed. Here each step takes two
+// blocks of 16 rows against one gate vector and its up vector, and the activation runs on the tiles' sums.
 // Bit for bit the unfused path: gate and up rounded to bf16 with their bias first, then act16 as act_and_mul
 // applies it (csrc/layers.c), rounded, times up, rounded.
 #include <omp.h>
@@ -12,7 +12,6 @@
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
 #define BLOCK_ROWS 16
 #define CHUNK_K 32
-#define X_BYTES (1 << 20)  // as csrc/linear_amx.c: x beyond this is taken with the weights in groups
 
 // Tiles 0-3: C (mr rows x 16 fp32: rows 0-15 gate, rows 0-15 up, rows 16-31 gate, rows 16-31 up); 4-5: A (the two
 // blocks of rows, mr x 32 bf16); 6-7: B (gate, up: 16 pairs x 16 columns x 2).
@@ -88,12 +87,7 @@ int glu_amx(const uint16_t* x, int64_t ldx, int64_t m_len, const void* packed, c
     if (m_len <= 0) return 1;
     const int64_t vectors = half / 16, blocks = (m_len + BLOCK_ROWS - 1) / BLOCK_ROWS;
     const int64_t row_parts = linear_row_parts(vectors, blocks, omp_get_max_threads());
-    // As csrc/linear_amx.c: where x is large, each block of rows across a group of items whose weights fill
-    // AMX_GROUP_BYTES, so that the weights stay in L2 and x's rows in L1.
-    const int64_t item_bytes = 2 * 16 * 2 * k_len;
-    const int64_t group = m_len * k_len * 2 > X_BYTES && AMX_GROUP_BYTES / item_bytes > 1
-                              ? AMX_GROUP_BYTES / item_bytes * row_parts
-                              : row_parts;
+    const int64_t group = amx_item_group(m_len, k_len, 2 * 16 * 2 * k_len, row_parts);  // as csrc/linear_amx.c
     _Pragma("omp parallel if (linear_parallel(m_len, 2 * half, k_len))") {
         float c[2 * BLOCK_ROWS][32] __attribute__((aligned(64)));
         int configured = 0;

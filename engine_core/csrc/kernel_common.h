@@ -557,7 +557,13 @@ typedef struct __attribute__((packed, aligned(64))) {
 #endif
 int linear_amx(const uint16_t* x, int64_t ldx, int64_t m_len, const void* packed, const uint16_t* bias,
                uint16_t* out, int64_t ldo, int64_t n_len, int64_t k_len);
-#define AMX_GROUP_BYTES (1 << 20)  // weights a thread takes across its blocks of rows at a time, where x is large
+// How many work items (of item_bytes of weights each, row_parts per group of columns) an AMX thread takes at a time,
+// each block of rows across all of them: where x is past 1 MB, enough for 1 MB of weights, which stay in L2 while
+// x's rows stay in L1 (csrc/linear_amx.c says why); else one group of columns, all its blocks of rows in turn.
+static inline int64_t amx_item_group(int64_t m_len, int64_t k_len, int64_t item_bytes, int64_t row_parts) {
+    const int64_t fit = (1 << 20) / item_bytes;
+    return m_len * k_len * 2 > (1 << 20) && fit > 1 ? fit * row_parts : row_parts;
+}
 // csrc/linear_int4.c: weight-only int4 panels (linear's format 2), defined where the CPU has AVX512-BF16.
 int linear_int4_available(void);
 void linear_int4(const uint16_t* x, int64_t ldx, int64_t m_len, const void* packed, const uint16_t* bias,

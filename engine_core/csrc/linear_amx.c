@@ -23,8 +23,6 @@
 #define BLOCK_ROWS 16
 #define CHUNK_K 32  // k per tile step: 16 pairs
 #define NV (LINEAR_PANEL_COLS / 16)
-#define X_BYTES (1 << 20)  // x beyond this many bytes is taken in groups of panels
-#define GROUP_BYTES (1 << 20)  // weights a thread takes across its blocks of rows at a time
 
 static int amx_usable = -1;  // -1: not asked yet
 
@@ -83,14 +81,12 @@ int linear_amx(const uint16_t* x, int64_t ldx, int64_t m_len, const void* packed
     const int64_t blocks = (m_len + BLOCK_ROWS - 1) / BLOCK_ROWS;
     const int64_t row_parts = linear_row_parts(panels, blocks, omp_get_max_threads());
     // Where x fits in half of L2, a thread takes its items one panel at a time, all its blocks of rows in turn (the
-    // panel is read from memory once, x from L2). Beyond that, a group of panels (GROUP_BYTES of weights, which stay
+    // panel is read from memory once, x from L2). Beyond that, a group of panels (1 MB of weights, which stay
     // in L2) at a time, each block of rows across the whole group before the next (its rows of x stay in L1, and each
     // row's outputs are written in long runs): one panel at a time had read x from memory again for every panel,
     // which on SmolLM2's 2048-row prefills took the tile unit to half of oneDNN's speed. No order moves a bit: each
     // block is computed alone.
-    const int64_t group = m_len * k_len * 2 > X_BYTES && GROUP_BYTES / (LINEAR_PANEL_COLS * 2 * k_len) > 1
-                              ? GROUP_BYTES / (LINEAR_PANEL_COLS * 2 * k_len) * row_parts
-                              : row_parts;  // in items
+    const int64_t group = amx_item_group(m_len, k_len, LINEAR_PANEL_COLS * 2 * k_len, row_parts);  // in items
     _Pragma("omp parallel if (linear_parallel(m_len, n_len, k_len))") {
         float c[BLOCK_ROWS][LINEAR_PANEL_COLS] __attribute__((aligned(64)));
         int configured = 0;  // the rows the tiles are configured for (each thread has its own tile state)
