@@ -144,11 +144,15 @@ void decode_stack_bf16(const DecodeLayer* layers, const StackShape* s, const uin
         add_lora(attn, q_size, q_size, l->lora[1], lora, x, hidden, hidden);
         if (s->gemma) add_normed(s, x, l->attn_out_norm, residual, rows);
         norm(s, s->gemma ? residual : x, residual, l->post_norm, normed, rows, hidden);
-        linear(normed, hidden, rows, l->gate_up.packed, (int)l->gate_up.format, l->gate_up.bias, gate_up, 2 * inter,
-               2 * inter, hidden);
-        add_lora(normed, hidden, hidden, l->lora[2], lora, gate_up, 2 * inter, 2 * inter);
-        if (s->gemma) gelu_tanh_and_mul_bf16(gate_up, act, rows, (int)inter);
-        else silu_and_mul_bf16(gate_up, act, rows, (int)inter);
+        // One call where AMX runs it and no adapter changes gate_up, as the Python layers take it (LlamaMLP).
+        if (l->gate_up.format != 0 || (l->lora[2] != NULL && lora != NULL) ||
+            !glu_amx(normed, hidden, rows, l->gate_up.packed, l->gate_up.bias, act, inter, inter, hidden, s->gemma)) {
+            linear(normed, hidden, rows, l->gate_up.packed, (int)l->gate_up.format, l->gate_up.bias, gate_up,
+                   2 * inter, 2 * inter, hidden);
+            add_lora(normed, hidden, hidden, l->lora[2], lora, gate_up, 2 * inter, 2 * inter);
+            if (s->gemma) gelu_tanh_and_mul_bf16(gate_up, act, rows, (int)inter);
+            else silu_and_mul_bf16(gate_up, act, rows, (int)inter);
+        }
         linear(act, inter, rows, l->down.packed, (int)l->down.format, l->down.bias, x, hidden, hidden, inter);
         add_lora(act, inter, inter, l->lora[3], lora, x, hidden, hidden);
         if (s->gemma) add_normed(s, x, l->mlp_out_norm, residual, rows);

@@ -557,6 +557,10 @@ typedef struct __attribute__((packed, aligned(64))) {
 #endif
 int linear_amx(const uint16_t* x, int64_t ldx, int64_t m_len, const void* packed, const uint16_t* bias,
                uint16_t* out, int64_t ldo, int64_t n_len, int64_t k_len);
+// csrc/glu_amx.c: act(gate) * up of a merged gate_up linear's bf16 panels in one AMX call; 0 (nothing done) where
+// it does not run.
+int glu_amx(const uint16_t* x, int64_t ldx, int64_t m_len, const void* packed, const uint16_t* bias, uint16_t* out,
+            int64_t ldo, int64_t half, int64_t k_len, int gelu);
 // How many work items (of item_bytes of weights each, row_parts per group of columns) an AMX thread takes at a time,
 // each block of rows across all of them: where x is past 1 MB, enough for 1 MB of weights, which stay in L2 while
 // x's rows stay in L1 (csrc/linear_amx.c says why); else one group of columns, all its blocks of rows in turn.
