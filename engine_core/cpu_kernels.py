@@ -230,11 +230,15 @@ class CpuKernels:
         """method: "int8" or "int4"; both quantize groups of GROUP weights."""
         return (self.has_int8_linear if method == "int8" else self.has_int4_linear) and in_features % GROUP == 0
 
+    @staticmethod
+    def _rows(x: torch.Tensor) -> torch.Tensor:  # 2-D rows for the linears: strided rows, contiguous elements
+        rows = x.reshape(-1, x.shape[-1])
+        return rows if rows.stride(1) == 1 else rows.contiguous()
+
     def linear(self, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int):
         """x: [..., K], fp32 for fp32 panels, else bf16; packed: from linear_packing (its dtype names the format);
         bias: [N] in x's dtype, or None. Rows of a 2-D x may be strided (a slice of a wider activation)."""
-        rows = x.reshape(-1, x.shape[-1])
-        rows = rows if rows.stride(1) == 1 else rows.contiguous()
+        rows = self._rows(x)
         out = torch.empty((rows.shape[0], out_features), dtype=x.dtype)
         bias_ptr = None if bias is None else bias.data_ptr()
         if packed.dtype == torch.float32:
@@ -246,13 +250,11 @@ class CpuKernels:
         return out.view(*x.shape[:-1], out_features)
 
     def linear_glu(self, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, half: int, act: str):
-        """act(gate) * up of a merged gate_up linear (gate its first `half` outputs, up the next) in one call on AMX
-        (csrc/glu_amx.c), bit for bit linear() then act_and_mul(); None where that kernel does not run (no AMX, not
-        bf16 panels, in_features % 32 or half % 16)."""
+        """act(gate) * up of a merged gate_up linear (gate its first `half` outputs) in one AMX call (csrc/glu_amx.c),
+        bit for bit linear() then act_and_mul(); None where it does not run (no AMX, not bf16, k % 32, half % 16)."""
         if not self.has_amx_linear or weight_format(packed) != 0:
             return None
-        rows = x.reshape(-1, x.shape[-1])
-        rows = rows if rows.stride(1) == 1 else rows.contiguous()
+        rows = self._rows(x)
         out, bias_ptr = torch.empty((rows.shape[0], half), dtype=x.dtype), None if bias is None else bias.data_ptr()
         ran = self._glu_amx(rows.data_ptr(), rows.stride(0), rows.shape[0], packed.data_ptr(), bias_ptr, out.data_ptr(),
                             half, half, rows.shape[1], act == "gelu_tanh")  # fmt: skip

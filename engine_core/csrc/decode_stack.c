@@ -53,11 +53,14 @@ typedef struct {
     uint16_t* work;  // the step's rows x (widest input + largest rank + widest output)
 } LoraGroups;
 
+// Whether an adapter may change this linear in this step (else add_lora adds nothing).
+static int lora_applies(const LoraPair* pairs, const LoraGroups* g) { return pairs != NULL && g != NULL; }
+
 // out[rows] += (x[rows] A^T) B^T for each group, as LoraLinear adds it: the same kernel on the gathered rows (a row's
 // result does not depend on the rows beside it), then a bf16 add rounded as torch rounds it.
 static void add_lora(const uint16_t* x, int64_t ldx, int64_t k, const LoraPair* pairs, const LoraGroups* g,
                      uint16_t* out, int64_t ldo, int64_t n) {
-    if (pairs == NULL || g == NULL) return;
+    if (!lora_applies(pairs, g)) return;
     for (int64_t gi = 0; gi < g->num_groups; gi++) {
         const LoraPair* p = &pairs[g->adapter[gi]];
         if (p->a == NULL) continue;
@@ -145,7 +148,7 @@ void decode_stack_bf16(const DecodeLayer* layers, const StackShape* s, const uin
         if (s->gemma) add_normed(s, x, l->attn_out_norm, residual, rows);
         norm(s, s->gemma ? residual : x, residual, l->post_norm, normed, rows, hidden);
         // One call where AMX runs it and no adapter changes gate_up, as the Python layers take it (LlamaMLP).
-        if (l->gate_up.format != 0 || (l->lora[2] != NULL && lora != NULL) ||
+        if (l->gate_up.format != 0 || lora_applies(l->lora[2], lora) ||
             !glu_amx(normed, hidden, rows, l->gate_up.packed, l->gate_up.bias, act, inter, inter, hidden, s->gemma)) {
             linear(normed, hidden, rows, l->gate_up.packed, (int)l->gate_up.format, l->gate_up.bias, gate_up,
                    2 * inter, 2 * inter, hidden);
