@@ -6,7 +6,7 @@
 //     r), which serves both halves. Stored, the C tiles are one vector of the 16 rows' scores per key: the layout
 //     the softmax works in;
 //   - values, transposed, O^T += V^T P^T (16 dims x 16 rows a C tile): the B tile is the rows' bf16 weights of the
-//     32 keys as pairs of keys 2k, 2k + 1 per row (weights_tile: one conversion and one permutation per key pair,
+//     32 keys as pairs of keys 2k, 2k + 1 per row (pair_weights: one conversion and one permutation per key pair,
 //     as the softmax's vectors already hold one key's 16 rows), the A tile the slice's values turned into dims x
 //     key pairs (value_tiles, once per KV head for all its query heads and tiles). O^T stays in memory between
 //     slices, one vector of the 16 rows per dim, so the softmax's rescaling is one multiply per dim; a slice adds to
@@ -82,18 +82,6 @@ static inline __attribute__((always_inline)) void value_tiles(const uint16_t* co
     }
 }
 
-// The slice's weights as a B tile: pb[k][r] = row r's bf16 pair of keys 2k and 2k + 1, rounded as transformers'
-// eager bf16 attention rounds them: cvtne2ps_pbh puts row r's weight of key 2k in word r and of key 2k + 1 in word
-// 16 + r, and one permutation interleaves them.
-static inline __attribute__((always_inline)) void weights_tile(const __m512* s, uint32_t (*pb)[16]) {
-    static const uint16_t pairs[32] = {0, 16, 1, 17, 2,  18, 3,  19, 4,  20, 5,  21, 6,  22, 7,  23,
-                                       8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
-    const __m512i index = _mm512_loadu_si512((const void*)pairs);
-    for (int k = 0; k < KEYS / 2; k++)
-        _mm512_store_si512((void*)pb[k],
-                           _mm512_permutexvar_epi16(index, (__m512i)_mm512_cvtne2ps_pbh(s[2 * k + 1], s[2 * k])));
-}
-
 // The rows one call may take: up to 8 tiles of 16, so that each slice's keys and values, read and laid out once,
 // serve them all (at 8k keys a KV head's K and V fill this CPU's L2), as many as fit a 256 KiB stack.
 int attend_amx_rows(int group, int head_dim) {
@@ -136,10 +124,10 @@ static inline __attribute__((always_inline)) void slice_scores(const __m512i* qt
 static inline __attribute__((always_inline)) void slice_values(__m512* s, int halves, const __mmask16* visible,
                                                                __m512 vscale, uint32_t (*vt)[16][KEYS / 2],
                                                                int head_dim, __m512* m, __m512* l, __m512* ot) {
-    __attribute__((aligned(64))) uint32_t pb[KEYS / 2][16];
+    __m512i pb[KEYS / 2];  // the B tile of the weights: row k, key pair k of the 16 rows (pair_weights)
     const __m512 c = halves > 1 ? fold_slice(s, visible, KEYS, vscale, m, l)
                                 : fold_slice(s, visible, HALF, vscale, m, l);
-    weights_tile(s, pb);
+    pair_weights(s, KEYS / 2, pb);
     if (_mm512_cmpneq_ps_mask(c, _mm512_set1_ps(1.f)))  // x * 1 is x: skip it
         for (int d = 0; d < head_dim; d++) ot[d] = _mm512_mul_ps(ot[d], c);
     // O^T += V^T P^T, 64 dims at a time in four C tiles (0, 1, 6, 7), each with its own A tile (5, 3, 2, 5 again),

@@ -64,17 +64,6 @@ static inline __attribute__((always_inline)) void score16(const __m512i* qt, con
     for (int t = 0; t < KEYS; t++) s[t] = a[t];
 }
 
-// The weights of keys 2k and 2k + 1 as bf16 pairs, rounded as transformers' eager bf16 attention rounds them:
-// pw[k] lane r = row r's pair.
-static inline __attribute__((always_inline)) void pair_weights(const __m512* s, __m512i* pw) {
-    // Word 2r of a pair vector is word r of cvtne2ps_pbh's low half (key 2k), word 2r + 1 word 16 + r (key 2k + 1).
-    static const uint16_t order[32] = {0, 16, 1, 17, 2,  18, 3,  19, 4,  20, 5,  21, 6,  22, 7,  23,
-                                       8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
-    const __m512i words = _mm512_loadu_si512((const void*)order);
-    for (int k = 0; k < KEYS / 2; k++)
-        pw[k] = _mm512_permutexvar_epi16(words, (__m512i)_mm512_cvtne2ps_pbh(s[2 * k + 1], s[2 * k]));
-}
-
 // acc[i] = acc[i] * c + the weighted values of the slice: pw[k] holds each row's bf16 weights of keys 2k and
 // 2k + 1, vp[k][i] their values of accumulator i. 16 accumulators at a time, in 16 chains.
 static inline __attribute__((always_inline)) void add_values16(__m512* acc, __m512 c, int rescale, const __m512i* pw,
@@ -119,7 +108,7 @@ void attend_bf16_tile(const uint16_t* q, int64_t q_row_stride, const uint16_t* k
                 score16(qt[g], k_cache + at, stride, pairs, s);
                 const __m512 c = fold_slice(s, visible, KEYS, vscale, &m[g], &l[g]);
                 __m512i pw[KEYS / 2];
-                pair_weights(s, pw);
+                pair_weights(s, KEYS / 2, pw);
                 const int rescale = _mm512_cmpneq_ps_mask(c, _mm512_set1_ps(1.f)) != 0;  // x * 1 is x: skip it
                 add_values16(acc[g], c, rescale, pw, vp, head_dim);
             }

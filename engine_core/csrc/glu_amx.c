@@ -101,11 +101,13 @@ int glu_amx(const uint16_t* x, int64_t ldx, int64_t m_len, const void* packed, c
                     const int64_t first = part * blocks / row_parts, end = (part + 1) * blocks / row_parts;
                     const PanelVector gate = panel_vector(packed, j, 2 * half, k_len);
                     const PanelVector up = panel_vector(packed, vectors + j, 2 * half, k_len);
-                    const uint16_t *bias_gate = bias ? bias + 16 * j : NULL, *bias_up = bias ? bias + half + 16 * j : NULL;
+                    const uint16_t* bias_gate = bias ? bias + 16 * j : NULL;
+                    const uint16_t* bias_up = bias ? bias + half + 16 * j : NULL;
                     if (t0 >= first && t0 + 1 < end && (t0 + 2) * BLOCK_ROWS <= m_len) {  // two whole blocks
                         if (configured != BLOCK_ROWS) configure(configured = BLOCK_ROWS);
                         glu_block(x + t0 * BLOCK_ROWS * ldx, ldx, gate, up, 2, k_len, c);
-                        glu_store(c, 2 * BLOCK_ROWS, bias_gate, bias_up, gelu, out + t0 * BLOCK_ROWS * ldo + 16 * j, ldo);
+                        glu_store(c, 2 * BLOCK_ROWS, bias_gate, bias_up, gelu, out + t0 * BLOCK_ROWS * ldo + 16 * j,
+                                  ldo);
                         continue;
                     }
                     for (int64_t t = t0; t < t0 + 2 && t < blocks; t++) {

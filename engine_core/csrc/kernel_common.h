@@ -442,6 +442,17 @@ static inline __attribute__((always_inline)) __m512 fold_slice(__m512* s, const 
     return c;
 }
 
+// The weights of keys 2k and 2k + 1 (k < pairs) as bf16 pairs, rounded as transformers' eager bf16 attention rounds
+// them: pw[k] lane r = row r's pair (csrc/attend_bf16.c's dot products; csrc/attend_amx.c's B tile, pw as its rows).
+static inline __attribute__((always_inline)) void pair_weights(const __m512* s, int pairs, __m512i* pw) {
+    // Word 2r of a pair vector is word r of cvtne2ps_pbh's low half (key 2k), word 2r + 1 word 16 + r (key 2k + 1).
+    static const uint16_t order[32] = {0, 16, 1, 17, 2,  18, 3,  19, 4,  20, 5,  21, 6,  22, 7,  23,
+                                       8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+    const __m512i words = _mm512_loadu_si512((const void*)order);
+    for (int k = 0; k < pairs; k++)
+        pw[k] = _mm512_permutexvar_epi16(words, (__m512i)_mm512_cvtne2ps_pbh(s[2 * k + 1], s[2 * k]));
+}
+
 // csrc/attend_bf16.c: a tile of up to 16 query rows attending over paged bf16 K/V (see there); csrc/attend_amx.c:
 // the same on AMX tiles where attend_amx_takes says so.
 int attend_bf16_takes(int head_dim, int block_size);
