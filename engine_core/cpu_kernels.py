@@ -111,7 +111,7 @@ class CpuKernels:
         self.has_int8_linear = bool(lib.linear_int8_available())
         self.has_int4_linear = bool(lib.linear_int4_available())
         self.has_f32_linear = bool(lib.linear_f32_available())  # fp32 panels, AVX-512 or AVX2 (csrc/linear_f32.c)
-        self.has_amx_linear = bool(lib.linear_amx_available())  # bf16 panels on AMX where k % 32 == 0 (linear_amx.c)
+        self.has_amx_linear = bool(lib.linear_amx_available())  # every format on AMX where k % 32 == 0 (linear_amx.c)
         self._linear = lib.linear
         self._linear.argtypes = [_P, _I64, _I64, _P, _I, _P, _P, _I64, _I64, _I64]
         self._glu_amx = lib.glu_amx

@@ -1,9 +1,10 @@
-"""The AMX kernels. csrc/linear_amx.c: bf16 linears on AMX tiles, reading the AVX-512 kernel's panels. Every bf16
-call whose k is a multiple of 32 runs there on an AMX CPU (tests/test_cpu_kernels.py's linear tests then check it
-too); here, rows across its 16-row blocks and the threads, panels of 1 to 3 vectors, inputs past L2 (taken in
-groups of panels), and ROSEINFER_AMX=0, which keeps every call on the AVX-512 tiles. csrc/attend_amx.c: bf16
-prefill attention tiles, which tests/test_attention.py's prefill tests check on an AMX CPU; here, those tests again
-with ROSEINFER_AMX=0, for csrc/attend_bf16.c. csrc/glu_amx.c: a gated MLP's gate_up linear and activation in one
+"""The AMX kernels. csrc/linear_amx.c: linears on AMX tiles, reading the AVX-512 kernels' panels. Every call whose
+k is a multiple of 32 runs there on an AMX CPU, bf16, int8 or int4 (tests/test_cpu_kernels.py's and
+tests/test_quantization.py's linear tests then check it too); here, rows across its 16-row blocks and the threads,
+panels of 1 to 3 vectors, inputs past L2 (taken in groups of panels), quantized panels widened as they go or once,
+and ROSEINFER_AMX=0, which keeps every call on the AVX-512 tiles. csrc/attend_amx.c: bf16 prefill attention tiles,
+which tests/test_attention.py's prefill tests check on an AMX CPU. With ROSEINFER_AMX=0, those attention and linear
+tests again, for csrc/attend_bf16.c, csrc/linear.c and csrc/linear_int4.c. csrc/glu_amx.c: a gated MLP's gate_up linear and activation in one
 call, bit for bit the two calls it replaces."""
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ import pytest
 import torch
 
 from engine_core.cpu_kernels import cpu_kernels
-from engine_core.linear_packing import pack_bf16
+from engine_core.linear_packing import pack_bf16, pack_int4, pack_int8
+from engine_core.models.quant import dequantize, quantize_int4, quantize_int8
 from tests.cpu_features import needs_amx
 
 # 100 columns: panels of 48, 48 and 4 (one vector); k 96: three 32-k steps; 70 rows: four 16-row blocks and 6.
@@ -68,6 +70,30 @@ def test_amx_rows_beyond_l2_take_groups_of_panels_and_change_no_bit(out_features
 
 
 @needs_amx
+@pytest.mark.parametrize("method", ["int8", "int4"])
+@pytest.mark.parametrize("out_features,k,rows", [(100, 96, 70), (2000, 1024, 600), (96, 1024, 600)])
+def test_quantized_panels_on_amx_keep_each_rows_bits_alone(method, out_features, k, rows) -> None:
+    """int8 and int4 calls run on AMX too, widened to bf16 tiles: a call of one 16-row block widens each 32-k chunk
+    as it goes, a longer call each panel once (past 1 MB of x, a group of panels at a time). Each row equals the
+    product with the dequantized weight (int8 rounds each weight to bf16, int4 sums x times the exact q and then
+    scales), and is the same bits computed alone or in any block of a longer call."""
+    torch.manual_seed(11)
+    kernels = cpu_kernels()
+    assert kernels is not None and kernels.has_amx_linear
+    weight = torch.randn(out_features, k, dtype=torch.bfloat16)
+    parts = quantize_int8(weight) if method == "int8" else quantize_int4(weight)
+    packed = pack_int8(*parts, kernels.panel_cols) if method == "int8" else pack_int4(*parts, kernels.panel_cols)
+    bias = torch.randn(out_features, dtype=torch.bfloat16)
+    x = torch.randn(rows, k + 32, dtype=torch.bfloat16)[:, 16 : 16 + k]  # strided rows
+    out = kernels.linear(x, packed, bias, out_features)
+    ref = x.float() @ dequantize(*parts).T + bias.float()
+    assert float((out.float() - ref).abs().max()) <= 4 * float(ref.abs().max()) * 2**-8
+    for start, count in ((0, 1), (3, 15), (15, 2), (16, 16), (rows - 7, 7), (rows // 2, 17)):
+        assert torch.equal(kernels.linear(x[start : start + count], packed, bias, out_features),
+                           out[start : start + count])  # fmt: skip
+
+
+@needs_amx
 def test_roseinfer_amx_0_keeps_the_avx512_tiles() -> None:
     code = ("import torch; from engine_core.cpu_kernels import cpu_kernels; from engine_core.linear_packing import "
             "pack_bf16; from tests.test_amx import _case, OUT; k = cpu_kernels(); w, b, x, ref = _case(); "
@@ -82,12 +108,18 @@ def test_roseinfer_amx_0_keeps_the_avx512_tiles() -> None:
 
 
 @needs_amx
-def test_roseinfer_amx_0_runs_the_prefill_attention_tests_on_avx512() -> None:
-    """Every AVX512-BF16 CPU without AMX takes csrc/attend_bf16.c, which an AMX CPU never reaches: run its tests
-    here with AMX off."""
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_attention.py",
-                           "-k", "prefill"], capture_output=True, text=True, timeout=300,
-                          cwd=Path(__file__).parent.parent, env={**os.environ, "ROSEINFER_AMX": "0"})  # fmt: skip
+@pytest.mark.parametrize(
+    "test_file,selection",
+    [("tests/test_attention.py", "prefill"),
+     ("tests/test_quantization.py", "quantized_linear_matches or rows_padded"),
+     ("tests/test_cpu_kernels.py", "linear")],
+)  # fmt: skip
+def test_roseinfer_amx_0_runs_the_kernel_tests_on_avx512(test_file, selection) -> None:
+    """Every AVX512-BF16 CPU without AMX takes csrc/attend_bf16.c for prefill attention and csrc/linear.c's and
+    csrc/linear_int4.c's tiles for linears, which an AMX CPU never reaches: run their tests here with AMX off."""
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", test_file, "-k", selection],
+                          capture_output=True, text=True, timeout=600, cwd=Path(__file__).parent.parent,
+                          env={**os.environ, "ROSEINFER_AMX": "0"})  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:]
     summary = proc.stdout.strip().splitlines()[-1]
     assert " passed" in summary and "skipped" not in summary and "deselected" in summary, summary

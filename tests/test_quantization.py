@@ -87,8 +87,10 @@ def test_quantized_linear_matches_float_matmul(method, rows, out_features, in_fe
     weight to bf16, then sums in fp32; the int4 kernel sums x times each exact q in fp32, then scales and adds the
     min times the sum of x: both within bf16 of fp32. With AVX512-BF16, int8's 13 and 64 rows are more than one
     8-row tile, so each panel is widened to bf16 once, and fewer rows widen as they go; int4's tiles are 4 rows,
-    all reading the nibbles. With AVX2 (csrc/linear_quant_avx2.c) both sum x times exact q and scale per group,
-    64 rows from panels widened once (tests/test_avx2_kernels.py runs that build on any AVX2 CPU)."""
+    all reading the nibbles. With AMX (csrc/linear_amx.c) both in the same steps on AMX tiles, 64 rows from panels
+    widened once, up to 16 a chunk at a time (tests/test_amx.py runs these tests with AMX off too). With AVX2
+    (csrc/linear_quant_avx2.c) both sum x times exact q and scale per group, 64 rows from panels widened once
+    (tests/test_avx2_kernels.py runs that build on any AVX2 CPU)."""
     assert cpu_kernels() is not None
     torch.manual_seed(rows)
     linear = nn.Linear(in_features, out_features, bias=bias).to(torch.bfloat16)
@@ -124,9 +126,9 @@ def test_rows_padded_to_min_rows_do_not_depend_on_their_neighbours(quantization,
     """The promise prepare_linears makes to the model runner: padded as the runner pads a step (padded_size with
     the returned min_rows), every row comes out bit for bit as inside a batch of 16. Without it a seeded request
     drew other tokens alone than in a batch (oneDNN's one-row bf16 path: K = 1536, SmolLM2's down projection).
-    16 rows cross every switch of tile in our kernels: 8-row tiles with AVX512-BF16 (int4: 4-row ones); with AVX2,
-    whole-panel passes up to 12 rows and strips above for bf16, one-row whole panels and 4- or 5-row tiles for int8
-    and int4."""
+    16 rows cross every switch of tile in our kernels: 8-row tiles with AVX512-BF16 (int4: 4-row ones), AMX tiles
+    of 1 to 16 rows (more in tests/test_amx.py); with AVX2, whole-panel passes up to 12 rows and strips above for
+    bf16, one-row whole panels and 4- or 5-row tiles for int8 and int4."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(1536, 576, bias=False), nn.Linear(576, 1536)).to(dtype)
     with torch.inference_mode():

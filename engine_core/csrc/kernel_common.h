@@ -506,6 +506,18 @@ static inline int64_t linear_row_parts(int64_t panels, int64_t tiles, int thread
     const int64_t parts = (2 * threads + panels - 1) / panels;
     return panels >= 2 * threads ? 1 : parts < tiles ? parts : tiles;
 }
+// Quantized panels (engine_core/linear_packing.py), per group of 32 k and vector of 16 columns: int8, the weights
+// in the pair layout (16 pairs x 32 bytes) and then the 32 lanes' fp32 scales (a column's twice, for its pair);
+// int4, 16 pairs' nibbles (four pairs in each 16-bit lane, the first pair's lowest: 4 x 64 bytes), then the 16
+// columns' fp32 scales, then their mins.
+#define QUANT_GROUP 32
+#define INT8_GROUP_VEC_BYTES (QUANT_GROUP / 2 * 32 + 2 * 16 * 4)
+#define INT4_GROUP_VEC_BYTES (QUANT_GROUP / 2 * 16 + 2 * 16 * 4)
+// The packed bytes of one weight row in each format (linear's format: 0 bf16, 1 int8, 2 int4).
+static inline int64_t linear_bytes_per_col(int format, int64_t k_len) {
+    const int64_t group_vec_bytes = format == 1 ? INT8_GROUP_VEC_BYTES : INT4_GROUP_VEC_BYTES;
+    return format == 0 ? 2 * k_len : k_len / QUANT_GROUP * group_vec_bytes / 16;
+}
 // Work item `item` of a linear's split (a panel and a share of its row tiles): where its panel starts, its columns
 // and 16-column vectors, and the next panel's bytes, which the item may prefetch.
 typedef struct {
@@ -528,6 +540,20 @@ static inline PanelItem panel_item(const void* packed, int64_t item, int64_t row
     return it;
 }
 #if defined(__AVX512BF16__)
+// 16 columns x a pair of k of an int8 panel as bf16(q * scale). The widened halves hold columns 0-7 and 8-15, each
+// twice (its pair): scales holds the 32 lanes' scales in that order.
+static inline __m512bh int8_pairs(const int8_t* w, const float* scales) {
+    const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)w)));
+    const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(w + 16))));
+    return _mm512_cvtne2ps_pbh(_mm512_mul_ps(hi, _mm512_loadu_ps(scales + 16)),
+                               _mm512_mul_ps(lo, _mm512_loadu_ps(scales)));
+}
+// bf16(q) for q = 0..15 in lanes 0..15 (and again in 16..31): vpermw on it turns an int4 panel's nibbles, shifted to
+// a lane's low bits, into bf16 exactly (it reads only an index's low 5 bits).
+static inline __m512i nibble_table(void) {
+    const __m512 q = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    return (__m512i)_mm512_cvtne2ps_pbh(q, q);
+}
 // A linear tile's fp32 sums (mr rows x nv vectors of 16 columns) plus the bias, stored as bf16: the first `cols`
 // columns of each row.
 static inline __attribute__((always_inline)) void store_linear_tile(__m512 (*acc)[LINEAR_PANEL_COLS / 16], int mr,
@@ -555,7 +581,8 @@ static inline __m512 act16(__m512 g, int gelu) {
 }
 #endif
 int linear_avx2_available(void);
-// csrc/linear_amx.c: bf16 panels on AMX where the CPU has it and k % 32 == 0; returns 0, having done nothing, elsewhere.
+// csrc/linear_amx.c: bf16, int8 and int4 panels on AMX where the CPU has it and k % 32 == 0; returns 0, having done
+// nothing, elsewhere.
 // linear_amx_available() says whether this process may use the AMX tiles (csrc/attend_amx.c asks it too).
 int linear_amx_available(void);
 #if defined(__AMX_TILE__)
@@ -566,8 +593,11 @@ typedef struct __attribute__((packed, aligned(64))) {
     uint8_t rows[16];
 } AmxTileConfig;
 #endif
-int linear_amx(const uint16_t* x, int64_t ldx, int64_t m_len, const void* packed, const uint16_t* bias,
+int linear_amx(const uint16_t* x, int64_t ldx, int64_t m_len, const void* packed, int format, const uint16_t* bias,
                uint16_t* out, int64_t ldo, int64_t n_len, int64_t k_len);
+// Each row's sum of x over each group of 32 k, as csrc/linear_int4.c's tiles take them and csrc/linear_amx.c's int4
+// blocks too (defined where the CPU has AVX512-BF16).
+void linear_int4_group_sums(const uint16_t* x, int64_t ldx, int64_t m_len, int64_t groups, float* xsum);
 // csrc/glu_amx.c: act(gate) * up of a merged gate_up linear's bf16 panels in one AMX call; 0 (nothing done) where
 // it does not run.
 int glu_amx(const uint16_t* x, int64_t ldx, int64_t m_len, const void* packed, const uint16_t* bias, uint16_t* out,

@@ -1,6 +1,7 @@
 // Linear layers on CPU: out[m, n] = sum_k x[m, k] * w[n, k] (+ bias[n]), bf16 in and out, fp32 sums; the weight
 // in bf16, or weight-only int8 with one fp32 scale per 32 weights of a row (--quantization int8; int4 is
-// csrc/linear_int4.c's; without AVX512-BF16, csrc/linear_avx2.c and csrc/linear_quant_avx2.c).
+// csrc/linear_int4.c's; with AMX, csrc/linear_amx.c runs all three; without AVX512-BF16, csrc/linear_avx2.c and
+// csrc/linear_quant_avx2.c).
 //
 // A decode step's few rows are bound by reading the weights. The weight is packed once at load into panels of up
 // to 48 output columns, in vdpbf16ps's pair layout: for each pair of k, the panel's columns x 2 values (three
@@ -19,26 +20,16 @@
 #define PANEL_COLS LINEAR_PANEL_COLS  // see kernel_common.h
 #define PANEL_VECS (PANEL_COLS / 16)  // 16-column vectors per panel
 #define TILE_ROWS 8
-#define GROUP 32                           // int8: weights per scale
-#define GROUP_PAIRS (GROUP / 2)            // k pairs per group
-#define GROUP_VEC_BYTES (GROUP_PAIRS * 32 + 2 * 16 * 4)  // per group and vector: int8 pairs, then 2 x 16 lane scales
+#define GROUP_PAIRS (QUANT_GROUP / 2)  // int8: k pairs per scale
 
 #if defined(__AVX512BF16__)
-// 16 columns x a pair of k, int8 -> bf16(q * scale). The widened halves hold columns 0-7 and 8-15, each twice
-// (its pair): scales holds the 32 lanes' scales in that order.
-static inline __m512bh widen_pairs(const int8_t* w, const float* scales) {
-    const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)w)));
-    const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(w + 16))));
-    return _mm512_cvtne2ps_pbh(_mm512_mul_ps(hi, _mm512_loadu_ps(scales + 16)),
-                               _mm512_mul_ps(lo, _mm512_loadu_ps(scales)));
-}
 
 // Vector j of k pair p of a panel with nv vectors: bf16 as stored, or widened from int8 (q8, a constant).
 static inline __attribute__((always_inline)) __m512bh weights(const void* panel, int q8, int nv, int64_t p, int j) {
     if (!q8) return (__m512bh)_mm512_loadu_si512((const uint16_t*)panel + (p * nv + j) * 32);
-    const int8_t* group = (const int8_t*)panel + (p / GROUP_PAIRS) * nv * GROUP_VEC_BYTES;
+    const int8_t* group = (const int8_t*)panel + (p / GROUP_PAIRS) * nv * INT8_GROUP_VEC_BYTES;
     const float* scales = (const float*)(group + nv * GROUP_PAIRS * 32) + j * 32;
-    return widen_pairs(group + ((p % GROUP_PAIRS) * nv + j) * 32, scales);
+    return int8_pairs(group + ((p % GROUP_PAIRS) * nv + j) * 32, scales);
 }
 
 // The next panel's prefetch spread over a loop of k pairs, `step` bytes of the pf_len at pf per pair: at pair p,
@@ -126,11 +117,9 @@ static void widen_panel(const int8_t* panel, int nv, int64_t pairs, uint16_t* to
 static void panel_linear(const uint16_t* x, int64_t ldx, int64_t m_len, const void* packed, int q8,
                          const uint16_t* bias, uint16_t* out, int64_t ldo, int64_t n_len, int64_t k_len) {
     if (m_len <= 0) return;
-    // bytes_per_col: the packed bytes of one weight row: 2 k_len in bf16; in int8 40 per group of 32 k (the
-    // weights and their scale twice).
     const int64_t panels = (n_len + PANEL_COLS - 1) / PANEL_COLS, pairs = k_len / 2;
     const int64_t tiles = (m_len + TILE_ROWS - 1) / TILE_ROWS;
-    const int64_t bytes_per_col = q8 ? k_len / GROUP * GROUP_VEC_BYTES / 16 : 2 * k_len;
+    const int64_t bytes_per_col = linear_bytes_per_col(q8, k_len);
     const int widen = q8 && tiles > 1;
     // Work items: a panel and a share of its row tiles (linear_row_parts, kernel_common.h).
     const int64_t row_parts = linear_row_parts(panels, tiles, omp_get_max_threads());
@@ -165,14 +154,14 @@ int linear_int8_available(void) { return linear_quant_avx2_available(); }
 int linear_panel_cols(void) { return PANEL_COLS; }
 
 // x: bf16 [m_len, k_len] with row stride ldx; packed: the weight [n_len, k_len] as panels (see the top; the last
-// panel holds the remaining columns rounded up to 16, zero-filled): bf16 (format 0, k_len even), int8 (format 1,
-// k_len a multiple of 32: per panel and group of 32 k, the int8 weights in pair layout, then per vector of 16
-// columns the 32 lanes' fp32 scales, see widen_pairs), or int4 (format 2: csrc/linear_int4.c); bias: bf16
-// [n_len] or NULL; out: bf16 [m_len, n_len] with row stride ldo.
+// panel holds the remaining columns rounded up to 16, zero-filled): bf16 (format 0, k_len even), int8 (format 1) or
+// int4 (format 2), k_len a multiple of 32 for both (their layouts: kernel_common.h); bias: bf16 [n_len] or NULL;
+// out: bf16 [m_len, n_len] with row stride ldo. Where the CPU has AMX, every call with k_len a multiple of 32 runs
+// on csrc/linear_amx.c's tiles.
 void linear(const uint16_t* x, int64_t ldx, int64_t m_len, const void* packed, int format, const uint16_t* bias,
             uint16_t* out, int64_t ldo, int64_t n_len, int64_t k_len) {
 #if defined(__AVX512BF16__)
-    if (format == 0 && linear_amx(x, ldx, m_len, packed, bias, out, ldo, n_len, k_len)) return;
+    if (linear_amx(x, ldx, m_len, packed, format, bias, out, ldo, n_len, k_len)) return;
     if (format == 2) linear_int4(x, ldx, m_len, packed, bias, out, ldo, n_len, k_len);
     else panel_linear(x, ldx, m_len, packed, format, bias, out, ldo, n_len, k_len);
 #else

@@ -1,14 +1,21 @@
-// bf16 linears on Intel AMX (Sapphire Rapids and later), reading csrc/linear.c's panels as they are: for each k
-// pair, each 16-column vector of a panel holds its 16 columns x 2 values, which is one row of an AMX B tile. So a
-// B tile is 16 k pairs (32 k) of one vector, its rows strided by the panel's vectors; an A tile is up to 16 input
-// rows x 32 k; three C tiles hold 16 rows x the panel's 48 columns in fp32. Each output sums its 32-k chunks in k
-// order, each chunk in the hardware's fixed order, whatever the number of rows (a block of fewer than 16 rows
-// configures shorter tiles), so a row's bits never depend on its neighbours, as with csrc/linear.c's tiles.
+// Linears on Intel AMX (Sapphire Rapids and later), reading csrc/linear.c's panels: for each k pair, each 16-column
+// vector of a bf16 panel holds its 16 columns x 2 values, which is one row of an AMX B tile. So a B tile is 16 k
+// pairs (a chunk of 32 k) of one vector, its rows strided by the panel's vectors; an A tile is up to 16 input rows x
+// 32 k; three C tiles hold 16 rows x the panel's 48 columns in fp32. Each output sums its chunks in k order, each
+// chunk in the hardware's fixed order, whatever the number of rows (a block of fewer than 16 rows configures shorter
+// tiles), so a row's bits never depend on its neighbours, as with csrc/linear.c's tiles.
+//
+// Quantized panels are widened into that bf16 layout: int8 to bf16(q * scale), as csrc/linear.c's tiles widen it,
+// and then summed over all of k as bf16 weights are; int4 to its exact q, each chunk (one group of 32 k) into C tiles
+// zeroed for it and then scaled and shifted on the vectors as csrc/linear_int4.c's tiles do. A call of many rows
+// widens each panel once; a call of one block of rows widens a chunk at a time as its tiles reach it, in L1 (the
+// whole panel first had gone to L2 and back: SmolLM2's linears at 1 row in int4 13.1 ms, against 8.9 on
+// linear_int4.c's tiles).
 //
 // Where the CPU has AMX (compiled in, and the kernel lets the process use its tile registers), linear() sends every
-// bf16 call with k a multiple of 32 here, and the rest to csrc/linear.c: one weight always takes the same path, at
-// any number of rows. On a 2-vCPU Sapphire Rapids the AVX512-BF16 tiles ran 2048-row prefills at 190 GFLOP/s, oneDNN's
-// AMX matmul at 1.4-2.0 TFLOP/s.
+// call with k a multiple of 32 here (all quantized ones), and the rest to csrc/linear.c: one weight always takes the
+// same path, at any number of rows. On a 2-vCPU Sapphire Rapids the AVX512-BF16 tiles ran 2048-row prefills at 190
+// GFLOP/s in bf16 and int8, 167 in int4; oneDNN's AMX matmul at 1.4-2.0 TFLOP/s.
 #include <omp.h>
 #include <stdlib.h>
 
@@ -21,8 +28,9 @@
 #define ARCH_REQ_XCOMP_PERM 0x1023
 #define XFEATURE_XTILEDATA 18
 #define BLOCK_ROWS 16
-#define CHUNK_K 32  // k per tile step: 16 pairs
+#define CHUNK_K 32  // k per tile step: 16 pairs; a quantized format's group
 #define NV (LINEAR_PANEL_COLS / 16)
+#define CHUNK_BYTES (CHUNK_K * LINEAR_PANEL_COLS * 2)  // a chunk of a full panel in bf16
 
 static int amx_usable = -1;  // -1: not asked yet
 
@@ -46,79 +54,209 @@ static void configure(int mr) {
     _tile_loadconfig(&cfg);
 }
 
-// One block: mr rows x the panel's nv vectors over all of k (nv: a constant after inlining).
-static inline __attribute__((always_inline)) void block(const uint16_t* x, int64_t ldx, const char* panel, int nv,
-                                                        int64_t k_len, float (*c)[LINEAR_PANEL_COLS]) {
+// Chunk g of a quantized panel of nv vectors widened into B tiles at `to` (16 pairs x nv vectors of 64 bytes): int8
+// to bf16(q * scale), as csrc/linear.c's tiles widen it, int4 to bf16(q), exact. pf_step bytes of the pf_len at pf
+// (the next panel) are prefetched on the way.
+static inline __attribute__((always_inline)) void widen_chunk(int format, const char* quant, int nv, int64_t g,
+                                                              char* to, const char* pf, int64_t pf_len,
+                                                              int64_t pf_step) {
+    for (int64_t b = g * pf_step; b < (g + 1) * pf_step && b < pf_len; b += 64) _mm_prefetch(pf + b, _MM_HINT_T0);
+    if (format == 1) {
+        const int8_t* group = (const int8_t*)quant + g * nv * INT8_GROUP_VEC_BYTES;
+        const float* scales = (const float*)(group + nv * CHUNK_K / 2 * 32);
+        for (int p = 0; p < CHUNK_K / 2; p++)
+            for (int j = 0; j < nv; j++)
+                _mm512_store_si512(to + (p * nv + j) * 64,
+                                   (__m512i)int8_pairs(group + (p * nv + j) * 32, scales + j * 32));
+        return;
+    }
+    const __m512i table = nibble_table();
+    const char* group = quant + g * nv * INT4_GROUP_VEC_BYTES;
+    for (int t = 0; t < CHUNK_K / 8; t++)  // four pairs in each 16-bit lane
+        for (int j = 0; j < nv; j++) {
+            const __m512i four = _mm512_loadu_si512(group + (t * nv + j) * 64);
+            for (int sub = 0; sub < 4; sub++)
+                _mm512_store_si512(to + ((4 * t + sub) * nv + j) * 64,
+                                   _mm512_permutexvar_epi16(_mm512_srli_epi16(four, 4 * sub), table));
+        }
+}
+
+// A panel as a block reads it. bf16: `wide` is the packed panel, its chunks of B tiles back to back. Quantized:
+// `wide` is the panel widened for the call, or NULL in a call of one block of rows, where each chunk is widened into
+// buf two chunks before the block reaches it (four chunks' room, in turn), so that its stores have reached L1 when
+// its tile loads come (widened as it was reached, the loads waited for them: 1-row int4 calls ran 20-40% slower
+// than on csrc/linear_int4.c's tiles; one chunk ahead 15%); `quant` is the packed panel, whose int4 scales and mins
+// a block reads in place.
+typedef struct {
+    const char *wide, *quant, *pf;
+    char* buf;
+    int format;
+    int64_t chunks, pf_len, pf_step;
+} Panel;
+
+// Chunk g's B tiles, and for int4 its scales then mins (nv x 16 fp32 each) at *sm.
+static inline __attribute__((always_inline)) const char* chunk(const Panel* p, int nv, int64_t g, const float** sm) {
+    if (p->format == 2) *sm = (const float*)(p->quant + g * nv * INT4_GROUP_VEC_BYTES + nv * CHUNK_K / 2 * 16);
+    if (p->wide) return p->wide + g * (CHUNK_BYTES / NV) * nv;
+    if (g == 0) {
+        widen_chunk(p->format, p->quant, nv, 0, p->buf, p->pf, p->pf_len, p->pf_step);
+        if (p->chunks > 1) widen_chunk(p->format, p->quant, nv, 1, p->buf + CHUNK_BYTES, p->pf, p->pf_len, p->pf_step);
+    }
+    if (g + 2 < p->chunks)
+        widen_chunk(p->format, p->quant, nv, g + 2, p->buf + ((g + 2) & 3) * CHUNK_BYTES, p->pf, p->pf_len, p->pf_step);
+    return p->buf + (g & 3) * CHUNK_BYTES;
+}
+
+// C tiles 0 to nv - 1 += A (tile 3, loaded from x) x the chunk's B tiles at b.
+static inline __attribute__((always_inline)) void chunk_product(const uint16_t* x, int64_t ldx, const char* b,
+                                                                int nv) {
+    const int64_t stride = nv * 64;  // bytes from one k pair of a vector to the next
+    _tile_loadd(3, x, ldx * 2);
+    _tile_loadd(4, b, stride);
+    _tile_dpbf16ps(0, 3, 4);
+    if (nv > 1) {
+        _tile_loadd(5, b + 64, stride);
+        _tile_dpbf16ps(1, 3, 5);
+    }
+    if (nv > 2) {
+        _tile_loadd(6, b + 128, stride);
+        _tile_dpbf16ps(2, 3, 6);
+    }
+}
+
+static inline __attribute__((always_inline)) void zero_c(int nv) {
     _tile_zero(0);
     if (nv > 1) _tile_zero(1);
     if (nv > 2) _tile_zero(2);
-    const int64_t stride = nv * 64;  // bytes from one k pair of a vector to the next
-    for (int64_t k0 = 0; k0 < k_len; k0 += CHUNK_K) {
-        const char* b = panel + k0 / 2 * stride;
-        _tile_loadd(3, x + k0, ldx * 2);
-        _tile_loadd(4, b, stride);
-        _tile_dpbf16ps(0, 3, 4);
-        if (nv > 1) {
-            _tile_loadd(5, b + 64, stride);
-            _tile_dpbf16ps(1, 3, 5);
-        }
-        if (nv > 2) {
-            _tile_loadd(6, b + 128, stride);
-            _tile_dpbf16ps(2, 3, 6);
-        }
-    }
+}
+
+static inline __attribute__((always_inline)) void store_c(int nv, float (*c)[LINEAR_PANEL_COLS]) {
     _tile_stored(0, &c[0][0], sizeof c[0]);
     if (nv > 1) _tile_stored(1, &c[0][16], sizeof c[0]);
     if (nv > 2) _tile_stored(2, &c[0][32], sizeof c[0]);
 }
 
-// 1 if it ran the call (bf16 panels, k a multiple of 32, AMX usable), else 0 and nothing done.
-int linear_amx(const uint16_t* x, int64_t ldx, int64_t m_len, const void* packed, const uint16_t* bias,
+// One block: mr rows x the panel's nv vectors over all `chunks` chunks of k (nv: a constant after inlining). bf16
+// and int8 sum every chunk in the C tiles, stored in c at the end; int4 zeroes them for each chunk and adds
+// part * scale + the row's sum of x over the group (xsum, row stride `chunks`) * min to acc on the vectors, in
+// linear_int4.c's order.
+static inline __attribute__((always_inline)) void block(const uint16_t* x, int64_t ldx, int mr, const Panel* p,
+                                                        int nv, int64_t chunks, const float* xsum,
+                                                        float (*c)[LINEAR_PANEL_COLS], __m512 (*acc)[NV]) {
+    if (p->format != 2) {
+        const float* sm = NULL;
+        zero_c(nv);
+        for (int64_t g = 0; g < chunks; g++) chunk_product(x + g * CHUNK_K, ldx, chunk(p, nv, g, &sm), nv);
+        store_c(nv, c);
+        return;
+    }
+    for (int i = 0; i < mr; i++)
+        for (int j = 0; j < nv; j++) acc[i][j] = _mm512_setzero_ps();
+    // Chunk g's products go to c's half g % 2 while chunk g - 1's are scaled: the tile unit works on the next chunk
+    // while the vectors wait for the last one's stores.
+    const float* sms[2];
+    for (int64_t g = 0; g <= chunks; g++) {
+        if (g < chunks) {
+            zero_c(nv);
+            chunk_product(x + g * CHUNK_K, ldx, chunk(p, nv, g, &sms[g & 1]), nv);
+            store_c(nv, c + (g & 1) * BLOCK_ROWS);
+        }
+        if (g == 0) continue;
+        const float* sm = sms[(g - 1) & 1];
+        const float(*part)[LINEAR_PANEL_COLS] = c + ((g - 1) & 1) * BLOCK_ROWS;
+        for (int j = 0; j < nv; j++) {
+            const __m512 scale = _mm512_loadu_ps(sm + 16 * j), min = _mm512_loadu_ps(sm + 16 * (nv + j));
+            for (int i = 0; i < mr; i++) {
+                acc[i][j] = _mm512_fmadd_ps(_mm512_load_ps(&part[i][16 * j]), scale, acc[i][j]);
+                acc[i][j] = _mm512_fmadd_ps(_mm512_set1_ps(xsum[i * chunks + g - 1]), min, acc[i][j]);
+            }
+        }
+    }
+}
+
+// A thread's scratch of at least `bytes`, kept between calls (a call's widened panels: about 1 MB at most).
+static void* scratch(int64_t bytes) {
+    static __thread void* buf;
+    static __thread int64_t size;
+    if (bytes > size) {
+        free(buf);
+        buf = aligned_alloc(64, (size_t)(bytes + 63) / 64 * 64);
+        size = bytes;
+    }
+    return buf;
+}
+
+// 1 if it ran the call (k a multiple of 32, AMX usable), else 0 and nothing done. format: csrc/linear.c's (0 bf16,
+// 1 int8, 2 int4).
+int linear_amx(const uint16_t* x, int64_t ldx, int64_t m_len, const void* packed, int format, const uint16_t* bias,
                uint16_t* out, int64_t ldo, int64_t n_len, int64_t k_len) {
     if (k_len % CHUNK_K || !linear_amx_available()) return 0;
     if (m_len <= 0) return 1;
-    const int64_t panels = (n_len + LINEAR_PANEL_COLS - 1) / LINEAR_PANEL_COLS;
+    const int64_t panels = (n_len + LINEAR_PANEL_COLS - 1) / LINEAR_PANEL_COLS, chunks = k_len / CHUNK_K;
     const int64_t blocks = (m_len + BLOCK_ROWS - 1) / BLOCK_ROWS;
     const int64_t row_parts = linear_row_parts(panels, blocks, omp_get_max_threads());
+    const int64_t wide_bytes = chunks * CHUNK_BYTES, bytes_per_col = linear_bytes_per_col(format, k_len);
     // Where x fits in half of L2, a thread takes its items one panel at a time, all its blocks of rows in turn (the
     // panel is read from memory once, x from L2). Beyond that, a group of panels (1 MB of weights, which stay
     // in L2) at a time, each block of rows across the whole group before the next (its rows of x stay in L1, and each
     // row's outputs are written in long runs): one panel at a time had read x from memory again for every panel,
     // which on SmolLM2's 2048-row prefills took the tile unit to half of oneDNN's speed. No order moves a bit: each
     // block is computed alone.
-    const int64_t group = amx_item_group(m_len, k_len, LINEAR_PANEL_COLS * 2 * k_len, row_parts);  // in items
+    const int64_t group = amx_item_group(m_len, k_len, wide_bytes, row_parts);  // in items
+    const int stream = format && blocks == 1;  // widen a chunk at a time (see the top)
+    float* xsum = NULL;
+    if (format == 2) {
+        xsum = malloc(m_len * chunks * sizeof(float));
+        linear_int4_group_sums(x, ldx, m_len, chunks, xsum);
+    }
     _Pragma("omp parallel if (linear_parallel(m_len, n_len, k_len))") {
-        float c[BLOCK_ROWS][LINEAR_PANEL_COLS] __attribute__((aligned(64)));
+        float c[2 * BLOCK_ROWS][LINEAR_PANEL_COLS] __attribute__((aligned(64)));  // int4 takes two halves
+        __m512 acc[BLOCK_ROWS][NV];
         int configured = 0;  // the rows the tiles are configured for (each thread has its own tile state)
         const int64_t items = panels * row_parts, threads = omp_get_num_threads(), me = omp_get_thread_num();
         const int64_t mine_end = items * (me + 1) / threads;
+        char* wide = !format ? NULL : scratch(stream ? 4 * CHUNK_BYTES : group * wide_bytes);  // quantized panels
         for (int64_t g0 = items * me / threads; g0 < mine_end; g0 += group) {
             const int64_t g_end = g0 + group < mine_end ? g0 + group : mine_end;
+            for (int64_t item = g0; format && !stream && item < g_end; item++) {  // the group's panels widened
+                const PanelItem it = panel_item(packed, item, row_parts, n_len, bytes_per_col);
+                const int64_t pf_step = (it.next_bytes + chunks - 1) / chunks;
+                char* to = wide + (item - g0) * wide_bytes;
+                for (int64_t g = 0; g < chunks; g++)
+                    widen_chunk(format, it.panel, it.nv, g, to + g * (CHUNK_BYTES / NV) * it.nv, it.next,
+                                it.next_bytes, pf_step);
+            }
             for (int64_t t = 0; t < blocks; t++) {
                 const int64_t m0 = t * BLOCK_ROWS;
                 const int mr = m_len - m0 < BLOCK_ROWS ? (int)(m_len - m0) : BLOCK_ROWS;
                 for (int64_t item = g0; item < g_end; item++) {
                     const int64_t part = item % row_parts;
                     if (t < part * blocks / row_parts || t >= (part + 1) * blocks / row_parts) continue;
-                    const PanelItem it = panel_item(packed, item, row_parts, n_len, 2 * k_len);
+                    const PanelItem it = panel_item(packed, item, row_parts, n_len, bytes_per_col);
+                    const Panel p = {!format ? it.panel : stream ? NULL : wide + (item - g0) * wide_bytes, it.panel,
+                                     it.next, wide, format, chunks, it.next_bytes,
+                                     (it.next_bytes + chunks - 1) / chunks};
                     if (mr != configured) configure(configured = mr);
-                    if (it.nv == NV) block(x + m0 * ldx, ldx, it.panel, NV, k_len, c);
-                    else if (it.nv == 2) block(x + m0 * ldx, ldx, it.panel, 2, k_len, c);
-                    else block(x + m0 * ldx, ldx, it.panel, 1, k_len, c);
-                    store_linear_tile((__m512(*)[NV])c, mr, it.nv, it.cols, bias ? bias + it.n0 : 0,
+                    const float* xs = xsum ? xsum + m0 * chunks : NULL;
+                    if (it.nv == NV) block(x + m0 * ldx, ldx, mr, &p, NV, chunks, xs, c, acc);
+                    else if (it.nv == 2) block(x + m0 * ldx, ldx, mr, &p, 2, chunks, xs, c, acc);
+                    else block(x + m0 * ldx, ldx, mr, &p, 1, chunks, xs, c, acc);
+                    store_linear_tile(format == 2 ? acc : (__m512(*)[NV])c, mr, it.nv, it.cols, bias ? bias + it.n0 : 0,
                                       out + m0 * ldo + it.n0, ldo);
                 }
             }
         }
         if (configured) _tile_release();
     }
+    free(xsum);
     return 1;
 }
 #else
 int linear_amx_available(void) { return 0; }
-int linear_amx(const uint16_t* x, int64_t ldx, int64_t m_len, const void* packed, const uint16_t* bias,
+int linear_amx(const uint16_t* x, int64_t ldx, int64_t m_len, const void* packed, int format, const uint16_t* bias,
                uint16_t* out, int64_t ldo, int64_t n_len, int64_t k_len) {
-    (void)x, (void)ldx, (void)m_len, (void)packed, (void)bias, (void)out, (void)ldo, (void)n_len, (void)k_len;
+    (void)x, (void)ldx, (void)m_len, (void)packed, (void)format, (void)bias, (void)out, (void)ldo, (void)n_len;
+    (void)k_len;
     return 0;
 }
 #endif

@@ -1,5 +1,6 @@
 // Weight-only int4 linears (--quantization int4): out[m, n] = sum_k x[m, k] * w[n, k] (+ bias[n]), bf16 in and out,
-// where each group of 32 weights of a row is w = scale * q + min with q in 0..15 (asymmetric, as GGUF's Q4_1).
+// where each group of 32 weights of a row is w = scale * q + min with q in 0..15 (asymmetric, as GGUF's Q4_1). Where
+// the CPU has AMX, csrc/linear_amx.c runs these panels on its tiles instead, in the same steps.
 //
 // Packed as csrc/linear.c's panels (up to 48 output columns, vectors of 16, vdpbf16ps's pair layout); per panel and
 // group of 32 k, for each four k pairs and vector 32 16-bit lanes, lane l holding lane l of the four pairs' layouts
@@ -22,17 +23,10 @@
 #define Q4_PANEL_COLS LINEAR_PANEL_COLS
 #define Q4_PANEL_VECS (Q4_PANEL_COLS / 16)
 #define Q4_TILE_ROWS 4                      // accumulators and a group's partial sums: 2 x 4 x 3 registers
-#define Q4_GROUP 32                         // weights per scale and min
+#define Q4_GROUP QUANT_GROUP              // weights per scale and min
 #define Q4_GROUP_PAIRS (Q4_GROUP / 2)
-#define Q4_GROUP_VEC_BYTES (Q4_GROUP_PAIRS * 16 + 2 * 16 * 4)  // per group and vector: nibbles, scales, mins
 
 #if defined(__AVX512BF16__)
-// bf16(q) for q = 0..15 in lanes 0..15 (and again in 16..31).
-static inline __m512i nibble_table(void) {
-    const __m512 q = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-    return (__m512i)_mm512_cvtne2ps_pbh(q, q);
-}
-
 // One tile: mr rows x nv vectors of a panel over all groups (mr, nv: constants after inlining); xsum: the rows'
 // sums of x per group (row stride `groups`); pf_len bytes at pf (the next panel, or none) prefetched on the way.
 static inline __attribute__((always_inline)) void q4_tile(const uint16_t* x, int64_t ldx, int mr,
@@ -46,7 +40,7 @@ static inline __attribute__((always_inline)) void q4_tile(const uint16_t* x, int
     const int64_t pf_step = (pf_len + groups - 1) / groups;
     for (int64_t g = 0; g < groups; g++) {
         for (int64_t b = g * pf_step; b < (g + 1) * pf_step && b < pf_len; b += 64) _mm_prefetch(pf + b, _MM_HINT_T0);
-        const uint8_t* group = panel + g * nv * Q4_GROUP_VEC_BYTES;
+        const uint8_t* group = panel + g * nv * INT4_GROUP_VEC_BYTES;
         __m512 part[Q4_TILE_ROWS][Q4_PANEL_VECS];
         for (int i = 0; i < mr; i++)
             for (int j = 0; j < nv; j++) part[i][j] = _mm512_setzero_ps();
@@ -95,7 +89,7 @@ static void q4_any_tile(const uint16_t* x, int64_t ldx, int mr, const uint8_t* p
 }
 
 // Each row's sum of x over each group of 32 k, fp32, in one order: xsum[row * groups + g].
-static void group_sums(const uint16_t* x, int64_t ldx, int64_t m_len, int64_t groups, float* xsum) {
+void linear_int4_group_sums(const uint16_t* x, int64_t ldx, int64_t m_len, int64_t groups, float* xsum) {
     _Pragma("omp parallel for schedule(static) if (m_len * groups >= 4096)") for (int64_t i = 0; i < m_len; i++)
         for (int64_t g = 0; g < groups; g++) {
             const uint16_t* row = x + i * ldx + g * Q4_GROUP;
@@ -113,9 +107,9 @@ void linear_int4(const uint16_t* x, int64_t ldx, int64_t m_len, const void* pack
     if (m_len <= 0) return;
     const int64_t panels = (n_len + Q4_PANEL_COLS - 1) / Q4_PANEL_COLS, groups = k_len / Q4_GROUP;
     const int64_t tiles = (m_len + Q4_TILE_ROWS - 1) / Q4_TILE_ROWS;
-    const int64_t bytes_per_col = groups * Q4_GROUP_VEC_BYTES / 16;
+    const int64_t bytes_per_col = linear_bytes_per_col(2, k_len);
     float* xsum = malloc(m_len * groups * sizeof(float));
-    group_sums(x, ldx, m_len, groups, xsum);
+    linear_int4_group_sums(x, ldx, m_len, groups, xsum);
     const int64_t row_parts = linear_row_parts(panels, tiles, omp_get_max_threads());
     _Pragma("omp parallel for schedule(static) if (linear_parallel(m_len, n_len, k_len))")
     for (int64_t item = 0; item < panels * row_parts; item++) {

@@ -183,7 +183,7 @@ void linear_quant_avx2(const uint16_t* x, int64_t ldx, int64_t m_len, const void
     const int64_t panels = (n_len + LINEAR_PANEL_COLS - 1) / LINEAR_PANEL_COLS, groups = k_len / QA_GROUP;
     const int widened = m_len > QA_WIDEN_ROWS, rows = tile_rows(format, widened);
     const int64_t tiles = (m_len + rows - 1) / rows;
-    const int64_t bytes_per_col = groups * group_vec_bytes(format) / 16;
+    const int64_t bytes_per_col = linear_bytes_per_col(format, k_len);
     float* xf = malloc(m_len * k_len * sizeof(float));         // x widened once, read by every panel
     float* xsum = malloc(m_len * groups * 2 * sizeof(float));  // per row and group: the sums of even and odd x
     _Pragma("omp parallel for schedule(static) if (m_len * k_len >= 1 << 16)") for (int64_t i = 0; i < m_len; i++)
