@@ -4,8 +4,8 @@ tests/test_quantization.py's linear tests then check it too); here, rows across 
 panels of 1 to 3 vectors, inputs past L2 (taken in groups of panels), quantized panels widened as they go or once,
 and ROSEINFER_AMX=0, which keeps every call on the AVX-512 tiles. csrc/attend_amx.c: bf16 prefill attention tiles,
 which tests/test_attention.py's prefill tests check on an AMX CPU. With ROSEINFER_AMX=0, those attention and linear
-tests again, for csrc/attend_bf16.c, csrc/linear.c and csrc/linear_int4.c. csrc/glu_amx.c: a gated MLP's gate_up linear and activation in one
-call, bit for bit the two calls it replaces."""
+tests again, for csrc/attend_bf16.c, csrc/linear.c and csrc/linear_int4.c. csrc/glu_amx.c: a gated MLP's gate_up
+linear and activation in one call, bit for bit the two calls it replaces."""
 
 from __future__ import annotations
 
