@@ -1,9 +1,10 @@
 """One long prompt's time to first token: roseinfer's engine core (direct ZMQ, no HTTP; the prompt chunked by
 --max-num-batched-tokens, as the server does) beside transformers' forward over the same prompt (what `generate`
 spends before its first token), measured in the same run on random prompt tokens. Best of --repeats, each on a new
-prompt (no prefix-cache hits).
+prompt (no prefix-cache hits). With --quantization int8 or int4 our weights are quantized at load; transformers'
+stay in --dtype.
 
-python -m bench.long_prompt [--lengths 2048,8000] [--repeats 3] [--model DIR] [--result-json F]
+python -m bench.long_prompt [--lengths 2048,8000] [--repeats 3] [--model DIR] [--quantization Q] [--result-json F]
 """
 
 from __future__ import annotations
@@ -56,11 +57,13 @@ def main() -> None:
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--model", default=None, help="an HF directory or .gguf (default: the default model)")
+    parser.add_argument("--quantization", default="none", choices=["none", "int8", "int4"])
     parser.add_argument("--result-json", default=None)
     args = parser.parse_args()
     lengths = [int(x) for x in args.lengths.split(",")]
     config = EngineConfig(model=args.model, dtype=args.dtype, max_model_len=max(lengths) + 16,
-                          max_num_batched_tokens=args.max_num_batched_tokens)  # fmt: skip
+                          max_num_batched_tokens=args.max_num_batched_tokens,
+                          quantization=args.quantization)  # fmt: skip
     mine = ours(lengths, args.repeats, config)
     theirs = transformers_forward(lengths, args.repeats, args.dtype, args.model)
     rows = {length: {"roseinfer_s": mine[length], "hf_forward_s": theirs[length],
@@ -71,7 +74,8 @@ def main() -> None:
                     "roseinfer_amx": os.environ.get("ROSEINFER_AMX", "1")},
         "prompts": rows,
     }
-    print(f"one prompt to its first token, {args.dtype}, {result['machine']['cpus']} CPUs, best of {args.repeats}")
+    print(f"one prompt to its first token, {args.dtype} (ours: quantization {args.quantization}), "
+          f"{result['machine']['cpus']} CPUs, best of {args.repeats}")
     for length, row in rows.items():
         print(f"{length:6d} tokens: roseinfer {min(row['roseinfer_s']):6.2f} s, transformers forward "
               f"{min(row['hf_forward_s']):6.2f} s: {row['hf_over_ours']:.2f}x")  # fmt: skip
