@@ -8,9 +8,10 @@
 // Quantized panels are widened into that bf16 layout: int8 to bf16(q * scale), as csrc/linear.c's tiles widen it,
 // and then summed over all of k as bf16 weights are; int4 to its exact q, each chunk (one group of 32 k) into C tiles
 // zeroed for it and then scaled and shifted on the vectors as csrc/linear_int4.c's tiles do. A call of many rows
-// widens each panel once; a call of one block of rows widens a chunk at a time as its tiles reach it, in L1 (the
+// widens each panel once; a call of one block of rows widens a chunk at a time, in L1, just ahead of its tiles (the
 // whole panel first had gone to L2 and back: SmolLM2's linears at 1 row in int4 13.1 ms, against 8.9 on
-// linear_int4.c's tiles).
+// linear_int4.c's tiles). One row still pays for storing every widened weight and loading it back, which the
+// AVX-512 tiles never do: about a tenth of a one-row int4 call.
 //
 // Where the CPU has AMX (compiled in, and the kernel lets the process use its tile registers), linear() sends every
 // call with k a multiple of 32 here (all quantized ones), and the rest to csrc/linear.c: one weight always takes the
