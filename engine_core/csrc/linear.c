@@ -23,7 +23,6 @@
 #define GROUP_PAIRS (QUANT_GROUP / 2)  // int8: k pairs per scale
 
 #if defined(__AVX512BF16__)
-
 // Vector j of k pair p of a panel with nv vectors: bf16 as stored, or widened from int8 (q8, a constant).
 static inline __attribute__((always_inline)) __m512bh weights(const void* panel, int q8, int nv, int64_t p, int j) {
     if (!q8) return (__m512bh)_mm512_loadu_si512((const uint16_t*)panel + (p * nv + j) * 32);

@@ -11,7 +11,7 @@
 // widens each panel once; a call of one block of rows widens a chunk at a time, in L1, just ahead of its tiles (the
 // whole panel first had gone to L2 and back: SmolLM2's linears at 1 row in int4 13.1 ms, against 8.9 on
 // linear_int4.c's tiles). One row still pays for storing every widened weight and loading it back, which the
-// AVX-512 tiles never do: about a tenth of a one-row int4 call.
+// AVX-512 tiles never do: a single stream's int4 decode step about 15% slower (see the README).
 //
 // Where the CPU has AMX (compiled in, and the kernel lets the process use its tile registers), linear() sends every
 // call with k a multiple of 32 here (all quantized ones), and the rest to csrc/linear.c: one weight always takes the
@@ -85,9 +85,8 @@ static inline __attribute__((always_inline)) void widen_chunk(int format, const 
 // A panel as a block reads it. bf16: `wide` is the packed panel, its chunks of B tiles back to back. Quantized:
 // `wide` is the panel widened for the call, or NULL in a call of one block of rows, where each chunk is widened into
 // buf two chunks before the block reaches it (four chunks' room, in turn), so that its stores have reached L1 when
-// its tile loads come (widened as it was reached, the loads waited for them: 1-row int4 calls ran 20-40% slower
-// than on csrc/linear_int4.c's tiles; one chunk ahead 15%); `quant` is the packed panel, whose int4 scales and mins
-// a block reads in place.
+// its tile loads come (widened as it was reached or one chunk ahead, the loads waited for them: one-row calls were
+// slower); `quant` is the packed panel, whose int4 scales and mins a block reads in place.
 typedef struct {
     const char *wide, *quant, *pf;
     char* buf;
@@ -191,7 +190,7 @@ static void* scratch(int64_t bytes) {
 // 1 int8, 2 int4).
 int linear_amx(const uint16_t* x, int64_t ldx, int64_t m_len, const void* packed, int format, const uint16_t* bias,
                uint16_t* out, int64_t ldo, int64_t n_len, int64_t k_len) {
-    if (k_len % CHUNK_K || !linear_amx_available()) return 0;
+    if (format > 2 || k_len % CHUNK_K || !linear_amx_available()) return 0;
     if (m_len <= 0) return 1;
     const int64_t panels = (n_len + LINEAR_PANEL_COLS - 1) / LINEAR_PANEL_COLS, chunks = k_len / CHUNK_K;
     const int64_t blocks = (m_len + BLOCK_ROWS - 1) / BLOCK_ROWS;
