@@ -513,10 +513,20 @@ static inline int64_t linear_row_parts(int64_t panels, int64_t tiles, int thread
 #define QUANT_GROUP 32
 #define INT8_GROUP_VEC_BYTES (QUANT_GROUP / 2 * 32 + 2 * 16 * 4)
 #define INT4_GROUP_VEC_BYTES (QUANT_GROUP / 2 * 16 + 2 * 16 * 4)
+static inline int64_t quant_group_vec_bytes(int format) {
+    return format == 1 ? INT8_GROUP_VEC_BYTES : INT4_GROUP_VEC_BYTES;
+}
 // The packed bytes of one weight row in each format (linear's format: 0 bf16, 1 int8, 2 int4).
 static inline int64_t linear_bytes_per_col(int format, int64_t k_len) {
-    const int64_t group_vec_bytes = format == 1 ? INT8_GROUP_VEC_BYTES : INT4_GROUP_VEC_BYTES;
-    return format == 0 ? 2 * k_len : k_len / QUANT_GROUP * group_vec_bytes / 16;
+    return format == 0 ? 2 * k_len : k_len / QUANT_GROUP * quant_group_vec_bytes(format) / 16;
+}
+// Group g of a quantized panel of nv vectors (format 1 or 2), and where the group's scales start (int4: then its
+// mins).
+static inline const uint8_t* quant_group(const void* panel, int format, int nv, int64_t g) {
+    return (const uint8_t*)panel + g * nv * quant_group_vec_bytes(format);
+}
+static inline const float* quant_scales(const uint8_t* group, int format, int nv) {
+    return (const float*)(group + nv * (QUANT_GROUP / 2) * (format == 1 ? 32 : 16));
 }
 // Work item `item` of a linear's split (a panel and a share of its row tiles): where its panel starts, its columns
 // and 16-column vectors, and the next panel's bytes, which the item may prefetch.

@@ -26,9 +26,8 @@
 // Vector j of k pair p of a panel with nv vectors: bf16 as stored, or widened from int8 (q8, a constant).
 static inline __attribute__((always_inline)) __m512bh weights(const void* panel, int q8, int nv, int64_t p, int j) {
     if (!q8) return (__m512bh)_mm512_loadu_si512((const uint16_t*)panel + (p * nv + j) * 32);
-    const int8_t* group = (const int8_t*)panel + (p / GROUP_PAIRS) * nv * INT8_GROUP_VEC_BYTES;
-    const float* scales = (const float*)(group + nv * GROUP_PAIRS * 32) + j * 32;
-    return int8_pairs(group + ((p % GROUP_PAIRS) * nv + j) * 32, scales);
+    const uint8_t* group = quant_group(panel, 1, nv, p / GROUP_PAIRS);
+    return int8_pairs((const int8_t*)group + ((p % GROUP_PAIRS) * nv + j) * 32, quant_scales(group, 1, nv) + j * 32);
 }
 
 // The next panel's prefetch spread over a loop of k pairs, `step` bytes of the pf_len at pf per pair: at pair p,

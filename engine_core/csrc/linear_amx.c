@@ -63,16 +63,16 @@ static inline __attribute__((always_inline)) void widen_chunk(int format, const 
                                                               int64_t pf_step) {
     for (int64_t b = g * pf_step; b < (g + 1) * pf_step && b < pf_len; b += 64) _mm_prefetch(pf + b, _MM_HINT_T0);
     if (format == 1) {
-        const int8_t* group = (const int8_t*)quant + g * nv * INT8_GROUP_VEC_BYTES;
-        const float* scales = (const float*)(group + nv * CHUNK_K / 2 * 32);
+        const uint8_t* group = quant_group(quant, 1, nv, g);
+        const float* scales = quant_scales(group, 1, nv);
         for (int p = 0; p < CHUNK_K / 2; p++)
             for (int j = 0; j < nv; j++)
                 _mm512_store_si512(to + (p * nv + j) * 64,
-                                   (__m512i)int8_pairs(group + (p * nv + j) * 32, scales + j * 32));
+                                   (__m512i)int8_pairs((const int8_t*)group + (p * nv + j) * 32, scales + j * 32));
         return;
     }
     const __m512i table = nibble_table();
-    const char* group = quant + g * nv * INT4_GROUP_VEC_BYTES;
+    const uint8_t* group = quant_group(quant, 2, nv, g);
     for (int t = 0; t < CHUNK_K / 8; t++)  // four pairs in each 16-bit lane
         for (int j = 0; j < nv; j++) {
             const __m512i four = _mm512_loadu_si512(group + (t * nv + j) * 64);
@@ -96,7 +96,7 @@ typedef struct {
 
 // Chunk g's B tiles, and for int4 its scales then mins (nv x 16 fp32 each) at *sm.
 static inline __attribute__((always_inline)) const char* chunk(const Panel* p, int nv, int64_t g, const float** sm) {
-    if (p->format == 2) *sm = (const float*)(p->quant + g * nv * INT4_GROUP_VEC_BYTES + nv * CHUNK_K / 2 * 16);
+    if (p->format == 2) *sm = quant_scales(quant_group(p->quant, 2, nv, g), 2, nv);
     if (p->wide) return p->wide + g * (CHUNK_BYTES / NV) * nv;
     if (g == 0) {
         widen_chunk(p->format, p->quant, nv, 0, p->buf, p->pf, p->pf_len, p->pf_step);

@@ -40,7 +40,7 @@ static inline __attribute__((always_inline)) void q4_tile(const uint16_t* x, int
     const int64_t pf_step = (pf_len + groups - 1) / groups;
     for (int64_t g = 0; g < groups; g++) {
         for (int64_t b = g * pf_step; b < (g + 1) * pf_step && b < pf_len; b += 64) _mm_prefetch(pf + b, _MM_HINT_T0);
-        const uint8_t* group = panel + g * nv * INT4_GROUP_VEC_BYTES;
+        const uint8_t* group = quant_group(panel, 2, nv, g);
         __m512 part[Q4_TILE_ROWS][Q4_PANEL_VECS];
         for (int i = 0; i < mr; i++)
             for (int j = 0; j < nv; j++) part[i][j] = _mm512_setzero_ps();
@@ -62,7 +62,7 @@ static inline __attribute__((always_inline)) void q4_tile(const uint16_t* x, int
                 }
             }
         }
-        const float* scales = (const float*)(group + nv * Q4_GROUP_PAIRS * 16);
+        const float* scales = quant_scales(group, 2, nv);
         for (int j = 0; j < nv; j++) {
             const __m512 scale = _mm512_loadu_ps(scales + 16 * j), min = _mm512_loadu_ps(scales + 16 * (nv + j));
             for (int i = 0; i < mr; i++) {

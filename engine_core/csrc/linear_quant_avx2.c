@@ -31,17 +31,14 @@
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__) && !defined(__AVX512BF16__)
 #include <immintrin.h>
 
-#define QA_GROUP 32  // weights per scale (and min)
+#define QA_GROUP QUANT_GROUP  // weights per scale (and min)
 #define QA_GROUP_PAIRS (QA_GROUP / 2)
-#define QA_INT8_VEC_BYTES (QA_GROUP_PAIRS * 32 + 32 * 4)  // per group and 16-column vector: int8 pairs, lane scales
-#define QA_INT4_VEC_BYTES (4 * 64 + 2 * 16 * 4)           // the same for int4: nibbles, scales, mins
 #define QA_LANES (2 * LINEAR_PANEL_COLS)                  // a panel row's lanes: a column's even k, then odd k
 #define QA_TILE_ROWS 5  // int4's; int8's 4: its unpacking holds a constant in a register, 5 rows spilled a sum
 #define QA_WIDEN_ROWS 32  // more rows: each panel's u widened once per call
 #define QA_PARTS 12  // partial-sum registers of a tile: 2 per row and half
 #define UNROLLED _Pragma("GCC unroll 12")  // loops over a tile's rows and halves: its sums stay in registers
 
-static inline int64_t group_vec_bytes(int format) { return format == 1 ? QA_INT8_VEC_BYTES : QA_INT4_VEC_BYTES; }
 static inline int tile_rows(int format, int widened) {
     return format == 1 && !widened ? QA_TILE_ROWS - 1 : QA_TILE_ROWS;
 }
@@ -80,7 +77,7 @@ static void widen_panel(int format, const uint8_t* panel, int nv, int64_t groups
         for (int p = 0; p < QA_GROUP_PAIRS; p++)
             for (int hh = 0; hh < 2 * nv; hh++)
                 _mm256_storeu_si256((__m256i*)(wide + widened_at(groups, hh, g, p)),
-                                    unpack_u(format, panel + g * nv * group_vec_bytes(format), nv, p, hh));
+                                    unpack_u(format, quant_group(panel, format, nv, g), nv, p, hh));
 }
 
 // Scale (times 2^24, undoing u's) and min of columns c0 .. c0 + 3 of a group, each twice as the lanes hold them.
@@ -88,12 +85,12 @@ static inline __attribute__((always_inline)) void group_scales(int format, const
                                                                __m256* scale, __m256* min) {
     const __m256 unscale = _mm256_set1_ps(16777216.f);
     if (format == 1) {  // each vector's 32 lane scales
-        const float* lanes = (const float*)(group + QA_GROUP_PAIRS * nv * 32) + c0 / 16 * 32 + c0 % 16 * 2;
+        const float* lanes = quant_scales(group, 1, nv) + c0 / 16 * 32 + c0 % 16 * 2;
         const __m256 s = _mm256_loadu_ps(lanes);
         *scale = _mm256_mul_ps(s, unscale), *min = _mm256_mul_ps(s, _mm256_set1_ps(-128.f));
         return;
     }
-    const float* scales = (const float*)(group + nv * 4 * 64);  // then the mins: 16 nv of each
+    const float* scales = quant_scales(group, 2, nv);  // then the mins: 16 nv of each
     const __m256i twice = _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3);
     *scale = _mm256_mul_ps(_mm256_permutevar8x32_ps(_mm256_castps128_ps256(_mm_loadu_ps(scales + c0)), twice), unscale);
     *min = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(_mm_loadu_ps(scales + 16 * nv + c0)), twice);
@@ -109,7 +106,7 @@ static inline __attribute__((always_inline)) void quant_tile(int format, int wid
     const int64_t groups = k_len / QA_GROUP, pf_step = (pf_len + groups - 1) / groups;
     for (int64_t g = 0; g < groups; g++) {
         for (int64_t b = g * pf_step; b < (g + 1) * pf_step && b < pf_len; b += 64) _mm_prefetch(pf + b, _MM_HINT_T0);
-        const uint8_t* group = panel + g * nv * group_vec_bytes(format);
+        const uint8_t* group = quant_group(panel, format, nv, g);
         __m256 part[QA_TILE_ROWS][QA_PARTS];  // used: mr x 2 nh of them
         UNROLLED for (int i = 0; i < mr; i++)
             UNROLLED for (int h = 0; h < 2 * nh; h++) part[i][h] = _mm256_setzero_ps();
