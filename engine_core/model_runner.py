@@ -15,7 +15,7 @@ from common.config import EngineConfig
 from common.lora import lora_modules
 from common.model_source import ResolvedModel, parse_hf_overrides
 from common.pooling import read_pooling
-from engine_core import distributed, memory_profile
+from engine_core import distributed, huge_pages, memory_profile
 from engine_core.attention import AttentionBackend, AttentionMetadata, PrefillChunk, select_backend
 from engine_core.batch import InFlight, SampledTokens, SchedulerOutput
 from engine_core.cpu_kernels import cpu_kernels
@@ -65,6 +65,8 @@ class ModelRunner:
                                 source.tokenizer)  # fmt: skip
         # int8 or int4, or packed bf16 on CPU; min_rows keeps a row's result independent of the rows beside it.
         self.min_rows = prepare_linears(self.model, config.quantization, self.device, self.dtype)
+        if self.device.type == "cpu":
+            huge_pages.move_packed_weights(self.model)  # read once per step: fewer TLB misses
         quantization_hint(model_path, config.quantization, self.device, self.dtype)  # a 4- or 8-bit GGUF, dequantized
         # Before the KV cache is sized, so that their memory counts; put in the model once the base layers are taken.
         self.lora = LoraAdapters.load(self.model, lora_modules(config), config.max_lora_rank, self.device, self.dtype)
@@ -125,7 +127,10 @@ class ModelRunner:
         # One block more than the scheduler knows of: padding tokens write their KV there, and nobody reads it.
         shape = (2, len(layers), self.num_blocks + 1, self.block_size, self.model.num_kv_heads, self.model.head_dim)
         self.scratch_slot = self.num_blocks * self.block_size
-        self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        if self.device.type == "cpu":
+            self.kv_cache = huge_pages.zeros(shape, self.dtype)
+        else:
+            self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
         for i, layer in enumerate(layers):
             layer.k_cache, layer.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
             layer.attn_backend = self.attn_backend
