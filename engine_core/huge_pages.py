@@ -3,10 +3,12 @@
 A decode step reads every weight once. On 4 KiB pages that is a TLB miss every 4 KiB of it, and in a virtual
 machine each miss walks two page tables. Linux backs a private anonymous mapping advised MADV_HUGEPAGE with
 transparent huge pages (unless /sys/kernel/mm/transparent_hugepage/enabled says `never`); torch's own allocator does
-so only with THP_MEM_ALLOC_ENABLE=1 and only for tensors of 2 MiB or more, and most single weights are smaller. So
-the packed weights move into one such buffer after load, and the KV cache is allocated in one. On a 2-vCPU Xeon
-VM, one stream's decode step of the default model took 13.0 and 12.6 ms against 13.8 and 14.0 ms on 4 KiB pages
-(see the README's Performance section). Where the platform has no MADV_HUGEPAGE, both stay ordinary tensors.
+so only with THP_MEM_ALLOC_ENABLE=1 (which the server sets for its engines, common/python_command.py) and only for
+tensors of 2 MiB or more, and most single weights are smaller (all of the default model's int8 and int4 ones). So
+the packed weights move into one such buffer after load, and the KV cache is allocated in one, in any process that
+runs an engine. On a 2-vCPU Xeon VM, with THP_MEM_ALLOC_ENABLE=1 on both sides, one stream's int4 decode step of the
+default model took 8.4 and 9.0 ms against 9.8 and 9.3 (the README's Performance section has the rest). Where the
+platform has no MADV_HUGEPAGE, both stay ordinary tensors.
 """
 
 from __future__ import annotations
