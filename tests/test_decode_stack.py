@@ -1,7 +1,7 @@
 """Decode-only CPU steps through the layer stack in one C call (engine_core/models/cpu_decode.py): bit for bit the
-logits of the Python layers, in bf16 and int8, with and without biases, with Qwen3's q/k norms, SmolLM3's layers
-without rotary embeddings, Phi-3's partial rotary and Gemma 3's layer; taken only by decode-only steps; attached
-by the model runner where it can run, and nowhere else."""
+logits of the Python layers, in bf16 and int8, with and without biases, with Granite's multipliers, Qwen3's q/k
+norms, SmolLM3's layers without rotary embeddings, Phi-3's partial rotary and Gemma 3's layer; taken only by
+decode-only steps; attached by the model runner where it can run, and nowhere else."""
 
 from __future__ import annotations
 
@@ -29,16 +29,20 @@ pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU-only: the
 
 
 def tiny_llama(variant: str, quantization: str | None = None, window: int | None = None) -> torch.nn.Module:
-    """`variant`: Llama ("llama", or "llama-bias" with q/k/v/o biases), Qwen3 (q and k heads normed; head_dim *
-    heads != hidden), SmolLM3 (its middle layer without rotary embeddings), Phi-3 (3/4 of each head rotates),
-    Gemma 3 (its four norms a layer, GeGLU, a sliding layer of window 24 and full layers with their own rotary
-    base); `window`: Mistral's sliding window."""
+    """`variant`: Llama ("llama", or "llama-bias" with q/k/v/o biases), Granite (Llama's layer with its four
+    multipliers), Qwen3 (q and k heads normed; head_dim * heads != hidden), SmolLM3 (its middle layer without rotary
+    embeddings), Phi-3 (3/4 of each head rotates), Gemma 3 (its four norms a layer, GeGLU, a sliding layer of window
+    24 and full layers with their own rotary base); `window`: Mistral's sliding window."""
     torch.manual_seed(0)
     shape = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=3, vocab_size=96, num_attention_heads=4,
                  num_key_value_heads=2)  # fmt: skip
     gemma = variant == "gemma"
     config = (transformers.Qwen3Config(**shape, head_dim=64, architectures=["Qwen3ForCausalLM"])
               if variant == "qwen3" else
+              transformers.GraniteConfig(**shape, embedding_multiplier=12.0, residual_multiplier=0.22,
+                                         attention_multiplier=0.0078125, logits_scaling=8.0,
+                                         architectures=["GraniteForCausalLM"])
+              if variant == "granite" else
               transformers.MistralConfig(**shape, sliding_window=window, architectures=["MistralForCausalLM"])
               if window else
               transformers.SmolLM3Config(**shape, no_rope_layers=[1, 0, 1], pad_token_id=None,
@@ -102,7 +106,7 @@ class _Spy:
 
 
 @needs_linear_kernels
-@pytest.mark.parametrize("variant", ["llama", "llama-bias", "qwen3", "smollm3", "phi3", "gemma"])
+@pytest.mark.parametrize("variant", ["llama", "llama-bias", "qwen3", "smollm3", "phi3", "gemma", "granite"])
 @pytest.mark.parametrize("quantization", [None, pytest.param("int8", marks=needs_int8_kernels),
                                           pytest.param("int4", marks=needs_int4_kernels)])  # fmt: skip
 def test_stack_gives_the_layers_logits_bit_for_bit(variant: str, quantization: str | None) -> None:

@@ -83,6 +83,7 @@ typedef struct {
     int64_t gemma;  // Gemma 3's layer: norms scale by 1 + weight, outputs normed before the residual add, GeGLU
     int64_t rotary_dim;  // the leading dims of each head that rotate (Phi-4-mini's partial rotary: 3/4 of them)
     float eps, scale;
+    float residual_mult;  // Granite's residual_multiplier on each attention and MLP output (1 elsewhere)
 } StackShape;
 
 // A norm of `rows` rows of `dim`: Llama's (with residual: residual += x first, then norm(residual)) or Gemma's.
@@ -96,6 +97,13 @@ static void norm(const StackShape* s, const uint16_t* x, uint16_t* residual, con
 static void add_normed(const StackShape* s, uint16_t* x, const uint16_t* weight, uint16_t* residual, int64_t rows) {
     gemma_rms_norm_bf16(x, weight, x, rows, (int)s->hidden, s->eps);
     for (int64_t j = 0; j < rows * s->hidden; j++) residual[j] = bf16_store(bf16_load(residual[j]) + bf16_load(x[j]));
+}
+
+// x *= m, rounded as torch rounds a bf16 tensor times a float (Granite's residual_multiplier).
+static void scale_rows(const StackShape* s, uint16_t* x, int64_t rows) {
+    const float m = s->residual_mult;
+    if (m == 1.f) return;
+    for (int64_t j = 0; j < rows * s->hidden; j++) x[j] = bf16_store(bf16_load(x[j]) * m);
 }
 
 // bf16 elements of scratch a step of `rows` rows needs.
@@ -145,6 +153,7 @@ void decode_stack_bf16(const DecodeLayer* layers, const StackShape* s, const uin
                           (int)s->num_kv_heads, (int)hd, (int)s->block_size, (int)max_blocks, s->scale, l->window);
         linear(attn, q_size, rows, l->o.packed, (int)l->o.format, l->o.bias, x, hidden, hidden, q_size);
         add_lora(attn, q_size, q_size, l->lora[1], lora, x, hidden, hidden);
+        scale_rows(s, x, rows);
         if (s->gemma) add_normed(s, x, l->attn_out_norm, residual, rows);
         norm(s, s->gemma ? residual : x, residual, l->post_norm, normed, rows, hidden);
         // One call where AMX runs it and no adapter changes gate_up, as the Python layers take it (LlamaMLP).
@@ -158,6 +167,7 @@ void decode_stack_bf16(const DecodeLayer* layers, const StackShape* s, const uin
         }
         linear(act, inter, rows, l->down.packed, (int)l->down.format, l->down.bias, x, hidden, hidden, inter);
         add_lora(act, inter, inter, l->lora[3], lora, x, hidden, hidden);
+        scale_rows(s, x, rows);
         if (s->gemma) add_normed(s, x, l->mlp_out_norm, residual, rows);
     }
     norm(s, s->gemma ? residual : x, residual, final_norm, out, rows, hidden);

@@ -1,4 +1,4 @@
-"""Decode-only CPU steps of a Llama-family model (Gemma 3's too) in one C call (csrc/decode_stack.c).
+"""Decode-only CPU steps of a Llama-family model (Granite's and Gemma 3's too) in one C call (csrc/decode_stack.c).
 
 A one-row decode step calls about ten small kernels per layer. Going through the Python layers, each call cost
 microseconds of module dispatch, tensor allocation and ctypes: a third of a single stream's step. The stack
@@ -54,7 +54,7 @@ LORA_LINEARS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "m
 class _StackShape(ctypes.Structure):
     _fields_ = [(name, _I64) for name in ("num_layers", "hidden", "num_q_heads", "num_kv_heads", "head_dim",
                                            "intermediate", "block_size", "gemma", "rotary_dim")]  # fmt: skip
-    _fields_ += [("eps", ctypes.c_float), ("scale", ctypes.c_float)]
+    _fields_ += [("eps", ctypes.c_float), ("scale", ctypes.c_float), ("residual_mult", ctypes.c_float)]
 
 
 def _weight(linear: nn.Module) -> _PackedWeight | None:
@@ -66,6 +66,12 @@ def _weight(linear: nn.Module) -> _PackedWeight | None:
         return None
     packed = linear.packed_weight
     return _PackedWeight(packed.data_ptr(), None if bias is None else bias.data_ptr(), weight_format(packed))
+
+
+def _is_granite(model: nn.Module) -> bool:
+    from engine_core.models.granite import GraniteForCausalLM  # imports the Llama model, which imports this module
+
+    return isinstance(model, GraniteForCausalLM)
 
 
 def _is_gemma(model: nn.Module) -> bool:
@@ -96,7 +102,8 @@ class DecodeStack:
         attn = first.self_attn
         self.shape = _StackShape(len(layers), model.config.hidden_size, attn.num_heads, attn.num_kv_heads,
                                  attn.head_dim, first.mlp.down_proj.in_features, attn.k_cache.shape[1],
-                                 _is_gemma(model), _rotary_dim(model), model.norm.eps, attn.scale)  # fmt: skip
+                                 _is_gemma(model), _rotary_dim(model), model.norm.eps, attn.scale,
+                                 getattr(first, "residual_multiplier", 1.0))  # fmt: skip
         lib = kernels.lib
         self._work = lib.decode_stack_work
         self._work.argtypes, self._work.restype = [_P, _I64], _I64
@@ -156,12 +163,13 @@ class DecodeStack:
 
     @staticmethod
     def build(model: nn.Module) -> DecodeStack | None:
-        """For a bf16 Llama-family or Gemma 3 model whose linears our kernels run and whose layers attend with the
-        CPU kernels (the KV caches bound already); None otherwise."""
+        """For a bf16 Llama-family (Granite's multipliers included) or Gemma 3 model whose linears our kernels run
+        and whose layers attend with the CPU kernels (the KV caches bound already); None otherwise."""
         from engine_core.models.llama import LlamaForCausalLM  # the model imports this module's type
 
         kernels, gemma = cpu_kernels(), _is_gemma(model)
-        if not (type(model) is LlamaForCausalLM or gemma) or kernels is None or not kernels.has_linear:
+        llama = type(model) is LlamaForCausalLM or _is_granite(model)  # Granite: Llama's layer with multipliers
+        if not (llama or gemma) or kernels is None or not kernels.has_linear:
             return None
         if model.norm.weight.dtype != torch.bfloat16:
             return None

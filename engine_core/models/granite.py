@@ -1,7 +1,9 @@
 """IBM's Granite 3 (GraniteForCausalLM): the Llama layer with four multipliers from its config. Embeddings are
 scaled by `embedding_multiplier`; each attention and MLP output by `residual_multiplier` before it joins the
 residual stream; attention scores by `attention_multiplier` (in place of 1/sqrt(head_dim)); logits are divided by
-`logits_scaling`. The one-call CPU decode stack has no multipliers, so its decode steps run layer by layer.
+`logits_scaling`. The one-call CPU decode stack (engine_core/models/cpu_decode.py) scales the two outputs as these
+layers do, and takes the step's embeddings and gives back the final norm's output, so the model's own `embed` and
+`compute_logits` apply the other two.
 
 Granite 4.0's attention-only models (GraniteMoeHybridForCausalLM with no Mamba layer and no experts:
 granite-4.0-micro, -1b, -350m) are the same layer, its MLP stored as `shared_mlp` (`input_linear`: gate and up
