@@ -31,6 +31,7 @@ _SIGNATURES = {
     "paged_prefill": [_P, _I64, _P, _P, _P, _I, _P, _I, _P] + [_I] * 4 + [_F, _I64],
     "rms_norm": [_P] * 4 + [_I64, _I, _F],
     "gemma_rms_norm": [_P] * 3 + [_I64, _I, _F],
+    "olmo_rms_norm": [_P] * 3 + [_I64, _I, _F],
     "silu_and_mul": [_P, _P, _I64, _I],
     "gelu_tanh_and_mul": [_P, _P, _I64, _I],
     "rotary": [_P] * 4 + [_I64, _I64, _I, _I, _I],
@@ -197,11 +198,10 @@ class CpuKernels:
                                          x.shape[1], eps)  # fmt: skip
         return out
 
-    def gemma_rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        """Gemma's: norm(x) * (1 + weight), in fp32 and rounded once."""
+    def scaled_rms_norm(self, kind: str, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """In fp32, rounded once: Gemma's norm(x) * (1 + weight) (kind "gemma"), OLMo 2's norm(x) * weight ("olmo")."""
         out = torch.empty_like(x)
-        self._funcs["gemma_rms_norm", x.dtype](x.data_ptr(), weight.data_ptr(), out.data_ptr(), x.shape[0],
-                                               x.shape[1], eps)  # fmt: skip
+        self._funcs[f"{kind}_rms_norm", x.dtype](x.data_ptr(), weight.data_ptr(), out.data_ptr(), *x.shape, eps)
         return out
 
     def act_and_mul(self, x: torch.Tensor, act: str) -> torch.Tensor:

@@ -1,7 +1,7 @@
 """Decode-only CPU steps through the layer stack in one C call (engine_core/models/cpu_decode.py): bit for bit the
-logits of the Python layers, in bf16 and int8, with and without biases, with Granite's multipliers, Qwen3's q/k
-norms, SmolLM3's layers without rotary embeddings, Phi-3's partial rotary and Gemma 3's layer; taken only by
-decode-only steps; attached by the model runner where it can run, and nowhere else."""
+logits of the Python layers, in bf16 and int8, with and without biases, with Granite's multipliers, OLMo 2 and 3's
+post-norm layers, Qwen3's q/k norms, SmolLM3's layers without rotary embeddings, Phi-3's partial rotary and Gemma
+3's layer; taken only by decode-only steps; attached by the model runner where it can run, and nowhere else."""
 
 from __future__ import annotations
 
@@ -30,9 +30,11 @@ pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU-only: the
 
 def tiny_llama(variant: str, quantization: str | None = None, window: int | None = None) -> torch.nn.Module:
     """`variant`: Llama ("llama", or "llama-bias" with q/k/v/o biases), Granite (Llama's layer with its four
-    multipliers), Qwen3 (q and k heads normed; head_dim * heads != hidden), SmolLM3 (its middle layer without rotary
-    embeddings), Phi-3 (3/4 of each head rotates), Gemma 3 (its four norms a layer, GeGLU, a sliding layer of window
-    24 and full layers with their own rotary base); `window`: Mistral's sliding window."""
+    multipliers), OLMo 2 (norms after the blocks, q and k each normed whole), OLMo 3 (and a sliding layer of window
+    24 between full ones, each kind with its rotary base), Qwen3 (q and k heads normed; head_dim * heads != hidden),
+    SmolLM3 (its middle layer without rotary embeddings), Phi-3 (3/4 of each head rotates), Gemma 3 (its four norms
+    a layer, GeGLU, a sliding layer of window 24 and full layers with their own rotary base); `window`: Mistral's
+    sliding window."""
     torch.manual_seed(0)
     shape = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=3, vocab_size=96, num_attention_heads=4,
                  num_key_value_heads=2)  # fmt: skip
@@ -43,6 +45,18 @@ def tiny_llama(variant: str, quantization: str | None = None, window: int | None
                                          attention_multiplier=0.0078125, logits_scaling=8.0,
                                          architectures=["GraniteForCausalLM"])
               if variant == "granite" else
+              transformers.Olmo2Config(**shape, pad_token_id=None, bos_token_id=None, eos_token_id=None,
+                                       architectures=["Olmo2ForCausalLM"])
+              if variant == "olmo2" else
+              transformers.Olmo3Config(**shape, sliding_window=24, pad_token_id=None, bos_token_id=None,
+                                       eos_token_id=None, layer_types=["sliding_attention", "full_attention",
+                                                                       "sliding_attention"],
+                                       rope_parameters={"sliding_attention": {"rope_type": "default",
+                                                                              "rope_theta": 1e4},
+                                                        "full_attention": {"rope_type": "default",
+                                                                           "rope_theta": 1e6}},
+                                       architectures=["Olmo3ForCausalLM"])
+              if variant == "olmo3" else
               transformers.MistralConfig(**shape, sliding_window=window, architectures=["MistralForCausalLM"])
               if window else
               transformers.SmolLM3Config(**shape, no_rope_layers=[1, 0, 1], pad_token_id=None,
@@ -106,12 +120,13 @@ class _Spy:
 
 
 @needs_linear_kernels
-@pytest.mark.parametrize("variant", ["llama", "llama-bias", "qwen3", "smollm3", "phi3", "gemma", "granite"])
+@pytest.mark.parametrize("variant", ["llama", "llama-bias", "qwen3", "smollm3", "phi3", "gemma", "granite", "olmo2",
+                                     "olmo3"])
 @pytest.mark.parametrize("quantization", [None, pytest.param("int8", marks=needs_int8_kernels),
                                           pytest.param("int4", marks=needs_int4_kernels)])  # fmt: skip
 def test_stack_gives_the_layers_logits_bit_for_bit(variant: str, quantization: str | None) -> None:
     model = tiny_llama(variant, quantization)
-    assert (model.layers[0].self_attn.q_norm is not None) == (variant in ("qwen3", "gemma"))
+    assert (model.layers[0].self_attn.q_norm is not None) == (variant in ("qwen3", "gemma", "olmo2", "olmo3"))
     assert [layer.self_attn.rotate for layer in model.layers] == [True, variant != "smollm3", True]
     reference, none = steps(model, stack=False)
     ours, calls = steps(model, stack=True)

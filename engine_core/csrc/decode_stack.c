@@ -9,6 +9,7 @@
 void rms_norm_bf16(const uint16_t* x, uint16_t* residual, const uint16_t* weight, uint16_t* out, int64_t rows,
                    int dim, float eps);
 void gemma_rms_norm_bf16(const uint16_t* x, const uint16_t* weight, uint16_t* out, int64_t rows, int dim, float eps);
+void olmo_rms_norm_bf16(const uint16_t* x, const uint16_t* weight, uint16_t* out, int64_t rows, int dim, float eps);
 void silu_and_mul_bf16(const uint16_t* x, uint16_t* out, int64_t rows, int width);
 void gelu_tanh_and_mul_bf16(const uint16_t* x, uint16_t* out, int64_t rows, int width);
 void rotary_bf16(uint16_t* x, const int64_t* positions, const float* cos, const float* sin, int64_t rows,
@@ -82,20 +83,24 @@ typedef struct {
     int64_t num_layers, hidden, num_q_heads, num_kv_heads, head_dim, intermediate, block_size;
     int64_t gemma;  // Gemma 3's layer: norms scale by 1 + weight, outputs normed before the residual add, GeGLU
     int64_t rotary_dim;  // the leading dims of each head that rotate (Phi-4-mini's partial rotary: 3/4 of them)
+    int64_t olmo;  // OLMo 2's layer: no norm before attention or the MLP, each output normed (fp32, rounded once)
+                   // before the residual add; q and k each normed as one vector over all their heads
     float eps, scale;
     float residual_mult;  // Granite's residual_multiplier on each attention and MLP output (1 elsewhere)
 } StackShape;
 
-// A norm of `rows` rows of `dim`: Llama's (with residual: residual += x first, then norm(residual)) or Gemma's.
+// A norm of `rows` rows of `dim`: Llama's (with residual: residual += x first, then norm(residual)), Gemma's or
+// OLMo's.
 static void norm(const StackShape* s, const uint16_t* x, uint16_t* residual, const uint16_t* weight, uint16_t* out,
                  int64_t rows, int64_t dim) {
     if (s->gemma) gemma_rms_norm_bf16(x, weight, out, rows, (int)dim, s->eps);
+    else if (s->olmo) olmo_rms_norm_bf16(x, weight, out, rows, (int)dim, s->eps);
     else rms_norm_bf16(x, residual, weight, out, rows, (int)dim, s->eps);
 }
 
-// Gemma's residual add: residual += norm(x) (x, a layer's output, normed in place), rounded as torch adds.
+// Gemma's and OLMo's residual add: residual += norm(x) (x, a layer's output, normed in place), rounded as torch adds.
 static void add_normed(const StackShape* s, uint16_t* x, const uint16_t* weight, uint16_t* residual, int64_t rows) {
-    gemma_rms_norm_bf16(x, weight, x, rows, (int)s->hidden, s->eps);
+    norm(s, x, NULL, weight, x, rows, s->hidden);
     for (int64_t j = 0; j < rows * s->hidden; j++) residual[j] = bf16_store(bf16_load(residual[j]) + bf16_load(x[j]));
 }
 
@@ -129,16 +134,21 @@ void decode_stack_bf16(const DecodeLayer* layers, const StackShape* s, const uin
     uint16_t* gate_up = attn + rows * q_size;
     uint16_t* act = gate_up + rows * 2 * inter;
     memcpy(residual, x, rows * hidden * sizeof(uint16_t));  // the first layer's residual is its input
+    // Gemma and OLMo keep the residual stream in `residual` and add each normed output to it; OLMo's attention and
+    // MLP read the stream itself.
+    const int kept = s->gemma || s->olmo;
+    const uint16_t* block_in = s->olmo ? residual : normed;
     for (int64_t i = 0; i < s->num_layers; i++) {
         const DecodeLayer* l = &layers[i];
-        norm(s, s->gemma ? residual : x, i == 0 ? NULL : residual, l->input_norm, normed, rows, hidden);
-        linear(normed, hidden, rows, l->qkv.packed, (int)l->qkv.format, l->qkv.bias, qkv, qkv_size, qkv_size,
+        if (!s->olmo) norm(s, kept ? residual : x, i == 0 ? NULL : residual, l->input_norm, normed, rows, hidden);
+        linear(block_in, hidden, rows, l->qkv.packed, (int)l->qkv.format, l->qkv.bias, qkv, qkv_size, qkv_size,
                hidden);
-        add_lora(normed, hidden, hidden, l->lora[0], lora, qkv, qkv_size, qkv_size);
+        add_lora(block_in, hidden, hidden, l->lora[0], lora, qkv, qkv_size, qkv_size);
         for (int64_t r = 0; l->q_norm && r < rows; r++) {  // in place: the kernel reads a row before writing it
             uint16_t* row = qkv + r * qkv_size;
-            norm(s, row, NULL, l->q_norm, row, s->num_q_heads, hd);
-            norm(s, row + q_size, NULL, l->k_norm, row + q_size, s->num_kv_heads, hd);
+            const int64_t q_rows = s->olmo ? 1 : s->num_q_heads, k_rows = s->olmo ? 1 : s->num_kv_heads;
+            norm(s, row, NULL, l->q_norm, row, q_rows, q_size / q_rows);
+            norm(s, row + q_size, NULL, l->k_norm, row + q_size, k_rows, kv_size / k_rows);
         }
         if (l->cos)
             rotary_bf16(qkv, positions, l->cos, l->sin, rows, qkv_size, (int)(s->num_q_heads + s->num_kv_heads), (int)hd,
@@ -154,21 +164,21 @@ void decode_stack_bf16(const DecodeLayer* layers, const StackShape* s, const uin
         linear(attn, q_size, rows, l->o.packed, (int)l->o.format, l->o.bias, x, hidden, hidden, q_size);
         add_lora(attn, q_size, q_size, l->lora[1], lora, x, hidden, hidden);
         scale_rows(s, x, rows);
-        if (s->gemma) add_normed(s, x, l->attn_out_norm, residual, rows);
-        norm(s, s->gemma ? residual : x, residual, l->post_norm, normed, rows, hidden);
+        if (kept) add_normed(s, x, l->attn_out_norm, residual, rows);
+        if (!s->olmo) norm(s, kept ? residual : x, residual, l->post_norm, normed, rows, hidden);
         // One call where AMX runs it and no adapter changes gate_up, as the Python layers take it (LlamaMLP).
         if (l->gate_up.format != 0 || lora_applies(l->lora[2], lora) ||
-            !glu_amx(normed, hidden, rows, l->gate_up.packed, l->gate_up.bias, act, inter, inter, hidden, s->gemma)) {
-            linear(normed, hidden, rows, l->gate_up.packed, (int)l->gate_up.format, l->gate_up.bias, gate_up,
+            !glu_amx(block_in, hidden, rows, l->gate_up.packed, l->gate_up.bias, act, inter, inter, hidden, s->gemma)) {
+            linear(block_in, hidden, rows, l->gate_up.packed, (int)l->gate_up.format, l->gate_up.bias, gate_up,
                    2 * inter, 2 * inter, hidden);
-            add_lora(normed, hidden, hidden, l->lora[2], lora, gate_up, 2 * inter, 2 * inter);
+            add_lora(block_in, hidden, hidden, l->lora[2], lora, gate_up, 2 * inter, 2 * inter);
             if (s->gemma) gelu_tanh_and_mul_bf16(gate_up, act, rows, (int)inter);
             else silu_and_mul_bf16(gate_up, act, rows, (int)inter);
         }
         linear(act, inter, rows, l->down.packed, (int)l->down.format, l->down.bias, x, hidden, hidden, inter);
         add_lora(act, inter, inter, l->lora[3], lora, x, hidden, hidden);
         scale_rows(s, x, rows);
-        if (s->gemma) add_normed(s, x, l->mlp_out_norm, residual, rows);
+        if (kept) add_normed(s, x, l->mlp_out_norm, residual, rows);
     }
-    norm(s, s->gemma ? residual : x, residual, final_norm, out, rows, hidden);
+    norm(s, kept ? residual : x, residual, final_norm, out, rows, hidden);
 }

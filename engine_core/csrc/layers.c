@@ -30,9 +30,9 @@ void NAME(const T* x, T* residual, const T* weight, T* out, int64_t rows, int di
     }                                                                                                    \
 }
 
-// Gemma's RMSNorm: out = norm(x) * (1 + weight) in fp32, rounded once (its checkpoints store the weight minus one).
-// out may be x: each element is read before it is written.
-#define DEFINE_GEMMA_RMS_NORM(NAME, T, LOAD, STORE)                                                      \
+// An RMSNorm scaled in fp32 and rounded once: out = norm(x) * (ONE + weight). Gemma's (ONE 1: its checkpoints store
+// the weight minus one) and OLMo 2's (ONE 0). out may be x: each element is read before it is written.
+#define DEFINE_FP32_SCALED_RMS_NORM(NAME, T, LOAD, STORE, ONE)                                           \
 void NAME(const T* x, const T* weight, T* out, int64_t rows, int dim, float eps) {                       \
     _Pragma("omp parallel for if (rows * dim >= PARALLEL_MIN_ELEMENTS)")                                \
     for (int64_t r = 0; r < rows; r++) {                                                                 \
@@ -41,7 +41,7 @@ void NAME(const T* x, const T* weight, T* out, int64_t rows, int dim, float eps)
         for (int d = 0; d < dim; d++) squares += LOAD(xr[d]) * LOAD(xr[d]);                              \
         const float inv_rms = 1.f / sqrtf(squares / dim + eps);                                          \
         T* o = out + r * dim;                                                                            \
-        for (int d = 0; d < dim; d++) o[d] = STORE(LOAD(xr[d]) * inv_rms * (1.f + LOAD(weight[d])));     \
+        for (int d = 0; d < dim; d++) o[d] = STORE(LOAD(xr[d]) * inv_rms * (ONE + LOAD(weight[d])));     \
     }                                                                                                    \
 }
 
@@ -146,8 +146,10 @@ DEFINE_ACT_AND_MUL(silu_and_mul_bf16, uint16_t, bf16_load, bf16_store, SILU)
 DEFINE_ACT_AND_MUL(gelu_tanh_and_mul_bf16, uint16_t, bf16_load, bf16_store, GELU_TANH)
 #endif
 DEFINE_RMS_NORM(rms_norm_f32, float, F32_LOAD, F32_STORE)
-DEFINE_GEMMA_RMS_NORM(gemma_rms_norm_bf16, uint16_t, bf16_load, bf16_store)
-DEFINE_GEMMA_RMS_NORM(gemma_rms_norm_f32, float, F32_LOAD, F32_STORE)
+DEFINE_FP32_SCALED_RMS_NORM(gemma_rms_norm_bf16, uint16_t, bf16_load, bf16_store, 1.f)
+DEFINE_FP32_SCALED_RMS_NORM(gemma_rms_norm_f32, float, F32_LOAD, F32_STORE, 1.f)
+DEFINE_FP32_SCALED_RMS_NORM(olmo_rms_norm_bf16, uint16_t, bf16_load, bf16_store, 0.f)
+DEFINE_FP32_SCALED_RMS_NORM(olmo_rms_norm_f32, float, F32_LOAD, F32_STORE, 0.f)
 DEFINE_ACT_AND_MUL(silu_and_mul_f32, float, F32_LOAD, F32_STORE, SILU)
 DEFINE_ACT_AND_MUL(gelu_tanh_and_mul_f32, float, F32_LOAD, F32_STORE, GELU_TANH)
 DEFINE_ROTARY(rotary_bf16, uint16_t, bf16_load, bf16_store)

@@ -1,4 +1,5 @@
-"""Decode-only CPU steps of a Llama-family model (Granite's and Gemma 3's too) in one C call (csrc/decode_stack.c).
+"""Decode-only CPU steps of a Llama-family model (Granite's, OLMo 2's and Gemma 3's too) in one C call
+(csrc/decode_stack.c).
 
 A one-row decode step calls about ten small kernels per layer. Going through the Python layers, each call cost
 microseconds of module dispatch, tensor allocation and ctypes: a third of a single stream's step. The stack
@@ -53,7 +54,7 @@ LORA_LINEARS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "m
 
 class _StackShape(ctypes.Structure):
     _fields_ = [(name, _I64) for name in ("num_layers", "hidden", "num_q_heads", "num_kv_heads", "head_dim",
-                                           "intermediate", "block_size", "gemma", "rotary_dim")]  # fmt: skip
+                                           "intermediate", "block_size", "gemma", "rotary_dim", "olmo")]  # fmt: skip
     _fields_ += [("eps", ctypes.c_float), ("scale", ctypes.c_float), ("residual_mult", ctypes.c_float)]
 
 
@@ -74,6 +75,12 @@ def _is_granite(model: nn.Module) -> bool:
     return isinstance(model, GraniteForCausalLM)
 
 
+def _is_olmo(model: nn.Module) -> bool:
+    from engine_core.models.olmo2 import Olmo2ForCausalLM  # imports the Llama model, which imports this module
+
+    return isinstance(model, Olmo2ForCausalLM)
+
+
 def _is_gemma(model: nn.Module) -> bool:
     from engine_core.models.gemma3 import Gemma3ForCausalLM  # imports the Llama model, which imports this module
 
@@ -86,12 +93,21 @@ def _rotary_dim(model: nn.Module) -> int:
     return dim
 
 
-def _norms(layer: nn.Module, gemma: bool) -> tuple[nn.Module | None, ...]:
+def _norms(layer: nn.Module, gemma: bool, olmo: bool) -> tuple[nn.Module | None, ...]:
     """The layer's norms in the C order: before attention, before the MLP, of attention's and the MLP's outputs."""
     if gemma:  # Gemma 3's four
         return (layer.input_layernorm, layer.pre_feedforward_layernorm, layer.post_attention_layernorm,
                 layer.post_feedforward_layernorm)  # fmt: skip
+    if olmo:  # OLMo 2's two, of the outputs
+        return None, None, layer.post_attention_layernorm, layer.post_feedforward_layernorm
     return layer.input_layernorm, layer.post_attention_layernorm, None, None
+
+
+def _rotary(model: nn.Module, i: int, gemma: bool, olmo: bool) -> nn.Module:
+    """Layer i's rotary tables: Gemma's and OLMo's have one per kind of layer."""
+    if gemma:
+        return model.rotary[model.layer_types[i]]
+    return model.rotary[model.layer_kinds()[i]] if olmo else model.rotary
 
 
 class DecodeStack:
@@ -102,7 +118,7 @@ class DecodeStack:
         attn = first.self_attn
         self.shape = _StackShape(len(layers), model.config.hidden_size, attn.num_heads, attn.num_kv_heads,
                                  attn.head_dim, first.mlp.down_proj.in_features, attn.k_cache.shape[1],
-                                 _is_gemma(model), _rotary_dim(model), model.norm.eps, attn.scale,
+                                 _is_gemma(model), _rotary_dim(model), _is_olmo(model), model.norm.eps, attn.scale,
                                  getattr(first, "residual_multiplier", 1.0))  # fmt: skip
         lib = kernels.lib
         self._work = lib.decode_stack_work
@@ -163,13 +179,13 @@ class DecodeStack:
 
     @staticmethod
     def build(model: nn.Module) -> DecodeStack | None:
-        """For a bf16 Llama-family (Granite's multipliers included) or Gemma 3 model whose linears our kernels run
-        and whose layers attend with the CPU kernels (the KV caches bound already); None otherwise."""
+        """For a bf16 Llama-family (Granite's multipliers included), OLMo 2 or Gemma 3 model whose linears our
+        kernels run and whose layers attend with the CPU kernels (the KV caches bound already); None otherwise."""
         from engine_core.models.llama import LlamaForCausalLM  # the model imports this module's type
 
-        kernels, gemma = cpu_kernels(), _is_gemma(model)
+        kernels, gemma, olmo = cpu_kernels(), _is_gemma(model), _is_olmo(model)
         llama = type(model) is LlamaForCausalLM or _is_granite(model)  # Granite: Llama's layer with multipliers
-        if not (llama or gemma) or kernels is None or not kernels.has_linear:
+        if not (llama or gemma or olmo) or kernels is None or not kernels.has_linear:
             return None
         if model.norm.weight.dtype != torch.bfloat16:
             return None
@@ -187,9 +203,9 @@ class DecodeStack:
                 return None
             if any(n is not None and n.eps != model.norm.eps for n in (attn.q_norm, attn.k_norm)):
                 return None  # the stack has one eps
-            norms = [None if n is None else n.weight.data_ptr() for n in (*_norms(layer, gemma), attn.q_norm,
+            norms = [None if n is None else n.weight.data_ptr() for n in (*_norms(layer, gemma, olmo), attn.q_norm,
                                                                           attn.k_norm)]  # fmt: skip
-            rotary = model.rotary[model.layer_types[i]] if gemma else model.rotary  # Gemma's: one per kind of layer
+            rotary = _rotary(model, i, gemma, olmo)
             cos, sin = (rotary.cos.data_ptr(), rotary.sin.data_ptr()) if attn.rotate else (None, None)  # NULL: NoPE
             structs.append(_DecodeLayer(*norms, cos, sin, *weights,
                                         attn.k_cache.data_ptr(), attn.v_cache.data_ptr(),

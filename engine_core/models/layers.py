@@ -53,9 +53,25 @@ class GemmaRMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         kernels = _kernels_for(x)
         if kernels is not None and kernels.supports_rms_norm(x, None, self.weight):
-            return kernels.gemma_rms_norm(x, self.weight, self.eps)
+            return kernels.scaled_rms_norm("gemma", x, self.weight, self.eps)
         normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
         return (normed * (1.0 + self.weight.float())).to(x.dtype)
+
+
+class OlmoRMSNorm(nn.Module):
+    """OLMo 2's: normalized and scaled in fp32, rounded to the input's dtype once (transformers' Olmo2RMSNorm); on
+    CPU by our kernel, which the one-call decode stack calls too."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        kernels = _kernels_for(x)
+        if kernels is not None and kernels.supports_rms_norm(x, None, self.weight):
+            return kernels.scaled_rms_norm("olmo", x, self.weight, self.eps)
+        return F.rms_norm(x.float(), (x.shape[-1],), self.weight.float(), self.eps).to(x.dtype)
 
 
 def layer_windows(config, max_positions: int) -> list[int | None]:

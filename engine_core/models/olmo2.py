@@ -2,31 +2,19 @@
 rather than before them. Each attention and MLP output is RMS-normed, then added to the residual stream (there is no
 input norm), and q and k are each normed as one vector over all their heads before the rotation (as OLMoE's, so
 the model does not split over tensor-parallel ranks). Its norms scale in fp32 and round once. OLMo 3 adds
-sliding-window layers (three in four), each kind of layer with its own rotary parameters, as Gemma 3's. Neither
-runs in the one-call CPU decode stack, whose layers are pre-norm: decode steps run layer by layer."""
+sliding-window layers (three in four), each kind of layer with its own rotary parameters, as Gemma 3's. On CPU in
+bf16 both run their decode steps through the one-call decode stack (engine_core/models/cpu_decode.py), bit for bit
+these layers."""
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from engine_core.attention import AttentionMetadata
-from engine_core.models.layers import RotaryEmbedding, StepRotary
+from engine_core.models.layers import OlmoRMSNorm, RotaryEmbedding, StepRotary
 from engine_core.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP
 from engine_core.models.parallel import HeadSplit
-
-
-class OlmoRMSNorm(nn.Module):
-    """Normalized and scaled in fp32, rounded to the input's dtype once (transformers' Olmo2RMSNorm)."""
-
-    def __init__(self, dim: int, eps: float) -> None:
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.rms_norm(x.float(), (x.shape[-1],), self.weight.float(), self.eps).to(x.dtype)
 
 
 class Olmo2DecoderLayer(nn.Module):
@@ -64,6 +52,8 @@ class Olmo2ForCausalLM(LlamaForCausalLM):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
+        if self.decode_stack is not None and self.decode_stack.takes(meta, x.shape[0]):
+            return self.decode_stack(x, positions, meta)  # the same layers' kernels, called from C
         ropes = {kind: rotary.for_step(positions, x.dtype) for kind, rotary in self.rotary.items()}
         for layer, kind in zip(self.layers, self.layer_kinds(), strict=True):
             x = layer(x, ropes[kind], meta)
