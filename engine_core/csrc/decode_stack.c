@@ -1,6 +1,6 @@
 // A decode-only step through a Llama-family layer stack on CPU in one call (engine_core/models/cpu_decode.py):
 // the same kernels, in the same order and on the same buffers' values, as the Python layers call them one by
-// one (engine_core/models/llama.py, engine_core/models/gemma3.py), so the results are bit for bit the same. A
+// one (engine_core/models/llama.py, granite.py, olmo2.py, gemma3.py), so the results are bit for bit the same. A
 // one-row step calls about ten kernels per layer; from Python each call cost microseconds of module dispatch,
 // tensor allocation and ctypes, which added up to about a third of a single stream's step.
 #include "kernel_common.h"
