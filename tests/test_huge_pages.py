@@ -16,7 +16,9 @@ from engine_core.models.layers import PackedLinear
 from tests.cpu_features import needs_linear_kernels
 from tests.engine_helpers import greedy_request, run_engine, save_tiny_llama, tokens_of
 
-pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU-only: the CPU engine's memory")
+THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+pytestmark = [pytest.mark.skipif(torch.cuda.is_available(), reason="CPU-only: the CPU engine's memory"),
+              pytest.mark.skipif(not THP.exists(), reason="a kernel without transparent huge pages")]  # fmt: skip
 
 
 def advised(address: int) -> bool:
