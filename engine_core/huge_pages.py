@@ -13,6 +13,9 @@ platform has no MADV_HUGEPAGE, both stay ordinary tensors.
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import functools
 import logging
 import mmap
 
@@ -23,6 +26,7 @@ from torch import nn
 log = logging.getLogger("roseinfer.huge_pages")
 HUGE_PAGE = 2 << 20
 ALIGN = 64  # each weight starts on a cache line, as torch's allocator places them
+RELEASE_EVERY = 256 << 20  # bytes of weights moved between two hand-backs of the heap's freed pages
 
 
 def zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
@@ -44,14 +48,33 @@ def move_packed_weights(model: nn.Module) -> int:
     buffer = _advised_bytes(sum(sizes)) if modules else None
     if buffer is None:
         return 0
-    offset = 0
+    offset = released = 0
     for module, size in zip(modules, sizes, strict=True):
         weight = module.packed_weight
         moved = buffer[offset : offset + weight.numel() * weight.element_size()].view(weight.dtype).view(weight.shape)
         moved.copy_(weight)
         module.packed_weight = moved  # a buffer's entry (QuantizedLinear registers it) or a plain attribute
+        del weight
         offset += size
+        if offset - released >= RELEASE_EVERY or module is modules[-1]:
+            _release_freed_heap()
+            released = offset
     return offset
+
+
+def _release_freed_heap() -> None:
+    """Hands the heap's free pages back to the kernel (glibc's malloc_trim). The engine keeps what it frees in its
+    heap (engine_core/device.py keeps blocks up to 32 MB there), so each weight just moved would otherwise stay
+    resident beside its copy: a model of many small weights (a mixture of experts) would need twice its size."""
+    libc = _libc()
+    if libc is not None and hasattr(libc, "malloc_trim"):
+        libc.malloc_trim(0)
+
+
+@functools.cache
+def _libc() -> ctypes.CDLL | None:
+    name = ctypes.util.find_library("c")
+    return ctypes.CDLL(name) if name else None
 
 
 def _packed_on_cpu(weight: object) -> bool:

@@ -76,3 +76,16 @@ def test_a_cpu_engine_keeps_its_weights_and_kv_cache_on_advised_memory(tmp_path)
     prompts = [[5, 9, 17, 33, 2], [7, 7, 40]]
     out = run_engine(core, [greedy_request(f"r{i}", p, 6) for i, p in enumerate(prompts)])
     assert [len(t) for t in tokens_of(out, ["r0", "r1"])] == [6, 6]
+
+
+@needs_linear_kernels
+def test_moving_hands_the_heaps_freed_pages_back_as_it_goes(monkeypatch) -> None:
+    """The engine keeps freed blocks of up to 32 MB in its heap (engine_core/device.py): without malloc_trim every
+    moved weight would stay resident beside its copy. The heap goes back every RELEASE_EVERY bytes and at the end."""
+    calls = []
+    monkeypatch.setattr(huge_pages, "_release_freed_heap", lambda: calls.append(1))
+    monkeypatch.setattr(huge_pages, "RELEASE_EVERY", 3 * 96 * 64 * 2)
+    model = torch.nn.Sequential(*(PackedLinear(torch.nn.Linear(64, 96).to(torch.bfloat16)) for _ in range(7)))
+    assert huge_pages.move_packed_weights(model) == 7 * 96 * 64 * 2
+    assert len(calls) == 3  # after the third and sixth weights, and after the last
+    assert huge_pages._libc() is not None and hasattr(huge_pages._libc(), "malloc_trim")  # glibc, as here
