@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import os
 
 import torch
@@ -64,14 +65,21 @@ def pick_dtype(name: str, device: torch.device) -> torch.dtype:
     return names[name]
 
 
+@functools.cache
+def libc() -> ctypes.CDLL | None:
+    """The C library, for the heap's settings (mallopt here, malloc_trim in engine_core/huge_pages.py); None where
+    none is found."""
+    name = ctypes.util.find_library("c")
+    return ctypes.CDLL(name) if name else None
+
+
 def tune_cpu_process(num_threads: int | None) -> None:
     # One thread per core we may run on; more would fight the socket threads for the same cores.
     torch.set_num_threads(num_threads or len(os.sched_getaffinity(0)))
     # Keep freed step-sized temporaries in the heap. By default glibc hands blocks above its mmap threshold back
     # to the kernel, and every step page-faults them in again: a 2048-token prefill took 1.1 s instead of 0.8 s.
-    libc_name = ctypes.util.find_library("c")
-    libc = ctypes.CDLL(libc_name) if libc_name else None
-    if libc is not None and hasattr(libc, "mallopt"):  # glibc
+    c = libc()
+    if c is not None and hasattr(c, "mallopt"):  # glibc
         m_trim_threshold, m_mmap_threshold = -1, -3
-        libc.mallopt(m_mmap_threshold, 32 * 2**20)  # glibc's largest allowed value
-        libc.mallopt(m_trim_threshold, 2**30)
+        c.mallopt(m_mmap_threshold, 32 * 2**20)  # glibc's largest allowed value
+        c.mallopt(m_trim_threshold, 2**30)

@@ -13,15 +13,14 @@ platform has no MADV_HUGEPAGE, both stay ordinary tensors.
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
-import functools
 import logging
 import mmap
 
 import numpy as np
 import torch
 from torch import nn
+
+from engine_core.device import libc
 
 log = logging.getLogger("roseinfer.huge_pages")
 HUGE_PAGE = 2 << 20
@@ -66,15 +65,9 @@ def _release_freed_heap() -> None:
     """Hands the heap's free pages back to the kernel (glibc's malloc_trim). The engine keeps what it frees in its
     heap (engine_core/device.py keeps blocks up to 32 MB there), so each weight just moved would otherwise stay
     resident beside its copy: a model of many small weights (a mixture of experts) would need twice its size."""
-    libc = _libc()
-    if libc is not None and hasattr(libc, "malloc_trim"):
-        libc.malloc_trim(0)
-
-
-@functools.cache
-def _libc() -> ctypes.CDLL | None:
-    name = ctypes.util.find_library("c")
-    return ctypes.CDLL(name) if name else None
+    c = libc()
+    if c is not None and hasattr(c, "malloc_trim"):
+        c.malloc_trim(0)
 
 
 def _packed_on_cpu(weight: object) -> bool:

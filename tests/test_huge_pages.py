@@ -88,4 +88,4 @@ def test_moving_hands_the_heaps_freed_pages_back_as_it_goes(monkeypatch) -> None
     model = torch.nn.Sequential(*(PackedLinear(torch.nn.Linear(64, 96).to(torch.bfloat16)) for _ in range(7)))
     assert huge_pages.move_packed_weights(model) == 7 * 96 * 64 * 2
     assert len(calls) == 3  # after the third and sixth weights, and after the last
-    assert huge_pages._libc() is not None and hasattr(huge_pages._libc(), "malloc_trim")  # glibc, as here
+    assert huge_pages.libc() is not None and hasattr(huge_pages.libc(), "malloc_trim")  # glibc, as here
