@@ -55,9 +55,11 @@ def move_packed_weights(model: nn.Module) -> int:
         module.packed_weight = moved  # a buffer's entry (QuantizedLinear registers it) or a plain attribute
         del weight
         offset += size
-        if offset - released >= RELEASE_EVERY or module is modules[-1]:
+        if offset - released >= RELEASE_EVERY:
             _release_freed_heap()
             released = offset
+    if released < offset:
+        _release_freed_heap()
     return offset
 
 
