@@ -16,6 +16,7 @@ from importlib.resources.abc import Traversable
 from pathlib import Path
 from typing import Any
 
+from common.checkpoint_quant import read_scheme
 from common.model_errors import ModelSourceError
 
 # What the engine's loader builds (engine_core/models/loader.py ARCHITECTURES), checked before the engine starts.
@@ -158,7 +159,9 @@ def parse_hf_overrides(text: str | None) -> dict[str, Any]:
 
 
 def _read_architecture(model_dir: Path, overrides: dict | None = None) -> str:
-    architectures = read_config(model_dir, overrides).get("architectures") or []
+    config = read_config(model_dir, overrides)
+    read_scheme(config)  # a GPTQ or AWQ checkpoint the engine cannot serve fails here, before it starts
+    architectures = config.get("architectures") or []
     if not architectures:
         raise ModelSourceError(f"{model_dir / 'config.json'} names no architecture")
     return check_supported(architectures[0], model_dir)

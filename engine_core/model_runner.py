@@ -62,7 +62,7 @@ class ModelRunner:
         overrides = parse_hf_overrides(config.hf_overrides)
         self.pooling = read_pooling(model_path, overrides) if config.runner == "pooling" else None
         self.model = load_model(model_path, self.dtype, self.device, max_model_len, self.pooling, overrides,
-                                source.tokenizer)  # fmt: skip
+                                source.tokenizer, config.quantization)  # fmt: skip
         # int8 or int4, or packed bf16 on CPU; min_rows keeps a row's result independent of the rows beside it.
         self.min_rows = prepare_linears(self.model, config.quantization, self.device, self.dtype)
         if self.device.type == "cpu":

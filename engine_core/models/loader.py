@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -11,10 +12,12 @@ from torch import nn
 from transformers import AutoConfig
 from transformers.initialization import no_init_weights
 
-from common.model_source import ModelSourceError
+from common.checkpoint_quant import QuantScheme, read_scheme
+from common.model_source import ModelSourceError, read_config
 from common.pooling import Pooling
 from engine_core.models.gemma3 import Gemma3ForCausalLM
 from engine_core.models.gpt2 import GPT2LMHeadModel
+from engine_core.models.gptq_awq import quantized_prefixes, take_quantized_linears, unpack_checkpoint
 from engine_core.models.granite import GraniteForCausalLM, GraniteHybridForCausalLM
 from engine_core.models.llama import LlamaForCausalLM
 from engine_core.models.moe import MoeForCausalLM
@@ -130,14 +133,28 @@ def build_model(config, dtype: torch.dtype, device: torch.device, max_positions:
     return model.eval().requires_grad_(False)
 
 
-def load_weights(model: nn.Module, state: dict[str, torch.Tensor] | Path) -> None:
-    """Copies checkpoint tensors into `model`, fusing q/k/v and gate/up; fails loudly on a missing weight."""
+def module_of(model: nn.Module, key: str) -> tuple[str, int | None] | None:
+    """The module a checkpoint weight (its key) is loaded into, and its part of a fused layer (None: a whole
+    weight); None for a key the model does not use."""
+    name = model.checkpoint_name(key)
+    if name is None:
+        return None
+    for hf_part, (ours, shard) in getattr(model, "packed_modules", {}).items():
+        if f".{hf_part}." in name:
+            return name.replace(f".{hf_part}.", f".{ours}.").rsplit(".", 1)[0], shard
+    return name.rsplit(".", 1)[0], None
+
+
+def load_weights(model: nn.Module, state: dict[str, torch.Tensor] | Path, scheme: QuantScheme | None = None) -> None:
+    """Copies checkpoint tensors into `model`, fusing q/k/v and gate/up; fails loudly on a missing weight. `scheme`:
+    a GPTQ or AWQ checkpoint's, whose quantized linears take_quantized_linears made Int4Weights."""
     params = dict(model.named_parameters())
     loaded: set[str] = set()
     head = getattr(model, "lm_head", None)
     headless = isinstance(head, NoLmHead | ClassifierHead)
     head_source = head.source(model.config.tie_word_embeddings) if isinstance(head, ClassifierHead) else None
-    for key, tensor in _iter_checkpoint(state):
+    tensors = _iter_checkpoint(state)
+    for key, tensor in unpack_checkpoint(tensors, scheme) if scheme else tensors:
         if key.removeprefix("model.") == head_source:  # whole on every tensor-parallel rank: it is small
             head.take(tensor)
             loaded.add("lm_head.weight")
@@ -150,13 +167,11 @@ def load_weights(model: nn.Module, state: dict[str, torch.Tensor] | Path) -> Non
             tensor = model.convert_weight(name, tensor)
         if hasattr(model, "shard_weight"):  # tensor parallel: this rank's slice (HF names, before fusing)
             tensor = model.shard_weight(name, tensor)
-        for hf_part, (ours, shard) in getattr(model, "packed_modules", {}).items():
-            if f".{hf_part}." in name:
-                target = name.replace(f".{hf_part}.", f".{ours}.")
-                module = model.get_submodule(target.rsplit(".", 1)[0])
-                module.load_shard(shard, target.rsplit(".", 1)[1], tensor)
-                loaded.add(target)
-                break
+        module, shard = module_of(model, key)
+        if shard is not None:  # a part of one of our fused layers
+            attr = name.rsplit(".", 1)[1]
+            model.get_submodule(module).load_shard(shard, attr, tensor)
+            loaded.add(f"{module}.{attr}")
         else:
             if name not in params:
                 raise ValueError(f"unexpected weight {key!r} in checkpoint")
@@ -182,12 +197,16 @@ def _iter_checkpoint(state: dict[str, torch.Tensor] | Path):
 
 def load_model(path: str | Path, dtype: torch.dtype, device: torch.device, max_positions: int,
                pooling: Pooling | None = None, overrides: dict | None = None,
-               tokenizer: Path | None = None) -> nn.Module:  # fmt: skip
-    """`pooling`: a pooling engine's (--runner pooling), whose model has a pooling head instead of its LM head (a
+               tokenizer: Path | None = None, quantization: str = "none") -> nn.Module:  # fmt: skip
+    """`quantization`: --quantization, which a GPTQ or AWQ checkpoint must not contradict (common/checkpoint_quant.py).
+    `pooling`: a pooling engine's (--runner pooling), whose model has a pooling head instead of its LM head (a
     classifier's label tokens are looked up in `tokenizer`'s directory, by default the model's)."""
     config = load_config(path, overrides)
+    scheme = read_scheme(read_config(Path(path), overrides), quantization)
     model = build_model(config, dtype, device, max_positions)
     if pooling is not None:
         model.lm_head = pooling_head(config, pooling, tokenizer or Path(path), device)
-    load_weights(model, Path(path))
+    if scheme is not None:  # a GPTQ or AWQ checkpoint: its quantized linears are never widened to floats
+        take_quantized_linears(model, quantized_prefixes(Path(path)), partial(module_of, model))
+    load_weights(model, Path(path), scheme)
     return model

@@ -17,6 +17,7 @@ for the lookup: only the head's copy is quantized.
 from __future__ import annotations
 
 import logging
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -24,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from common.gguf_weights import matching_quantization
+from common.model_errors import ModelSourceError
 from engine_core import distributed
 from engine_core.cpu_kernels import cpu_kernels
 from engine_core.linear_packing import GROUP, pack_int4, pack_int8
@@ -85,21 +87,55 @@ def dequantize(q: torch.Tensor, scale: torch.Tensor, mins: torch.Tensor | None =
     return (w if mins is None else w + mins[..., None]).view(q.shape)
 
 
+class Int4Weights(nn.Module):
+    """A linear layer stored quantized in its checkpoint (engine_core/models/gptq_awq.py), while the checkpoint is
+    read: the parts of our int4 grid, filled by name as a linear's weight is (`load_shard` for a fused layer's
+    parts), then made a QuantizedLinear by prepare_linears."""
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__()
+        n, k = linear.out_features, linear.in_features
+        if k % GROUP:
+            raise ModelSourceError(f"a quantized linear of {k} input features: a multiple of {GROUP} is needed")
+        self.in_features, self.out_features, self.dtype = k, n, linear.weight.dtype
+        self.shard_sizes = getattr(linear, "shard_sizes", None)
+        self.shard_offsets = getattr(linear, "shard_offsets", None)
+        device = linear.weight.device
+        frozen = partial(nn.Parameter, requires_grad=False)
+        self.weight_q = frozen(torch.empty(n, k, dtype=torch.uint8, device=device))
+        self.weight_scale = frozen(torch.empty(n, k // GROUP, device=device))
+        self.weight_min = frozen(torch.empty(n, k // GROUP, device=device))
+        self.bias = linear.bias
+
+    def load_shard(self, index: int, name: str, tensor: torch.Tensor) -> None:
+        if name == "weight":
+            raise ModelSourceError("a fused layer whose parts are stored some quantized, some not")
+        target = getattr(self, name)
+        start = self.shard_offsets[index]
+        target.data[start : start + self.shard_sizes[index]].copy_(tensor)
+
+    def parts(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return self.weight_q.data, self.weight_scale.data, self.weight_min.data
+
+
 class QuantizedLinear(nn.Module):
     """Keeps only what its matmul reads: the kernel's packed panels on CPU in bf16, else the quantized weight and
-    its scales (and mins), dequantized in every call. method: "int8" or "int4"."""
+    its scales (and mins), dequantized in every call. method: "int8" or "int4". From a plain linear, quantized
+    here, or from a checkpoint's own int4 weights (Int4Weights)."""
 
-    def __init__(self, linear: nn.Linear, method: str) -> None:
+    def __init__(self, linear: nn.Linear | Int4Weights, method: str) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.shard_sizes = getattr(linear, "shard_sizes", None)  # a fused layer's parts (LoRA adapters read them)
-        weight = linear.weight.detach()
         quantize, pack = METHODS[method]
-        parts = quantize(weight)
+        if isinstance(linear, Int4Weights):
+            parts, dtype = linear.parts(), linear.dtype
+        else:
+            parts, dtype = quantize(linear.weight.detach()), linear.weight.dtype
         self.bias = linear.bias
         # Row-parallel: the partial products are summed over the ranks, and the bias added once, after.
         self.all_reduce = isinstance(linear, RowParallelLinear) and distributed.tp_size() > 1
-        kernels = cpu_kernels() if weight.device.type == "cpu" and weight.dtype == torch.bfloat16 else None
+        kernels = cpu_kernels() if parts[0].device.type == "cpu" and dtype == torch.bfloat16 else None
         supported = kernels is not None and kernels.supports_quantized_linear(method, self.in_features)
         self.kernels = kernels if supported else None
         if self.kernels is not None:
@@ -143,17 +179,22 @@ def prepare_linears(model: nn.Module, quantization: str, device: torch.device, d
     and MKL's fp32 paths below 4 rows sum in another order than wider calls; our bf16, fp32, int8 and int4 kernels
     do each row alone. On CUDA no row count promises that (cuBLAS picks kernels by shape): 8 there only limits the
     shapes.
+
+    A GPTQ or AWQ checkpoint's quantized linears (Int4Weights) become int4 QuantizedLinears first; the others
+    (the LM head, as such checkpoints keep it) are then treated as any model's.
     """
+    prequantized = _take_int4_weights(model)
+    methods = ({quantization} if quantization in ("int8", "int4") else set()) | ({"int4"} if prequantized else set())
+    kernels = cpu_kernels()
+    for method in sorted(methods):
+        if device.type != "cpu" or dtype != torch.bfloat16 or kernels is None or \
+                not kernels.supports_quantized_linear(method, GROUP):  # fmt: skip
+            log.warning("%s weights on %s %s have no kernel: dequantized in every call (slow)", method, device,
+                        dtype)  # fmt: skip
     if quantization in ("int8", "int4"):
         quantize_linears(model, quantization)
-        kernels = cpu_kernels()
-        if device.type != "cpu" or dtype != torch.bfloat16 or kernels is None or \
-                not kernels.supports_quantized_linear(quantization, GROUP):  # fmt: skip
-            log.warning("%s weights on %s %s have no kernel: dequantized in every call (slow)", quantization,
-                        device, dtype)  # fmt: skip
-            return 8
         # A layer the kernel cannot take (in_features not a multiple of 32) goes through torch's matmul.
-        return 1 if all(m.kernels is not None for m in model.modules() if isinstance(m, QuantizedLinear)) else 8
+        return 1 if _all_ours(model) else 8
     elif device.type == "cpu" and dtype == torch.bfloat16 and torch.backends.mkldnn.is_available():
         if not can_pack_bf16():
             log.warning("bf16 on a CPU without AVX512 or AVX2 + FMA: torch emulates its matmuls (slow); --dtype "
@@ -177,8 +218,18 @@ def _has_f32_linear() -> bool:
 
 
 def _all_ours(model: nn.Module) -> bool:
-    """Whether our kernels run every packed linear of the model."""
-    return all(m.kernels is not None for m in model.modules() if isinstance(m, PackedLinear))
+    """Whether our kernels run every packed and quantized linear of the model."""
+    return all(m.kernels is not None for m in model.modules() if isinstance(m, PackedLinear | QuantizedLinear))
+
+
+def _take_int4_weights(model: nn.Module) -> int:
+    """Every Int4Weights of `model` replaced by its int4 QuantizedLinear; returns how many."""
+    names = [name for name, m in model.named_modules() if isinstance(m, Int4Weights)]
+    for name in names:
+        parent, _, attr = name.rpartition(".")
+        holder = model.get_submodule(parent)
+        setattr(holder, attr, QuantizedLinear(getattr(holder, attr), "int4"))
+    return len(names)
 
 
 def quantization_hint(model_dir: Path, quantization: str, device: torch.device, dtype: torch.dtype) -> str | None:

@@ -1,0 +1,143 @@
+"""GPTQ and AWQ checkpoints (common/checkpoint_quant.py) on our int4 grid, without loss: both store each weight as
+w = scale * (q - zero) with q and zero in 0..15 and one fp16 scale and zero per group of input features, which is
+our int4's w = scale * q + min (engine_core/models/quant.py) with min = -scale * zero (exact in fp32) for each of
+the group's runs of 32. The weights are never widened to floats: a quantized linear is an Int4Weights until the
+checkpoint is read, then a QuantizedLinear.
+
+Layouts (int32 words of eight 4-bit values, the lowest bits first):
+- GPTQ: qweight [K / 8, N] packs along the input features; qzeros [groups, N / 8] along the outputs, holding
+  zero - 1 in the original format; g_idx [K] names each input feature's group.
+- AWQ (GEMM): qweight [K, N / 8] and qzeros [groups, N / 8] pack along the outputs, the eight columns of a word in
+  the order 0 2 4 6 1 3 5 7.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from common.checkpoint_quant import GROUP, QuantScheme
+from common.model_errors import ModelSourceError
+from engine_core import distributed
+from engine_core.models.quant import Int4Weights
+
+_SHIFTS = torch.arange(0, 32, 4, dtype=torch.int32)
+_AWQ_COLUMN = [0, 2, 4, 6, 1, 3, 5, 7]  # the column of each nibble (lowest first) within its word of eight
+_REQUIRED = ("qweight", "qzeros", "scales")
+_PARTS = {"gptq": (*_REQUIRED, "g_idx"), "awq": _REQUIRED}  # GPTQ's g_idx may be left out
+
+
+def _nibbles(words: torch.Tensor) -> torch.Tensor:
+    """int32 [R, C] -> uint8 [R, C, 8]: each word's eight values, the lowest bits first."""
+    return ((words.unsqueeze(-1) >> _SHIFTS) & 15).to(torch.uint8)
+
+
+def _columns(words: torch.Tensor, order: list[int] | None = None) -> torch.Tensor:
+    """Values packed along the columns ([R, C] words) -> uint8 [R, 8 C], in `order` within each word."""
+    values = _nibbles(words)
+    if order is not None:
+        values = torch.empty_like(values).index_copy_(2, torch.tensor(order), values)
+    return values.reshape(words.shape[0], -1)
+
+
+def unpack(method: str, parts: dict[str, torch.Tensor], scheme: QuantScheme) -> tuple[torch.Tensor, ...]:
+    """One linear's checkpoint tensors -> ours: q (uint8 [N, K] in 0..15), fp32 scales and mins [N, K / 32]."""
+    words = parts["qweight"]
+    if method == "gptq":
+        q = _nibbles(words).permute(0, 2, 1).reshape(-1, words.shape[1])  # [K, N]
+        zeros = _columns(parts["qzeros"])
+    else:
+        q = _columns(words, _AWQ_COLUMN)
+        zeros = _columns(parts["qzeros"], _AWQ_COLUMN)
+    k, n = q.shape
+    scales = parts["scales"].float()
+    if k % GROUP:
+        raise ModelSourceError(f"{k} input features: a multiple of {GROUP} is needed to serve 4-bit weights")
+    # Each run of 32 input features must lie in one group (GPTQ names the group of each feature).
+    size = k if scheme.group_size == -1 else scheme.group_size
+    group_of = parts["g_idx"].long() if "g_idx" in parts else torch.arange(k) // size
+    runs = group_of.view(-1, GROUP)
+    if not bool((runs == runs[:, :1]).all()) or int(runs.max()) >= scales.shape[0]:
+        raise ModelSourceError("g_idx puts input features of one run of 32 in different groups (desc_act?): only "
+                               "groups of consecutive features are supported")
+    group = runs[:, 0]
+    scale = scales[group].T.contiguous()  # [N, K / 32]
+    zero = (zeros[:, :n].float() + scheme.zero_offset)[group].T
+    return q.T.contiguous(), scale, (-scale * zero).contiguous()
+
+
+def quantized_prefixes(path: Path) -> set[str]:
+    """The checkpoint's names of its quantized linears ("model.layers.0.self_attn.q_proj", ...)."""
+    prefixes = set()
+    for file in sorted(Path(path).glob("*.safetensors")):
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            prefixes |= {key.removesuffix(".qweight") for key in f.keys() if key.endswith(".qweight")}  # noqa: SIM118
+    return prefixes
+
+
+def take_quantized_linears(model: nn.Module, prefixes: set[str], target) -> int:
+    """Replaces the model's linears that the checkpoint stores quantized by Int4Weights, before the checkpoint is
+    read: their float weights are never filled. `target(name)`: the loader's (module, shard) for a checkpoint
+    weight's name, or None for one the model does not use."""
+    if distributed.tp_size() > 1:
+        raise ModelSourceError("GPTQ and AWQ checkpoints are not yet served with tensor parallelism; "
+                               "--data-parallel-size runs several engines")
+    if hasattr(model, "convert_weight"):
+        raise ModelSourceError(f"GPTQ and AWQ checkpoints of {type(model).__name__} are not supported")
+    names = set()
+    for prefix in prefixes:
+        found = target(prefix + ".weight")
+        if found is None:
+            continue
+        module_name = found[0]
+        module = model.get_submodule(module_name)
+        if not isinstance(module, nn.Linear | Int4Weights):
+            raise ModelSourceError(f"{prefix}: a quantized weight where {type(model).__name__} has no linear layer "
+                                   "(quantized experts of a mixture are not supported)")
+        names.add(module_name)
+    for name in sorted(names):
+        parent, _, attr = name.rpartition(".")
+        holder = model.get_submodule(parent)
+        linear = getattr(holder, attr)
+        if isinstance(linear, nn.Linear):
+            setattr(holder, attr, Int4Weights(linear))
+    return len(names)
+
+
+def unpack_checkpoint(tensors: Iterable[tuple[str, torch.Tensor]], scheme: QuantScheme
+                      ) -> Iterator[tuple[str, torch.Tensor]]:  # fmt: skip
+    """The checkpoint's tensors with each quantized linear's parts, once all have come, as ours: `weight_q`,
+    `weight_scale` and `weight_min` under its name. Others pass as they are. GPTQ's g_idx, where present, comes
+    first (a file's keys are sorted); one that comes after its linear is checked alone."""
+    pending: dict[str, dict[str, torch.Tensor]] = {}
+    done: set[str] = set()
+    for key, tensor in tensors:
+        prefix, _, part = key.rpartition(".")
+        if part == "g_idx" and scheme.method == "gptq" and prefix in done:
+            check_late_g_idx(tensor, scheme)
+            continue
+        if part not in _PARTS[scheme.method]:
+            yield key, tensor
+            continue
+        parts = pending.setdefault(prefix, {})
+        parts[part] = tensor
+        if all(p in parts for p in _REQUIRED):
+            del pending[prefix]
+            done.add(prefix)
+            q, scale, mins = unpack(scheme.method, parts, scheme)
+            yield from ((f"{prefix}.weight_q", q), (f"{prefix}.weight_scale", scale), (f"{prefix}.weight_min", mins))
+    if pending:
+        prefix, parts = next(iter(pending.items()))
+        raise ModelSourceError(f"{prefix}: the checkpoint has {sorted(parts)} of a quantized linear's "
+                               f"{list(_REQUIRED)}")
+
+
+def check_late_g_idx(g_idx: torch.Tensor, scheme: QuantScheme) -> None:
+    size = len(g_idx) if scheme.group_size == -1 else scheme.group_size
+    if not torch.equal(g_idx.long(), torch.arange(len(g_idx)) // size):
+        raise ModelSourceError("g_idx is not in the order of the input features (desc_act?): only groups of "
+                               "consecutive features are supported")
