@@ -10,6 +10,8 @@ from typing import Any
 from common.model_errors import ModelSourceError
 
 GROUP = 32  # the weights of a row that share a scale and min on our grid (engine_core/linear_packing.py's GROUP)
+# vLLM's --quantization names for such checkpoints (its kernels' names too): here each means "the checkpoint's own".
+CHECKPOINT_METHODS = {"gptq": "gptq", "gptq_marlin": "gptq", "awq": "awq", "awq_marlin": "awq"}
 
 
 @dataclass(frozen=True)
@@ -25,6 +27,9 @@ def read_scheme(config: dict[str, Any], quantization: str = "none") -> QuantSche
     again on another grid."""
     qc = config.get("quantization_config")
     if qc is None:
+        if quantization in CHECKPOINT_METHODS:
+            raise ModelSourceError(f"--quantization {quantization}: this checkpoint is not quantized (its config.json "
+                                   "has no quantization_config); --quantization int4 or int8 quantizes it at load")
         return None
     if not isinstance(qc, dict):
         raise ModelSourceError("config.json: quantization_config is not an object")
@@ -54,6 +59,8 @@ def read_scheme(config: dict[str, Any], quantization: str = "none") -> QuantSche
         if layout not in ("gptq", "gptq_v2"):
             raise ModelSourceError(f"{where} checkpoint_format={layout!r} is not supported ('gptq' or 'gptq_v2')")
         offset = 1 if layout == "gptq" else 0
+    if CHECKPOINT_METHODS.get(quantization, method) != method:
+        raise ModelSourceError(f"--quantization {quantization}: this checkpoint is quantized by {method.upper()}")
     if quantization == "int8":
         raise ModelSourceError(f"--quantization int8: this checkpoint is already quantized to 4 bits by "
                                f"{method.upper()}; leave --quantization out to serve it as it is")

@@ -155,7 +155,16 @@ def test_what_cannot_be_served_fails_before_the_engine_starts(tmp_path, fields, 
         resolve_model(str(tmp_path / "m"))
 
 
-def test_int8_would_quantize_it_again_and_is_refused(tmp_path) -> None:
-    assert read_scheme(_with_quant_config(tmp_path), "int4") == QuantScheme("gptq", 128, 1)
+def test_quantization_flag_against_the_checkpoint(tmp_path) -> None:
+    """vLLM's names for the checkpoint's own method are taken (and must be right); int4 quantizes only what the
+    checkpoint left in floats (its LM head); int8 would quantize it again, on another grid, and is refused."""
+    gptq, plain = _with_quant_config(tmp_path), {"architectures": ["LlamaForCausalLM"]}
+    for flag in ("none", "int4", "gptq", "gptq_marlin"):
+        assert read_scheme(gptq, flag) == QuantScheme("gptq", 128, 1)
     with pytest.raises(ModelSourceError, match="already quantized to 4 bits by GPTQ"):
-        read_scheme(_with_quant_config(tmp_path), "int8")
+        read_scheme(gptq, "int8")
+    with pytest.raises(ModelSourceError, match="--quantization awq: this checkpoint is quantized by GPTQ"):
+        read_scheme(gptq, "awq")
+    with pytest.raises(ModelSourceError, match="--quantization gptq: this checkpoint is not quantized"):
+        read_scheme(plain, "gptq")
+    assert read_scheme(plain, "int8") is None

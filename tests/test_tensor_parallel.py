@@ -1,6 +1,7 @@
 """Tensor parallelism over torch.distributed (gloo, CPU, float32): two ranks serve over HTTP token for token what
 transformers generates greedily, on the default model and on tiny random Llama (one KV head, replicated), Qwen2
-(q/k/v biases, odd vocabulary), Qwen2-MoE (experts split unevenly) and GPT-2 (odd vocabulary) configs, and a Qwen3
+(q/k/v biases, odd vocabulary), Qwen2-MoE (experts split unevenly) and GPT-2 (odd vocabulary) configs, a GPTQ
+checkpoint (transformers on the float weights it stands for), and a Qwen3
 classifier's probabilities over /classify; two "nodes" on loopback form one group; the group dies and restarts as
 one, whichever of its processes is killed.
 
@@ -24,6 +25,7 @@ import torch
 import transformers
 from tokenizers import Tokenizer, models, pre_tokenizers
 
+from bench.quantize_checkpoint import convert
 from engine_core.models.parallel import HeadSplit, head_split, split, vocab_shard
 from tests.conftest import REPO, Server, free_port
 from tests.test_model_parity import randomized
@@ -62,6 +64,11 @@ CLASSIFIER = (lambda: transformers.Qwen3Config(hidden_size=64, intermediate_size
                                                num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                                                vocab_size=128, num_labels=3),
               transformers.Qwen3ForSequenceClassification)  # fmt: skip
+# A GPTQ checkpoint of a Llama (bench.quantize_checkpoint, groups of 32) whose row-parallel linears' inputs split
+# into whole groups on both ranks: each rank takes its rows or its columns of the 4-bit weights and their scales.
+GPTQ_LLAMA = (lambda: transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                               num_attention_heads=4, num_key_value_heads=2, vocab_size=128,
+                                               architectures=["LlamaForCausalLM"]), transformers.LlamaForCausalLM)
 # Token-id prompts: different lengths in one batch, and a second round that hits the first one's cached prefix.
 PROMPTS = [[5, 9, 17, 3, 44, 2, 8], list(range(10, 50)), [7] * 3]
 PREFIX_HIT = list(range(10, 50))[:33] + [1, 2, 3]
@@ -134,7 +141,11 @@ def gone(pid: int, timeout: float = 15.0) -> bool:
 @pytest.fixture(scope="module")
 def tiny_models(tmp_path_factory) -> dict[str, tuple[Path, transformers.PreTrainedModel]]:
     root = tmp_path_factory.mktemp("tiny")
-    return {**{name: save_tiny(name, root) for name in TINY}, "classifier": save_tiny("classifier", root, CLASSIFIER)}
+    plain, _ = save_tiny("gptq-plain", root, GPTQ_LLAMA)
+    convert(plain, root / "gptq", "gptq", 32, False, "gptq", root / "gptq-ref")  # ref: the weights it stands for
+    gptq = root / "gptq", transformers.AutoModelForCausalLM.from_pretrained(root / "gptq-ref", dtype=torch.float32)
+    return {**{name: save_tiny(name, root) for name in TINY}, "classifier": save_tiny("classifier", root, CLASSIFIER),
+            "gptq": gptq}  # fmt: skip
 
 
 class TwoNodes:
@@ -162,7 +173,7 @@ class TwoNodes:
 def servers(tmp_path_factory, tiny_models):
     """One TP=2 server per model, all starting at once; Qwen2's spans two "nodes"."""
     started: dict[str, Server] = {"smollm2": Server(tmp_path_factory.mktemp("tp-smollm2"), *TP)}
-    for name in ("llama", "qwen2-moe"):
+    for name in ("llama", "qwen2-moe", "gptq"):
         started[name] = Server(tmp_path_factory.mktemp(f"tp-{name}"), *TP, "--model", str(tiny_models[name][0]))
     # A small token budget: the 40-token prompt is prefilled in chunks, in steps that also decode the others.
     started["gpt2"] = Server(tmp_path_factory.mktemp("tp-gpt2"), *TP, "--model", str(tiny_models["gpt2"][0]),
@@ -239,6 +250,11 @@ def test_tiny_greedy_equals_transformers(servers, tiny_models, name):
     server = healthy(servers, name)
     assert tiny_greedy_over_http(server, PROMPTS) == refs[:-1]
     assert tiny_greedy_over_http(server, [PREFIX_HIT]) == refs[-1:]  # its first 32 tokens come from the cache
+
+
+def test_a_gptq_checkpoint_splits_over_the_ranks(servers, tiny_models):
+    _, hf = tiny_models["gptq"]
+    assert tiny_greedy_over_http(healthy(servers, "gptq"), PROMPTS) == [hf_greedy(hf.eval(), p) for p in PROMPTS]
 
 
 def test_group_dies_and_restarts_as_one(servers, tiny_models):

@@ -22,7 +22,6 @@ from torch import nn
 
 from common.checkpoint_quant import GROUP, QuantScheme
 from common.model_errors import ModelSourceError
-from engine_core import distributed
 from engine_core.models.quant import Int4Weights
 
 _SHIFTS = torch.arange(0, 32, 4, dtype=torch.int32)
@@ -83,9 +82,6 @@ def take_quantized_linears(model: nn.Module, prefixes: set[str], target) -> int:
     """Replaces the model's linears that the checkpoint stores quantized by Int4Weights, before the checkpoint is
     read: their float weights are never filled. `target(name)`: the loader's (module, shard) for a checkpoint
     weight's name, or None for one the model does not use."""
-    if distributed.tp_size() > 1:
-        raise ModelSourceError("GPTQ and AWQ checkpoints are not yet served with tensor parallelism; "
-                               "--data-parallel-size runs several engines")
     if hasattr(model, "convert_weight"):
         raise ModelSourceError(f"GPTQ and AWQ checkpoints of {type(model).__name__} are not supported")
     names = set()
@@ -141,3 +137,17 @@ def check_late_g_idx(g_idx: torch.Tensor, scheme: QuantScheme) -> None:
     if not torch.equal(g_idx.long(), torch.arange(len(g_idx)) // size):
         raise ModelSourceError("g_idx is not in the order of the input features (desc_act?): only groups of "
                                "consecutive features are supported")
+
+
+def shard_part(model: nn.Module, name: str, tensor: torch.Tensor) -> torch.Tensor:
+    """Tensor parallel: this rank's slice of a quantized linear's part, as model.shard_weight slices its weight
+    (rows, or columns: input features, of which a scale or min covers 32). Every rank's share of the input features
+    is whole runs of 32 (Int4Weights checks its own), so the runs stay whole."""
+    base, _, part = name.rpartition(".")
+    if part not in ("weight_scale", "weight_min"):
+        return model.shard_weight(f"{base}.weight" if part == "weight_q" else name, tensor)
+    wide = model.shard_weight(f"{base}.weight", tensor.repeat_interleave(GROUP, dim=1))
+    runs = wide.view(wide.shape[0], -1, GROUP)
+    if not bool((runs == runs[..., :1]).all()):
+        raise ModelSourceError(f"{base}: this rank's share of the input features does not start on a run of {GROUP}")
+    return runs[..., 0].contiguous()

@@ -17,7 +17,12 @@ from common.model_source import ModelSourceError, read_config
 from common.pooling import Pooling
 from engine_core.models.gemma3 import Gemma3ForCausalLM
 from engine_core.models.gpt2 import GPT2LMHeadModel
-from engine_core.models.gptq_awq import quantized_prefixes, take_quantized_linears, unpack_checkpoint
+from engine_core.models.gptq_awq import (
+    quantized_prefixes,
+    shard_part,
+    take_quantized_linears,
+    unpack_checkpoint,
+)
 from engine_core.models.granite import GraniteForCausalLM, GraniteHybridForCausalLM
 from engine_core.models.llama import LlamaForCausalLM
 from engine_core.models.moe import MoeForCausalLM
@@ -166,7 +171,7 @@ def load_weights(model: nn.Module, state: dict[str, torch.Tensor] | Path, scheme
         if hasattr(model, "convert_weight"):  # a layout fix-up, e.g. GPT-2's Conv1D [in, out] weights
             tensor = model.convert_weight(name, tensor)
         if hasattr(model, "shard_weight"):  # tensor parallel: this rank's slice (HF names, before fusing)
-            tensor = model.shard_weight(name, tensor)
+            tensor = shard_part(model, name, tensor) if scheme else model.shard_weight(name, tensor)
         module, shard = module_of(model, key)
         if shard is not None:  # a part of one of our fused layers
             attr = name.rsplit(".", 1)[1]

@@ -100,6 +100,7 @@ class Int4Weights(nn.Module):
         self.in_features, self.out_features, self.dtype = k, n, linear.weight.dtype
         self.shard_sizes = getattr(linear, "shard_sizes", None)
         self.shard_offsets = getattr(linear, "shard_offsets", None)
+        self.row_parallel = isinstance(linear, RowParallelLinear)
         device = linear.weight.device
         frozen = partial(nn.Parameter, requires_grad=False)
         self.weight_q = frozen(torch.empty(n, k, dtype=torch.uint8, device=device))
@@ -134,7 +135,8 @@ class QuantizedLinear(nn.Module):
             parts, dtype = quantize(linear.weight.detach()), linear.weight.dtype
         self.bias = linear.bias
         # Row-parallel: the partial products are summed over the ranks, and the bias added once, after.
-        self.all_reduce = isinstance(linear, RowParallelLinear) and distributed.tp_size() > 1
+        row_parallel = linear.row_parallel if isinstance(linear, Int4Weights) else isinstance(linear, RowParallelLinear)
+        self.all_reduce = row_parallel and distributed.tp_size() > 1
         kernels = cpu_kernels() if parts[0].device.type == "cpu" and dtype == torch.bfloat16 else None
         supported = kernels is not None and kernels.supports_quantized_linear(method, self.in_features)
         self.kernels = kernels if supported else None
