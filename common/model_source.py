@@ -76,21 +76,22 @@ def is_model_path(spec: str) -> bool:
 
 
 def resolve_model(spec: str | None, cache_dir: Path | None = None, overrides: dict | None = None,
-                  tokenizer: str | None = None) -> ResolvedModel:  # fmt: skip
+                  tokenizer: str | None = None, quantization: str = "none") -> ResolvedModel:  # fmt: skip
     """Resolve a local HF dir, a .gguf file path, or the default model (None, "" or its name). `overrides`
     (--hf-overrides, parsed) may name another architecture for the checkpoint; `tokenizer` (--tokenizer) another
-    directory to read the tokenizer from."""
+    directory to read the tokenizer from; `quantization` (--quantization) is checked against a GPTQ or AWQ
+    checkpoint's own."""
     tok = tokenizer_dir(tokenizer)
     if not spec or spec == DEFAULT_MODEL_NAME:
         with importlib.resources.as_file(_default_gguf()) as gguf_path:
             path = _cached_conversion(gguf_path, _cache_root(cache_dir))
-        return ResolvedModel(path, DEFAULT_MODEL_NAME, _read_architecture(path, overrides), tok)
+        return ResolvedModel(path, DEFAULT_MODEL_NAME, _read_architecture(path, overrides, quantization), tok)
     path = Path(spec).expanduser().resolve()
     if _is_model_dir(path):
-        return ResolvedModel(path, path.name, _read_architecture(path, overrides), tok)
+        return ResolvedModel(path, path.name, _read_architecture(path, overrides, quantization), tok)
     if _is_gguf(path):
         converted = _cached_conversion(path, _cache_root(cache_dir))
-        return ResolvedModel(converted, path.stem, _read_architecture(converted, overrides), tok)
+        return ResolvedModel(converted, path.stem, _read_architecture(converted, overrides, quantization), tok)
     if path.is_dir():
         raise ModelSourceError(f"{path} is not a model directory (no config.json)")
     if path.exists():
@@ -158,9 +159,9 @@ def parse_hf_overrides(text: str | None) -> dict[str, Any]:
     return overrides
 
 
-def _read_architecture(model_dir: Path, overrides: dict | None = None) -> str:
+def _read_architecture(model_dir: Path, overrides: dict | None = None, quantization: str = "none") -> str:
     config = read_config(model_dir, overrides)
-    read_scheme(config)  # a GPTQ or AWQ checkpoint the engine cannot serve fails here, before it starts
+    read_scheme(config, quantization)  # a GPTQ or AWQ checkpoint the engine cannot serve fails before it starts
     architectures = config.get("architectures") or []
     if not architectures:
         raise ModelSourceError(f"{model_dir / 'config.json'} names no architecture")

@@ -186,6 +186,8 @@ def prepare_linears(model: nn.Module, quantization: str, device: torch.device, d
     (the LM head, as such checkpoints keep it) are then treated as any model's.
     """
     prequantized = _take_int4_weights(model)
+    if prequantized:
+        log.info("%d linears run the checkpoint's own 4-bit weights, on the int4 grid", prequantized)
     methods = ({quantization} if quantization in ("int8", "int4") else set()) | ({"int4"} if prequantized else set())
     kernels = cpu_kernels()
     for method in sorted(methods):

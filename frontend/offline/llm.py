@@ -38,7 +38,8 @@ class LLM:
         config = dataclasses.replace(EngineConfig(), model=model, **engine_options)
         self.overrides = parse_hf_overrides(config.hf_overrides)
         # converts a GGUF once, before the engine
-        self.source = resolve_model(model, overrides=self.overrides, tokenizer=config.tokenizer)
+        self.source = resolve_model(model, overrides=self.overrides, tokenizer=config.tokenizer,
+                                    quantization=config.quantization)
         self.tokenizer = Tokenizer(self.source.tokenizer, chat_template=chat_template)
         self.pair_template = chat_template is not None
         self.loras = {m.name: m.ref for m in lora_modules(config)}  # bad flags or adapter configs: before the engine
