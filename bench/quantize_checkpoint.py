@@ -1,10 +1,10 @@
-"""A plain HF checkpoint -> the same model as a GPTQ or AWQ checkpoint (4 bits), laid out as those tools save
-them, for benchmarks and tests without a model hub. The weights are rounded to the nearest point of each group's
-grid (no calibration: the layout, not the quality of the rounding, is what the engine reads), every decoder
-layer's linear quantized, the embeddings and LM head left as they are.
+"""A plain HF checkpoint -> the same model as a GPTQ, AWQ or compressed-tensors (W4A16) checkpoint, laid out as
+those tools save them, for benchmarks and tests without a model hub. The weights are rounded to the nearest point
+of each group's grid (no calibration: the layout, not the quality of the rounding, is what the engine reads),
+every decoder layer's linear quantized, the embeddings and LM head left as they are.
 
-python -m bench.quantize_checkpoint SRC DST --method gptq|awq [--group-size 128] [--sym] [--format gptq|gptq_v2]
-    [--reference DIR]
+python -m bench.quantize_checkpoint SRC DST --method gptq|awq|compressed-tensors [--group-size 128] [--sym]
+    [--format gptq|gptq_v2] [--reference DIR]
 
 --reference also writes the model with each quantized weight as the float32 it stands for, scale * (q - zero),
 computed here before packing: what transformers runs to check the engine's reading of the packed layout.
@@ -58,7 +58,10 @@ def pack_words(values: torch.Tensor, dim: int) -> torch.Tensor:
     return words.movedim(-1, dim).contiguous()
 
 
-def packed(method: str, q: torch.Tensor, zero: torch.Tensor, offset: int) -> dict[str, torch.Tensor]:
+def packed(method: str, q: torch.Tensor, zero: torch.Tensor, offset: int, sym: bool) -> dict[str, torch.Tensor]:
+    if method == "compressed-tensors":  # [N, ...] as torch stores a linear; each value its signed self + 8
+        parts = {"weight_packed": pack_words(q.T, 1), "weight_shape": torch.tensor([q.shape[1], q.shape[0]])}
+        return parts if sym else parts | {"weight_zero_point": pack_words(zero.T, 0)}
     if method == "gptq":
         return {"qweight": pack_words(q, 0), "qzeros": pack_words(zero - offset, 1),
                 "g_idx": torch.empty(0)}  # fmt: skip
@@ -86,11 +89,15 @@ def convert(src: Path, dst: Path, method: str, group_size: int, sym: bool, fmt: 
                     continue
                 q, zero, scale = quantize(t, group_size, sym)
                 prefix = key.removesuffix(".weight")
-                parts = packed(method, q, zero, offset)
+                parts = packed(method, q, zero, offset, sym)
                 if "g_idx" in parts:
                     parts["g_idx"] = (torch.arange(q.shape[0]) // (q.shape[0] if group_size == -1 else group_size)
                                       ).to(torch.int32)  # fmt: skip
-                tensors |= {f"{prefix}.{name}": p for name, p in parts.items()} | {f"{prefix}.scales": scale}
+                if method == "compressed-tensors":
+                    parts["weight_scale"] = scale.T.contiguous()
+                else:
+                    parts["scales"] = scale
+                tensors |= {f"{prefix}.{name}": p for name, p in parts.items()}
                 ref[key] = dequantized(q, zero, scale, group_size)
         for out, written in ((dst, tensors), (reference, ref)):
             if out is not None:
@@ -102,8 +109,14 @@ def convert(src: Path, dst: Path, method: str, group_size: int, sym: bool, fmt: 
     if method == "gptq":
         qc = {"quant_method": "gptq", "bits": 4, "group_size": group_size, "desc_act": False, "sym": sym,
               "checkpoint_format": fmt}  # fmt: skip
-    else:
+    elif method == "awq":
         qc = {"quant_method": "awq", "bits": 4, "group_size": group_size, "zero_point": True, "version": "gemm"}
+    else:
+        weights = {"num_bits": 4, "type": "int", "symmetric": sym, "strategy": "channel" if group_size == -1 else
+                   "group", "group_size": None if group_size == -1 else group_size, "actorder": None}  # fmt: skip
+        qc = {"quant_method": "compressed-tensors", "format": "pack-quantized", "ignore": ["lm_head"],
+              "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights, "input_activations": None}},
+              "quantization_status": "compressed"}  # fmt: skip
     (dst / "config.json").write_text(json.dumps(config | {"quantization_config": qc}, indent=2))
     if reference:
         (reference / "config.json").write_text(json.dumps(config | {"torch_dtype": "float32"}, indent=2))
@@ -113,9 +126,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("src", type=Path)
     parser.add_argument("dst", type=Path)
-    parser.add_argument("--method", choices=["gptq", "awq"], required=True)
+    parser.add_argument("--method", choices=["gptq", "awq", "compressed-tensors"], required=True)
     parser.add_argument("--group-size", type=int, default=128)
-    parser.add_argument("--sym", action="store_true", help="GPTQ: symmetric (zero 8), as most GPTQ checkpoints")
+    parser.add_argument("--sym", action="store_true", help="symmetric (zero 8), as most GPTQ and compressed-tensors "
+                        "checkpoints")
     parser.add_argument("--format", choices=["gptq", "gptq_v2"], default="gptq", help="GPTQ's checkpoint_format")
     parser.add_argument("--reference", type=Path, default=None)
     args = parser.parse_args()

@@ -41,9 +41,10 @@ class EngineConfig:
     )
     quantization: str = flag(
         "none", "none | int8 | int4: weight-only int8 or int4 linears, the LM head int8 (CPU bf16, AVX512-BF16 or "
-        "AVX2; faster at small batches; int4 fastest, least exact). A GPTQ or AWQ checkpoint is served on the int4 "
-        "grid as it is, without the flag (vLLM's gptq, awq, gptq_marlin and awq_marlin name it too)",
-        choices=["none", "int8", "int4", "gptq", "awq", "gptq_marlin", "awq_marlin"],
+        "AVX2; faster at small batches; int4 fastest, least exact). A GPTQ, AWQ or compressed-tensors W4A16 "
+        "checkpoint is served on the int4 grid as it is, without the flag (vLLM's gptq, awq, gptq_marlin, "
+        "awq_marlin and compressed-tensors name it too)",
+        choices=["none", "int8", "int4", "gptq", "awq", "gptq_marlin", "awq_marlin", "compressed-tensors"],
     )
     device: str = flag("auto", "auto | cpu | cuda")
     max_model_len: int | None = flag(None, "context length (default: the model's, capped at 8192)")

@@ -17,16 +17,16 @@ from common.model_source import ModelSourceError, read_config
 from common.pooling import Pooling
 from engine_core.models.gemma3 import Gemma3ForCausalLM
 from engine_core.models.gpt2 import GPT2LMHeadModel
-from engine_core.models.gptq_awq import (
+from engine_core.models.granite import GraniteForCausalLM, GraniteHybridForCausalLM
+from engine_core.models.llama import LlamaForCausalLM
+from engine_core.models.moe import MoeForCausalLM
+from engine_core.models.olmo2 import Olmo2ForCausalLM
+from engine_core.models.prequantized import (
     quantized_prefixes,
     shard_part,
     take_quantized_linears,
     unpack_checkpoint,
 )
-from engine_core.models.granite import GraniteForCausalLM, GraniteHybridForCausalLM
-from engine_core.models.llama import LlamaForCausalLM
-from engine_core.models.moe import MoeForCausalLM
-from engine_core.models.olmo2 import Olmo2ForCausalLM
 
 ARCHITECTURES: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,

@@ -88,7 +88,7 @@ def dequantize(q: torch.Tensor, scale: torch.Tensor, mins: torch.Tensor | None =
 
 
 class Int4Weights(nn.Module):
-    """A linear layer stored quantized in its checkpoint (engine_core/models/gptq_awq.py), while the checkpoint is
+    """A linear layer stored quantized in its checkpoint (engine_core/models/prequantized.py), while the checkpoint is
     read: the parts of our int4 grid, filled by name as a linear's weight is (`load_shard` for a fused layer's
     parts), then made a QuantizedLinear by prepare_linears."""
 

@@ -1,14 +1,17 @@
-"""GPTQ and AWQ checkpoints (common/checkpoint_quant.py) on our int4 grid, without loss: both store each weight as
-w = scale * (q - zero) with q and zero in 0..15 and one fp16 scale and zero per group of input features, which is
-our int4's w = scale * q + min (engine_core/models/quant.py) with min = -scale * zero (exact in fp32) for each of
-the group's runs of 32. The weights are never widened to floats: a quantized linear is an Int4Weights until the
-checkpoint is read, then a QuantizedLinear.
+"""Checkpoints quantized to 4 bits before they were saved (common/checkpoint_quant.py: GPTQ, AWQ, compressed-tensors)
+on our int4 grid, without loss: each stores a weight as w = scale * (q - zero) with q and zero in 0..15 and one
+scale and zero per group of input features, which is our int4's w = scale * q + min (engine_core/models/quant.py)
+with min = -scale * zero (exact in fp32) for each of the group's runs of 32. The weights are never widened to
+floats: a quantized linear is an Int4Weights until the checkpoint is read, then a QuantizedLinear.
 
-Layouts (int32 words of eight 4-bit values, the lowest bits first):
+Layouts (int32 words of eight 4-bit values, the lowest bits first; K input features, N outputs):
 - GPTQ: qweight [K / 8, N] packs along the input features; qzeros [groups, N / 8] along the outputs, holding
   zero - 1 in the original format; g_idx [K] names each input feature's group.
 - AWQ (GEMM): qweight [K, N / 8] and qzeros [groups, N / 8] pack along the outputs, the eight columns of a word in
   the order 0 2 4 6 1 3 5 7.
+- compressed-tensors (pack-quantized): weight_packed [N, K / 8] packs along the input features, each value its
+  signed q + 8; weight_zero_point [N / 8, groups] along the outputs, the same way (symmetric: none, every zero 8);
+  weight_scale [N, groups]; weight_g_idx [K] where present.
 """
 
 from __future__ import annotations
@@ -26,8 +29,17 @@ from engine_core.models.quant import Int4Weights
 
 _SHIFTS = torch.arange(0, 32, 4, dtype=torch.int32)
 _AWQ_COLUMN = [0, 2, 4, 6, 1, 3, 5, 7]  # the column of each nibble (lowest first) within its word of eight
-_REQUIRED = ("qweight", "qzeros", "scales")
-_PARTS = {"gptq": (*_REQUIRED, "g_idx"), "awq": _REQUIRED}  # GPTQ's g_idx may be left out
+# Per method: the parts a quantized linear needs (its zero points unless symmetric), then those it may have.
+_PARTS = {
+    "gptq": (("qweight", "scales", "qzeros"), ("g_idx",)),
+    "awq": (("qweight", "scales", "qzeros"), ()),
+    "compressed-tensors": (("weight_packed", "weight_scale", "weight_zero_point"), ("weight_g_idx", "weight_shape")),
+}
+
+
+def _needed(scheme: QuantScheme) -> tuple[str, ...]:
+    needed = _PARTS[scheme.method][0]
+    return needed[:2] if scheme.symmetric else needed
 
 
 def _nibbles(words: torch.Tensor) -> torch.Tensor:
@@ -43,28 +55,35 @@ def _columns(words: torch.Tensor, order: list[int] | None = None) -> torch.Tenso
     return values.reshape(words.shape[0], -1)
 
 
-def unpack(method: str, parts: dict[str, torch.Tensor], scheme: QuantScheme) -> tuple[torch.Tensor, ...]:
+def _as_k_by_n(parts: dict[str, torch.Tensor], scheme: QuantScheme) -> tuple[torch.Tensor, ...]:
+    """Any layout -> q [K, N], zeros and scales [groups, N], g_idx [K] or None."""
+    if scheme.method == "gptq":
+        words = parts["qweight"]
+        q = _nibbles(words).permute(0, 2, 1).reshape(-1, words.shape[1])
+        return q, _columns(parts["qzeros"]), parts["scales"], parts.get("g_idx")
+    if scheme.method == "awq":
+        return _columns(parts["qweight"], _AWQ_COLUMN), _columns(parts["qzeros"], _AWQ_COLUMN), parts["scales"], None
+    q = _columns(parts["weight_packed"]).T
+    scales = parts["weight_scale"].T
+    zeros = torch.full_like(scales, 8) if scheme.symmetric else _columns(parts["weight_zero_point"].T)
+    return q, zeros, scales, parts.get("weight_g_idx")
+
+
+def unpack(parts: dict[str, torch.Tensor], scheme: QuantScheme) -> tuple[torch.Tensor, ...]:
     """One linear's checkpoint tensors -> ours: q (uint8 [N, K] in 0..15), fp32 scales and mins [N, K / 32]."""
-    words = parts["qweight"]
-    if method == "gptq":
-        q = _nibbles(words).permute(0, 2, 1).reshape(-1, words.shape[1])  # [K, N]
-        zeros = _columns(parts["qzeros"])
-    else:
-        q = _columns(words, _AWQ_COLUMN)
-        zeros = _columns(parts["qzeros"], _AWQ_COLUMN)
+    q, zeros, scales, g_idx = _as_k_by_n(parts, scheme)
     k, n = q.shape
-    scales = parts["scales"].float()
     if k % GROUP:
         raise ModelSourceError(f"{k} input features: a multiple of {GROUP} is needed to serve 4-bit weights")
-    # Each run of 32 input features must lie in one group (GPTQ names the group of each feature).
+    # Each run of 32 input features must lie in one group (a g_idx names the group of each feature).
     size = k if scheme.group_size == -1 else scheme.group_size
-    group_of = parts["g_idx"].long() if "g_idx" in parts else torch.arange(k) // size
+    group_of = g_idx.long() if g_idx is not None else torch.arange(k) // size
     runs = group_of.view(-1, GROUP)
     if not bool((runs == runs[:, :1]).all()) or int(runs.max()) >= scales.shape[0]:
         raise ModelSourceError("g_idx puts input features of one run of 32 in different groups (desc_act?): only "
                                "groups of consecutive features are supported")
     group = runs[:, 0]
-    scale = scales[group].T.contiguous()  # [N, K / 32]
+    scale = scales.float()[group].T.contiguous()  # [N, K / 32]
     zero = (zeros[:, :n].float() + scheme.zero_offset)[group].T
     return q.T.contiguous(), scale, (-scale * zero).contiguous()
 
@@ -74,7 +93,7 @@ def quantized_prefixes(path: Path) -> set[str]:
     prefixes = set()
     for file in sorted(Path(path).glob("*.safetensors")):
         with safe_open(str(file), framework="pt", device="cpu") as f:
-            prefixes |= {key.removesuffix(".qweight") for key in f.keys() if key.endswith(".qweight")}  # noqa: SIM118
+            prefixes |= {key.rpartition(".")[0] for key in f.keys() if key.endswith((".qweight", ".weight_packed"))}  # noqa: SIM118
     return prefixes
 
 
@@ -106,30 +125,32 @@ def take_quantized_linears(model: nn.Module, prefixes: set[str], target) -> int:
 
 def unpack_checkpoint(tensors: Iterable[tuple[str, torch.Tensor]], scheme: QuantScheme
                       ) -> Iterator[tuple[str, torch.Tensor]]:  # fmt: skip
-    """The checkpoint's tensors with each quantized linear's parts, once all have come, as ours: `weight_q`,
-    `weight_scale` and `weight_min` under its name. Others pass as they are. GPTQ's g_idx, where present, comes
-    first (a file's keys are sorted); one that comes after its linear is checked alone."""
+    """The checkpoint's tensors with each quantized linear's parts, once all it needs have come, as ours:
+    `weight_q`, `weight_scale` and `weight_min` under its name. Others pass as they are. A part it may have (a
+    g_idx) comes first where present (a file's keys are sorted); one that comes after its linear is checked
+    alone."""
+    needed, optional = _needed(scheme), _PARTS[scheme.method][1]
     pending: dict[str, dict[str, torch.Tensor]] = {}
     done: set[str] = set()
     for key, tensor in tensors:
         prefix, _, part = key.rpartition(".")
-        if part == "g_idx" and scheme.method == "gptq" and prefix in done:
-            check_late_g_idx(tensor, scheme)
+        if part in optional and prefix in done:
+            if part.endswith("g_idx"):
+                check_late_g_idx(tensor, scheme)
             continue
-        if part not in _PARTS[scheme.method]:
+        if part not in needed and part not in optional:
             yield key, tensor
             continue
         parts = pending.setdefault(prefix, {})
         parts[part] = tensor
-        if all(p in parts for p in _REQUIRED):
+        if all(p in parts for p in needed):
             del pending[prefix]
             done.add(prefix)
-            q, scale, mins = unpack(scheme.method, parts, scheme)
+            q, scale, mins = unpack(parts, scheme)
             yield from ((f"{prefix}.weight_q", q), (f"{prefix}.weight_scale", scale), (f"{prefix}.weight_min", mins))
     if pending:
         prefix, parts = next(iter(pending.items()))
-        raise ModelSourceError(f"{prefix}: the checkpoint has {sorted(parts)} of a quantized linear's "
-                               f"{list(_REQUIRED)}")
+        raise ModelSourceError(f"{prefix}: the checkpoint has {sorted(parts)} of a quantized linear's {list(needed)}")
 
 
 def check_late_g_idx(g_idx: torch.Tensor, scheme: QuantScheme) -> None:

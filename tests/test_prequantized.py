@@ -1,6 +1,7 @@
-"""GPTQ and AWQ checkpoints (engine_core/models/gptq_awq.py): the packed layouts read as their tools define them,
-a whole checkpoint read as the float weights it stands for (transformers on those weights is the reference), the
-default model served from its GPTQ form on the int4 kernel, and a clear error for what is not supported."""
+"""GPTQ, AWQ and compressed-tensors checkpoints (engine_core/models/prequantized.py): the packed layouts read as
+their tools define them, a whole checkpoint read as the float weights it stands for (transformers on those weights
+is the reference), the default model served from its GPTQ form on the int4 kernel, and a clear error for what is
+not supported."""
 
 from __future__ import annotations
 
@@ -18,8 +19,8 @@ from common.checkpoint_quant import QuantScheme, read_scheme
 from common.model_errors import ModelSourceError
 from common.model_source import resolve_model
 from engine_core.core import EngineCore
-from engine_core.models.gptq_awq import unpack
 from engine_core.models.loader import load_model
+from engine_core.models.prequantized import unpack
 from engine_core.models.quant import QuantizedLinear, prepare_linears
 from tests.cpu_features import HAS_INT4_LINEAR
 from tests.engine_helpers import fp32_config, greedy_request, mixed_prompts, run_engine
@@ -38,11 +39,11 @@ def test_gptq_packs_eight_input_features_a_word_lowest_first() -> None:
     """qweight [K / 8, N]: feature 8r + i of output n is nibble i of word [r, n]; qzeros [groups, N / 8] pack the
     outputs the same way, and the original format ("gptq") stores zero - 1."""
     parts = {"qweight": _word_tensor(4, 8), "qzeros": _word_tensor(1, 1), "scales": torch.ones(1, 8).half()}
-    q, scale, mins = unpack("gptq", parts, QuantScheme("gptq", -1, 1))
+    q, scale, mins = unpack(parts, QuantScheme("gptq", -1, 1))
     assert q.shape == (8, 32) and torch.equal(q[3], torch.arange(8, dtype=torch.uint8).repeat(4))
     assert torch.equal(mins[:, 0], -(torch.arange(8) + 1).float())  # stored zero 0..7 -> 1..8
     assert torch.equal(scale, torch.ones(8, 1))
-    _, _, mins_v2 = unpack("gptq", parts, QuantScheme("gptq", -1, 0))
+    _, _, mins_v2 = unpack(parts, QuantScheme("gptq", -1, 0))
     assert torch.equal(mins_v2[:, 0], -torch.arange(8).float())
 
 
@@ -50,11 +51,23 @@ def test_awq_packs_eight_outputs_a_word_in_its_own_order() -> None:
     """AWQ's qweight [K, N / 8] packs the outputs, a word's nibbles holding columns 0 2 4 6 1 3 5 7; its zeros the
     same, stored as they are."""
     parts = {"qweight": _word_tensor(32, 1), "qzeros": _word_tensor(1, 1), "scales": torch.full((1, 8), 0.5).half()}
-    q, scale, mins = unpack("awq", parts, QuantScheme("awq", 32, 0))
+    q, scale, mins = unpack(parts, QuantScheme("awq", 32, 0))
     column_of_nibble = [0, 2, 4, 6, 1, 3, 5, 7]
     expected = torch.tensor([column_of_nibble.index(c) for c in range(8)], dtype=torch.uint8)
     assert torch.equal(q[:, 0], expected) and torch.equal(q[:, 31], expected)
     assert torch.equal(mins[:, 0], -0.5 * expected.float()) and torch.equal(scale, torch.full((8, 1), 0.5))
+
+
+def test_compressed_tensors_packs_eight_input_features_a_word_each_its_signed_value_plus_8() -> None:
+    """weight_packed [N, K / 8] packs along the input features; weight_zero_point [N / 8, groups] along the outputs;
+    symmetric checkpoints store no zero points: every zero is 8 (a signed 0)."""
+    parts = {"weight_packed": _word_tensor(8, 4), "weight_zero_point": _word_tensor(1, 1),
+             "weight_scale": torch.ones(8, 1, dtype=torch.bfloat16)}  # fmt: skip
+    q, _, mins = unpack(parts, QuantScheme("compressed-tensors", -1))
+    assert torch.equal(q[5], torch.arange(8, dtype=torch.uint8).repeat(4))
+    assert torch.equal(mins[:, 0], -torch.arange(8).float())
+    _, _, mins_sym = unpack(parts, QuantScheme("compressed-tensors", -1, symmetric=True))
+    assert torch.equal(mins_sym, torch.full((8, 1), -8.0))
 
 
 def test_each_run_of_32_takes_its_groups_scale_and_zero() -> None:
@@ -63,12 +76,12 @@ def test_each_run_of_32_takes_its_groups_scale_and_zero() -> None:
     zeros = torch.tensor([[0x33333333], [0x55555555]], dtype=torch.int32)  # every zero 3, then 5 (stored)
     parts = {"qweight": _word_tensor(16, 8), "qzeros": zeros, "scales": scales,
              "g_idx": (torch.arange(128) // 64).int()}  # fmt: skip
-    _, scale, mins = unpack("gptq", parts, QuantScheme("gptq", 64, 0))
+    _, scale, mins = unpack(parts, QuantScheme("gptq", 64, 0))
     assert torch.equal(scale[0], torch.tensor([1.0, 1.0, 2.0, 2.0]))
     assert torch.equal(mins[0], torch.tensor([-3.0, -3.0, -10.0, -10.0]))
     parts["g_idx"] = torch.arange(128).int() % 2  # activation order: neighbours in different groups
     with pytest.raises(ModelSourceError, match="desc_act"):
-        unpack("gptq", parts, QuantScheme("gptq", 64, 0))
+        unpack(parts, QuantScheme("gptq", 64, 0))
 
 
 @pytest.fixture(scope="module")
@@ -81,6 +94,8 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
     ("gptq", 32, False, "gptq"),
     ("gptq", -1, False, "gptq_v2"),  # one group a row, zeros stored as they are
     ("awq", 64, False, ""),
+    ("compressed-tensors", 32, True, ""),  # llm-compressor's W4A16: symmetric, no zero points stored
+    ("compressed-tensors", -1, False, ""),  # per channel, zero points packed along the outputs
 ])  # fmt: skip
 def test_a_checkpoint_reads_as_the_weights_it_stands_for(tiny, tmp_path, method, group_size, sym, fmt) -> None:
     """In fp32 the quantized linears run torch's matmul on the dequantized weights: our logits equal
@@ -133,8 +148,14 @@ def test_the_default_models_gptq_form_runs_on_the_int4_kernel(smollm2_gptq) -> N
     assert sum(abs(x - y) for x, y in pairs) / len(pairs) < 0.1
 
 
+CT_WEIGHTS = {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": 128}
+CT = {"quant_method": "compressed-tensors", "format": "pack-quantized",
+      "config_groups": {"group_0": {"targets": ["Linear"], "weights": CT_WEIGHTS}}}  # fmt: skip
+
+
 def _with_quant_config(tmp_path: Path, **fields) -> dict:
-    qc = {"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": False, "sym": True} | fields
+    gptq = {"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": False, "sym": True}
+    qc = (CT if fields.get("quant_method") == "compressed-tensors" else gptq) | fields
     return {"architectures": ["LlamaForCausalLM"], "quantization_config": qc}
 
 
@@ -146,8 +167,13 @@ def _with_quant_config(tmp_path: Path, **fields) -> dict:
     ({"quant_method": "bitsandbytes"}, "quant_method 'bitsandbytes' is not supported"),
     ({"quant_method": "awq", "version": "gemv"}, "version='gemv'"),
     ({"quant_method": "awq", "zero_point": False}, "zero_point=false"),
+    (CT | {"format": "float-quantized"}, "format \\['float-quantized'\\]"),
+    (CT | {"config_groups": {"g": {"weights": CT_WEIGHTS, "input_activations": {"num_bits": 8}}}},
+     "quantized activations"),
+    (CT | {"config_groups": {"g": {"weights": CT_WEIGHTS | {"actorder": "group"}}}}, "actorder='group'"),
+    (CT | {"config_groups": {"g": {"weights": CT_WEIGHTS | {"num_bits": 8}}}}, "bits=8"),
 ])  # fmt: skip
-def test_what_cannot_be_served_fails_before_the_engine_starts(tmp_path, fields, message) -> None:
+def test_what_cannot_be_served_fails_before_the_engine_starts(tmp_path, fields: dict, message) -> None:
     shutil.copytree(resolve_model(None).path, tmp_path / "m", ignore=shutil.ignore_patterns("*.safetensors"))
     config = json.loads((tmp_path / "m" / "config.json").read_text())
     (tmp_path / "m" / "config.json").write_text(json.dumps(config | _with_quant_config(tmp_path, **fields)))
@@ -168,3 +194,7 @@ def test_quantization_flag_against_the_checkpoint(tmp_path) -> None:
     with pytest.raises(ModelSourceError, match="--quantization gptq: this checkpoint is not quantized"):
         read_scheme(plain, "gptq")
     assert read_scheme(plain, "int8") is None
+    ct = {"quantization_config": CT}
+    assert read_scheme(ct, "compressed-tensors") == QuantScheme("compressed-tensors", 128, symmetric=True)
+    with pytest.raises(ModelSourceError, match="gptq: this checkpoint is quantized by compressed-tensors"):
+        read_scheme(ct, "gptq")
