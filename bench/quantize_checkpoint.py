@@ -22,7 +22,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-LINEAR = re.compile(r"\.layers\.\d+\.(self_attn|mlp)\.\w+_proj\.weight$")
+LINEAR = re.compile(r"\.layers\.\d+\.(self_attn|mlp)\.(\w+\.)*\w+_proj\.weight$")  # experts too
 AWQ_ORDER = [0, 2, 4, 6, 1, 3, 5, 7]  # the column of a word of eight held in its nibbles 0..7, lowest first
 
 

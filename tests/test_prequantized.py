@@ -115,6 +115,28 @@ def test_a_checkpoint_reads_as_the_weights_it_stands_for(tiny, tmp_path, method,
     assert max_diff(logits, hf_logits(plain, prompt)) > 20 * TOL
 
 
+def test_a_mixtures_experts_read_as_the_weights_they_stand_for(tmp_path) -> None:
+    """Qwen2-MoE with its experts and shared expert quantized too (each one linear per expert here)."""
+    config = transformers.Qwen2MoeConfig(hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+                                         shared_expert_intermediate_size=64, num_experts=4, num_experts_per_tok=2,
+                                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                         vocab_size=128, experts_implementation="eager",
+                                         architectures=["Qwen2MoeForCausalLM"])  # fmt: skip
+    torch.manual_seed(0)
+    transformers.Qwen2MoeForCausalLM(config).save_pretrained(tmp_path / "plain")
+    convert(tmp_path / "plain", tmp_path / "q", "awq", 32, False, "gptq", tmp_path / "ref")
+    ours = load_model(tmp_path / "q", torch.float32, CPU, 256)
+    prepare_linears(ours, "none", CPU, torch.float32)
+    assert sum(isinstance(m, QuantizedLinear) for m in ours.modules()) == 2 * (4 + 4 * 2)  # + experts' 2 each
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "ref", dtype=torch.float32,
+                                                           experts_implementation="eager").eval()  # fmt: skip
+    plain = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "plain", dtype=torch.float32,
+                                                              experts_implementation="eager").eval()  # fmt: skip
+    prompt = list(range(5, 30))
+    logits = PagedRun(ours, 1, 64).prefill([prompt])[0]
+    assert max_diff(logits, hf_logits(hf, prompt)) < TOL < max_diff(logits, hf_logits(plain, prompt)) / 20
+
+
 @pytest.fixture(scope="module")
 def smollm2_gptq(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The default model as a symmetric GPTQ checkpoint, groups of 64 (its 576 features are 9 of them)."""
@@ -124,7 +146,7 @@ def smollm2_gptq(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _prompt_logprobs(model: Path, dtype: str) -> tuple[EngineCore, list[list[float]]]:
-    core = EngineCore(fp32_config(model=str(model), dtype=dtype, max_num_batched_tokens=512))
+    core = EngineCore(fp32_config(model=str(model), dtype=dtype, max_num_batched_tokens=512, device="cpu"))
     reqs = [greedy_request(f"p{i}", p, 4, prompt_logprobs=0) for i, p in enumerate(mixed_prompts())]
     results = run_engine(core, reqs)
     return core, [results[r.request_id][0].prompt_logprobs.token_logprobs for r in reqs]

@@ -102,17 +102,19 @@ def take_quantized_linears(model: nn.Module, prefixes: set[str], target) -> int:
     read: their float weights are never filled. `target(name)`: the loader's (module, shard) for a checkpoint
     weight's name, or None for one the model does not use."""
     if hasattr(model, "convert_weight"):
-        raise ModelSourceError(f"GPTQ and AWQ checkpoints of {type(model).__name__} are not supported")
+        raise ModelSourceError(f"4-bit checkpoints of {type(model).__name__} are not supported")
     names = set()
     for prefix in prefixes:
         found = target(prefix + ".weight")
         if found is None:
             continue
         module_name = found[0]
-        module = model.get_submodule(module_name)
+        try:
+            module = model.get_submodule(module_name)
+        except AttributeError:
+            module = None
         if not isinstance(module, nn.Linear | Int4Weights):
-            raise ModelSourceError(f"{prefix}: a quantized weight where {type(model).__name__} has no linear layer "
-                                   "(quantized experts of a mixture are not supported)")
+            raise ModelSourceError(f"{prefix}: a quantized weight where {type(model).__name__} has no linear layer")
         names.add(module_name)
     for name in sorted(names):
         parent, _, attr = name.rpartition(".")
