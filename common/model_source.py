@@ -79,7 +79,7 @@ def resolve_model(spec: str | None, cache_dir: Path | None = None, overrides: di
                   tokenizer: str | None = None, quantization: str = "none") -> ResolvedModel:  # fmt: skip
     """Resolve a local HF dir, a .gguf file path, or the default model (None, "" or its name). `overrides`
     (--hf-overrides, parsed) may name another architecture for the checkpoint; `tokenizer` (--tokenizer) another
-    directory to read the tokenizer from; `quantization` (--quantization) is checked against a GPTQ or AWQ
+    directory to read the tokenizer from; `quantization` (--quantization) is checked against a 4-bit
     checkpoint's own."""
     tok = tokenizer_dir(tokenizer)
     if not spec or spec == DEFAULT_MODEL_NAME:
@@ -161,7 +161,7 @@ def parse_hf_overrides(text: str | None) -> dict[str, Any]:
 
 def _read_architecture(model_dir: Path, overrides: dict | None = None, quantization: str = "none") -> str:
     config = read_config(model_dir, overrides)
-    read_scheme(config, quantization)  # a GPTQ or AWQ checkpoint the engine cannot serve fails before it starts
+    read_scheme(config, quantization)  # a 4-bit checkpoint the engine cannot serve fails before it starts
     architectures = config.get("architectures") or []
     if not architectures:
         raise ModelSourceError(f"{model_dir / 'config.json'} names no architecture")

@@ -21,7 +21,7 @@ from common.model_source import resolve_model
 from engine_core.core import EngineCore
 from engine_core.models.loader import load_model
 from engine_core.models.prequantized import unpack
-from engine_core.models.quant import QuantizedLinear, prepare_linears
+from engine_core.models.quant import Int4Weights, QuantizedLinear, dequantize, prepare_linears
 from tests.cpu_features import HAS_INT4_LINEAR
 from tests.engine_helpers import fp32_config, greedy_request, mixed_prompts, run_engine
 from tests.model_harness import PagedRun
@@ -82,6 +82,29 @@ def test_each_run_of_32_takes_its_groups_scale_and_zero() -> None:
     parts["g_idx"] = torch.arange(128).int() % 2  # activation order: neighbours in different groups
     with pytest.raises(ModelSourceError, match="desc_act"):
         unpack(parts, QuantScheme("gptq", 64, 0))
+
+
+@pytest.mark.parametrize("rows", [1, 5, 16, 17, 64])  # one block, streamed chunk by chunk; panels widened once
+@pytest.mark.parametrize("out_features, in_features", [(960, 576), (100, 1536)])
+def test_runs_of_chunks_sharing_scales_sum_before_scaling(rows, out_features, in_features) -> None:
+    """A checkpoint's group of 128 is four of our chunks of 32 with the same scale and min: the AMX kernel sums such
+    a run in its tiles and scales it once (576 features: runs of 4, 4, 4, 4 and 2). Within bf16 of the exact float
+    matmul, and each row bit for bit what it is beside others."""
+    torch.manual_seed(rows)
+    iw = Int4Weights(torch.nn.Linear(in_features, out_features, bias=False).to(torch.bfloat16))
+    chunks = in_features // 32
+    iw.weight_q.data = torch.randint(0, 16, (out_features, in_features), dtype=torch.uint8)
+    per_group = torch.rand(out_features, -(-chunks // 4)) * 0.01
+    iw.weight_scale.data = per_group.repeat_interleave(4, dim=1)[:, :chunks].contiguous()
+    iw.weight_min.data = (-8 * iw.weight_scale.data).contiguous()
+    exact_weight = dequantize(*iw.parts())
+    layer = QuantizedLinear(iw, "int4")
+    x = torch.randn(rows, in_features, dtype=torch.bfloat16)
+    exact = x.float() @ exact_weight.T
+    out = layer(x)
+    assert torch.allclose(out.float(), exact, atol=2e-2 * exact.abs().max().item(), rtol=1e-2)
+    for r in range(rows):
+        assert torch.equal(layer(x[r : r + 1]), out[r : r + 1])
 
 
 @pytest.fixture(scope="module")

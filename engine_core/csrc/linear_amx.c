@@ -6,8 +6,9 @@
 // tiles), so a row's bits never depend on its neighbours, as with csrc/linear.c's tiles.
 //
 // Quantized panels are widened into that bf16 layout: int8 to bf16(q * scale), as csrc/linear.c's tiles widen it,
-// and then summed over all of k as bf16 weights are; int4 to its exact q, each chunk (one group of 32 k) into C tiles
-// zeroed for it and then scaled and shifted on the vectors as csrc/linear_int4.c's tiles do. A call of many rows
+// and then summed over all of k as bf16 weights are; int4 to its exact q, each run of chunks (32 k) that share their
+// scales and mins (one chunk, or a checkpoint's whole group) into C tiles zeroed for it, then scaled and shifted on
+// the vectors as csrc/linear_int4.c's tiles do for each group. A call of many rows
 // widens each panel once; a call of one block of rows widens a chunk at a time, in L1, just ahead of its tiles (the
 // whole panel first had gone to L2 and back: SmolLM2's linears at 1 row in int4 13.1 ms, against 8.9 on
 // linear_int4.c's tiles). One row still pays for storing every widened weight and loading it back, which the
@@ -136,10 +137,36 @@ static inline __attribute__((always_inline)) void store_c(int nv, float (*c)[LIN
     if (nv > 2) _tile_stored(2, &c[0][32], sizeof c[0]);
 }
 
+// Whether chunk a's int4 scales and mins (nv x 16 fp32 each, at sa and sb) are chunk b's, bit for bit.
+static inline __attribute__((always_inline)) int same_scales(const float* sa, const float* sb, int nv) {
+    __mmask16 differ = 0;
+    for (int j = 0; j < 2 * nv; j++)
+        differ |= _mm512_cmpneq_epi32_mask(_mm512_loadu_si512(sa + 16 * j), _mm512_loadu_si512(sb + 16 * j));
+    return differ == 0;
+}
+
+// acc += a run of int4 chunks' products (stored in part) x their scale + the rows' sums of x over the run's k
+// (xsum, row stride `chunks`, from chunk r0 to r1) x their min, on the vectors, in linear_int4.c's order.
+static inline __attribute__((always_inline)) void scale_run(const float (*part)[LINEAR_PANEL_COLS], const float* sm,
+                                                            const float* xsum, int64_t chunks, int64_t r0, int64_t r1,
+                                                            int mr, int nv, __m512 (*acc)[NV]) {
+    for (int i = 0; i < mr; i++) {
+        float xs = xsum[i * chunks + r0];
+        for (int64_t r = r0 + 1; r < r1; r++) xs += xsum[i * chunks + r];
+        for (int j = 0; j < nv; j++) {
+            const __m512 scale = _mm512_loadu_ps(sm + 16 * j), min = _mm512_loadu_ps(sm + 16 * (nv + j));
+            acc[i][j] = _mm512_fmadd_ps(_mm512_load_ps(&part[i][16 * j]), scale, acc[i][j]);
+            acc[i][j] = _mm512_fmadd_ps(_mm512_set1_ps(xs), min, acc[i][j]);
+        }
+    }
+}
+
 // One block: mr rows x the panel's nv vectors over all `chunks` chunks of k (nv: a constant after inlining). bf16
-// and int8 sum every chunk in the C tiles, stored in c at the end; int4 zeroes them for each chunk and adds
-// part * scale + the row's sum of x over the group (xsum, row stride `chunks`) * min to acc on the vectors, in
-// linear_int4.c's order.
+// and int8 sum every chunk in the C tiles, stored in c at the end. int4 sums a run of chunks in C tiles zeroed for
+// it, as long as each chunk's scales and mins are its first's (a 4-bit checkpoint's group of 128 k is a run of 4
+// chunks; weights quantized here, each chunk its own scales, make runs of one), then adds the run's part * scale +
+// the row's sum of x over the run (xsum) * min to acc on the vectors. Which chunks form a run depends on the
+// weights alone, so a row's bits still never depend on its neighbours; a run of one is computed as before.
 static inline __attribute__((always_inline)) void block(const uint16_t* x, int64_t ldx, int mr, const Panel* p,
                                                         int nv, int64_t chunks, const float* xsum,
                                                         float (*c)[LINEAR_PANEL_COLS], __m512 (*acc)[NV]) {
@@ -152,26 +179,29 @@ static inline __attribute__((always_inline)) void block(const uint16_t* x, int64
     }
     for (int i = 0; i < mr; i++)
         for (int j = 0; j < nv; j++) acc[i][j] = _mm512_setzero_ps();
-    // Chunk g's products go to c's half g % 2 while chunk g - 1's are scaled: the tile unit works on the next chunk
-    // while the vectors wait for the last one's stores.
-    const float* sms[2];
+    // A run's products are stored in c's half `half` when it ends, and scaled when the next run ends: the tile
+    // unit works on the next run while the vectors wait for the last one's stores.
+    const float *run_sm = NULL, *stored_sm = NULL;
+    int64_t run0 = 0, stored0 = 0, stored1 = 0;
+    int half = 0;
     for (int64_t g = 0; g <= chunks; g++) {
+        const float* sm = NULL;
+        const char* b = g < chunks ? chunk(p, nv, g, &sm) : NULL;
+        const int ends = g > 0 && (g == chunks || !same_scales(sm, run_sm, nv));  // the run [run0, g)
+        const float* ended_sm = run_sm;
+        const int64_t ended0 = run0;
+        if (ends) store_c(nv, c + half * BLOCK_ROWS);
         if (g < chunks) {
-            zero_c(nv);
-            chunk_product(x + g * CHUNK_K, ldx, chunk(p, nv, g, &sms[g & 1]), nv);
-            store_c(nv, c + (g & 1) * BLOCK_ROWS);
+            if (g == 0 || ends) zero_c(nv), run_sm = sm, run0 = g;
+            chunk_product(x + g * CHUNK_K, ldx, b, nv);
         }
-        if (g == 0) continue;
-        const float* sm = sms[(g - 1) & 1];
-        const float(*part)[LINEAR_PANEL_COLS] = c + ((g - 1) & 1) * BLOCK_ROWS;
-        for (int j = 0; j < nv; j++) {
-            const __m512 scale = _mm512_loadu_ps(sm + 16 * j), min = _mm512_loadu_ps(sm + 16 * (nv + j));
-            for (int i = 0; i < mr; i++) {
-                acc[i][j] = _mm512_fmadd_ps(_mm512_load_ps(&part[i][16 * j]), scale, acc[i][j]);
-                acc[i][j] = _mm512_fmadd_ps(_mm512_set1_ps(xsum[i * chunks + g - 1]), min, acc[i][j]);
-            }
+        if (ends) {
+            if (stored_sm)
+                scale_run(c + (half ^ 1) * BLOCK_ROWS, stored_sm, xsum, chunks, stored0, stored1, mr, nv, acc);
+            stored_sm = ended_sm, stored0 = ended0, stored1 = g, half ^= 1;
         }
     }
+    scale_run(c + (half ^ 1) * BLOCK_ROWS, stored_sm, xsum, chunks, stored0, stored1, mr, nv, acc);
 }
 
 // A thread's scratch of at least `bytes`, kept between calls (a call's widened panels: about 1 MB at most).

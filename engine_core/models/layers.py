@@ -246,11 +246,11 @@ def pack_linears(model: nn.Module) -> int:
     return replace_linears(model, PackedLinear)
 
 
-def replace_linears(model: nn.Module, make: Callable[[nn.Linear], nn.Module]) -> int:
-    """Every nn.Linear of `model` replaced by make(linear), one at a time, holding no reference to those already
-    replaced: each plain weight is freed once its replacement exists, so a model is never held twice (a 13 GB
-    model packed with every plain weight still alive took 26 GB)."""
-    names = [name for name, m in model.named_modules() if isinstance(m, nn.Linear)]
+def replace_linears(model: nn.Module, make: Callable[[nn.Module], nn.Module], kind: type = nn.Linear) -> int:
+    """Every nn.Linear (or other `kind`) of `model` replaced by make(linear), one at a time, holding no reference to
+    those already replaced: each plain weight is freed once its replacement exists, so a model is never held twice
+    (a 13 GB model packed with every plain weight still alive took 26 GB)."""
+    names = [name for name, m in model.named_modules() if isinstance(m, kind)]
     for name in names:
         parent_name, _, attr = name.rpartition(".")
         parent = model.get_submodule(parent_name)

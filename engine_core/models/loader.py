@@ -152,7 +152,8 @@ def module_of(model: nn.Module, key: str) -> tuple[str, int | None] | None:
 
 def load_weights(model: nn.Module, state: dict[str, torch.Tensor] | Path, scheme: QuantScheme | None = None) -> None:
     """Copies checkpoint tensors into `model`, fusing q/k/v and gate/up; fails loudly on a missing weight. `scheme`:
-    a GPTQ or AWQ checkpoint's, whose quantized linears take_quantized_linears made Int4Weights."""
+    a 4-bit checkpoint's (GPTQ, AWQ, compressed-tensors), whose quantized linears take_quantized_linears made
+    Int4Weights."""
     params = dict(model.named_parameters())
     loaded: set[str] = set()
     head = getattr(model, "lm_head", None)
@@ -203,7 +204,7 @@ def _iter_checkpoint(state: dict[str, torch.Tensor] | Path):
 def load_model(path: str | Path, dtype: torch.dtype, device: torch.device, max_positions: int,
                pooling: Pooling | None = None, overrides: dict | None = None,
                tokenizer: Path | None = None, quantization: str = "none") -> nn.Module:  # fmt: skip
-    """`quantization`: --quantization, which a GPTQ or AWQ checkpoint must not contradict (common/checkpoint_quant.py).
+    """`quantization`: --quantization, which a 4-bit checkpoint must not contradict (common/checkpoint_quant.py).
     `pooling`: a pooling engine's (--runner pooling), whose model has a pooling head instead of its LM head (a
     classifier's label tokens are looked up in `tokenizer`'s directory, by default the model's)."""
     config = load_config(path, overrides)
@@ -211,7 +212,7 @@ def load_model(path: str | Path, dtype: torch.dtype, device: torch.device, max_p
     model = build_model(config, dtype, device, max_positions)
     if pooling is not None:
         model.lm_head = pooling_head(config, pooling, tokenizer or Path(path), device)
-    if scheme is not None:  # a GPTQ or AWQ checkpoint: its quantized linears are never widened to floats
+    if scheme is not None:  # a 4-bit checkpoint: its quantized linears are never widened to floats
         take_quantized_linears(model, quantized_prefixes(Path(path)), partial(module_of, model))
     load_weights(model, Path(path), scheme)
     return model

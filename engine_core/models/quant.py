@@ -182,8 +182,8 @@ def prepare_linears(model: nn.Module, quantization: str, device: torch.device, d
     do each row alone. On CUDA no row count promises that (cuBLAS picks kernels by shape): 8 there only limits the
     shapes.
 
-    A GPTQ or AWQ checkpoint's quantized linears (Int4Weights) become int4 QuantizedLinears first; the others
-    (the LM head, as such checkpoints keep it) are then treated as any model's.
+    A 4-bit checkpoint's quantized linears (Int4Weights: GPTQ, AWQ, compressed-tensors) become int4
+    QuantizedLinears first; the others (the LM head, as such checkpoints keep it) are then treated as any model's.
     """
     prequantized = _take_int4_weights(model)
     if prequantized:
@@ -228,12 +228,7 @@ def _all_ours(model: nn.Module) -> bool:
 
 def _take_int4_weights(model: nn.Module) -> int:
     """Every Int4Weights of `model` replaced by its int4 QuantizedLinear; returns how many."""
-    names = [name for name, m in model.named_modules() if isinstance(m, Int4Weights)]
-    for name in names:
-        parent, _, attr = name.rpartition(".")
-        holder = model.get_submodule(parent)
-        setattr(holder, attr, QuantizedLinear(getattr(holder, attr), "int4"))
-    return len(names)
+    return replace_linears(model, lambda weights: QuantizedLinear(weights, "int4"), Int4Weights)
 
 
 def quantization_hint(model_dir: Path, quantization: str, device: torch.device, dtype: torch.dtype) -> str | None:
