@@ -4,7 +4,8 @@ spends before its first token), measured in the same run on random prompt tokens
 prompt (no prefix-cache hits). With --quantization int8 or int4 our weights are quantized at load; transformers'
 stay in --dtype.
 
-python -m bench.long_prompt [--lengths 2048,8000] [--repeats 3] [--model DIR] [--quantization Q] [--result-json F]
+python -m bench.long_prompt [--lengths 2048,8000] [--repeats 3] [--model DIR] [--quantization Q] [--hf-model DIR]
+    [--result-json F]
 """
 
 from __future__ import annotations
@@ -58,6 +59,8 @@ def main() -> None:
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--model", default=None, help="an HF directory or .gguf (default: the default model)")
     parser.add_argument("--quantization", default="none", choices=["none", "int8", "int4"])
+    parser.add_argument("--hf-model", default=None, help="transformers' model (default: --model), such as the plain "
+                        "model a GPTQ, AWQ or compressed-tensors checkpoint was made from")
     parser.add_argument("--result-json", default=None)
     args = parser.parse_args()
     lengths = [int(x) for x in args.lengths.split(",")]
@@ -65,7 +68,7 @@ def main() -> None:
                           max_num_batched_tokens=args.max_num_batched_tokens,
                           quantization=args.quantization)  # fmt: skip
     mine = ours(lengths, args.repeats, config)
-    theirs = transformers_forward(lengths, args.repeats, args.dtype, args.model)
+    theirs = transformers_forward(lengths, args.repeats, args.dtype, args.hf_model or args.model)
     rows = {length: {"roseinfer_s": mine[length], "hf_forward_s": theirs[length],
                      "hf_over_ours": min(theirs[length]) / min(mine[length])} for length in lengths}  # fmt: skip
     result = {

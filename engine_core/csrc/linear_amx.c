@@ -93,6 +93,7 @@ typedef struct {
     char* buf;
     int format;
     int64_t chunks, pf_len, pf_step;
+    const uint8_t* starts;  // int4: 1 where chunk g starts a run (run_starts)
 } Panel;
 
 // Chunk g's B tiles, and for int4 its scales then mins (nv x 16 fp32 each) at *sm.
@@ -137,12 +138,19 @@ static inline __attribute__((always_inline)) void store_c(int nv, float (*c)[LIN
     if (nv > 2) _tile_stored(2, &c[0][32], sizeof c[0]);
 }
 
-// Whether chunk a's int4 scales and mins (nv x 16 fp32 each, at sa and sb) are chunk b's, bit for bit.
-static inline __attribute__((always_inline)) int same_scales(const float* sa, const float* sb, int nv) {
-    __mmask16 differ = 0;
-    for (int j = 0; j < 2 * nv; j++)
-        differ |= _mm512_cmpneq_epi32_mask(_mm512_loadu_si512(sa + 16 * j), _mm512_loadu_si512(sb + 16 * j));
-    return differ == 0;
+// An int4 panel's runs (see block): starts[g] = 1 where chunk g's scales and mins (nv x 16 fp32 each) are not
+// chunk g - 1's, bit for bit. Found once per panel, not per block of rows.
+static void run_starts(const char* quant, int nv, int64_t chunks, uint8_t* starts) {
+    const float* prev = quant_scales(quant_group(quant, 2, nv, 0), 2, nv);
+    starts[0] = 1;
+    for (int64_t g = 1; g < chunks; g++) {
+        const float* sm = quant_scales(quant_group(quant, 2, nv, g), 2, nv);
+        __mmask16 differ = 0;
+        for (int j = 0; j < 2 * nv; j++)
+            differ |= _mm512_cmpneq_epi32_mask(_mm512_loadu_si512(sm + 16 * j), _mm512_loadu_si512(prev + 16 * j));
+        starts[g] = differ != 0;
+        prev = sm;
+    }
 }
 
 // acc += a run of int4 chunks' products (stored in part) x their scale + the rows' sums of x over the run's k
@@ -150,13 +158,15 @@ static inline __attribute__((always_inline)) int same_scales(const float* sa, co
 static inline __attribute__((always_inline)) void scale_run(const float (*part)[LINEAR_PANEL_COLS], const float* sm,
                                                             const float* xsum, int64_t chunks, int64_t r0, int64_t r1,
                                                             int mr, int nv, __m512 (*acc)[NV]) {
+    __m512 scale[NV], min[NV];
+    for (int j = 0; j < nv; j++) scale[j] = _mm512_loadu_ps(sm + 16 * j), min[j] = _mm512_loadu_ps(sm + 16 * (nv + j));
     for (int i = 0; i < mr; i++) {
         float xs = xsum[i * chunks + r0];
         for (int64_t r = r0 + 1; r < r1; r++) xs += xsum[i * chunks + r];
+        const __m512 row_sum = _mm512_set1_ps(xs);
         for (int j = 0; j < nv; j++) {
-            const __m512 scale = _mm512_loadu_ps(sm + 16 * j), min = _mm512_loadu_ps(sm + 16 * (nv + j));
-            acc[i][j] = _mm512_fmadd_ps(_mm512_load_ps(&part[i][16 * j]), scale, acc[i][j]);
-            acc[i][j] = _mm512_fmadd_ps(_mm512_set1_ps(xs), min, acc[i][j]);
+            acc[i][j] = _mm512_fmadd_ps(_mm512_load_ps(&part[i][16 * j]), scale[j], acc[i][j]);
+            acc[i][j] = _mm512_fmadd_ps(row_sum, min[j], acc[i][j]);
         }
     }
 }
@@ -187,7 +197,7 @@ static inline __attribute__((always_inline)) void block(const uint16_t* x, int64
     for (int64_t g = 0; g <= chunks; g++) {
         const float* sm = NULL;
         const char* b = g < chunks ? chunk(p, nv, g, &sm) : NULL;
-        const int ends = g > 0 && (g == chunks || !same_scales(sm, run_sm, nv));  // the run [run0, g)
+        const int ends = g > 0 && (g == chunks || p->starts[g]);  // the run [run0, g)
         const float* ended_sm = run_sm;
         const int64_t ended0 = run0;
         if (ends) store_c(nv, c + half * BLOCK_ROWS);
@@ -246,8 +256,13 @@ int linear_amx(const uint16_t* x, int64_t ldx, int64_t m_len, const void* packed
         const int64_t items = panels * row_parts, threads = omp_get_num_threads(), me = omp_get_thread_num();
         const int64_t mine_end = items * (me + 1) / threads;
         char* wide = !format ? NULL : scratch(stream ? 4 * CHUNK_BYTES : group * wide_bytes);  // quantized panels
+        uint8_t* starts = format == 2 ? malloc(group * chunks) : NULL;  // the group's panels' runs
         for (int64_t g0 = items * me / threads; g0 < mine_end; g0 += group) {
             const int64_t g_end = g0 + group < mine_end ? g0 + group : mine_end;
+            for (int64_t item = g0; starts && item < g_end; item++) {
+                const PanelItem it = panel_item(packed, item, row_parts, n_len, bytes_per_col);
+                run_starts(it.panel, it.nv, chunks, starts + (item - g0) * chunks);
+            }
             for (int64_t item = g0; format && !stream && item < g_end; item++) {  // the group's panels widened
                 const PanelItem it = panel_item(packed, item, row_parts, n_len, bytes_per_col);
                 const int64_t pf_step = (it.next_bytes + chunks - 1) / chunks;
@@ -265,7 +280,8 @@ int linear_amx(const uint16_t* x, int64_t ldx, int64_t m_len, const void* packed
                     const PanelItem it = panel_item(packed, item, row_parts, n_len, bytes_per_col);
                     const Panel p = {!format ? it.panel : stream ? NULL : wide + (item - g0) * wide_bytes, it.panel,
                                      it.next, wide, format, chunks, it.next_bytes,
-                                     (it.next_bytes + chunks - 1) / chunks};
+                                     (it.next_bytes + chunks - 1) / chunks,
+                                     starts ? starts + (item - g0) * chunks : NULL};
                     if (mr != configured) configure(configured = mr);
                     const float* xs = xsum ? xsum + m0 * chunks : NULL;
                     if (it.nv == NV) block(x + m0 * ldx, ldx, mr, &p, NV, chunks, xs, c, acc);
@@ -277,6 +293,7 @@ int linear_amx(const uint16_t* x, int64_t ldx, int64_t m_len, const void* packed
             }
         }
         if (configured) _tile_release();
+        free(starts);
     }
     free(xsum);
     return 1;
