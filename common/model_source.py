@@ -132,15 +132,25 @@ def check_supported(architecture: str, where: Path) -> str:
 
 
 def read_config(model_dir: Path, overrides: dict | None = None) -> dict[str, Any]:
-    """config.json, with --hf-overrides laid over it (as vLLM's hf_overrides)."""
-    config_path = model_dir / "config.json"
-    try:
-        config = json.loads(config_path.read_text())
-    except (OSError, ValueError) as exc:
-        raise ModelSourceError(f"cannot read {config_path}: {exc}") from exc
-    if not isinstance(config, dict):
-        raise ModelSourceError(f"cannot read {config_path}: not a JSON object")
+    """config.json, with --hf-overrides laid over it (as vLLM's hf_overrides), and the quantization_config that
+    older AutoGPTQ and AutoAWQ checkpoints keep in a file of their own."""
+    config = _json_object(model_dir / "config.json")
+    if "quantization_config" not in config:
+        for name, method in (("quantize_config.json", "gptq"), ("quant_config.json", "awq")):
+            if (model_dir / name).is_file():
+                config["quantization_config"] = {"quant_method": method, **_json_object(model_dir / name)}
+                break
     return {**config, **(overrides or {})}
+
+
+def _json_object(path: Path) -> dict[str, Any]:
+    try:
+        value = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise ModelSourceError(f"cannot read {path}: {exc}") from exc
+    if not isinstance(value, dict):
+        raise ModelSourceError(f"cannot read {path}: not a JSON object")
+    return value
 
 
 def parse_hf_overrides(text: str | None) -> dict[str, Any]:

@@ -138,6 +138,25 @@ def test_a_checkpoint_reads_as_the_weights_it_stands_for(tiny, tmp_path, method,
     assert max_diff(logits, hf_logits(plain, prompt)) > 20 * TOL
 
 
+@pytest.mark.parametrize("method, side_file", [("gptq", "quantize_config.json"), ("awq", "quant_config.json")])
+def test_older_checkpoints_keep_their_quantization_config_beside_config_json(tiny, tmp_path, method, side_file) -> None:
+    """AutoGPTQ's quantize_config.json and AutoAWQ's quant_config.json (with its own key names), no quant_method."""
+    convert(tiny, tmp_path / "q", method, 64, method == "gptq", "gptq", tmp_path / "ref")
+    config = json.loads((tmp_path / "q" / "config.json").read_text())
+    qc = config.pop("quantization_config")
+    qc.pop("quant_method")
+    if method == "awq":
+        qc = {"w_bit": qc["bits"], "q_group_size": qc["group_size"], "zero_point": True, "version": "GEMM"}
+    (tmp_path / "q" / "config.json").write_text(json.dumps(config))
+    (tmp_path / "q" / side_file).write_text(json.dumps(qc))
+    assert resolve_model(str(tmp_path / "q")).architecture == "LlamaForCausalLM"
+    ours = load_model(tmp_path / "q", torch.float32, CPU, 256)
+    prepare_linears(ours, "none", CPU, torch.float32)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "ref", dtype=torch.float32).eval()
+    prompt = list(range(5, 45))
+    assert max_diff(PagedRun(ours, 1, 64).prefill([prompt])[0], hf_logits(hf, prompt)) < TOL
+
+
 def test_a_mixtures_experts_read_as_the_weights_they_stand_for(tmp_path) -> None:
     """Qwen2-MoE with its experts and shared expert quantized too (each one linear per expert here)."""
     config = transformers.Qwen2MoeConfig(hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
