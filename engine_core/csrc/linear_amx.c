@@ -255,8 +255,10 @@ int linear_amx(const uint16_t* x, int64_t ldx, int64_t m_len, const void* packed
         int configured = 0;  // the rows the tiles are configured for (each thread has its own tile state)
         const int64_t items = panels * row_parts, threads = omp_get_num_threads(), me = omp_get_thread_num();
         const int64_t mine_end = items * (me + 1) / threads;
-        char* wide = !format ? NULL : scratch(stream ? 4 * CHUNK_BYTES : group * wide_bytes);  // quantized panels
-        uint8_t* starts = format == 2 ? malloc(group * chunks) : NULL;  // the group's panels' runs
+        // Quantized panels, widened; for int4 then the group's panels' runs (run_starts).
+        const int64_t wide_len = stream ? 4 * CHUNK_BYTES : group * wide_bytes;
+        char* wide = !format ? NULL : scratch(wide_len + (format == 2 ? group * chunks : 0));
+        uint8_t* starts = format == 2 ? (uint8_t*)wide + wide_len : NULL;
         for (int64_t g0 = items * me / threads; g0 < mine_end; g0 += group) {
             const int64_t g_end = g0 + group < mine_end ? g0 + group : mine_end;
             for (int64_t item = g0; starts && item < g_end; item++) {
@@ -293,7 +295,6 @@ int linear_amx(const uint16_t* x, int64_t ldx, int64_t m_len, const void* packed
             }
         }
         if (configured) _tile_release();
-        free(starts);
     }
     free(xsum);
     return 1;

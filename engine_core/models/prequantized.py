@@ -76,8 +76,7 @@ def unpack(parts: dict[str, torch.Tensor], scheme: QuantScheme) -> tuple[torch.T
     if k % GROUP:
         raise ModelSourceError(f"{k} input features: a multiple of {GROUP} is needed to serve 4-bit weights")
     # Each run of 32 input features must lie in one group (a g_idx names the group of each feature).
-    size = k if scheme.group_size == -1 else scheme.group_size
-    group_of = g_idx.long() if g_idx is not None else torch.arange(k) // size
+    group_of = g_idx.long() if g_idx is not None else _groups_in_order(k, scheme)
     runs = group_of.view(-1, GROUP)
     if not bool((runs == runs[:, :1]).all()) or int(runs.max()) >= scales.shape[0]:
         raise ModelSourceError("g_idx puts input features of one run of 32 in different groups (desc_act?): only "
@@ -155,9 +154,13 @@ def unpack_checkpoint(tensors: Iterable[tuple[str, torch.Tensor]], scheme: Quant
         raise ModelSourceError(f"{prefix}: the checkpoint has {sorted(parts)} of a quantized linear's {list(needed)}")
 
 
+def _groups_in_order(k: int, scheme: QuantScheme) -> torch.Tensor:
+    """Each of k input features' group where the groups are consecutive features (no g_idx, or a trivial one)."""
+    return torch.arange(k) // (k if scheme.group_size == -1 else scheme.group_size)
+
+
 def check_late_g_idx(g_idx: torch.Tensor, scheme: QuantScheme) -> None:
-    size = len(g_idx) if scheme.group_size == -1 else scheme.group_size
-    if not torch.equal(g_idx.long(), torch.arange(len(g_idx)) // size):
+    if not torch.equal(g_idx.long(), _groups_in_order(len(g_idx), scheme)):
         raise ModelSourceError("g_idx is not in the order of the input features (desc_act?): only groups of "
                                "consecutive features are supported")
 
