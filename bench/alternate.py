@@ -10,7 +10,7 @@ python -m bench.alternate --server NAME=[DIR::]FLAGS [--server ...] [--pairs 3] 
       --server "before=/tmp/before::--dtype bfloat16" --server "after=--dtype bfloat16"
 
 Servers here are launch.py checkouts; roseinfer against vLLM (its own venv, its own client too) alternates the same
-way in `python -m bench.compare --peer vllm` (bench/vllm_peer.py), which reuses summary() and bench/servers.py.
+way in `python -m bench.compare --peer vllm` (bench/peer_compare.py), which reuses summary() and bench/servers.py.
 """
 
 from __future__ import annotations

@@ -4,11 +4,13 @@
 python -m bench.compare [--servers roseinfer,hf] [--num-prompts 32 --input-len 128 --output-len 64]
     [--max-concurrency 8 | --sweep-concurrency 1,8] [--dtype bfloat16] [--hf-batch-size N] [--result-json F]
 
-With `--peer vllm` the peer is vLLM's CPU build from its own venv instead, measured in alternating pairs with three
-clients (bench.serve, `vllm bench serve`, chat conversations); bench/vllm_peer.py runs it and lists its flags:
+With `--peer vllm` the peer is vLLM's CPU build from its own venv instead, and with `--peer llama.cpp` llama.cpp's
+`llama-server` on the same GGUF, each measured in alternating pairs with three clients (bench.serve, `vllm bench
+serve`, chat conversations); bench/peer_compare.py runs them and lists their flags:
 
 python -m bench.compare --peer vllm [--pairs 3] [--vllm-venv ~/.cache/peers/vllm] [--peers-dir ../shared/peers]
     [--clients serve,vllm,chat] [--result-json bench/results/compare_vllm.json]
+python -m bench.compare --peer llama.cpp [--llama-server ~/.cache/peers/llama.cpp/llama-server] [--gguf FILE]
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from typing import Any
 if not __package__:  # run as a file (python bench/x.py), not with -m: make the repository importable
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench import serve, vllm_peer  # noqa: E402
+from bench import peer_compare, serve  # noqa: E402
 from bench.servers import free_port, launched  # noqa: E402
 
 
@@ -71,12 +73,13 @@ def print_comparison(names: list[str], runs: dict[str, list[dict[str, Any]]], ta
 
 def main() -> None:
     peer = argparse.ArgumentParser(add_help=False)
-    peer.add_argument("--peer", choices=["hf", "vllm"], default="hf")
-    if peer.parse_known_args()[0].peer == "vllm":  # its own flags and defaults (W, pairs): bench/vllm_peer.py
-        return vllm_peer.main()
+    peer.add_argument("--peer", choices=["hf", *peer_compare.PEERS], default="hf")
+    if peer.parse_known_args()[0].peer != "hf":  # its own flags and defaults (W, pairs): bench/peer_compare.py
+        return peer_compare.main()
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     serve.add_args(parser)
-    parser.add_argument("--peer", choices=["hf", "vllm"], default="hf", help="vllm: see bench/vllm_peer.py --help")
+    parser.add_argument("--peer", choices=["hf", *peer_compare.PEERS], default="hf",
+                        help="vllm, llama.cpp: see bench/peer_compare.py --help")
     parser.set_defaults(num_prompts=32, output_len=64, max_concurrency=8, disable_tqdm=False)
     parser.add_argument("--servers", default="roseinfer,hf", help="comma-separated, in run order")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="both servers")

@@ -1,5 +1,5 @@
 """Same-run comparison with a peer server: run orders, per-client figures -> medians over pairs, per-pair ratios,
-a markdown table. No servers here: bench/vllm_peer.py runs them and hands this module the figures."""
+a markdown table. No servers here: bench/peer_compare.py runs them and hands this module the figures."""
 
 from __future__ import annotations
 

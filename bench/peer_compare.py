@@ -1,15 +1,20 @@
-"""roseinfer against vLLM's CPU build, same model, same clients, same run (`python -m bench.compare --peer vllm`).
+"""roseinfer against a peer server, same model, same clients, same run: vLLM's CPU build (`python -m bench.compare
+--peer vllm`) or llama.cpp's `llama-server` (`--peer llama.cpp`), which serves the GGUF file itself (by default the
+default model's, whose converted copy roseinfer serves).
 
 Each pair starts both servers one after the other (which goes first flips from pair to pair), and runs every client
 against each before stopping it: (serve) bench.serve's streaming client in this process on W = N random-token
 prompts x input-len x output-len, ignore_eos, all at once; (vllm) vLLM's own `vllm bench serve` on W through
 <peers-dir>/vllm_bench_client.sh (its prompt and output lengths are 128, fixed by the script); (chat) bench.serve
-on --chat-prompts conversations of bench/data/conversations.jsonl at once, /v1/chat/completions. vLLM is no
-dependency of this project: it runs from its own venv (<peers-dir>/setup_vllm_cpu.sh installs one).
+on --chat-prompts conversations of bench/data/conversations.jsonl at once, /v1/chat/completions. No peer is a
+dependency of this project: vLLM runs from its own venv (<peers-dir>/setup_vllm_cpu.sh installs one, and its client
+serves against either peer), llama-server is built by bench/setup_llamacpp.sh.
 
 python -m bench.compare --peer vllm [--pairs 3] [--clients serve,vllm,chat] [--vllm-venv ~/.cache/peers/vllm]
     [--peers-dir ../shared/peers] [--model-dir HF_DIR] [--num-prompts 64 --input-len 128 --output-len 128]
     [--chat-prompts 16] [--result-json bench/results/compare_vllm.json]
+python -m bench.compare --peer llama.cpp [--llama-server ~/.cache/peers/llama.cpp/bin/llama-server] [--gguf FILE]
+    [--llama-slots 64] [--llama-ctx 32768] [...the flags above]
 """
 
 from __future__ import annotations
@@ -36,7 +41,7 @@ from bench.alternate import summary  # noqa: E402
 from bench.peer_report import from_vllm_bench, markdown_table, pair_orders, summarize_client  # noqa: E402
 from bench.servers import REPO, free_port, launched, served_model, tail  # noqa: E402
 
-NAMES = ("roseinfer", "vLLM")
+PEERS = {"vllm": "vLLM", "llama.cpp": "llama.cpp"}  # --peer -> the name results give it
 CLIENTS = ("serve", "vllm", "chat")
 LABELS = {"serve": "bench.serve, W", "vllm": "vllm bench serve, W", "chat": "bench.serve, chat"}
 
@@ -45,7 +50,7 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     serve.add_args(parser)
     parser.set_defaults(num_prompts=64, input_len=128, output_len=128, num_warmups=8, disable_tqdm=True)
     a = parser.add_argument
-    a("--peer", choices=["vllm"], default="vllm", help="the peer server (bench.compare without it: transformers)")
+    a("--peer", choices=list(PEERS), default="vllm", help="the peer server (bench.compare without it: transformers)")
     a("--pairs", type=int, default=3, help="rounds; each starts both servers once, the first one alternating")
     a("--clients", default=",".join(CLIENTS), help=f"comma-separated subset of {','.join(CLIENTS)}")
     a("--vllm-venv", default=os.environ.get("VLLM_VENV", "~/.cache/peers/vllm"), help="default: $VLLM_VENV or this")
@@ -56,13 +61,31 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     a("--roseinfer-args", default="", help="extra launch.py flags, one string")
     a("--served-model", default=None, help="the model the clients ask for (default: the first each server lists), "
       "e.g. a LoRA adapter both servers load (their flags: --roseinfer-args, and a copy of serve_vllm_cpu.sh)")
+    a("--llama-server", default="~/.cache/peers/llama.cpp/bin/llama-server", help="bench/setup_llamacpp.sh builds it")
+    a("--gguf", default=None, help="the file llama-server serves (default: the default model's GGUF, whose "
+      "converted copy is roseinfer's default --model-dir)")
+    a("--llama-slots", type=int, default=None, help="llama-server's -np, requests it runs at once (default: the most "
+      "any client sends at once)")
+    a("--llama-ctx", type=int, default=32768, help="llama-server's -c: KV cache tokens, shared by all slots (-kvu)")
+    a("--llama-args", default="", help="more llama-server flags, one string")
     a("--launch-timeout", type=float, default=900.0, help="seconds for a server to answer /health")
-    a("--result-json", default=str(REPO / "bench" / "results" / "compare_vllm.json"))
+    a("--result-json", default=None, help="default: bench/results/compare_<peer>.json")
+
+
+def names(args: argparse.Namespace) -> tuple[str, str]:
+    return "roseinfer", PEERS[args.peer]
 
 
 def server_command(name: str, port: int | str, args: argparse.Namespace) -> list[str]:
     if name == "vLLM":
         return [str(args.peers_dir / "serve_vllm_cpu.sh"), str(args.model_dir), str(port), str(args.vllm_venv)]
+    if name == "llama.cpp":  # all cores, as ours; one KV pool for all slots, so any slot may take a long prompt
+        slots = args.llama_slots or max(args.max_concurrency or args.num_prompts, args.chat_prompts)
+        # -nr: no extra weight buffers. Its AMX kernels (the only extra buffer a Q4_1 file takes) stopped the server
+        # with SIGILL in its warm-up on this project's Xeon (2026-11-30); without, its AVX-512 VNNI kernels serve.
+        return [str(args.llama_server), "-m", str(args.gguf), "--host", "127.0.0.1", "--port", str(port),
+                "-t", str(os.cpu_count()), "-tb", str(os.cpu_count()), "-np", str(slots), "-c", str(args.llama_ctx),
+                "-kvu", "-nr", "--no-webui", *shlex.split(args.llama_args)]  # fmt: skip
     return [sys.executable, "launch.py", "--port", str(port), "--model", str(args.model_dir), "--dtype", "bfloat16",
             "--log-level", "warning", *shlex.split(args.roseinfer_args)]  # fmt: skip
 
@@ -100,20 +123,25 @@ def _stdout(cmd: list[str]) -> str:
     return proc.stdout.strip() if proc.returncode == 0 else f"unknown ({proc.stderr.strip()[-200:]})"
 
 
-def settings(args: argparse.Namespace, clients: list[str]) -> dict[str, Any]:
+def peer_versions(args: argparse.Namespace) -> dict[str, str]:
     venv_python = str(args.vllm_venv / "bin" / "python")
+    if args.peer == "llama.cpp":
+        return {"llama.cpp": _stdout([str(args.llama_server), "--version"]).replace("\n", "; "), "gguf": str(args.gguf)}
+    return {"vllm": _stdout([venv_python, str(args.peers_dir / "vllm_cli.py"), "--version"]),
+            "vllm_torch": _stdout([venv_python, "-c", "import torch; print(torch.__version__)"])}
+
+
+def settings(args: argparse.Namespace, clients: list[str]) -> dict[str, Any]:
     commit = _stdout(["git", "rev-parse", "HEAD"])
     dirty = _stdout(["git", "status", "--porcelain", "--untracked-files=no"]) != ""
     return {
         "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
         "machine": serve.machine() | {"nproc": os.cpu_count(), "load_avg_1m_at_start": os.getloadavg()[0]},
-        "versions": {"vllm": _stdout([venv_python, str(args.peers_dir / "vllm_cli.py"), "--version"]),
-                     "vllm_torch": _stdout([venv_python, "-c", "import torch; print(torch.__version__)"]),
-                     "torch": importlib.metadata.version("torch"),
+        "versions": {**peer_versions(args), "torch": importlib.metadata.version("torch"),
                      "roseinfer_commit": commit + (" (uncommitted edits)" if dirty else "")},  # fmt: skip
         "model_dir": str(args.model_dir), "served_model": args.served_model, "pairs": args.pairs, "clients": clients,
-        "orders": pair_orders(NAMES, args.pairs),
-        "server_commands": {n: server_command(n, "PORT", args) for n in NAMES},
+        "orders": pair_orders(names(args), args.pairs),
+        "server_commands": {n: server_command(n, "PORT", args) for n in names(args)},
         "workload_w": {"num_prompts": args.num_prompts, "input_len": args.input_len, "output_len": args.output_len,
                        "prefix_len": args.prefix_len, "range_ratio": args.range_ratio, "ignore_eos": True,
                        "max_concurrency": args.max_concurrency, "num_warmups": args.num_warmups,
@@ -129,19 +157,27 @@ def compare(args: argparse.Namespace) -> dict[str, Any]:
     clients = args.clients.split(",")
     if unknown := set(clients) - set(CLIENTS):
         raise SystemExit(f"--clients: unknown {sorted(unknown)}, choose from {CLIENTS}")
-    if not (args.vllm_venv / "bin" / "python").exists():
+    args.llama_server = Path(args.llama_server).expanduser()
+    have_vllm = (args.vllm_venv / "bin" / "python").exists()
+    if args.peer == "vllm" and not have_vllm:
         raise SystemExit(f"no vLLM venv at {args.vllm_venv}: run {args.peers_dir / 'setup_vllm_cpu.sh'} first")
-    if not (args.peers_dir / "serve_vllm_cpu.sh").exists():
+    if args.peer == "vllm" and not (args.peers_dir / "serve_vllm_cpu.sh").exists():
         raise SystemExit(f"no serve_vllm_cpu.sh in {args.peers_dir} (--peers-dir)")
-    if "vllm" in clients and not (args.peers_dir / "vllm_bench_client.sh").exists():
-        print(f"no vllm_bench_client.sh in {args.peers_dir}: running without vLLM's own client", flush=True)
+    if args.peer == "llama.cpp" and not args.llama_server.exists():
+        raise SystemExit(f"no llama-server at {args.llama_server}: run bench/setup_llamacpp.sh first")
+    if "vllm" in clients and not (have_vllm and (args.peers_dir / "vllm_bench_client.sh").exists()):
+        print(f"no vLLM venv or vllm_bench_client.sh in {args.peers_dir}: running without vLLM's client", flush=True)
         clients.remove("vllm")
-    from common.model_source import resolve_model
+    from common.model_source import _default_gguf, resolve_model
 
     args.model_dir = Path(args.model_dir).resolve() if args.model_dir else resolve_model(None).path
+    args.gguf = Path(args.gguf).resolve() if args.gguf else Path(str(_default_gguf()))
+    args.result_json = args.result_json or str(REPO / "bench" / "results" / f"compare_{args.peer}.json")
+    ours, peer = names(args)
     tokenizer = serve.load_tokenizer(str(args.model_dir))
-    logs = Path(tempfile.mkdtemp(prefix="roseinfer-vs-vllm-"))
-    out: dict[str, Any] = {"settings": settings(args, clients), "runs": {c: {n: [] for n in NAMES} for c in clients}}
+    logs = Path(tempfile.mkdtemp(prefix=f"roseinfer-vs-{args.peer}-"))
+    out: dict[str, Any] = {"settings": settings(args, clients),
+                           "runs": {c: {n: [] for n in names(args)} for c in clients}}
     print(f"logs and vllm bench results: {logs}", flush=True)
     for pair, order in enumerate(out["settings"]["orders"]):
         for name in order:
@@ -159,16 +195,16 @@ def compare(args: argparse.Namespace) -> dict[str, Any]:
                     out["runs"][client][name].append(fig | {"pair": pair, "went_first": order[0] == name,
                                                             "server_ready_s": ready_s})  # fmt: skip
             _write(args.result_json, out)  # a run cut short still leaves every finished pair's figures
-    out["summary"] = {c: summarize_client(out["runs"][c][NAMES[0]], out["runs"][c][NAMES[1]]) for c in clients}
-    out["markdown"] = markdown_table(out["runs"], out["summary"], NAMES, LABELS)
+    out["summary"] = {c: summarize_client(out["runs"][c][ours], out["runs"][c][peer]) for c in clients}
+    out["markdown"] = markdown_table(out["runs"], out["summary"], (ours, peer), LABELS)
     _write(args.result_json, out)
-    print(f"\n{out['settings']['versions']['vllm']}, torch {out['settings']['versions']['torch']}, "
+    print(f"\n{next(iter(out['settings']['versions'].values()))}, torch {out['settings']['versions']['torch']}, "
           f"{out['settings']['machine']['nproc']} CPUs ({out['settings']['machine']['processor']}), "
           f"{args.pairs} pair(s), medians over pairs; {args.result_json}\n")  # fmt: skip
     print(out["markdown"])
     for client, s in out["summary"].items():
-        print(f"{LABELS[client]}: roseinfer / vLLM output tok/s, median over pairs {s['median_ratio']:.3f}; "
-              f"vLLM's time / roseinfer's for the same requests {s['median_time_ratio']:.3f}")
+        print(f"{LABELS[client]}: {ours} / {peer} output tok/s, median over pairs {s['median_ratio']:.3f}; "
+              f"{peer}'s time / {ours}'s for the same requests {s['median_time_ratio']:.3f}")
     return out
 
 
