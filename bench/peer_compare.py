@@ -66,7 +66,8 @@ def add_args(parser: argparse.ArgumentParser) -> None:
       "converted copy is roseinfer's default --model-dir)")
     a("--llama-slots", type=int, default=None, help="llama-server's -np, requests it runs at once (default: the most "
       "any client sends at once)")
-    a("--llama-ctx", type=int, default=32768, help="llama-server's -c: KV cache tokens, shared by all slots (-kvu)")
+    a("--llama-ctx", type=int, default=32768, help="llama-server's -c: KV cache tokens, split evenly over the slots "
+      "(its one pool for all, -kvu, halved its rate on W: each step attended over every slot's cells)")
     a("--llama-args", default="", help="more llama-server flags, one string")
     a("--launch-timeout", type=float, default=900.0, help="seconds for a server to answer /health")
     a("--result-json", default=None, help="default: bench/results/compare_<peer>.json")
@@ -79,13 +80,11 @@ def names(args: argparse.Namespace) -> tuple[str, str]:
 def server_command(name: str, port: int | str, args: argparse.Namespace) -> list[str]:
     if name == "vLLM":
         return [str(args.peers_dir / "serve_vllm_cpu.sh"), str(args.model_dir), str(port), str(args.vllm_venv)]
-    if name == "llama.cpp":  # all cores, as ours; one KV pool for all slots, so any slot may take a long prompt
+    if name == "llama.cpp":  # all cores, as ours
         slots = args.llama_slots or max(args.max_concurrency or args.num_prompts, args.chat_prompts)
-        # -nr: no extra weight buffers. Its AMX kernels (the only extra buffer a Q4_1 file takes) stopped the server
-        # with SIGILL in its warm-up on this project's Xeon (2026-11-30); without, its AVX-512 VNNI kernels serve.
         return [str(args.llama_server), "-m", str(args.gguf), "--host", "127.0.0.1", "--port", str(port),
                 "-t", str(os.cpu_count()), "-tb", str(os.cpu_count()), "-np", str(slots), "-c", str(args.llama_ctx),
-                "-kvu", "-nr", "--no-webui", *shlex.split(args.llama_args)]  # fmt: skip
+                "--no-webui", *shlex.split(args.llama_args)]  # fmt: skip
     return [sys.executable, "launch.py", "--port", str(port), "--model", str(args.model_dir), "--dtype", "bfloat16",
             "--log-level", "warning", *shlex.split(args.roseinfer_args)]  # fmt: skip
 
