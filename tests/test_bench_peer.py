@@ -56,3 +56,23 @@ def test_median_of_per_pair_ratios() -> None:
     assert table[2].startswith("| client W | rose | 110 (110, 55, 120) | 100 | 200 |")
     assert table[4].startswith("| client W | rose / peer | **1.10x** (1.10, 1.10, 1.50) |")
     assert table[5].startswith("| client W | peer time / rose time | **1.00x** (1.25, 1.00, 1.00) |")
+
+
+def test_llama_server_command_takes_every_request_at_once() -> None:
+    # llama-server runs as many requests at once as it has slots (-np), each with -c / -np tokens of KV: the peer must
+    # get a slot for every request a client sends at once, or its figures would measure a queue we did not make.
+    import argparse
+
+    from bench.peer_compare import add_args, names, server_command
+
+    parser = argparse.ArgumentParser()
+    add_args(parser)
+    args = parser.parse_args(["--peer", "llama.cpp", "--gguf", "/m.gguf", "--llama-args", "--temp 0"])
+    assert names(args) == ("roseinfer", "llama.cpp")
+    cmd = server_command("llama.cpp", 8123, args)
+    flag = {cmd[i]: cmd[i + 1] for i in range(1, len(cmd) - 1) if cmd[i].startswith("-")}
+    assert (flag["-m"], flag["--port"], flag["-np"], flag["-c"]) == ("/m.gguf", "8123", "64", "32768")
+    assert cmd[-2:] == ["--temp", "0"] and "-kvu" not in cmd
+    one_stream = parser.parse_args(["--peer", "llama.cpp", "--max-concurrency", "1", "--chat-prompts", "4"])
+    cmd = server_command("llama.cpp", 1, one_stream)
+    assert cmd[cmd.index("-np") + 1] == "4"  # one stream of W, or 4 chats at once
