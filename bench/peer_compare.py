@@ -117,18 +117,17 @@ def vllm_client(args: argparse.Namespace, url: str, model: str, out: Path) -> di
     return from_vllm_bench(raw) | {"load_avg_1m": os.getloadavg()[0]}
 
 
-def _stdout(cmd: list[str]) -> str:
-    """What cmd prints (llama-server prints its version on stderr)."""
+def _stdout(cmd: list[str], stream: str = "stdout") -> str:
+    """What cmd prints on `stream` (llama-server prints its version on stderr)."""
     proc = subprocess.run(cmd, capture_output=True, text=True, check=False, cwd=REPO)
-    out = (proc.stdout.strip() or proc.stderr.strip()) if proc.returncode == 0 else ""
-    return out or f"unknown ({proc.stderr.strip()[-200:]})"
+    return getattr(proc, stream).strip() if proc.returncode == 0 else f"unknown ({proc.stderr.strip()[-200:]})"
 
 
 def peer_versions(args: argparse.Namespace) -> dict[str, str]:
     venv_python = str(args.vllm_venv / "bin" / "python")
     if args.peer == "llama.cpp":
-        return {"llama.cpp": "llama.cpp " + _stdout([str(args.llama_server), "--version"]).replace("\n", "; "),
-                "gguf": str(args.gguf)}
+        version = _stdout([str(args.llama_server), "--version"], "stderr").replace("\n", "; ")
+        return {"llama.cpp": f"llama.cpp {version}", "gguf": str(args.gguf)}
     return {"vllm": _stdout([venv_python, str(args.peers_dir / "vllm_cli.py"), "--version"]),
             "vllm_torch": _stdout([venv_python, "-c", "import torch; print(torch.__version__)"])}
 

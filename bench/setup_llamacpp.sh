@@ -3,7 +3,7 @@
 # this machine can fetch from: PyPI's source package of llama-cpp-python, which vendors llama.cpp (0.3.36: llama.cpp
 # of 2026-10-01), for this CPU, without a web UI or HTTPS. On a CPU with AMX, its AMX kernels are left out: built in
 # (-march=native), they stopped the server with SIGILL at its warm-up on this project's Xeon (2026-11-30, a Q4_1
-# file); that build gets every AVX-512 kernel (and the Q4_0 weights repacked for them) by name instead. About 15
+# file); that build gets every AVX-512 kernel (and the Q4_0 weights repacked for them) by name instead. About 5
 # minutes on 2 cores; needs cmake, ninja and a C++ compiler.
 # usage: bench/setup_llamacpp.sh [PREFIX=~/.cache/peers/llama.cpp]   -> PREFIX/bin/llama-server, llama-quantize
 set -euo pipefail
