@@ -10,7 +10,7 @@ serve`, chat conversations); bench/peer_compare.py runs them and lists their fla
 
 python -m bench.compare --peer vllm [--pairs 3] [--vllm-venv ~/.cache/peers/vllm] [--peers-dir ../shared/peers]
     [--clients serve,vllm,chat] [--result-json bench/results/compare_vllm.json]
-python -m bench.compare --peer llama.cpp [--llama-server ~/.cache/peers/llama.cpp/llama-server] [--gguf FILE]
+python -m bench.compare --peer llama.cpp [--llama-server ~/.cache/peers/llama.cpp/bin/llama-server] [--gguf FILE]
 """
 
 from __future__ import annotations

@@ -1,5 +1,6 @@
 """bench/peer_report.py: a real `vllm bench serve` result parsed, pair orders, medians and ratios over pairs, the
-table. No server starts here (vLLM is no dependency of the project)."""
+table; bench/peer_compare.py's llama-server command. No server starts here (no peer is a dependency of the
+project)."""
 
 from __future__ import annotations
 
