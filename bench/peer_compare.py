@@ -124,10 +124,10 @@ def _stdout(cmd: list[str], stream: str = "stdout") -> str:
 
 
 def peer_versions(args: argparse.Namespace) -> dict[str, str]:
-    venv_python = str(args.vllm_venv / "bin" / "python")
     if args.peer == "llama.cpp":
         version = _stdout([str(args.llama_server), "--version"], "stderr").replace("\n", "; ")
         return {"llama.cpp": f"llama.cpp {version}", "gguf": str(args.gguf)}
+    venv_python = str(args.vllm_venv / "bin" / "python")
     return {"vllm": _stdout([venv_python, str(args.peers_dir / "vllm_cli.py"), "--version"]),
             "vllm_torch": _stdout([venv_python, "-c", "import torch; print(torch.__version__)"])}
 

@@ -4,11 +4,13 @@ project)."""
 
 from __future__ import annotations
 
+import argparse
 import json
 from pathlib import Path
 
 import pytest
 
+from bench.peer_compare import add_args, names, server_command
 from bench.peer_report import from_vllm_bench, markdown_table, pair_orders, summarize_client
 
 # Saved from `vllm bench serve` 0.32.0 (vllm_bench_client.sh, 4 prompts) against vLLM CPU on the default model.
@@ -62,10 +64,6 @@ def test_median_of_per_pair_ratios() -> None:
 def test_llama_server_command_takes_every_request_at_once() -> None:
     # llama-server runs as many requests at once as it has slots (-np), each with -c / -np tokens of KV: the peer must
     # get a slot for every request a client sends at once, or its figures would measure a queue we did not make.
-    import argparse
-
-    from bench.peer_compare import add_args, names, server_command
-
     parser = argparse.ArgumentParser()
     add_args(parser)
     args = parser.parse_args(["--peer", "llama.cpp", "--gguf", "/m.gguf", "--llama-args", "--temp 0"])
