@@ -1,29 +1,20 @@
-"""Our compiled CPU kernels (csrc/*.c): decode attention over paged KV, and the fused elementwise layers.
+"""Our compiled CPU kernels (csrc/*.c), called through ctypes: linears, decode and prefill attention over paged
+KV, the fused elementwise layers, sampling.
 
-Built once per machine with the system C compiler into one shared library, loaded with ctypes. `cpu_kernels()`
-is None when there is no compiler (or ROSEINFER_NO_KERNELS is set); callers then take their torch path, which
-also stays the reference the kernels are tested against.
+Built once per machine (engine_core/kernel_build.py). `cpu_kernels()` is None when there is no compiler (or
+ROSEINFER_NO_KERNELS is set); callers then take their torch path, which also stays the reference the kernels are
+tested against.
 """
 
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import logging
-import os
-import platform
-import shutil
-import subprocess
-import tempfile
-from pathlib import Path
 
 import torch
 
+from engine_core.kernel_build import build
 from engine_core.linear_packing import GROUP, weight_format
 
-log = logging.getLogger("roseinfer.kernels")
-CSRC = Path(__file__).parent / "csrc"
-SOURCES = sorted(CSRC.glob("*.c"))
 _SUFFIX = {torch.bfloat16: "bf16", torch.float32: "f32"}
 _P, _I, _I64, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
 _SIGNATURES = {
@@ -38,57 +29,6 @@ _SIGNATURES = {
     "argmax_rows": [_P, _I64, _I64, _P],
     "sample_rows": [_P, _I64, _I64] + [_P] * 6,
 }
-
-
-def cpu_flags() -> str:
-    """/proc/cpuinfo's flags line (or the processor's name where there is none)."""
-    try:
-        return next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
-    except (OSError, StopIteration):
-        return platform.processor()
-
-
-def compile_command(cc: str, march: str, out: str) -> list[str]:
-    return [cc, "-O3", f"-march={march}", "-ffast-math", "-fopenmp", "-shared", "-fPIC", *map(str, SOURCES), "-lm",
-            "-o", out]  # fmt: skip
-
-
-def build_library(cc: str, march: str = "native") -> Path:
-    """The kernels compiled for -march=`march`, from the cache when they are there; raises
-    subprocess.CalledProcessError (with the compiler's stderr) or OSError when they cannot be built. Keyed by the
-    sources and, for "native", the CPU's flags: a different machine compiles its own."""
-    files = sorted([*SOURCES, *CSRC.glob("*.h")])
-    target = cpu_flags() if march == "native" else march
-    key = hashlib.sha256(b"".join(f.read_bytes() for f in files) + target.encode()).hexdigest()[:16]
-    cache = Path(os.environ.get("ROSEINFER_CACHE_DIR", Path.home() / ".cache" / "roseinfer")) / "kernels"
-    lib = cache / f"roseinfer_kernels-{key}.so"
-    if not lib.exists():
-        cache.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(suffix=".so", dir=cache)
-        os.close(fd)
-        try:
-            subprocess.run(compile_command(cc, march, tmp), check=True, capture_output=True, text=True, timeout=180)
-            os.replace(tmp, lib)  # atomic: concurrent builders never load a half-written file
-        finally:
-            Path(tmp).unlink(missing_ok=True)
-    return lib
-
-
-def _build() -> ctypes.CDLL | None:
-    cc = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
-    if cc is None or os.environ.get("ROSEINFER_NO_KERNELS"):
-        return None
-    # ROSEINFER_KERNEL_MARCH: another target this CPU runs (x86-64-v3: the AVX2 kernels on an AVX-512 CPU).
-    try:
-        lib = build_library(cc, os.environ.get("ROSEINFER_KERNEL_MARCH", "native"))
-    except (subprocess.SubprocessError, OSError) as exc:
-        log.warning("CPU kernels not built (%s); using the torch paths", exc)
-        return None
-    try:
-        return ctypes.CDLL(str(lib))  # every symbol resolved now (RTLD_NOW), not at the first call
-    except OSError as exc:
-        log.warning("CPU kernels not loaded (%s); using the torch paths", exc)
-        return None
 
 
 class CpuKernels:
@@ -111,10 +51,14 @@ class CpuKernels:
         self.has_linear, self.panel_cols = bool(lib.linear_kernels_available()), lib.linear_panel_cols()
         self.has_int8_linear = bool(lib.linear_int8_available())
         self.has_int4_linear = bool(lib.linear_int4_available())
+        # int8 and int4 panels summed exactly as the bf16 weights they widen to (engine_core/models/grid_weights.py)
+        self.has_grid_linear = bool(lib.linear_grid_available())
         self.has_f32_linear = bool(lib.linear_f32_available())  # fp32 panels, AVX-512 or AVX2 (csrc/linear_f32.c)
         self.has_amx_linear = bool(lib.linear_amx_available())  # every format on AMX where k % 32 == 0 (linear_amx.c)
         self._linear = lib.linear
         self._linear.argtypes = [_P, _I64, _I64, _P, _I, _P, _P, _I64, _I64, _I64]
+        self._widen = lib.linear_widen
+        self._widen.argtypes = [_P, _I, _I64, _I64, _P]
         self._glu_amx = lib.glu_amx
         self._glu_amx.argtypes = [_P, _I64, _I64, _P, _P, _P, _I64, _I64, _I64, _I]
         self._linear_f32 = lib.linear_f32
@@ -249,6 +193,13 @@ class CpuKernels:
                          bias_ptr, out.data_ptr(), out_features, out_features, rows.shape[1])  # fmt: skip
         return out.view(*x.shape[:-1], out_features)
 
+    def widen(self, packed: torch.Tensor, rows: int, in_features: int) -> torch.Tensor:
+        """The bf16 weight [rows, in_features] that int8 or int16-tagged int4 panels stand for, as linear() widens
+        them (has_grid_linear only)."""
+        out = torch.empty((rows, in_features), dtype=torch.bfloat16)
+        self._widen(packed.data_ptr(), weight_format(packed), rows, in_features, out.data_ptr())
+        return out
+
     def linear_glu(self, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, half: int, act: str):
         """act(gate) * up of a merged gate_up linear (gate its first `half` outputs) in one AMX call (csrc/glu_amx.c),
         bit for bit linear() then act_and_mul(); None where it does not run (no AMX, not bf16, k % 32, half % 16)."""
@@ -295,6 +246,6 @@ _kernels: CpuKernels | None | bool = False  # False: not tried yet
 def cpu_kernels() -> CpuKernels | None:
     global _kernels
     if _kernels is False:
-        lib = _build()
+        lib = build()
         _kernels = CpuKernels(lib) if lib is not None else None
     return _kernels  # type: ignore[return-value]

@@ -10,7 +10,8 @@ import os
 
 import torch
 
-from engine_core.cpu_kernels import cpu_flags, cpu_kernels
+from engine_core.cpu_kernels import cpu_kernels
+from engine_core.kernel_build import cpu_flags
 
 
 def padded_size(num_tokens: int, min_rows: int = 8) -> int:

@@ -5,15 +5,17 @@ Every format cuts the weight [N, K] into panels of up to `cols` output rows (48)
 16 with zeros. The packed tensor's dtype names its format for the kernel (FORMATS): bf16 panels in vdpbf16ps's
 pair layout (for each pair of k, the panel's rows x 2 values), int8 panels (per group of 32 k, the weights then
 each lane's scale), int4 panels (per group of 32 k, four pairs' nibbles in each 16-bit lane, then each row's scale
-and min), or fp32 panels (for each k, the panel's rows).
+and min; summed either on the int4 grid or, tagged int16, as the bf16 weights they widen to), or fp32 panels (for
+each k, the panel's rows).
 """
 
 from __future__ import annotations
 
 import torch
 
-# The kernels' `format` argument (csrc/linear.c's linear; 3 is csrc/linear_f32.c's) for each packed dtype.
-FORMATS = {torch.bfloat16: 0, torch.int8: 1, torch.uint8: 2, torch.float32: 3}
+# The kernels' `format` argument (csrc/linear.c's linear; 3 is csrc/linear_f32.c's) for each packed dtype. int16
+# tags int4 panels the kernels widen to bf16 and sum as bf16 (pack_int4_as_bf16).
+FORMATS = {torch.bfloat16: 0, torch.int8: 1, torch.uint8: 2, torch.float32: 3, torch.int16: 4}
 GROUP = 32  # int8 and int4: k per scale (and min), the kernels' unit
 
 
@@ -91,3 +93,9 @@ def pack_int4(q: torch.Tensor, scale: torch.Tensor, mins: torch.Tensor, cols: in
         mins_ = m_pad[n0 : n0 + c].T.contiguous().view(torch.uint8)
         parts.append(torch.cat([nibbles, scales, mins_], dim=1).flatten())
     return torch.cat(parts)
+
+
+def pack_int4_as_bf16(q: torch.Tensor, scale: torch.Tensor, mins: torch.Tensor, cols: int) -> torch.Tensor:
+    """pack_int4's panels, tagged (int16) for the kernels to widen each weight to bf16(scale * q + min) and sum it
+    as a bf16 weight (engine_core/models/grid_weights.py)."""
+    return pack_int4(q, scale, mins, cols).view(torch.int16)

@@ -10,7 +10,8 @@ import shutil
 import pytest
 import torch
 
-from engine_core.cpu_kernels import CpuKernels, build_library, cpu_flags, cpu_kernels
+from engine_core.cpu_kernels import CpuKernels, cpu_kernels
+from engine_core.kernel_build import build_library, cpu_flags
 from engine_core.linear_packing import pack_bf16, pack_f32, pack_int4, pack_int8
 from engine_core.models.quant import dequantize, quantize_int4, quantize_int8
 

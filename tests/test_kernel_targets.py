@@ -11,7 +11,7 @@ import subprocess
 
 import pytest
 
-from engine_core.cpu_kernels import build_library
+from engine_core.kernel_build import build_library
 
 CC = shutil.which("cc") or shutil.which("gcc")
 

@@ -516,11 +516,12 @@ static inline int64_t linear_row_parts(int64_t panels, int64_t tiles, int thread
 static inline int64_t quant_group_vec_bytes(int format) {
     return format == 1 ? INT8_GROUP_VEC_BYTES : INT4_GROUP_VEC_BYTES;
 }
-// The packed bytes of one weight row in each format (linear's format: 0 bf16, 1 int8, 2 int4).
+// The packed bytes of one weight row in each format (linear's format: 0 bf16, 1 int8, 2 int4, 4 int4 summed as bf16:
+// int4's layout).
 static inline int64_t linear_bytes_per_col(int format, int64_t k_len) {
     return format == 0 ? 2 * k_len : k_len / QUANT_GROUP * quant_group_vec_bytes(format) / 16;
 }
-// Group g of a quantized panel of nv vectors (format 1 or 2), and where the group's scales start (int4: then its
+// Group g of a quantized panel of nv vectors (format 1, 2 or 4), and where the group's scales start (int4: then its
 // mins).
 static inline const uint8_t* quant_group(const void* panel, int format, int nv, int64_t g) {
     return (const uint8_t*)panel + g * nv * quant_group_vec_bytes(format);
@@ -563,6 +564,22 @@ static inline __m512bh int8_pairs(const int8_t* w, const float* scales) {
 static inline __m512i nibble_table(void) {
     const __m512 q = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     return (__m512i)_mm512_cvtne2ps_pbh(q, q);
+}
+// Pair `sub` (0-3) of four k pairs' nibbles of an int4 vector (`four`: a 16-bit lane each, as the int4 panels hold
+// them) widened to bf16(fma(q, scale, min)) in the bf16 panels' pair layout: format 4, the bf16 weights of a
+// checkpoint stored on a 4-bit grid, bit for bit (engine_core/models/grid_weights.py checks each weight's at load).
+// scale, min: the vector's 16 columns'. The 32-bit element c of bf16(q) holds column c's even k low, its odd k
+// high, so a shift and a mask make them fp32 for the columns' scales; cvtne2ps then puts the evens before the odds,
+// and one vpermw interleaves them back into pairs.
+static inline __m512bh int4_bf16_pairs(__m512i four, int sub, __m512 scale, __m512 min, __m512i table) {
+    const __m512i q = _mm512_permutexvar_epi16(_mm512_srli_epi16(four, 4 * sub), table);
+    const __m512 even = (__m512)_mm512_slli_epi32(q, 16);
+    const __m512 odd = (__m512)_mm512_and_si512(q, _mm512_set1_epi32((int)0xFFFF0000u));
+    const __m512i halves = (__m512i)_mm512_cvtne2ps_pbh(_mm512_fmadd_ps(odd, scale, min),
+                                                        _mm512_fmadd_ps(even, scale, min));
+    const __m512i pairs = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6,
+                                           21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+    return (__m512bh)_mm512_permutexvar_epi16(pairs, halves);
 }
 // A linear tile's fp32 sums (mr rows x nv vectors of 16 columns) plus the bias, stored as bf16: the first `cols`
 // columns of each row.

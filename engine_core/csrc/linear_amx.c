@@ -5,8 +5,9 @@
 // chunk in the hardware's fixed order, whatever the number of rows (a block of fewer than 16 rows configures shorter
 // tiles), so a row's bits never depend on its neighbours, as with csrc/linear.c's tiles.
 //
-// Quantized panels are widened into that bf16 layout: int8 to bf16(q * scale), as csrc/linear.c's tiles widen it,
-// and then summed over all of k as bf16 weights are; int4 to its exact q, each run of chunks (32 k) that share their
+// Quantized panels are widened into that bf16 layout: int8 to bf16(q * scale) and format 4 (int4 summed as bf16) to
+// bf16(scale * q + min), as csrc/linear.c's tiles widen them, and then summed over all of k as bf16 weights are;
+// int4 to its exact q, each run of chunks (32 k) that share their
 // scales and mins (one chunk, or a checkpoint's whole group) into C tiles zeroed for it, then scaled and shifted on
 // the vectors as csrc/linear_int4.c's tiles do for each group. A call of many rows
 // widens each panel once; a call of one block of rows widens a chunk at a time, in L1, just ahead of its tiles (the
@@ -57,7 +58,8 @@ static void configure(int mr) {
 }
 
 // Chunk g of a quantized panel of nv vectors widened into B tiles at `to` (16 pairs x nv vectors of 64 bytes): int8
-// to bf16(q * scale), as csrc/linear.c's tiles widen it, int4 to bf16(q), exact. pf_step bytes of the pf_len at pf
+// to bf16(q * scale) and format 4 to bf16(scale * q + min), as csrc/linear.c's tiles widen them, int4 to bf16(q),
+// exact. pf_step bytes of the pf_len at pf
 // (the next panel) are prefetched on the way.
 static inline __attribute__((always_inline)) void widen_chunk(int format, const char* quant, int nv, int64_t g,
                                                               char* to, const char* pf, int64_t pf_len,
@@ -73,13 +75,20 @@ static inline __attribute__((always_inline)) void widen_chunk(int format, const 
         return;
     }
     const __m512i table = nibble_table();
-    const uint8_t* group = quant_group(quant, 2, nv, g);
+    const uint8_t* group = quant_group(quant, format, nv, g);
+    const float* sm = quant_scales(group, format, nv);
     for (int t = 0; t < CHUNK_K / 8; t++)  // four pairs in each 16-bit lane
         for (int j = 0; j < nv; j++) {
             const __m512i four = _mm512_loadu_si512(group + (t * nv + j) * 64);
-            for (int sub = 0; sub < 4; sub++)
-                _mm512_store_si512(to + ((4 * t + sub) * nv + j) * 64,
-                                   _mm512_permutexvar_epi16(_mm512_srli_epi16(four, 4 * sub), table));
+            if (format == 4) {
+                const __m512 scale = _mm512_loadu_ps(sm + 16 * j), min = _mm512_loadu_ps(sm + 16 * (nv + j));
+                for (int sub = 0; sub < 4; sub++)
+                    _mm512_store_si512(to + ((4 * t + sub) * nv + j) * 64,
+                                       (__m512i)int4_bf16_pairs(four, sub, scale, min, table));
+            } else
+                for (int sub = 0; sub < 4; sub++)
+                    _mm512_store_si512(to + ((4 * t + sub) * nv + j) * 64,
+                                       _mm512_permutexvar_epi16(_mm512_srli_epi16(four, 4 * sub), table));
         }
 }
 
@@ -227,10 +236,10 @@ static void* scratch(int64_t bytes) {
 }
 
 // 1 if it ran the call (k a multiple of 32, AMX usable), else 0 and nothing done. format: csrc/linear.c's (0 bf16,
-// 1 int8, 2 int4).
+// 1 int8, 2 int4, 4 int4 summed as bf16).
 int linear_amx(const uint16_t* x, int64_t ldx, int64_t m_len, const void* packed, int format, const uint16_t* bias,
                uint16_t* out, int64_t ldo, int64_t n_len, int64_t k_len) {
-    if (format > 2 || k_len % CHUNK_K || !linear_amx_available()) return 0;
+    if ((format > 2 && format != 4) || k_len % CHUNK_K || !linear_amx_available()) return 0;
     if (m_len <= 0) return 1;
     const int64_t panels = (n_len + LINEAR_PANEL_COLS - 1) / LINEAR_PANEL_COLS, chunks = k_len / CHUNK_K;
     const int64_t blocks = (m_len + BLOCK_ROWS - 1) / BLOCK_ROWS;

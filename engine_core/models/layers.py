@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -11,8 +12,11 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from engine_core import distributed
 from engine_core.cpu_kernels import cpu_kernels
-from engine_core.linear_packing import pack_bf16, pack_f32
+from engine_core.linear_packing import pack_bf16, pack_f32, pack_int4_as_bf16, pack_int8
 from engine_core.models.parallel import RowParallelLinear
+
+if TYPE_CHECKING:
+    from engine_core.models.grid_weights import GridWeights
 
 
 def _kernels_for(x: torch.Tensor):
@@ -192,7 +196,9 @@ class PackedLinear(nn.Module):
     few decode rows (SmolLM2 bf16 at 16 rows: 7 ms a step, oneDNN 10.4), keeps up with oneDNN and MKL up to prefill
     sizes, and gives every row the same bits whatever runs beside it."""
 
-    def __init__(self, linear: nn.Linear) -> None:
+    def __init__(self, linear: nn.Linear, grid: tuple[str, tuple[torch.Tensor, ...]] | None = None) -> None:
+        """grid: ("int4" or "int8", its parts) where the bf16 weight lies on that grid bit for bit
+        (engine_core/models/grid_weights.py): its panels then hold the grid, and the kernel widens it back."""
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.shard_sizes = getattr(linear, "shard_sizes", None)  # a fused layer's parts (LoRA adapters read them)
@@ -203,7 +209,10 @@ class PackedLinear(nn.Module):
         # Neither (an odd in_features on a CPU without oneDNN's bf16 path): the plain weight, torch's emulation.
         bf16 = weight.dtype == torch.bfloat16
         self.onednn = self.kernels is None and bf16 and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
-        if self.kernels is not None:
+        if self.kernels is not None and bf16 and grid is not None and self.kernels.has_grid_linear:
+            method, parts = grid
+            self.packed_weight = (pack_int4_as_bf16 if method == "int4" else pack_int8)(*parts, self.kernels.panel_cols)
+        elif self.kernels is not None:
             self.packed_weight = (pack_bf16 if bf16 else pack_f32)(weight, self.kernels.panel_cols)
         else:
             self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight, 64) if self.onednn else weight
@@ -240,10 +249,11 @@ def can_pack_bf16() -> bool:
     return (kernels is not None and kernels.has_linear) or bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
-def pack_linears(model: nn.Module) -> int:
+def pack_linears(model: nn.Module, grids: GridWeights | None = None) -> int:
     """Replaces every linear layer of a loaded CPU bf16 or fp32 model by a PackedLinear; returns how many. Tied
-    weights stay usable: the embedding keeps the plain tensor, the head gets its packed copy."""
-    return replace_linears(model, PackedLinear)
+    weights stay usable: the embedding keeps the plain tensor, the head gets its packed copy. `grids`: what the
+    loader found on a 4- or 8-bit grid."""
+    return replace_linears(model, lambda linear: PackedLinear(linear, grids.take(linear) if grids else None))
 
 
 def replace_linears(model: nn.Module, make: Callable[[nn.Module], nn.Module], kind: type = nn.Linear) -> int:

@@ -18,6 +18,7 @@ from common.pooling import Pooling
 from engine_core.models.gemma3 import Gemma3ForCausalLM
 from engine_core.models.gpt2 import GPT2LMHeadModel
 from engine_core.models.granite import GraniteForCausalLM, GraniteHybridForCausalLM
+from engine_core.models.grid_weights import GridWeights, grids_wanted
 from engine_core.models.llama import LlamaForCausalLM
 from engine_core.models.moe import MoeForCausalLM
 from engine_core.models.olmo2 import Olmo2ForCausalLM
@@ -150,10 +151,11 @@ def module_of(model: nn.Module, key: str) -> tuple[str, int | None] | None:
     return name.rsplit(".", 1)[0], None
 
 
-def load_weights(model: nn.Module, state: dict[str, torch.Tensor] | Path, scheme: QuantScheme | None = None) -> None:
+def load_weights(model: nn.Module, state: dict[str, torch.Tensor] | Path, scheme: QuantScheme | None = None,
+                 grids: GridWeights | None = None) -> None:
     """Copies checkpoint tensors into `model`, fusing q/k/v and gate/up; fails loudly on a missing weight. `scheme`:
     a 4-bit checkpoint's (GPTQ, AWQ, compressed-tensors), whose quantized linears take_quantized_linears made
-    Int4Weights."""
+    Int4Weights. `grids`: offered each tensor a linear's weight is loaded from (engine_core/models/grid_weights.py)."""
     params = dict(model.named_parameters())
     loaded: set[str] = set()
     head = getattr(model, "lm_head", None)
@@ -176,12 +178,17 @@ def load_weights(model: nn.Module, state: dict[str, torch.Tensor] | Path, scheme
         module, shard = module_of(model, key)
         if shard is not None:  # a part of one of our fused layers
             attr = name.rsplit(".", 1)[1]
-            model.get_submodule(module).load_shard(shard, attr, tensor)
+            target = model.get_submodule(module)
+            target.load_shard(shard, attr, tensor)
+            if grids is not None and attr == "weight":
+                grids.offer(target.weight, shard, tensor)
             loaded.add(f"{module}.{attr}")
         else:
             if name not in params:
                 raise ValueError(f"unexpected weight {key!r} in checkpoint")
             params[name].data.copy_(tensor)
+            if grids is not None:
+                grids.offer(params[name], None, tensor)
             loaded.add(name)
     missing = set(params) - loaded
     if missing:
@@ -214,5 +221,8 @@ def load_model(path: str | Path, dtype: torch.dtype, device: torch.device, max_p
         model.lm_head = pooling_head(config, pooling, tokenizer or Path(path), device)
     if scheme is not None:  # a 4-bit checkpoint: its quantized linears are never widened to floats
         take_quantized_linears(model, quantized_prefixes(Path(path)), partial(module_of, model))
-    load_weights(model, Path(path), scheme)
+    # A GGUF's 4- or 8-bit layers, served in bf16 on CPU: what lies on its grid stays there (prepare_linears packs it)
+    grids = GridWeights(model) if grids_wanted(Path(path), dtype, device, quantization) else None
+    load_weights(model, Path(path), scheme, grids)
+    model.weight_grids = grids
     return model

@@ -17,6 +17,7 @@ for the lookup: only the head's copy is quantized.
 from __future__ import annotations
 
 import logging
+from collections import Counter
 from functools import partial
 from pathlib import Path
 
@@ -185,6 +186,8 @@ def prepare_linears(model: nn.Module, quantization: str, device: torch.device, d
     A 4-bit checkpoint's quantized linears (Int4Weights: GPTQ, AWQ, compressed-tensors) become int4
     QuantizedLinears first; the others (the LM head, as such checkpoints keep it) are then treated as any model's.
     """
+    grids = getattr(model, "weight_grids", None)  # engine_core/models/grid_weights.py; the loader's, used once
+    model.weight_grids = None
     prequantized = _take_int4_weights(model)
     if prequantized:
         log.info("%d linears run the checkpoint's own 4-bit weights, on the int4 grid", prequantized)
@@ -204,7 +207,9 @@ def prepare_linears(model: nn.Module, quantization: str, device: torch.device, d
             log.warning("bf16 on a CPU without AVX512 or AVX2 + FMA: torch emulates its matmuls (slow); --dtype "
                         "float32, the default here, is faster")
             return 8
-        pack_linears(model)
+        pack_linears(model, grids)
+        if grids is not None:
+            _log_grids(model)
         # Our bf16 kernel does each row alone; oneDNN (where it could not be built) needs 2 rows.
         return 1 if _all_ours(model) else 2
     elif device.type == "cpu" and dtype == torch.float32 and _has_f32_linear():
@@ -214,6 +219,15 @@ def prepare_linears(model: nn.Module, quantization: str, device: torch.device, d
         log.warning("float16 on CPU: none of our kernels takes it, so torch runs its matmuls, several times slower "
                     "than float32 or bfloat16; --dtype auto picks the faster of those")  # fmt: skip
     return 8
+
+
+def _log_grids(model: nn.Module) -> None:
+    """Says how many linears kept their checkpoint's grid (engine_core/models/grid_weights.py), and the bytes."""
+    packed = [m.packed_weight for m in model.modules() if isinstance(m, PackedLinear) and m.kernels is not None]
+    kept = Counter({torch.int16: "int4", torch.int8: "int8"}.get(p.dtype, "bf16") for p in packed)
+    mib = sum(p.numel() * p.element_size() for p in packed) / 2**20
+    log.info("linears on their checkpoint's grid, summed as its bf16 weights: %s; %.0f MiB of panels",
+             ", ".join(f"{n} {kind}" for kind, n in sorted(kept.items())), mib)  # fmt: skip
 
 
 def _has_f32_linear() -> bool:

@@ -1,0 +1,96 @@
+"""Linear weights a checkpoint holds on a 4- or 8-bit grid, kept on it when served in bf16 on CPU.
+
+A GGUF's Q4_1, Q4_0 or Q8_0 layers reach the engine dequantized (common/gguf_convert.py writes float32), and bf16
+panels read them at 2 bytes a weight where the file's grid needs 0.75 (int4 panels: the nibbles, an fp32 scale and
+min per 32) or 1.25 (int8). A decode step of few rows waits for those bytes. So where a linear's weight, rounded to
+bf16, equals bit for bit what our kernels widen from a grid (int4: bf16(fma(q, scale, min)), format 4; int8:
+bf16(q * scale), format 1), its panels hold the grid, and the kernels sum the very bf16 weights the bf16 panels
+would hold: the same logits, fewer bytes. Each weight is checked whole as the loader reads it (float32, before it
+is rounded); one that misses the grid anywhere stays bf16. ROSEINFER_GRID_WEIGHTS=0 keeps every weight bf16 (to
+compare them).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from common.gguf_weights import matching_quantization
+from engine_core.cpu_kernels import CpuKernels, cpu_kernels
+from engine_core.linear_packing import GROUP, pack_int4_as_bf16, pack_int8
+from engine_core.models.quant import quantize_int4, quantize_int8
+
+Parts = tuple[torch.Tensor, ...]  # int4: (q, scale, min); int8: (q, scale), as quant.quantize_int4/8 make them
+_ROWS = 4080  # rows checked at a time (85 panels), so that a weight off the grid is given up on at its first slice
+
+
+def grids_wanted(model_dir: Path, dtype: torch.dtype, device: torch.device, quantization: str) -> bool:
+    """Whether to look for grids while loading: bf16 on a CPU whose kernels sum grids as bf16 (AVX512-BF16), no
+    --quantization of its own, and a model converted from a GGUF whose layers were mostly stored in 4 or 8 bits (a
+    float32 checkpoint of any other origin is not worth the look)."""
+    if os.environ.get("ROSEINFER_GRID_WEIGHTS", "1") == "0" or quantization != "none":
+        return False
+    if device.type != "cpu" or dtype != torch.bfloat16 or matching_quantization(model_dir) is None:
+        return False
+    kernels = cpu_kernels()
+    return kernels is not None and kernels.has_grid_linear
+
+
+def _on_grid(weight: torch.Tensor, method: str, kernels: CpuKernels) -> Parts | None:
+    """The weight's parts on `method`'s grid (fitted as --quantization fits it: a group's least weight and range /
+    15 for int4, its largest magnitude / 127 for int8), if the kernel widens every one back to the weight's own
+    bf16. The kernel's widening is the check (kernels.widen), so that no rounding of it (one fma, subnormals flushed)
+    has to be imitated here."""
+    slices = []
+    for at in range(0, len(weight), _ROWS):
+        rows = weight[at : at + _ROWS]
+        parts = quantize_int4(rows) if method == "int4" else quantize_int8(rows)
+        packed = (pack_int4_as_bf16 if method == "int4" else pack_int8)(*parts, kernels.panel_cols)
+        if not torch.equal(kernels.widen(packed, *rows.shape), rows.bfloat16()):
+            return None
+        slices.append(parts)
+    return tuple(torch.cat(column) for column in zip(*slices, strict=True))
+
+
+def find_grid(weight: torch.Tensor) -> tuple[str, Parts] | None:
+    """("int4" or "int8", its parts) of the first grid a float32 weight [N, K] lies on, or None."""
+    kernels = cpu_kernels()
+    if kernels is None or not kernels.has_grid_linear:
+        return None
+    if weight.dim() != 2 or weight.dtype != torch.float32 or weight.shape[1] % GROUP:
+        return None
+    for method in ("int4", "int8"):
+        parts = _on_grid(weight, method, kernels)
+        if parts is not None:
+            return method, parts
+    return None
+
+
+class GridWeights:
+    """What the loader found for each linear weight (whole, or a fused layer's parts), until the linears are packed.
+    Keyed by the parameter: a tied LM head shares its embedding's."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self._linear_weights = {id(m.weight) for m in model.modules() if isinstance(m, nn.Linear)}
+        self._found: dict[int, dict[int, tuple[str, Parts] | None]] = {}
+
+    def offer(self, param: torch.Tensor, shard: int | None, tensor: torch.Tensor) -> None:
+        """The checkpoint's tensor for `param` (or for its fused part `shard`), before it is rounded into it."""
+        if id(param) in self._linear_weights:
+            self._found.setdefault(id(param), {})[shard or 0] = find_grid(tensor)
+
+    def take(self, linear: nn.Linear) -> tuple[str, Parts] | None:
+        """The grid of the linear's whole weight, its parts in row order; None where any part missed one, or the
+        parts' grids differ, or not all of them were seen."""
+        found = self._found.pop(id(linear.weight), None)
+        shards = getattr(linear, "shard_sizes", None) or [linear.out_features]
+        if not found or sorted(found) != list(range(len(shards))) or None in found.values():
+            return None
+        methods = {method for method, _ in found.values()}
+        if len(methods) != 1:
+            return None
+        pieces = [found[i][1] for i in range(len(shards))]
+        return methods.pop(), tuple(torch.cat(column) for column in zip(*pieces, strict=True))
