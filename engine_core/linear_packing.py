@@ -62,7 +62,7 @@ def pack_f32(weight: torch.Tensor, cols: int) -> torch.Tensor:
 
 
 def pack_int8(q: torch.Tensor, scale: torch.Tensor, cols: int) -> torch.Tensor:
-    """int8 [N, K] and fp32 scales [N, K / 32] (quant.quantize_int8) -> int8 panels: per group of 32 k, the int8
+    """int8 [N, K] and fp32 scales [N, K / 32] (grid_fit.quantize_int8) -> int8 panels: per group of 32 k, the int8
     weights as pack_bf16 lays them out, then each vector lane's scale (a row's scale twice, for the two k of its
     pair)."""
     n, k = q.shape
@@ -77,7 +77,7 @@ def pack_int8(q: torch.Tensor, scale: torch.Tensor, cols: int) -> torch.Tensor:
 
 
 def pack_int4(q: torch.Tensor, scale: torch.Tensor, mins: torch.Tensor, cols: int) -> torch.Tensor:
-    """q in 0..15 (uint8 [N, K]), fp32 scales and mins [N, K / 32] (quant.quantize_int4) -> uint8 panels: per
+    """q in 0..15 (uint8 [N, K]), fp32 scales and mins [N, K / 32] (grid_fit.quantize_int4) -> uint8 panels: per
     group of 32 k, for each four k pairs and vector of 16 rows, 32 16-bit lanes, lane l holding lane l of the four
     pairs' layouts in its nibbles (the first pair's lowest); then the panel's scales, then its mins."""
     n, k = q.shape

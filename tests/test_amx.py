@@ -112,11 +112,13 @@ def test_roseinfer_amx_0_keeps_the_avx512_tiles() -> None:
     "test_file,selection",
     [("tests/test_attention.py", "prefill"),
      ("tests/test_quantization.py", "quantized_linear_matches or rows_padded"),
-     ("tests/test_cpu_kernels.py", "linear")],
+     ("tests/test_cpu_kernels.py", "linear"),
+     ("tests/test_grid_weights.py", "sum_as")],
 )  # fmt: skip
 def test_roseinfer_amx_0_runs_the_kernel_tests_on_avx512(test_file, selection) -> None:
     """Every AVX512-BF16 CPU without AMX takes csrc/attend_bf16.c for prefill attention and csrc/linear.c's and
-    csrc/linear_int4.c's tiles for linears, which an AMX CPU never reaches: run their tests here with AMX off."""
+    csrc/linear_int4.c's tiles for linears (grid panels too), which an AMX CPU never reaches: run their tests here
+    with AMX off."""
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", test_file, "-k", selection],
                           capture_output=True, text=True, timeout=600, cwd=Path(__file__).parent.parent,
                           env={**os.environ, "ROSEINFER_AMX": "0"})  # fmt: skip

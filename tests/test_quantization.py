@@ -15,15 +15,9 @@ from engine_core.core import EngineCore
 from engine_core.cpu_kernels import cpu_kernels
 from engine_core.device import padded_size
 from engine_core.models import quant
+from engine_core.models.grid_fit import dequantize, quantize_int4, quantize_int8
 from engine_core.models.layers import replace_linears
-from engine_core.models.quant import (
-    QuantizedLinear,
-    dequantize,
-    prepare_linears,
-    quantization_hint,
-    quantize_int4,
-    quantize_int8,
-)
+from engine_core.models.quant import QuantizedLinear, prepare_linears, quantization_hint
 from tests.cpu_features import HAS_F32_LINEAR, HAS_INT4_LINEAR, HAS_INT8_LINEAR, HAS_LINEAR
 from tests.engine_helpers import fp32_config, greedy_request, mixed_prompts, run_engine
 from tests.test_model_source import _default_gguf_path

@@ -21,9 +21,9 @@ from torch import nn
 from common.gguf_weights import matching_quantization
 from engine_core.cpu_kernels import CpuKernels, cpu_kernels
 from engine_core.linear_packing import GROUP, pack_int4_as_bf16, pack_int8
-from engine_core.models.quant import quantize_int4, quantize_int8
+from engine_core.models.grid_fit import quantize_int4, quantize_int8
 
-Parts = tuple[torch.Tensor, ...]  # int4: (q, scale, min); int8: (q, scale), as quant.quantize_int4/8 make them
+Parts = tuple[torch.Tensor, ...]  # int4: (q, scale, min); int8: (q, scale), as grid_fit.quantize_int4/8 make them
 _ROWS = 4080  # rows checked at a time (85 panels), so that a weight off the grid is given up on at its first slice
 
 

@@ -30,62 +30,16 @@ from common.model_errors import ModelSourceError
 from engine_core import distributed
 from engine_core.cpu_kernels import cpu_kernels
 from engine_core.linear_packing import GROUP, pack_int4, pack_int8
+from engine_core.models.grid_fit import dequantize, quantize_int4, quantize_int8
+from engine_core.models.grid_weights import grids_wanted
 from engine_core.models.layers import PackedLinear, can_pack_bf16, pack_linears, replace_linears
 from engine_core.models.parallel import RowParallelLinear
 
 log = logging.getLogger("roseinfer.quant")
 BYTES_PER_WEIGHT = {"int8": 1.25, "int4": 0.75}  # the scales (and mins) included
-_ROWS_PER_PASS = 4096  # rows quantized at a time (see _row_slices)
-
-
-def _group_size(k: int) -> int:
-    """GROUP, or the whole row when K is not a multiple of it (then only torch's path runs it)."""
-    return GROUP if k % GROUP == 0 else k
-
-
-def _row_slices(weight: torch.Tensor):
-    """The weight's rows a slice at a time (a big one, the LM head, is never copied to fp32 whole): each slice's
-    rows, and them in fp32 as [rows, K / g, g]."""
-    n, k = weight.shape
-    for start in range(0, n, _ROWS_PER_PASS):
-        at = slice(start, start + _ROWS_PER_PASS)
-        yield at, weight[at].float().view(-1, k // _group_size(k), _group_size(k))
-
-
-def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """[N, K] float -> (int8 [N, K], fp32 scales [N, K / g]) with weight ~= q * scale of its group, |q| <= 127."""
-    n, k = weight.shape
-    q = torch.empty(weight.shape, dtype=torch.int8, device=weight.device)
-    scale = torch.empty((n, k // _group_size(k)), dtype=torch.float32, device=weight.device)
-    for at, rows in _row_slices(weight):
-        s = rows.abs().amax(dim=2).clamp(min=1e-12) / 127  # an all-zero group keeps q = 0
-        q[at] = torch.round(rows / s[..., None]).clamp(-127, 127).to(torch.int8).view(-1, k)
-        scale[at] = s
-    return q, scale
-
-
-def quantize_int4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """[N, K] float -> (q: uint8 [N, K] in 0..15, fp32 scales and mins [N, K / g]) with weight ~= scale * q + min
-    of its group: min the group's least weight, scale its range / 15."""
-    n, k = weight.shape
-    q = torch.empty(weight.shape, dtype=torch.uint8, device=weight.device)
-    scale = torch.empty((n, k // _group_size(k)), dtype=torch.float32, device=weight.device)
-    mins = torch.empty_like(scale)
-    for at, rows in _row_slices(weight):
-        low = rows.amin(dim=2)
-        s = (rows.amax(dim=2) - low).clamp(min=1e-12) / 15  # a constant group keeps q = 0: w = min
-        q[at] = torch.round((rows - low[..., None]) / s[..., None]).clamp(0, 15).to(torch.uint8).view(-1, k)
-        scale[at], mins[at] = s, low
-    return q, scale, mins
 
 
 METHODS = {"int8": (quantize_int8, pack_int8), "int4": (quantize_int4, pack_int4)}  # quantize, then pack
-
-
-def dequantize(q: torch.Tensor, scale: torch.Tensor, mins: torch.Tensor | None = None) -> torch.Tensor:
-    """The fp32 weight that (q, scale) stand for (int8), or (q, scale, mins) (int4)."""
-    w = q.float().view(q.shape[0], scale.shape[1], -1) * scale[..., None]
-    return (w if mins is None else w + mins[..., None]).view(q.shape)
 
 
 class Int4Weights(nn.Module):
@@ -246,8 +200,9 @@ def _take_int4_weights(model: nn.Module) -> int:
 
 
 def quantization_hint(model_dir: Path, quantization: str, device: torch.device, dtype: torch.dtype) -> str | None:
-    """Logs, and returns, what to say at start when a model from a 4- or 8-bit GGUF is served dequantized where our
-    kernel for its grid runs (common/gguf_weights.py)."""
+    """Logs, and returns, what to say at start when a model from a 4- or 8-bit GGUF is served in bf16 where our
+    kernel for its grid runs (common/gguf_weights.py): whether its panels keep the grid (grid_weights.py), and which
+    --quantization sums on the grid itself."""
     match = matching_quantization(model_dir)
     kernels = cpu_kernels() if device.type == "cpu" and dtype == torch.bfloat16 else None
     if quantization != "none" or match is None or kernels is None:
@@ -255,8 +210,14 @@ def quantization_hint(model_dir: Path, quantization: str, device: torch.device, 
     method, kinds = match
     if not kernels.supports_quantized_linear(method, GROUP):
         return None
-    hint = (f"the GGUF this model came from stored its layers' weights as {kinds}; they are served dequantized to "
-            f"bfloat16 (2 bytes a weight): --quantization {method} serves them on their own grid, in "
-            f"{BYTES_PER_WEIGHT[method]} bytes a weight, faster for few requests at a time")
+    if grids_wanted(model_dir, dtype, device, quantization):  # the panels keep the grid (the log says how many)
+        hint = (f"the GGUF this model came from stored its layers' weights as {kinds}; they are served as the "
+                f"bfloat16 weights they dequantize to, read from that grid ({BYTES_PER_WEIGHT[method]} bytes a "
+                f"weight): --quantization {method} sums on the grid itself instead, faster for a single request "
+                f"and slower for many")  # fmt: skip
+    else:
+        hint = (f"the GGUF this model came from stored its layers' weights as {kinds}; they are served dequantized "
+                f"to bfloat16 (2 bytes a weight): --quantization {method} serves them on their own grid, in "
+                f"{BYTES_PER_WEIGHT[method]} bytes a weight, faster for few requests at a time")  # fmt: skip
     log.info(hint)
     return hint
