@@ -60,7 +60,7 @@ class CpuKernels:
         self._widen = lib.linear_widen
         self._widen.argtypes = [_P, _I, _I64, _I64, _P]
         self._glu_amx = lib.glu_amx
-        self._glu_amx.argtypes = [_P, _I64, _I64, _P, _P, _P, _I64, _I64, _I64, _I]
+        self._glu_amx.argtypes = [_P, _I64, _I64, _P, _I, _P, _P, _I64, _I64, _I64, _I]
         self._linear_f32 = lib.linear_f32
         self._linear_f32.argtypes = [_P, _I64, _I64, _P, _P, _P, _I64, _I64, _I64]
         self._moe_experts = lib.moe_experts_bf16
@@ -202,13 +202,14 @@ class CpuKernels:
 
     def linear_glu(self, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, half: int, act: str):
         """act(gate) * up of a merged gate_up linear (gate its first `half` outputs) in one AMX call (csrc/glu_amx.c),
-        bit for bit linear() then act_and_mul(); None where it does not run (no AMX, not bf16, k % 32, half % 16)."""
-        if not self.has_amx_linear or weight_format(packed) != 0:
+        bit for bit linear() then act_and_mul(); None where it does not run (no AMX, neither bf16 nor grid panels of
+        more than 16 rows, k % 32, half % 16)."""
+        if not self.has_amx_linear or weight_format(packed) not in (0, 4):
             return None
         rows = self._rows(x)
         out, bias_ptr = torch.empty((rows.shape[0], half), dtype=x.dtype), None if bias is None else bias.data_ptr()
-        ran = self._glu_amx(rows.data_ptr(), rows.stride(0), rows.shape[0], packed.data_ptr(), bias_ptr, out.data_ptr(),
-                            half, half, rows.shape[1], act == "gelu_tanh")  # fmt: skip
+        ran = self._glu_amx(rows.data_ptr(), rows.stride(0), rows.shape[0], packed.data_ptr(), weight_format(packed),
+                            bias_ptr, out.data_ptr(), half, half, rows.shape[1], act == "gelu_tanh")  # fmt: skip
         return out.view(*x.shape[:-1], half) if ran else None
 
     def moe_experts(self, x: torch.Tensor, slots: torch.Tensor, counts: torch.Tensor, gate_up, down, fmt: int,

@@ -12,6 +12,7 @@ from engine_core.cpu_kernels import cpu_kernels
 from engine_core.linear_packing import pack_bf16, pack_int4_as_bf16, pack_int8
 from engine_core.models.grid_weights import find_grid
 from engine_core.models.layers import PackedLinear
+from tests.cpu_features import needs_amx
 from tests.engine_helpers import fp32_config, greedy_request, mixed_prompts, run_engine
 
 _KERNELS = cpu_kernels()
@@ -96,3 +97,20 @@ def test_the_default_model_keeps_its_q4_1_grid_and_its_logits(monkeypatch) -> No
     plain_formats = {m.packed_weight.dtype for m in plain_core.runner.model.modules() if isinstance(m, PackedLinear)}
     assert plain_formats == {torch.bfloat16}
     assert kept == plain
+
+
+@needs_amx
+@pytest.mark.parametrize("rows,k,half,act",
+                         [(70, 96, 80, "silu"), (600, 1024, 48, "gelu_tanh"), (33, 576, 1536, "silu")])
+def test_fused_glu_on_grid_panels_is_the_bf16_one(rows, k, half, act) -> None:
+    """A gated MLP's gate_up on grid panels (csrc/glu_amx.c widens each gate vector and its up vector first): the
+    bf16 panels' fused result bit for bit; with a block of rows or fewer it leaves them to linear()."""
+    weight, bias = q4_1(2 * half, k, seed=3), torch.randn(2 * half, dtype=torch.bfloat16)
+    found = find_grid(weight)
+    assert found is not None and found[0] == "int4"
+    grid = pack_int4_as_bf16(*found[1], _KERNELS.panel_cols)
+    plain = pack_bf16(weight.bfloat16(), _KERNELS.panel_cols)
+    x = torch.randn(rows, k + 32, dtype=torch.bfloat16)[:, 16 : 16 + k]  # strided rows
+    fused = _KERNELS.linear_glu(x, grid, bias, half, act)
+    assert fused is not None and torch.equal(fused, _KERNELS.linear_glu(x, plain, bias, half, act))
+    assert _KERNELS.linear_glu(x[:16], grid, bias, half, act) is None

@@ -167,8 +167,9 @@ void decode_stack_bf16(const DecodeLayer* layers, const StackShape* s, const uin
         if (kept) add_normed(s, x, l->attn_out_norm, residual, rows);
         if (!s->olmo) norm(s, kept ? residual : x, residual, l->post_norm, normed, rows, hidden);
         // One call where AMX runs it and no adapter changes gate_up, as the Python layers take it (LlamaMLP).
-        if (l->gate_up.format != 0 || lora_applies(l->lora[2], lora) ||
-            !glu_amx(block_in, hidden, rows, l->gate_up.packed, l->gate_up.bias, act, inter, inter, hidden, s->gemma)) {
+        if (lora_applies(l->lora[2], lora) || !glu_amx(block_in, hidden, rows, l->gate_up.packed,
+                                                         (int)l->gate_up.format, l->gate_up.bias, act, inter, inter,
+                                                         hidden, s->gemma)) {
             linear(block_in, hidden, rows, l->gate_up.packed, (int)l->gate_up.format, l->gate_up.bias, gate_up,
                    2 * inter, 2 * inter, hidden);
             add_lora(block_in, hidden, hidden, l->lora[2], lora, gate_up, 2 * inter, 2 * inter);
