@@ -51,8 +51,9 @@ class CpuKernels:
         self.has_linear, self.panel_cols = bool(lib.linear_kernels_available()), lib.linear_panel_cols()
         self.has_int8_linear = bool(lib.linear_int8_available())
         self.has_int4_linear = bool(lib.linear_int4_available())
-        # int8 and int4 panels summed exactly as the bf16 weights they widen to (engine_core/models/grid_weights.py)
-        self.has_grid_linear = bool(lib.linear_grid_available())
+        # int8 and int4 panels summed exactly as the bf16 weights they widen to (engine_core/models/grid_weights.py),
+        # read by calls of up to grid_rows rows
+        self.has_grid_linear, self.grid_rows = bool(lib.linear_grid_available()), lib.linear_grid_rows()
         self.has_f32_linear = bool(lib.linear_f32_available())  # fp32 panels, AVX-512 or AVX2 (csrc/linear_f32.c)
         self.has_amx_linear = bool(lib.linear_amx_available())  # every format on AMX where k % 32 == 0 (linear_amx.c)
         self._linear = lib.linear
@@ -60,7 +61,7 @@ class CpuKernels:
         self._widen = lib.linear_widen
         self._widen.argtypes = [_P, _I, _I64, _I64, _P]
         self._glu_amx = lib.glu_amx
-        self._glu_amx.argtypes = [_P, _I64, _I64, _P, _I, _P, _P, _I64, _I64, _I64, _I]
+        self._glu_amx.argtypes = [_P, _I64, _I64, _P, _P, _P, _I64, _I64, _I64, _I]
         self._linear_f32 = lib.linear_f32
         self._linear_f32.argtypes = [_P, _I64, _I64, _P, _P, _P, _I64, _I64, _I64]
         self._moe_experts = lib.moe_experts_bf16
@@ -202,14 +203,13 @@ class CpuKernels:
 
     def linear_glu(self, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, half: int, act: str):
         """act(gate) * up of a merged gate_up linear (gate its first `half` outputs) in one AMX call (csrc/glu_amx.c),
-        bit for bit linear() then act_and_mul(); None where it does not run (no AMX, neither bf16 nor grid panels of
-        more than 16 rows, k % 32, half % 16)."""
-        if not self.has_amx_linear or weight_format(packed) not in (0, 4):
+        bit for bit linear() then act_and_mul(); None where it does not run (no AMX, not bf16, k % 32, half % 16)."""
+        if not self.has_amx_linear or weight_format(packed) != 0:
             return None
         rows = self._rows(x)
         out, bias_ptr = torch.empty((rows.shape[0], half), dtype=x.dtype), None if bias is None else bias.data_ptr()
-        ran = self._glu_amx(rows.data_ptr(), rows.stride(0), rows.shape[0], packed.data_ptr(), weight_format(packed),
-                            bias_ptr, out.data_ptr(), half, half, rows.shape[1], act == "gelu_tanh")  # fmt: skip
+        ran = self._glu_amx(rows.data_ptr(), rows.stride(0), rows.shape[0], packed.data_ptr(), bias_ptr, out.data_ptr(),
+                            half, half, rows.shape[1], act == "gelu_tanh")  # fmt: skip
         return out.view(*x.shape[:-1], half) if ran else None
 
     def moe_experts(self, x: torch.Tensor, slots: torch.Tensor, counts: torch.Tensor, gate_up, down, fmt: int,

@@ -40,19 +40,21 @@ def zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
 
 
 def move_packed_weights(model: nn.Module) -> int:
-    """Moves every module's CPU `packed_weight` (PackedLinear, QuantizedLinear) into one buffer advised for huge
-    pages, in module order; returns the bytes moved (0 where none, or where the platform cannot advise it)."""
-    modules = [m for m in model.modules() if _packed_on_cpu(getattr(m, "packed_weight", None))]
-    sizes = [_padded(m.packed_weight.numel() * m.packed_weight.element_size()) for m in modules]
-    buffer = _advised_bytes(sum(sizes)) if modules else None
+    """Moves every module's CPU `packed_weight` (PackedLinear, QuantizedLinear) and `packed_few` (a PackedLinear's
+    grid panels) into one buffer advised for huge pages, in module order; returns the bytes moved (0 where none, or
+    where the platform cannot advise it)."""
+    held = [(m, attr) for m in model.modules() for attr in ("packed_weight", "packed_few")
+            if _packed_on_cpu(getattr(m, attr, None))]  # fmt: skip
+    sizes = [_padded(getattr(m, attr).numel() * getattr(m, attr).element_size()) for m, attr in held]
+    buffer = _advised_bytes(sum(sizes)) if held else None
     if buffer is None:
         return 0
     offset = released = 0
-    for module, size in zip(modules, sizes, strict=True):
-        weight = module.packed_weight
+    for (module, attr), size in zip(held, sizes, strict=True):
+        weight = getattr(module, attr)
         moved = buffer[offset : offset + weight.numel() * weight.element_size()].view(weight.dtype).view(weight.shape)
         moved.copy_(weight)
-        module.packed_weight = moved  # a buffer's entry (QuantizedLinear registers it) or a plain attribute
+        setattr(module, attr, moved)  # a buffer's entry (QuantizedLinear registers it) or a plain attribute
         del weight
         offset += size
         if offset - released >= RELEASE_EVERY:

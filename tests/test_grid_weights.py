@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch import nn
 
 from engine_core.core import EngineCore
 from engine_core.cpu_kernels import cpu_kernels
 from engine_core.linear_packing import pack_bf16, pack_int4_as_bf16, pack_int8
 from engine_core.models.grid_weights import find_grid
 from engine_core.models.layers import PackedLinear
-from tests.cpu_features import needs_amx
 from tests.engine_helpers import fp32_config, greedy_request, mixed_prompts, run_engine
 
 _KERNELS = cpu_kernels()
@@ -84,33 +84,46 @@ def _greedy() -> tuple[EngineCore, list[tuple[list[int], list[float]]]]:
 
 
 @needs_grid_kernels
+def test_a_packed_linear_reads_its_grid_for_few_rows_only() -> None:
+    """Up to grid_rows rows read the grid panels, more the bf16 ones (and a merged gate_up's fused activation, on
+    AMX): every row count gives the plain linear's bits."""
+    weight = q4_1(2 * 96, 128, seed=5)
+    linear = nn.Linear(128, 2 * 96, bias=False, dtype=torch.bfloat16)
+    linear.weight.data.copy_(weight)
+    grid, plain = PackedLinear(linear, find_grid(weight)), PackedLinear(linear)
+    assert grid.packed_few is not None and grid.packed_few.dtype == torch.int16 and plain.packed_few is None
+    assert torch.equal(grid.packed_weight, plain.packed_weight)
+    for rows in (1, 5, _KERNELS.grid_rows, _KERNELS.grid_rows + 1, 64):
+        x = torch.randn(rows, 128, dtype=torch.bfloat16)
+        assert torch.equal(grid(x), plain(x)), rows
+        assert (grid._panels(x) is grid.packed_few) == (rows <= _KERNELS.grid_rows)
+        fused = grid.glu(x, "silu")
+        assert fused is None if rows <= _KERNELS.grid_rows else torch.equal(fused, plain.glu(x, "silu"))
+
+
+def _greedy() -> tuple[EngineCore, list[tuple[list[int], list[float]]]]:
+    """Greedy tokens and logprobs, the prompts' too: 4 prompts at once (decode steps of 4 rows, on the grid) and
+    their prefills (bf16 panels)."""
+    core = EngineCore(fp32_config(dtype="bfloat16", max_num_batched_tokens=256))
+    prompts = mixed_prompts()[::4]
+    reqs = [greedy_request(f"p{i}", p, 12, logprobs=2, prompt_logprobs=0) for i, p in enumerate(prompts)]
+    results = run_engine(core, reqs)
+    runs = [([t for o in results[r.request_id] for t in o.new_token_ids],
+             [x for o in results[r.request_id] for x in o.new_logprobs.token_logprobs]
+             + results[r.request_id][0].prompt_logprobs.token_logprobs) for r in reqs]  # fmt: skip
+    return core, runs
+
+
+@needs_grid_kernels
 def test_the_default_model_keeps_its_q4_1_grid_and_its_logits(monkeypatch) -> None:
     """Its GGUF holds every layer matrix as Q4_1 and the embedding (the tied head) as Q8_0: in bf16 every linear
     keeps its grid, and greedy tokens and logprobs (prompts' and outputs') equal the plain bf16 panels' exactly."""
     core, kept = _greedy()
-    formats = {m.packed_weight.dtype for m in core.runner.model.modules() if isinstance(m, PackedLinear)}
-    assert core.runner.model.lm_head.packed_weight.dtype == torch.int8
-    assert formats == {torch.int16, torch.int8}  # no layer left in plain bf16
-    assert core.runner.model.embed_tokens.weight.dtype == torch.bfloat16  # the lookup reads the plain table
+    linears = [m for m in core.runner.model.modules() if isinstance(m, PackedLinear)]
+    assert core.runner.model.lm_head.packed_few.dtype == torch.int8
+    assert {m.packed_few.dtype for m in linears if m is not core.runner.model.lm_head} == {torch.int16}
+    assert {m.packed_weight.dtype for m in linears} == {torch.bfloat16}
     monkeypatch.setenv("ROSEINFER_GRID_WEIGHTS", "0")
     plain_core, plain = _greedy()
-    plain_formats = {m.packed_weight.dtype for m in plain_core.runner.model.modules() if isinstance(m, PackedLinear)}
-    assert plain_formats == {torch.bfloat16}
+    assert all(m.packed_few is None for m in plain_core.runner.model.modules() if isinstance(m, PackedLinear))
     assert kept == plain
-
-
-@needs_amx
-@pytest.mark.parametrize("rows,k,half,act",
-                         [(70, 96, 80, "silu"), (600, 1024, 48, "gelu_tanh"), (33, 576, 1536, "silu")])
-def test_fused_glu_on_grid_panels_is_the_bf16_one(rows, k, half, act) -> None:
-    """A gated MLP's gate_up on grid panels (csrc/glu_amx.c widens each gate vector and its up vector first): the
-    bf16 panels' fused result bit for bit; with a block of rows or fewer it leaves them to linear()."""
-    weight, bias = q4_1(2 * half, k, seed=3), torch.randn(2 * half, dtype=torch.bfloat16)
-    found = find_grid(weight)
-    assert found is not None and found[0] == "int4"
-    grid = pack_int4_as_bf16(*found[1], _KERNELS.panel_cols)
-    plain = pack_bf16(weight.bfloat16(), _KERNELS.panel_cols)
-    x = torch.randn(rows, k + 32, dtype=torch.bfloat16)[:, 16 : 16 + k]  # strided rows
-    fused = _KERNELS.linear_glu(x, grid, bias, half, act)
-    assert fused is not None and torch.equal(fused, _KERNELS.linear_glu(x, plain, bias, half, act))
-    assert _KERNELS.linear_glu(x[:16], grid, bias, half, act) is None

@@ -26,7 +26,18 @@ typedef struct {
     const void* packed;  // csrc/linear.c's panels
     const uint16_t* bias;  // or NULL
     int64_t format;  // linear's: bf16, int8 or int4 panels
+    const void* few;  // the same weights' grid panels (engine_core/models/grid_weights.py), or NULL
+    int64_t few_format;  // theirs: int8, or int4 summed as bf16
 } PackedWeight;
+
+// out = x w^T + bias: from w's grid panels for up to GRID_ROWS rows where it has them, else from its panels (the
+// same bf16 weights, the same bits), as PackedLinear chooses.
+static void weight_linear(const uint16_t* x, int64_t ldx, int64_t rows, const PackedWeight* w, uint16_t* out,
+                          int64_t ldo, int64_t n_len, int64_t k_len) {
+    const int few = w->few && rows <= GRID_ROWS;
+    linear(x, ldx, rows, few ? w->few : w->packed, (int)(few ? w->few_format : w->format), w->bias, out, ldo, n_len,
+           k_len);
+}
 
 // A LoRA adapter's update of one linear (engine_core/lora.py): x -> (x A^T) B^T, A and B bf16 panels.
 typedef struct {
@@ -141,8 +152,7 @@ void decode_stack_bf16(const DecodeLayer* layers, const StackShape* s, const uin
     for (int64_t i = 0; i < s->num_layers; i++) {
         const DecodeLayer* l = &layers[i];
         if (!s->olmo) norm(s, kept ? residual : x, i == 0 ? NULL : residual, l->input_norm, normed, rows, hidden);
-        linear(block_in, hidden, rows, l->qkv.packed, (int)l->qkv.format, l->qkv.bias, qkv, qkv_size, qkv_size,
-               hidden);
+        weight_linear(block_in, hidden, rows, &l->qkv, qkv, qkv_size, qkv_size, hidden);
         add_lora(block_in, hidden, hidden, l->lora[0], lora, qkv, qkv_size, qkv_size);
         for (int64_t r = 0; l->q_norm && r < rows; r++) {  // in place: the kernel reads a row before writing it
             uint16_t* row = qkv + r * qkv_size;
@@ -161,22 +171,21 @@ void decode_stack_bf16(const DecodeLayer* layers, const StackShape* s, const uin
         }
         paged_decode_bf16(q, l->k_cache, l->v_cache, block_tables, seq_lens, attn, (int)rows, (int)s->num_q_heads,
                           (int)s->num_kv_heads, (int)hd, (int)s->block_size, (int)max_blocks, s->scale, l->window);
-        linear(attn, q_size, rows, l->o.packed, (int)l->o.format, l->o.bias, x, hidden, hidden, q_size);
+        weight_linear(attn, q_size, rows, &l->o, x, hidden, hidden, q_size);
         add_lora(attn, q_size, q_size, l->lora[1], lora, x, hidden, hidden);
         scale_rows(s, x, rows);
         if (kept) add_normed(s, x, l->attn_out_norm, residual, rows);
         if (!s->olmo) norm(s, kept ? residual : x, residual, l->post_norm, normed, rows, hidden);
-        // One call where AMX runs it and no adapter changes gate_up, as the Python layers take it (LlamaMLP).
-        if (lora_applies(l->lora[2], lora) || !glu_amx(block_in, hidden, rows, l->gate_up.packed,
-                                                         (int)l->gate_up.format, l->gate_up.bias, act, inter, inter,
-                                                         hidden, s->gemma)) {
-            linear(block_in, hidden, rows, l->gate_up.packed, (int)l->gate_up.format, l->gate_up.bias, gate_up,
-                   2 * inter, 2 * inter, hidden);
+        // One call where AMX runs it on bf16 panels and no adapter changes gate_up, as the Python layers take it
+        // (LlamaMLP).
+        if (l->gate_up.format != 0 || (l->gate_up.few && rows <= GRID_ROWS) || lora_applies(l->lora[2], lora) ||
+            !glu_amx(block_in, hidden, rows, l->gate_up.packed, l->gate_up.bias, act, inter, inter, hidden, s->gemma)) {
+            weight_linear(block_in, hidden, rows, &l->gate_up, gate_up, 2 * inter, 2 * inter, hidden);
             add_lora(block_in, hidden, hidden, l->lora[2], lora, gate_up, 2 * inter, 2 * inter);
             if (s->gemma) gelu_tanh_and_mul_bf16(gate_up, act, rows, (int)inter);
             else silu_and_mul_bf16(gate_up, act, rows, (int)inter);
         }
-        linear(act, inter, rows, l->down.packed, (int)l->down.format, l->down.bias, x, hidden, hidden, inter);
+        weight_linear(act, inter, rows, &l->down, x, hidden, hidden, inter);
         add_lora(act, inter, inter, l->lora[3], lora, x, hidden, hidden);
         scale_rows(s, x, rows);
         if (kept) add_normed(s, x, l->mlp_out_norm, residual, rows);

@@ -4,11 +4,8 @@
 // SmolLM2 that intermediate is 12.6 MB, past L2, and act_and_mul ran at the memory's speed. Here each step takes two
 // blocks of 16 rows against one gate vector and its up vector, and the activation runs on the tiles' sums.
 // Bit for bit the unfused path: gate and up rounded to bf16 with their bias first, then act16 as act_and_mul
-// applies it (csrc/layers.c), rounded, times up, rounded. Format 4 panels (int4 summed as bf16) are widened a gate
-// vector and its up vector at a time into the thread's scratch first, in calls of more than one block of rows
-// (fewer rows take linear(), which widens each chunk in L1 just ahead of its tiles).
+// applies it (csrc/layers.c), rounded, times up, rounded.
 #include <omp.h>
-#include <stdlib.h>
 
 #include "kernel_common.h"
 
@@ -36,28 +33,6 @@ static inline PanelVector panel_vector(const void* packed, int64_t j, int64_t n_
     const int64_t nv = (padded_n - n0 < LINEAR_PANEL_COLS ? padded_n - n0 : LINEAR_PANEL_COLS) / 16;
     PanelVector v = {(const char*)packed + n0 * 2 * k_len + (j * 16 - n0) / 16 * 64, nv * 64};
     return v;
-}
-
-// Vector j of format-4 panels widened over all of k into `to` (k / 2 pairs x 64 bytes), as csrc/linear.c widens it.
-static PanelVector widen_vector(const void* packed, int64_t j, int64_t n_len, int64_t k_len, char* to) {
-    const int64_t n0 = j * 16 / LINEAR_PANEL_COLS * LINEAR_PANEL_COLS, padded_n = (n_len + 15) / 16 * 16;
-    const int nv = (int)((padded_n - n0 < LINEAR_PANEL_COLS ? padded_n - n0 : LINEAR_PANEL_COLS) / 16);
-    const int64_t v = j - n0 / 16;
-    const char* panel = (const char*)packed + n0 * linear_bytes_per_col(4, k_len);
-    const __m512i table = nibble_table();
-    for (int64_t g = 0; g < k_len / QUANT_GROUP; g++) {
-        const uint8_t* group = quant_group(panel, 4, nv, g);
-        const float* sm = quant_scales(group, 4, nv);
-        const __m512 scale = _mm512_loadu_ps(sm + 16 * v), min = _mm512_loadu_ps(sm + 16 * (nv + v));
-        for (int t = 0; t < QUANT_GROUP / 8; t++) {  // four pairs in each 16-bit lane
-            const __m512i four = _mm512_loadu_si512(group + (t * nv + v) * 64);
-            for (int sub = 0; sub < 4; sub++)
-                _mm512_store_si512(to + (g * QUANT_GROUP / 2 + 4 * t + sub) * 64,
-                                   (__m512i)int4_bf16_pairs(four, sub, scale, min, table));
-        }
-    }
-    const PanelVector widened = {to, 64};
-    return widened;
 }
 
 // Gate vector j and up vector j over all of k for one block of mr rows, or two of 16 (blocks = 2: each B tile then
@@ -104,13 +79,11 @@ static inline void glu_store(float (*c)[32], int rows, const uint16_t* bias_gate
     }
 }
 
-// 1 if it ran the call (AMX usable, k % 32 == 0, half % 16 == 0; format 4 with more than one block of rows), else
-// 0 and nothing done. packed: the merged weight's panels (2 * half output columns), bf16 (format 0) or int4 summed
-// as bf16 (4); bias: its 2 * half values, or NULL; out: [m_len, half].
-int glu_amx(const uint16_t* x, int64_t ldx, int64_t m_len, const void* packed, int format, const uint16_t* bias,
-            uint16_t* out, int64_t ldo, int64_t half, int64_t k_len, int gelu) {
+// 1 if it ran the call (AMX usable, k % 32 == 0, half % 16 == 0), else 0 and nothing done. packed: the merged
+// weight's bf16 panels (2 * half output columns); bias: its 2 * half values, or NULL; out: [m_len, half].
+int glu_amx(const uint16_t* x, int64_t ldx, int64_t m_len, const void* packed, const uint16_t* bias, uint16_t* out,
+            int64_t ldo, int64_t half, int64_t k_len, int gelu) {
     if (k_len % CHUNK_K || half % 16 || !linear_amx_available()) return 0;
-    if (format != 0 && (format != 4 || m_len <= BLOCK_ROWS)) return 0;
     if (m_len <= 0) return 1;
     const int64_t vectors = half / 16, blocks = (m_len + BLOCK_ROWS - 1) / BLOCK_ROWS;
     const int64_t row_parts = linear_row_parts(vectors, blocks, omp_get_max_threads());
@@ -118,24 +91,16 @@ int glu_amx(const uint16_t* x, int64_t ldx, int64_t m_len, const void* packed, i
     _Pragma("omp parallel if (linear_parallel(m_len, 2 * half, k_len))") {
         float c[2 * BLOCK_ROWS][32] __attribute__((aligned(64)));
         int configured = 0;
-        char* wide = format ? aligned_alloc(64, group * 2 * 32 * k_len) : NULL;  // the group's gate and up vectors
         const int64_t items = vectors * row_parts, threads = omp_get_num_threads(), me = omp_get_thread_num();
         const int64_t mine_end = items * (me + 1) / threads;
         for (int64_t g0 = items * me / threads; g0 < mine_end; g0 += group) {
             const int64_t g_end = g0 + group < mine_end ? g0 + group : mine_end;
-            for (int64_t item = g0; wide && item < g_end; item++) {  // format 4: the group's vectors widened
-                char* to = wide + (item - g0) * 2 * 32 * k_len;
-                widen_vector(packed, item / row_parts, 2 * half, k_len, to);
-                widen_vector(packed, vectors + item / row_parts, 2 * half, k_len, to + 32 * k_len);
-            }
             for (int64_t t0 = 0; t0 < blocks; t0 += 2)  // blocks of rows in pairs: t0 and t0 + 1
                 for (int64_t item = g0; item < g_end; item++) {
                     const int64_t part = item % row_parts, j = item / row_parts;
                     const int64_t first = part * blocks / row_parts, end = (part + 1) * blocks / row_parts;
-                    const char* at = wide ? wide + (item - g0) * 2 * 32 * k_len : NULL;
-                    const PanelVector gate = at ? (PanelVector){at, 64} : panel_vector(packed, j, 2 * half, k_len);
-                    const PanelVector up = at ? (PanelVector){at + 32 * k_len, 64}
-                                              : panel_vector(packed, vectors + j, 2 * half, k_len);
+                    const PanelVector gate = panel_vector(packed, j, 2 * half, k_len);
+                    const PanelVector up = panel_vector(packed, vectors + j, 2 * half, k_len);
                     const uint16_t* bias_gate = bias ? bias + 16 * j : NULL;
                     const uint16_t* bias_up = bias ? bias + half + 16 * j : NULL;
                     if (t0 >= first && t0 + 1 < end && (t0 + 2) * BLOCK_ROWS <= m_len) {  // two whole blocks
@@ -156,15 +121,14 @@ int glu_amx(const uint16_t* x, int64_t ldx, int64_t m_len, const void* packed, i
                 }
         }
         if (configured) _tile_release();
-        free(wide);
     }
     return 1;
 }
 #else
-int glu_amx(const uint16_t* x, int64_t ldx, int64_t m_len, const void* packed, int format, const uint16_t* bias,
-            uint16_t* out, int64_t ldo, int64_t half, int64_t k_len, int gelu) {
-    (void)x, (void)ldx, (void)m_len, (void)packed, (void)format, (void)bias, (void)out, (void)ldo, (void)half;
-    (void)k_len, (void)gelu;
+int glu_amx(const uint16_t* x, int64_t ldx, int64_t m_len, const void* packed, const uint16_t* bias, uint16_t* out,
+            int64_t ldo, int64_t half, int64_t k_len, int gelu) {
+    (void)x, (void)ldx, (void)m_len, (void)packed, (void)bias, (void)out, (void)ldo, (void)half, (void)k_len;
+    (void)gelu;
     return 0;
 }
 #endif

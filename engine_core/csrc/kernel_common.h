@@ -511,6 +511,7 @@ static inline int64_t linear_row_parts(int64_t panels, int64_t tiles, int thread
 // int4, 16 pairs' nibbles (four pairs in each 16-bit lane, the first pair's lowest: 4 x 64 bytes), then the 16
 // columns' fp32 scales, then their mins.
 #define QUANT_GROUP 32
+#define GRID_ROWS 16  // csrc/linear.c's linear_grid_rows
 #define INT8_GROUP_VEC_BYTES (QUANT_GROUP / 2 * 32 + 2 * 16 * 4)
 #define INT4_GROUP_VEC_BYTES (QUANT_GROUP / 2 * 16 + 2 * 16 * 4)
 static inline int64_t quant_group_vec_bytes(int format) {
@@ -625,10 +626,10 @@ int linear_amx(const uint16_t* x, int64_t ldx, int64_t m_len, const void* packed
 // Each row's sum of x over each group of 32 k, as csrc/linear_int4.c's tiles take them and csrc/linear_amx.c's int4
 // blocks too (defined where the CPU has AVX512-BF16).
 void linear_int4_group_sums(const uint16_t* x, int64_t ldx, int64_t m_len, int64_t groups, float* xsum);
-// csrc/glu_amx.c: act(gate) * up of a merged gate_up linear's bf16 (or format 4) panels in one AMX call; 0 (nothing
-// done) where it does not run.
-int glu_amx(const uint16_t* x, int64_t ldx, int64_t m_len, const void* packed, int format, const uint16_t* bias,
-            uint16_t* out, int64_t ldo, int64_t half, int64_t k_len, int gelu);
+// csrc/glu_amx.c: act(gate) * up of a merged gate_up linear's bf16 panels in one AMX call; 0 (nothing done) where
+// it does not run.
+int glu_amx(const uint16_t* x, int64_t ldx, int64_t m_len, const void* packed, const uint16_t* bias, uint16_t* out,
+            int64_t ldo, int64_t half, int64_t k_len, int gelu);
 // How many work items (of item_bytes of weights each, row_parts per group of columns) an AMX thread takes at a time,
 // each block of rows across all of them: where x is past 1 MB, enough for 1 MB of weights, which stay in L2 while
 // x's rows stay in L1 (csrc/linear_amx.c says why); else one group of columns, all its blocks of rows in turn.

@@ -6,11 +6,10 @@
 // tiles), so a row's bits never depend on its neighbours, as with csrc/linear.c's tiles.
 //
 // Quantized panels are widened into that bf16 layout: int8 to bf16(q * scale) and format 4 (int4 summed as bf16) to
-// bf16(scale * q + min), as csrc/linear.c's tiles widen them, and then summed over all of k as bf16 weights are;
-// int4 to its exact q, each run of chunks (32 k) that share their
-// scales and mins (one chunk, or a checkpoint's whole group) into C tiles zeroed for it, then scaled and shifted on
-// the vectors as csrc/linear_int4.c's tiles do for each group. A call of many rows
-// widens each panel once; a call of one block of rows widens a chunk at a time, in L1, just ahead of its tiles (the
+// bf16(fma(q, scale, min)), as csrc/linear.c's tiles widen them, and then summed over all of k as bf16 weights are;
+// int4 to its exact q, each run of chunks (32 k) that share their scales and mins (one chunk, or a checkpoint's
+// whole group) into C tiles zeroed for it, then scaled and shifted on the vectors as csrc/linear_int4.c's tiles do
+// for each group. A call of many rows widens each panel once; a call of one block of rows widens a chunk at a time, in L1, just ahead of its tiles (the
 // whole panel first had gone to L2 and back: SmolLM2's linears at 1 row in int4 13.1 ms, against 8.9 on
 // linear_int4.c's tiles). One row still pays for storing every widened weight and loading it back, which the
 // AVX-512 tiles never do: a single stream's int4 decode step about 15% slower (see the README).

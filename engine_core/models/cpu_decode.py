@@ -31,7 +31,7 @@ _P, _I64 = ctypes.c_void_p, ctypes.c_int64
 
 
 class _PackedWeight(ctypes.Structure):
-    _fields_ = [("packed", _P), ("bias", _P), ("format", _I64)]
+    _fields_ = [("packed", _P), ("bias", _P), ("format", _I64), ("few", _P), ("few_format", _I64)]
 
 
 class _DecodeLayer(ctypes.Structure):
@@ -65,8 +65,9 @@ def _weight(linear: nn.Module) -> _PackedWeight | None:
     bias = linear.bias
     if bias is not None and bias.dtype != torch.bfloat16:
         return None
-    packed = linear.packed_weight
-    return _PackedWeight(packed.data_ptr(), None if bias is None else bias.data_ptr(), weight_format(packed))
+    packed, few = linear.packed_weight, getattr(linear, "packed_few", None)  # PackedLinear's grid panels, if any
+    return _PackedWeight(packed.data_ptr(), None if bias is None else bias.data_ptr(), weight_format(packed),
+                         None if few is None else few.data_ptr(), 0 if few is None else weight_format(few))
 
 
 def _is_granite(model: nn.Module) -> bool:

@@ -198,7 +198,8 @@ class PackedLinear(nn.Module):
 
     def __init__(self, linear: nn.Linear, grid: tuple[str, tuple[torch.Tensor, ...]] | None = None) -> None:
         """grid: ("int4" or "int8", its parts) where the bf16 weight lies on that grid bit for bit
-        (engine_core/models/grid_weights.py): its panels then hold the grid, and the kernel widens it back."""
+        (engine_core/models/grid_weights.py): calls of up to kernels.grid_rows rows then read the grid's panels,
+        which the kernel widens back to the same bf16 weights, so both panels give the same bits."""
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.shard_sizes = getattr(linear, "shard_sizes", None)  # a fused layer's parts (LoRA adapters read them)
@@ -209,13 +210,16 @@ class PackedLinear(nn.Module):
         # Neither (an odd in_features on a CPU without oneDNN's bf16 path): the plain weight, torch's emulation.
         bf16 = weight.dtype == torch.bfloat16
         self.onednn = self.kernels is None and bf16 and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
-        if self.kernels is not None and bf16 and grid is not None and self.kernels.has_grid_linear:
-            method, parts = grid
-            self.packed_weight = (pack_int4_as_bf16 if method == "int4" else pack_int8)(*parts, self.kernels.panel_cols)
-        elif self.kernels is not None:
+        if self.kernels is not None:
             self.packed_weight = (pack_bf16 if bf16 else pack_f32)(weight, self.kernels.panel_cols)
         else:
             self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight, 64) if self.onednn else weight
+        # A checkpoint's grid, kept beside: calls of few rows wait for the weights' bytes and read it; more rows are
+        # bound by the tiles' arithmetic, which the grid's widening would only add to, and read the bf16 panels.
+        self.packed_few: torch.Tensor | None = None
+        if self.kernels is not None and bf16 and grid is not None and self.kernels.has_grid_linear:
+            method, parts = grid
+            self.packed_few = (pack_int4_as_bf16 if method == "int4" else pack_int8)(*parts, self.kernels.panel_cols)
         self.bias = linear.bias
         # Row-parallel: the partial products are summed over the ranks, and the bias added once, after.
         self.all_reduce = isinstance(linear, RowParallelLinear) and distributed.tp_size() > 1
@@ -225,12 +229,18 @@ class PackedLinear(nn.Module):
             return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, bias, "none", [], "")
         if self.kernels is None:
             return F.linear(x, self.packed_weight, bias)
-        return self.kernels.linear(x, self.packed_weight, bias, self.out_features)
+        return self.kernels.linear(x, self._panels(x), bias, self.out_features)
+
+    def _panels(self, x: torch.Tensor) -> torch.Tensor:
+        few = self.packed_few is not None and x.numel() <= self.kernels.grid_rows * self.in_features
+        return self.packed_few if few else self.packed_weight
 
     def glu(self, x: torch.Tensor, act: str) -> torch.Tensor | None:
         """act(gate) * up in one kernel call, where this is a merged gate_up layer whose kernel fuses them (AMX);
         else None. act: "silu" or "gelu_tanh", as act_and_mul takes it."""
         if self.kernels is None or self.all_reduce or self.out_features % 2:
+            return None
+        if self._panels(x) is not self.packed_weight:  # few rows on a grid: linear() reads it
             return None
         return self.kernels.linear_glu(x, self.packed_weight, self.bias, self.out_features // 2, act)
 

@@ -176,12 +176,14 @@ def prepare_linears(model: nn.Module, quantization: str, device: torch.device, d
 
 
 def _log_grids(model: nn.Module) -> None:
-    """Says how many linears kept their checkpoint's grid (engine_core/models/grid_weights.py), and the bytes."""
-    packed = [m.packed_weight for m in model.modules() if isinstance(m, PackedLinear) and m.kernels is not None]
-    kept = Counter({torch.int16: "int4", torch.int8: "int8"}.get(p.dtype, "bf16") for p in packed)
-    mib = sum(p.numel() * p.element_size() for p in packed) / 2**20
-    log.info("linears on their checkpoint's grid, summed as its bf16 weights: %s; %.0f MiB of panels",
-             ", ".join(f"{n} {kind}" for kind, n in sorted(kept.items())), mib)  # fmt: skip
+    """Says how many linears kept their checkpoint's grid beside their bf16 panels (grid_weights.py), and the bytes."""
+    linears = [m for m in model.modules() if isinstance(m, PackedLinear) and m.kernels is not None]
+    kept = Counter({torch.int16: "int4", torch.int8: "int8"}[m.packed_few.dtype] for m in linears
+                   if m.packed_few is not None)  # fmt: skip
+    mib = sum(m.packed_few.numel() * m.packed_few.element_size() for m in linears if m.packed_few is not None) / 2**20
+    log.info("%d of %d linears keep their checkpoint's grid (%s), %.0f MiB of panels read by calls of up to %d rows",
+             sum(kept.values()), len(linears), ", ".join(f"{n} {kind}" for kind, n in sorted(kept.items())), mib,
+             cpu_kernels().grid_rows)  # fmt: skip
 
 
 def _has_f32_linear() -> bool:
@@ -212,9 +214,9 @@ def quantization_hint(model_dir: Path, quantization: str, device: torch.device, 
         return None
     if grids_wanted(model_dir, dtype, device, quantization):  # the panels keep the grid (the log says how many)
         hint = (f"the GGUF this model came from stored its layers' weights as {kinds}; they are served as the "
-                f"bfloat16 weights they dequantize to, read from that grid ({BYTES_PER_WEIGHT[method]} bytes a "
-                f"weight): --quantization {method} sums on the grid itself instead, faster for a single request "
-                f"and slower for many")  # fmt: skip
+                f"bfloat16 weights they dequantize to, which steps of few rows read from that grid "
+                f"({BYTES_PER_WEIGHT[method]} bytes a weight): --quantization {method} sums on the grid itself "
+                f"instead, faster for a single request and slower for many")  # fmt: skip
     else:
         hint = (f"the GGUF this model came from stored its layers' weights as {kinds}; they are served dequantized "
                 f"to bfloat16 (2 bytes a weight): --quantization {method} serves them on their own grid, in "
