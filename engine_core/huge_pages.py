@@ -43,7 +43,8 @@ def move_packed_weights(model: nn.Module) -> int:
     """Moves every module's CPU `packed_weight` (PackedLinear, QuantizedLinear) and `packed_few` (a PackedLinear's
     grid panels) into one buffer advised for huge pages, in module order; returns the bytes moved (0 where none, or
     where the platform cannot advise it)."""
-    held = [(m, attr) for m in model.modules() for attr in ("packed_weight", "packed_few")
+    # The bf16 panels first, back to back as ever, then the grid panels: a step reads one kind or the other.
+    held = [(m, attr) for attr in ("packed_weight", "packed_few") for m in model.modules()
             if _packed_on_cpu(getattr(m, attr, None))]  # fmt: skip
     sizes = [_padded(getattr(m, attr).numel() * getattr(m, attr).element_size()) for m, attr in held]
     buffer = _advised_bytes(sum(sizes)) if held else None
