@@ -72,17 +72,6 @@ def test_weights_off_every_grid_stay_bf16() -> None:
     assert find_grid(q8_0(64, 128))[0] == "int8"
 
 
-def _greedy() -> tuple[EngineCore, list[tuple[list[int], list[float]]]]:
-    core = EngineCore(fp32_config(dtype="bfloat16", max_num_batched_tokens=256))
-    prompts = mixed_prompts()[::4]
-    reqs = [greedy_request(f"p{i}", p, 12, logprobs=2, prompt_logprobs=0) for i, p in enumerate(prompts)]
-    results = run_engine(core, reqs)
-    runs = [([t for o in results[r.request_id] for t in o.new_token_ids],
-             [x for o in results[r.request_id] for x in o.new_logprobs.token_logprobs]
-             + results[r.request_id][0].prompt_logprobs.token_logprobs) for r in reqs]  # fmt: skip
-    return core, runs
-
-
 @needs_grid_kernels
 def test_a_packed_linear_reads_its_grid_for_few_rows_only() -> None:
     """Up to grid_rows rows read the grid panels, more the bf16 ones (and a merged gate_up's fused activation, on
@@ -90,7 +79,10 @@ def test_a_packed_linear_reads_its_grid_for_few_rows_only() -> None:
     weight = q4_1(2 * 96, 128, seed=5)
     linear = nn.Linear(128, 2 * 96, bias=False, dtype=torch.bfloat16)
     linear.weight.data.copy_(weight)
-    grid, plain = PackedLinear(linear, find_grid(weight)), PackedLinear(linear)
+    found = find_grid(weight)
+    assert found is not None and found[0] == "int4"
+    grid = PackedLinear(linear, pack_int4_as_bf16(*found[1], _KERNELS.panel_cols))
+    plain = PackedLinear(linear)
     assert grid.packed_few is not None and grid.packed_few.dtype == torch.int16 and plain.packed_few is None
     assert torch.equal(grid.packed_weight, plain.packed_weight)
     for rows in (1, 5, _KERNELS.grid_rows, _KERNELS.grid_rows + 1, 64):

@@ -70,27 +70,37 @@ def find_grid(weight: torch.Tensor) -> tuple[str, Parts] | None:
 
 
 class GridWeights:
-    """What the loader found for each linear weight (whole, or a fused layer's parts), until the linears are packed.
-    Keyed by the parameter: a tied LM head shares its embedding's."""
+    """The grid panels of each linear weight the loader found on a grid (whole, or every part of a fused layer on
+    the same one), packed as soon as the weight is complete, so that loading holds no more than they will; keyed by
+    the parameter (a tied LM head shares its embedding's)."""
 
     def __init__(self, model: nn.Module) -> None:
-        self._linear_weights = {id(m.weight) for m in model.modules() if isinstance(m, nn.Linear)}
-        self._found: dict[int, dict[int, tuple[str, Parts] | None]] = {}
+        self._parts_of = {id(m.weight): len(getattr(m, "shard_sizes", None) or [0])
+                          for m in model.modules() if isinstance(m, nn.Linear)}  # fmt: skip
+        self._found: dict[int, dict[int, tuple[str, Parts] | None]] = {}  # a fused weight's parts so far
+        self._panels: dict[int, torch.Tensor | None] = {}
 
     def offer(self, param: torch.Tensor, shard: int | None, tensor: torch.Tensor) -> None:
         """The checkpoint's tensor for `param` (or for its fused part `shard`), before it is rounded into it."""
-        if id(param) in self._linear_weights:
-            self._found.setdefault(id(param), {})[shard or 0] = find_grid(tensor)
+        parts = self._parts_of.get(id(param))
+        if parts is None:
+            return
+        found = self._found.setdefault(id(param), {})
+        found[shard or 0] = find_grid(tensor)
+        if len(found) == parts:
+            self._panels[id(param)] = _packed(found, parts)
+            del self._found[id(param)]
 
-    def take(self, linear: nn.Linear) -> tuple[str, Parts] | None:
-        """The grid of the linear's whole weight, its parts in row order; None where any part missed one, or the
-        parts' grids differ, or not all of them were seen."""
-        found = self._found.pop(id(linear.weight), None)
-        shards = getattr(linear, "shard_sizes", None) or [linear.out_features]
-        if not found or sorted(found) != list(range(len(shards))) or None in found.values():
-            return None
-        methods = {method for method, _ in found.values()}
-        if len(methods) != 1:
-            return None
-        pieces = [found[i][1] for i in range(len(shards))]
-        return methods.pop(), tuple(torch.cat(column) for column in zip(*pieces, strict=True))
+    def take(self, linear: nn.Linear) -> torch.Tensor | None:
+        """The grid panels of the linear's weight: pack_int4_as_bf16's or pack_int8's; None where any part missed a
+        grid, or the parts' grids differ, or not all of them were seen."""
+        return self._panels.pop(id(linear.weight), None)
+
+
+def _packed(found: dict[int, tuple[str, Parts] | None], parts: int) -> torch.Tensor | None:
+    """The panels of a weight's parts (rows in part order), where all of them lie on one grid."""
+    if sorted(found) != list(range(parts)) or None in found.values() or len({f[0] for f in found.values()}) != 1:
+        return None
+    method = found[0][0]
+    whole = tuple(torch.cat(column) for column in zip(*(found[i][1] for i in range(parts)), strict=True))
+    return (pack_int4_as_bf16 if method == "int4" else pack_int8)(*whole, cpu_kernels().panel_cols)

@@ -12,7 +12,7 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from engine_core import distributed
 from engine_core.cpu_kernels import cpu_kernels
-from engine_core.linear_packing import pack_bf16, pack_f32, pack_int4_as_bf16, pack_int8
+from engine_core.linear_packing import pack_bf16, pack_f32
 from engine_core.models.parallel import RowParallelLinear
 
 if TYPE_CHECKING:
@@ -196,10 +196,10 @@ class PackedLinear(nn.Module):
     few decode rows (SmolLM2 bf16 at 16 rows: 7 ms a step, oneDNN 10.4), keeps up with oneDNN and MKL up to prefill
     sizes, and gives every row the same bits whatever runs beside it."""
 
-    def __init__(self, linear: nn.Linear, grid: tuple[str, tuple[torch.Tensor, ...]] | None = None) -> None:
-        """grid: ("int4" or "int8", its parts) where the bf16 weight lies on that grid bit for bit
-        (engine_core/models/grid_weights.py): calls of up to kernels.grid_rows rows then read the grid's panels,
-        which the kernel widens back to the same bf16 weights, so both panels give the same bits."""
+    def __init__(self, linear: nn.Linear, grid: torch.Tensor | None = None) -> None:
+        """grid: the panels of the grid the bf16 weight lies on bit for bit (engine_core/models/grid_weights.py):
+        calls of up to kernels.grid_rows rows then read them, which the kernel widens back to the same bf16
+        weights, so both panels give the same bits."""
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.shard_sizes = getattr(linear, "shard_sizes", None)  # a fused layer's parts (LoRA adapters read them)
@@ -216,10 +216,7 @@ class PackedLinear(nn.Module):
             self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight, 64) if self.onednn else weight
         # A checkpoint's grid, kept beside: calls of few rows wait for the weights' bytes and read it; more rows are
         # bound by the tiles' arithmetic, which the grid's widening would only add to, and read the bf16 panels.
-        self.packed_few: torch.Tensor | None = None
-        if self.kernels is not None and bf16 and grid is not None and self.kernels.has_grid_linear:
-            method, parts = grid
-            self.packed_few = (pack_int4_as_bf16 if method == "int4" else pack_int8)(*parts, self.kernels.panel_cols)
+        self.packed_few = grid if self.kernels is not None and bf16 and self.kernels.has_grid_linear else None
         self.bias = linear.bias
         # Row-parallel: the partial products are summed over the ranks, and the bias added once, after.
         self.all_reduce = isinstance(linear, RowParallelLinear) and distributed.tp_size() > 1
