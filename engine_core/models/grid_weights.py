@@ -1,15 +1,16 @@
-"""Linear weights a checkpoint holds on a 4- or 8-bit grid, kept on it when served in bf16 on CPU.
+"""Linear weights a checkpoint holds on a 4- or 8-bit grid, kept on it too when served in bf16 on CPU.
 
-A GGUF's Q4_1, Q4_0 or Q8_0 layers reach the engine dequantized (common/gguf_convert.py writes float32), and bf16
-panels read them at 2 bytes a weight where the file's grid needs 0.75 (int4 panels: the nibbles, an fp32 scale and
-min per 32) or 1.25 (int8). A decode step of few rows waits for those bytes. So where a linear's weight, rounded to
-bf16, equals bit for bit what our kernels widen from a grid (int4: bf16(fma(q, scale, min)), format 4; int8:
-bf16(q * scale), format 1), its panels hold the grid, and the kernels sum the very bf16 weights the bf16 panels
-would hold: the same logits, fewer bytes. Each weight is checked whole as the loader reads it (float32, before it
-is rounded); one that misses the grid anywhere stays bf16. ROSEINFER_GRID_WEIGHTS=0 keeps every weight bf16 (to
-compare them).
+A GGUF's 4- and 8-bit layers reach the engine dequantized (common/gguf_convert.py writes float32), and bf16 panels
+read them at 2 bytes a weight where the file's grid needs 0.75 (int4 panels: the nibbles, an fp32 scale and min per
+32) or 1.25 (int8). A decode step of few rows waits for those bytes. So where a linear's weight, rounded to bf16,
+equals bit for bit what our kernels widen from a grid (int4: bf16(fma(q, scale, min)), format 4; int8: bf16(q *
+scale), format 1), the linear keeps the grid's panels beside its bf16 ones, and calls of few rows read them
+(PackedLinear._panels, the decode stack's weight_linear): the kernels sum the very bf16 weights, so the bits are
+the same, from a third of the bytes. The grid is fitted as --quantization fits it, which finds Q4_1 and Q8_0
+layers (the default model's) exactly; a weight that misses anywhere (other formats whose groups another fit made)
+stays bf16 only. Each weight is checked whole as the loader reads it (float32, before it is rounded).
+ROSEINFER_GRID_WEIGHTS=0 keeps no grid (to compare them).
 """
-
 from __future__ import annotations
 
 import os
