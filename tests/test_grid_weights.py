@@ -31,6 +31,16 @@ def q4_1(rows: int, k: int, seed: int = 0) -> torch.Tensor:
     return (q * d[..., None] + m[..., None]).view(rows, k)
 
 
+def q4_0(rows: int, k: int, seed: int = 0) -> torch.Tensor:
+    """As a Q4_0 GGUF dequantizes: w = d (q - 8), fp16 d of either sign per 32, the group's largest magnitude at
+    q = 0 (llama.cpp's quantizer sets d = that weight / -8), the largest q often below 15."""
+    g = torch.Generator().manual_seed(seed)
+    d = ((torch.rand(rows, k // 32, generator=g) - 0.5) * 0.02).half().float()
+    q = torch.randint(0, 13, (rows, k // 32, 32), generator=g).float()
+    q[..., 0] = 0
+    return ((q - 8) * d[..., None]).view(rows, k)
+
+
 def q8_0(rows: int, k: int, seed: int = 0) -> torch.Tensor:
     """As a Q8_0 GGUF dequantizes: w = d q, fp16 d per 32, |q| <= 127 with 127 reached."""
     g = torch.Generator().manual_seed(seed)
@@ -42,7 +52,8 @@ def q8_0(rows: int, k: int, seed: int = 0) -> torch.Tensor:
 
 @needs_grid_kernels
 @pytest.mark.parametrize("make,method,out_features,k", [(q4_1, "int4", 200, 576), (q4_1, "int4", 48, 64),
-                                                        (q4_1, "int4", 576, 1536), (q8_0, "int8", 130, 576)])
+                                                        (q4_1, "int4", 576, 1536), (q8_0, "int8", 130, 576),
+                                                        (q4_0, "int4", 96, 256)])
 def test_grid_panels_sum_as_their_bf16_weights(make, method, out_features, k) -> None:
     weight = make(out_features, k)
     found = find_grid(weight)
@@ -70,6 +81,12 @@ def test_weights_off_every_grid_stay_bf16() -> None:
     assert find_grid(q4_1(64, 128)[:, :112]) is None  # k not a multiple of 32
     # Q8_0 is no Q4_1: the int4 grid misses, the int8 one is found
     assert find_grid(q8_0(64, 128))[0] == "int8"
+    # Q4_0's groups are fitted their own way, also among Q4_1's in one weight (rows of each, groups of each)
+    mixed = torch.cat([q4_1(32, 128, seed=1), q4_0(32, 128, seed=2)])
+    mixed[:, 64:96] = q4_0(64, 128, seed=3)[:, 64:96]
+    found = find_grid(mixed)
+    assert found is not None and found[0] == "int4"
+    assert torch.equal(_KERNELS.widen(pack_int4_as_bf16(*found[1], _KERNELS.panel_cols), 64, 128), mixed.bfloat16())
 
 
 @needs_grid_kernels

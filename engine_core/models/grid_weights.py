@@ -6,11 +6,13 @@ read them at 2 bytes a weight where the file's grid needs 0.75 (int4 panels: the
 equals bit for bit what our kernels widen from a grid (int4: bf16(fma(q, scale, min)), format 4; int8: bf16(q *
 scale), format 1), the linear keeps the grid's panels beside its bf16 ones, and calls of few rows read them
 (PackedLinear._panels, the decode stack's weight_linear): the kernels sum the very bf16 weights, so the bits are
-the same, from a third of the bytes. The grid is fitted as --quantization fits it, which finds Q4_1 and Q8_0
-layers (the default model's) exactly; a weight that misses anywhere (other formats whose groups another fit made)
-stays bf16 only. Each weight is checked whole as the loader reads it (float32, before it is rounded).
-ROSEINFER_GRID_WEIGHTS=0 keeps no grid (to compare them).
+the same, from a third of the bytes. The grid is fitted as --quantization fits it, which finds Q4_1 and Q8_0 groups
+(the default model's) exactly, or else as Q4_0's quantizer made it; a weight with a group that neither fit gives
+back (such as the K formats', whose scales and mins are optimized and quantized themselves) stays bf16 only. Each
+weight is checked whole as the loader reads it (float32, before it is rounded). ROSEINFER_GRID_WEIGHTS=0 keeps no
+grid (to compare them).
 """
+
 from __future__ import annotations
 
 import os
@@ -41,19 +43,41 @@ def grids_wanted(model_dir: Path, dtype: torch.dtype, device: torch.device, quan
 
 
 def _on_grid(weight: torch.Tensor, method: str, kernels: CpuKernels) -> Parts | None:
-    """The weight's parts on `method`'s grid (fitted as --quantization fits it: a group's least weight and range /
-    15 for int4, its largest magnitude / 127 for int8), if the kernel widens every one back to the weight's own
-    bf16. The kernel's widening is the check (kernels.widen), so that no rounding of it (one fma, subnormals flushed)
-    has to be imitated here."""
+    """The weight's parts on `method`'s grid, if the kernel widens every one back to the weight's own bf16. The
+    kernel's widening is the check (kernels.widen), so that no rounding of it (one fma, subnormals flushed) has to
+    be imitated here. int8 is fitted as --quantization fits it (a group's largest magnitude / 127); int4 so too (its
+    least weight, and its range / 15: Q4_1's groups), and a group that misses that way is fitted as Q4_0 (_fit_q4_0)."""
+    pack = pack_int4_as_bf16 if method == "int4" else pack_int8
     slices = []
     for at in range(0, len(weight), _ROWS):
         rows = weight[at : at + _ROWS]
         parts = quantize_int4(rows) if method == "int4" else quantize_int8(rows)
-        packed = (pack_int4_as_bf16 if method == "int4" else pack_int8)(*parts, kernels.panel_cols)
-        if not torch.equal(kernels.widen(packed, *rows.shape), rows.bfloat16()):
+        missed = _missed_groups(kernels.widen(pack(*parts, kernels.panel_cols), *rows.shape), rows)
+        if method == "int4" and missed.any():
+            q, scale, mins = parts
+            q0, scale0, mins0 = _fit_q4_0(rows)
+            q = torch.where(missed.repeat_interleave(GROUP, dim=1), q0, q)
+            parts = (q, torch.where(missed, scale0, scale), torch.where(missed, mins0, mins))
+            missed = _missed_groups(kernels.widen(pack(*parts, kernels.panel_cols), *rows.shape), rows)
+        if missed.any():
             return None
         slices.append(parts)
     return tuple(torch.cat(column) for column in zip(*slices, strict=True))
+
+
+def _missed_groups(widened: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """[N, K / 32] True where a group's widened weights are not the weight's bf16."""
+    return (widened != rows.bfloat16()).unflatten(1, (-1, GROUP)).any(dim=2)
+
+
+def _fit_q4_0(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Q4_0's grid as ours: w = d (q - 8), where llama.cpp's quantizer gives a group's weight of largest magnitude
+    q = 0, so min = that weight and scale = -min / 8 (negative where it is positive)."""
+    groups = rows.unflatten(1, (-1, GROUP))
+    mins = groups.gather(2, groups.abs().argmax(dim=2, keepdim=True)).squeeze(2)
+    scale = torch.where(mins == 0, torch.full_like(mins, 1e-12), -mins / 8)  # an all-zero group keeps q = 0
+    q = torch.round((groups - mins[..., None]) / scale[..., None]).clamp(0, 15).to(torch.uint8).flatten(1)
+    return q, scale, mins
 
 
 def find_grid(weight: torch.Tensor) -> tuple[str, Parts] | None:
