@@ -1,6 +1,6 @@
 """Fitting a weight to our int8 and int4 grids (groups of 32 k of a row, as GGUF's Q8_0 and Q4_1), and back:
 --quantization's int8 and int4 (engine_core/models/quant.py) and the grids a checkpoint's weights already lie on
-(engine_core/models/grid_weights.py)."""
+(engine_core/models/grid_weights.py, which also fits Q4_0's groups with quantize_q4_0)."""
 
 from __future__ import annotations
 
@@ -49,6 +49,17 @@ def quantize_int4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, tor
         s = (rows.amax(dim=2) - low).clamp(min=1e-12) / 15  # a constant group keeps q = 0: w = min
         q[at] = torch.round((rows - low[..., None]) / s[..., None]).clamp(0, 15).to(torch.uint8).view(-1, k)
         scale[at], mins[at] = s, low
+    return q, scale, mins
+
+
+def quantize_q4_0(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """[N, K] float -> (q, scale, min) as quantize_int4 gives them, fitted as Q4_0 is made: w = d (q - 8), where
+    llama.cpp's quantizer gives a group's weight of largest magnitude q = 0, so min = that weight and scale =
+    -min / 8 (negative where it is positive)."""
+    groups = weight.float().unflatten(1, (-1, GROUP))
+    mins = groups.gather(2, groups.abs().argmax(dim=2, keepdim=True)).squeeze(2)
+    scale = torch.where(mins == 0, torch.full_like(mins, 1e-12), -mins / 8)  # an all-zero group keeps q = 0
+    q = torch.round((groups - mins[..., None]) / scale[..., None]).clamp(0, 15).to(torch.uint8).flatten(1)
     return q, scale, mins
 
 

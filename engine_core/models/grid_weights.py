@@ -24,7 +24,7 @@ from torch import nn
 from common.gguf_weights import matching_quantization
 from engine_core.cpu_kernels import CpuKernels, cpu_kernels
 from engine_core.linear_packing import GROUP, pack_int4_as_bf16, pack_int8
-from engine_core.models.grid_fit import quantize_int4, quantize_int8
+from engine_core.models.grid_fit import quantize_int4, quantize_int8, quantize_q4_0
 
 Parts = tuple[torch.Tensor, ...]  # int4: (q, scale, min); int8: (q, scale), as grid_fit.quantize_int4/8 make them
 _ROWS = 4080  # rows checked at a time (85 panels), so that a weight off the grid is given up on at its first slice
@@ -46,7 +46,7 @@ def _on_grid(weight: torch.Tensor, method: str, kernels: CpuKernels) -> Parts | 
     """The weight's parts on `method`'s grid, if the kernel widens every one back to the weight's own bf16. The
     kernel's widening is the check (kernels.widen), so that no rounding of it (one fma, subnormals flushed) has to
     be imitated here. int8 is fitted as --quantization fits it (a group's largest magnitude / 127); int4 so too (its
-    least weight, and its range / 15: Q4_1's groups), and a group that misses that way is fitted as Q4_0 (_fit_q4_0)."""
+    least weight, and its range / 15: Q4_1's groups), and a group that misses that way as Q4_0 (quantize_q4_0)."""
     pack = pack_int4_as_bf16 if method == "int4" else pack_int8
     slices = []
     for at in range(0, len(weight), _ROWS):
@@ -55,7 +55,7 @@ def _on_grid(weight: torch.Tensor, method: str, kernels: CpuKernels) -> Parts | 
         missed = _missed_groups(kernels.widen(pack(*parts, kernels.panel_cols), *rows.shape), rows)
         if method == "int4" and missed.any():
             q, scale, mins = parts
-            q0, scale0, mins0 = _fit_q4_0(rows)
+            q0, scale0, mins0 = quantize_q4_0(rows)
             q = torch.where(missed.repeat_interleave(GROUP, dim=1), q0, q)
             parts = (q, torch.where(missed, scale0, scale), torch.where(missed, mins0, mins))
             missed = _missed_groups(kernels.widen(pack(*parts, kernels.panel_cols), *rows.shape), rows)
@@ -68,16 +68,6 @@ def _on_grid(weight: torch.Tensor, method: str, kernels: CpuKernels) -> Parts | 
 def _missed_groups(widened: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     """[N, K / 32] True where a group's widened weights are not the weight's bf16."""
     return (widened != rows.bfloat16()).unflatten(1, (-1, GROUP)).any(dim=2)
-
-
-def _fit_q4_0(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Q4_0's grid as ours: w = d (q - 8), where llama.cpp's quantizer gives a group's weight of largest magnitude
-    q = 0, so min = that weight and scale = -min / 8 (negative where it is positive)."""
-    groups = rows.unflatten(1, (-1, GROUP))
-    mins = groups.gather(2, groups.abs().argmax(dim=2, keepdim=True)).squeeze(2)
-    scale = torch.where(mins == 0, torch.full_like(mins, 1e-12), -mins / 8)  # an all-zero group keeps q = 0
-    q = torch.round((groups - mins[..., None]) / scale[..., None]).clamp(0, 15).to(torch.uint8).flatten(1)
-    return q, scale, mins
 
 
 def find_grid(weight: torch.Tensor) -> tuple[str, Parts] | None:

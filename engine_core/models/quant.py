@@ -212,14 +212,13 @@ def quantization_hint(model_dir: Path, quantization: str, device: torch.device, 
     method, kinds = match
     if not kernels.supports_quantized_linear(method, GROUP):
         return None
+    hint = f"the GGUF this model came from stored its layers' weights as {kinds}; they are served "
     if grids_wanted(model_dir, dtype, device, quantization):  # the panels keep the grid (the log says how many)
-        hint = (f"the GGUF this model came from stored its layers' weights as {kinds}; they are served as the "
-                f"bfloat16 weights they dequantize to, which steps of few rows read from that grid "
-                f"({BYTES_PER_WEIGHT[method]} bytes a weight): --quantization {method} sums on the grid itself "
-                f"instead, faster for a single request and slower for many")  # fmt: skip
+        hint += (f"as the bfloat16 weights they dequantize to, which steps of few rows read from that grid "
+                 f"({BYTES_PER_WEIGHT[method]} bytes a weight): --quantization {method} sums on the grid itself "
+                 f"instead, faster for a single request and slower for many")  # fmt: skip
     else:
-        hint = (f"the GGUF this model came from stored its layers' weights as {kinds}; they are served dequantized "
-                f"to bfloat16 (2 bytes a weight): --quantization {method} serves them on their own grid, in "
-                f"{BYTES_PER_WEIGHT[method]} bytes a weight, faster for few requests at a time")  # fmt: skip
+        hint += (f"dequantized to bfloat16 (2 bytes a weight): --quantization {method} serves them on their own "
+                 f"grid, in {BYTES_PER_WEIGHT[method]} bytes a weight, faster for few requests at a time")  # fmt: skip
     log.info(hint)
     return hint
