@@ -5,8 +5,8 @@ Every format cuts the weight [N, K] into panels of up to `cols` output rows (48)
 16 with zeros. The packed tensor's dtype names its format for the kernel (FORMATS): bf16 panels in vdpbf16ps's
 pair layout (for each pair of k, the panel's rows x 2 values), int8 panels (per group of 32 k, the weights then
 each lane's scale), int4 panels (per group of 32 k, four pairs' nibbles in each 16-bit lane, then each row's scale
-and min; summed either on the int4 grid or, tagged int16, as the bf16 weights they widen to), or fp32 panels (for
-each k, the panel's rows).
+and min; summed either on the int4 grid or, tagged int16 and their lanes in another order, as the bf16 weights they
+widen to), or fp32 panels (for each k, the panel's rows).
 """
 
 from __future__ import annotations
@@ -76,26 +76,35 @@ def pack_int8(q: torch.Tensor, scale: torch.Tensor, cols: int) -> torch.Tensor:
     return torch.cat(parts)
 
 
-def pack_int4(q: torch.Tensor, scale: torch.Tensor, mins: torch.Tensor, cols: int) -> torch.Tensor:
-    """q in 0..15 (uint8 [N, K]), fp32 scales and mins [N, K / 32] (grid_fit.quantize_int4) -> uint8 panels: per
-    group of 32 k, for each four k pairs and vector of 16 rows, 32 16-bit lanes, lane l holding lane l of the four
-    pairs' layouts in its nibbles (the first pair's lowest); then the panel's scales, then its mins."""
+def _int4_panels(q: torch.Tensor, scale: torch.Tensor, mins: torch.Tensor, cols: int, grid: bool) -> torch.Tensor:
+    """pack_int4's panels, or with grid=True pack_int4_as_bf16's (the same but for the order of each load's lanes)."""
     n, k = q.shape
     groups = k // GROUP
     q_pad, s_pad, m_pad = _rows_to_16(q), _rows_to_16(scale.float()), _rows_to_16(mins.float())
+    # k = 32 group + 8 t + 2 r + kk, pair 4t + r in bits 4r of its 16-bit lane; row = 16 vector + 8 half + column.
+    # int4: lane = 2 (8 half + column) + kk, the pair layout; format 4: lane = 4 column + 2 kk + half.
+    lane_order = (2, 6, 1) if grid else (1, 2, 6)
     parts = []
     for n0, c in _panels(n, cols):
-        # k = 32 group + 8 t + 2 r + kk; lane = 2 (row % 16) + kk; pair 4t + r in bits 4r of the lane's 16
-        lanes = q_pad[n0 : n0 + c].view(c // 16, 16, groups, 4, 4, 2).permute(2, 3, 0, 1, 5, 4).to(torch.int32)
+        lanes = q_pad[n0 : n0 + c].view(c // 16, 2, 8, groups, 4, 4, 2).permute(3, 4, 0, *lane_order, 5)
+        lanes = lanes.to(torch.int32)
         four = lanes[..., 0] | lanes[..., 1] << 4 | lanes[..., 2] << 8 | lanes[..., 3] << 12
-        nibbles = four.to(torch.uint16).view(torch.uint8).reshape(groups, -1)
+        nibbles = four.to(torch.uint16).contiguous().view(torch.uint8).reshape(groups, -1)
         scales = s_pad[n0 : n0 + c].T.contiguous().view(torch.uint8)
         mins_ = m_pad[n0 : n0 + c].T.contiguous().view(torch.uint8)
         parts.append(torch.cat([nibbles, scales, mins_], dim=1).flatten())
     return torch.cat(parts)
 
 
+def pack_int4(q: torch.Tensor, scale: torch.Tensor, mins: torch.Tensor, cols: int) -> torch.Tensor:
+    """q in 0..15 (uint8 [N, K]), fp32 scales and mins [N, K / 32] (grid_fit.quantize_int4) -> uint8 panels: per
+    group of 32 k, for each four k pairs and vector of 16 rows, 32 16-bit lanes, lane l holding lane l of the four
+    pairs' layouts in its nibbles (the first pair's lowest); then the panel's scales, then its mins."""
+    return _int4_panels(q, scale, mins, cols, grid=False)
+
+
 def pack_int4_as_bf16(q: torch.Tensor, scale: torch.Tensor, mins: torch.Tensor, cols: int) -> torch.Tensor:
-    """pack_int4's panels, tagged (int16) for the kernels to widen each weight to bf16(scale * q + min) and sum it
-    as a bf16 weight (engine_core/models/grid_weights.py)."""
-    return pack_int4(q, scale, mins, cols).view(torch.int16)
+    """Panels (tagged int16) that the kernels widen to bf16(scale * q + min) and sum as bf16 weights (format 4,
+    engine_core/models/grid_weights.py): pack_int4's, but for each four k pairs and vector, lane 4c + 2kk + h holds
+    row 8h + c's k 2p + kk of the pairs p, the order in which kernel_common.h's int4_bf16_pairs widens them."""
+    return _int4_panels(q, scale, mins, cols, grid=True).view(torch.int16)

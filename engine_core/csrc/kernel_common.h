@@ -508,8 +508,9 @@ static inline int64_t linear_row_parts(int64_t panels, int64_t tiles, int thread
 }
 // Quantized panels (engine_core/linear_packing.py), per group of 32 k and vector of 16 columns: int8, the weights
 // in the pair layout (16 pairs x 32 bytes) and then the 32 lanes' fp32 scales (a column's twice, for its pair);
-// int4, 16 pairs' nibbles (four pairs in each 16-bit lane, the first pair's lowest: 4 x 64 bytes), then the 16
-// columns' fp32 scales, then their mins.
+// int4 and format 4, 16 pairs' nibbles (four pairs in each 16-bit lane, the first pair's lowest: 4 x 64 bytes; int4's
+// lanes in the pair layout, format 4's as int4_bf16_pairs reads them), then the 16 columns' fp32 scales, then their
+// mins.
 #define QUANT_GROUP 32
 #define GRID_ROWS 16  // csrc/linear.c's linear_grid_rows
 #define INT8_GROUP_VEC_BYTES (QUANT_GROUP / 2 * 32 + 2 * 16 * 4)
@@ -566,21 +567,32 @@ static inline __m512i nibble_table(void) {
     const __m512 q = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     return (__m512i)_mm512_cvtne2ps_pbh(q, q);
 }
-// Pair `sub` (0-3) of four k pairs' nibbles of an int4 vector (`four`: a 16-bit lane each, as the int4 panels hold
-// them) widened to bf16(fma(q, scale, min)) in the bf16 panels' pair layout: format 4, the bf16 weights of a
-// checkpoint stored on a 4-bit grid, bit for bit (engine_core/models/grid_weights.py checks each weight's at load).
-// scale, min: the vector's 16 columns'. The 32-bit element c of bf16(q) holds column c's even k low, its odd k
-// high, so a shift and a mask make them fp32 for the columns' scales; cvtne2ps then puts the evens before the odds,
-// and one vpermw interleaves them back into pairs.
-static inline __m512bh int4_bf16_pairs(__m512i four, int sub, __m512 scale, __m512 min, __m512i table) {
+// Format 4: the bf16 weights of a checkpoint stored on a 4-bit grid, widened to bf16(fma(q, scale, min)) bit for bit
+// (engine_core/models/grid_weights.py checks each weight's at load). The lanes of cvtne2ps's two halves: the low half
+// holds columns 0-7 of the vector, each twice (its pair), the high half columns 8-15, so each half needs its columns'
+// scales and mins twice over; grid_lanes spreads a group's 16 of each that way, once per group.
+typedef struct {
+    __m512 scale_lo, scale_hi, min_lo, min_hi;
+} GridLanes;
+static inline GridLanes grid_lanes(const float* scales, const float* mins) {
+    const __m512i lo = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
+    const __m512i hi = _mm512_add_epi32(lo, _mm512_set1_epi32(8));
+    const __m512 s = _mm512_loadu_ps(scales), m = _mm512_loadu_ps(mins);
+    return (GridLanes){_mm512_permutexvar_ps(lo, s), _mm512_permutexvar_ps(hi, s), _mm512_permutexvar_ps(lo, m),
+                       _mm512_permutexvar_ps(hi, m)};
+}
+// Pair `sub` (0-3) of four k pairs' nibbles of a format-4 vector (`four`: a 16-bit lane each) widened into the bf16
+// panels' pair layout. The panels order the nibbles so that the 32-bit element e of bf16(q) (the table's vpermw)
+// holds, low, the q that cvtne2ps puts at lane e of the pair layout (column e / 2 of 0-7) and, high, the one it puts
+// at lane 16 + e (column 8 + e / 2): a shift and a mask make them fp32, and the two halves' fmas and one cvtne2ps
+// leave every weight where the tiles read it. (Ordered as the bf16 panels, an interleaving vpermw after the cvtne2ps
+// cost about 13% of the widening.)
+static inline __m512bh int4_bf16_pairs(__m512i four, int sub, const GridLanes* lanes, __m512i table) {
     const __m512i q = _mm512_permutexvar_epi16(_mm512_srli_epi16(four, 4 * sub), table);
-    const __m512 even = (__m512)_mm512_slli_epi32(q, 16);
-    const __m512 odd = (__m512)_mm512_and_si512(q, _mm512_set1_epi32((int)0xFFFF0000u));
-    const __m512i halves = (__m512i)_mm512_cvtne2ps_pbh(_mm512_fmadd_ps(odd, scale, min),
-                                                        _mm512_fmadd_ps(even, scale, min));
-    const __m512i pairs = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6,
-                                           21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
-    return (__m512bh)_mm512_permutexvar_epi16(pairs, halves);
+    const __m512 lo = (__m512)_mm512_slli_epi32(q, 16);
+    const __m512 hi = (__m512)_mm512_and_si512(q, _mm512_set1_epi32((int)0xFFFF0000u));
+    return _mm512_cvtne2ps_pbh(_mm512_fmadd_ps(hi, lanes->scale_hi, lanes->min_hi),
+                               _mm512_fmadd_ps(lo, lanes->scale_lo, lanes->min_lo));
 }
 // A linear tile's fp32 sums (mr rows x nv vectors of 16 columns) plus the bias, stored as bf16: the first `cols`
 // columns of each row.

@@ -25,16 +25,28 @@
 #define GROUP_PAIRS (QUANT_GROUP / 2)  // int8: k pairs per scale
 
 #if defined(__AVX512BF16__)
+// Format 4 at the first k pair p of a group: the group's scales and mins of each vector spread over the widening's
+// lanes (kernel_common.h's grid_lanes), which weights() then reads for the group's 16 pairs.
+static inline __attribute__((always_inline)) void group_lanes(const void* panel, int fmt, int nv, int64_t p,
+                                                              GridLanes* lanes) {
+    if (fmt != 4 || p % GROUP_PAIRS) return;
+    const float* scales = quant_scales(quant_group(panel, 4, nv, p / GROUP_PAIRS), 4, nv);
+    for (int j = 0; j < nv; j++) lanes[j] = grid_lanes(scales + 16 * j, scales + 16 * (nv + j));
+}
+
 // Vector j of k pair p of a panel with nv vectors: bf16 as stored, or widened from int8 (fmt 1) or int4 (fmt 4:
-// bf16(scale * q + min), kernel_common.h's int4_bf16_pairs); fmt and nv are constants after inlining.
-static inline __attribute__((always_inline)) __m512bh weights(const void* panel, int fmt, int nv, int64_t p, int j) {
+// bf16(scale * q + min), kernel_common.h's int4_bf16_pairs, with the group's lanes from group_lanes); fmt and nv are
+// constants after inlining.
+static inline __attribute__((always_inline)) __m512bh weights(const void* panel, int fmt, int nv, int64_t p, int j,
+                                                              const GridLanes* lanes) {
     if (!fmt) return (__m512bh)_mm512_loadu_si512((const uint16_t*)panel + (p * nv + j) * 32);
     const uint8_t* group = quant_group(panel, fmt, nv, p / GROUP_PAIRS);
-    const float* scales = quant_scales(group, fmt, nv);
-    if (fmt == 1) return int8_pairs((const int8_t*)group + ((p % GROUP_PAIRS) * nv + j) * 32, scales + j * 32);
+    if (fmt == 1)
+        return int8_pairs((const int8_t*)group + ((p % GROUP_PAIRS) * nv + j) * 32,
+                          quant_scales(group, fmt, nv) + j * 32);
     const int64_t r = p % GROUP_PAIRS;  // the group's pair r: nibble r % 4 of load r / 4
-    return int4_bf16_pairs(_mm512_loadu_si512(group + (r / 4 * nv + j) * 64), (int)(r % 4),
-                           _mm512_loadu_ps(scales + 16 * j), _mm512_loadu_ps(scales + 16 * (nv + j)), nibble_table());
+    return int4_bf16_pairs(_mm512_loadu_si512(group + (r / 4 * nv + j) * 64), (int)(r % 4), &lanes[j],
+                           nibble_table());
 }
 
 // The next panel's prefetch spread over a loop of k pairs, `step` bytes of the pf_len at pf per pair: at pair p,
@@ -47,9 +59,10 @@ static inline __attribute__((always_inline)) void prefetch_share(const char* pf,
 // k pair p of a tile: its weights times each row's pair, into the accumulators.
 static inline __attribute__((always_inline)) void tile_pair(const uint16_t* const* xp, int64_t p, int mr,
                                                             const void* panel, int fmt, int nv,
-                                                            __m512 acc[TILE_ROWS][PANEL_VECS]) {
+                                                            GridLanes* lanes, __m512 acc[TILE_ROWS][PANEL_VECS]) {
     __m512bh w[PANEL_VECS];
-    for (int j = 0; j < nv; j++) w[j] = weights(panel, fmt, nv, p, j);
+    group_lanes(panel, fmt, nv, p, lanes);
+    for (int j = 0; j < nv; j++) w[j] = weights(panel, fmt, nv, p, j, lanes);
     for (int i = 0; i < mr; i++) {
         int32_t pair;  // x[i, 2p] and x[i, 2p + 1]; memcpy: rows need not be 4-byte aligned
         memcpy(&pair, xp[i] + 2 * p, 4);
@@ -69,6 +82,7 @@ static inline __attribute__((always_inline)) void tile(const uint16_t* x, int64_
         for (int j = 0; j < nv; j++) acc[i][j] = _mm512_setzero_ps();
     const uint16_t* xp[TILE_ROWS];
     for (int i = 0; i < mr; i++) xp[i] = x + i * ldx;
+    GridLanes lanes[PANEL_VECS];
     // pf_len > 0 (a call of one tile) spreads the prefetches over the k pairs. A call of more tiles reads each
     // panel from L2 after its first tile, and checking for prefetches at every pair cost it 5-10% of its speed (a
     // 2048-row prefill 383-391 -> 410-421 GFLOP/s without), so its loop has none.
@@ -77,10 +91,10 @@ static inline __attribute__((always_inline)) void tile(const uint16_t* x, int64_
         int64_t done = 0;
         for (int64_t p = 0; p < pairs; p++) {
             prefetch_share(pf, pf_len, step, p, &done);
-            tile_pair(xp, p, mr, panel, fmt, nv, acc);
+            tile_pair(xp, p, mr, panel, fmt, nv, lanes, acc);
         }
     } else
-        for (int64_t p = 0; p < pairs; p++) tile_pair(xp, p, mr, panel, fmt, nv, acc);
+        for (int64_t p = 0; p < pairs; p++) tile_pair(xp, p, mr, panel, fmt, nv, lanes, acc);
     store_linear_tile(acc, mr, nv, cols, bias, out, ldo);
 }
 
@@ -113,9 +127,12 @@ static void widen_panel(const void* panel, int fmt, int nv, int64_t pairs, uint1
                         int64_t pf_len) {
     const int64_t step = (pf_len + pairs - 1) / pairs;
     int64_t done = 0;
+    GridLanes lanes[PANEL_VECS];
     for (int64_t p = 0; p < pairs; p++) {
         prefetch_share(pf, pf_len, step, p, &done);
-        for (int j = 0; j < nv; j++) _mm512_storeu_si512(to + (p * nv + j) * 32, (__m512i)weights(panel, fmt, nv, p, j));
+        group_lanes(panel, fmt, nv, p, lanes);
+        for (int j = 0; j < nv; j++)
+            _mm512_storeu_si512(to + (p * nv + j) * 32, (__m512i)weights(panel, fmt, nv, p, j, lanes));
     }
 }
 
@@ -155,13 +172,16 @@ void linear_widen(const void* packed, int format, int64_t n_len, int64_t k_len, 
     const int64_t bytes_per_col = linear_bytes_per_col(format, k_len), panels = (n_len + PANEL_COLS - 1) / PANEL_COLS;
     for (int64_t item = 0; item < panels; item++) {
         const PanelItem it = panel_item(packed, item, 1, n_len, bytes_per_col);
-        for (int64_t p = 0; p < k_len / 2; p++)
+        GridLanes lanes[PANEL_VECS];
+        for (int64_t p = 0; p < k_len / 2; p++) {
+            group_lanes(it.panel, format, it.nv, p, lanes);
             for (int j = 0; j < it.nv; j++) {
                 uint32_t pairs[16];  // column c's k pair p
-                _mm512_storeu_si512(pairs, (__m512i)weights(it.panel, format, it.nv, p, j));
+                _mm512_storeu_si512(pairs, (__m512i)weights(it.panel, format, it.nv, p, j, lanes));
                 for (int64_t c = 0; c < 16 && 16 * j + c < it.cols; c++)
                     memcpy(out + (it.n0 + 16 * j + c) * k_len + 2 * p, &pairs[c], 4);
             }
+        }
     }
 }
 
