@@ -10,7 +10,9 @@ Prints, per row count (1 and 8: decode latency; 64: W's full decode batch; 2048:
 the median of --repeats passes in ms, and the fastest as GFLOP/s. To compare two checkouts, run it from outside
 both, in turn (python -m puts the working directory first on the path):
 cd /tmp && PYTHONPATH=<checkout> python -m bench.linear_kernel [--repeats 5]
-    [--quantization int8 | --quantization int4 | --lora-rank 16 | --dtype float32] [--result-json F]
+    [--quantization int8 | int4 | grid | --lora-rank 16 | --dtype float32] [--result-json F]
+--quantization grid: the panels a bf16 model converted from a 4-bit GGUF reads at up to 16 rows
+(engine_core/models/grid_weights.py): the layers int4 summed as bf16 (format 4), the head int8.
 ROSEINFER_KERNEL_MARCH=x86-64-v3 times the AVX2 kernels on a CPU that also has AVX-512.
 """
 
@@ -26,8 +28,8 @@ import time
 import torch
 
 from engine_core.cpu_kernels import cpu_kernels
-from engine_core.linear_packing import pack_bf16, pack_f32, pack_int4, pack_int8
-from engine_core.models.quant import quantize_int4, quantize_int8
+from engine_core.linear_packing import pack_bf16, pack_f32, pack_int4, pack_int4_as_bf16, pack_int8
+from engine_core.models.grid_fit import quantize_int4, quantize_int8
 
 LAYERS, HIDDEN, VOCAB = 30, 576, 49152
 LAYER_SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # (out_features, in_features)
@@ -38,8 +40,10 @@ ROWS = [1, 8, 64, 2048]
 def pack(kernels, weight: torch.Tensor, quantization: str | None) -> torch.Tensor:
     if weight.dtype == torch.float32:
         return pack_f32(weight, kernels.panel_cols)
-    if quantization == "int8":
+    if quantization == "int8" or (quantization == "grid" and len(weight) == VOCAB):  # the grid's head: Q8_0's
         return pack_int8(*quantize_int8(weight), kernels.panel_cols)
+    if quantization == "grid":
+        return pack_int4_as_bf16(*quantize_int4(weight), kernels.panel_cols)
     if quantization == "int4":
         return pack_int4(*quantize_int4(weight), kernels.panel_cols)
     return pack_bf16(weight, kernels.panel_cols)
@@ -48,7 +52,7 @@ def pack(kernels, weight: torch.Tensor, quantization: str | None) -> torch.Tenso
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--quantization", choices=["int8", "int4"])
+    parser.add_argument("--quantization", choices=["int8", "int4", "grid"])
     parser.add_argument("--lora-rank", type=int, help="time a LoRA adapter's products of this rank on every linear "
                         "(engine_core/lora.py: A, then B) instead of the base linears")  # fmt: skip
     parser.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
@@ -74,7 +78,7 @@ def main() -> None:
     if plain:
         paths["torch"] = lambda x, w, packed, n: torch.nn.functional.linear(x, w)
     results = {}
-    for rows in ROWS:
+    for rows in [1, 8, 16] if args.quantization == "grid" else ROWS:  # the grid is read up to 16 rows
         linears = layers + ([head] if rows <= 64 and not args.lora_rank else [])
         inputs = {k: torch.randn(rows, k, dtype=dtype) for k in {k for *_, k in linears}}
         flop = sum(2 * rows * n * k for *_, n, k in linears)

@@ -101,10 +101,14 @@ static inline __attribute__((always_inline)) void widen_chunk(int format, const 
         for (int j = 0; j < nv; j++) {
             prefetch_part(&fetch, t * nv + j);
             const __m512i four = _mm512_loadu_si512(group + (t * nv + j) * 64);
-            for (int sub = 0; sub < 4; sub++)
-                _mm512_store_si512(to + ((4 * t + sub) * nv + j) * 64,
-                                   format == 4 ? (__m512i)int4_bf16_pairs(four, sub, &lanes[j], table)
-                                               : _mm512_permutexvar_epi16(_mm512_srli_epi16(four, 4 * sub), table));
+            if (format == 4)
+                for (int sub = 0; sub < 4; sub++)
+                    _mm512_store_si512(to + ((4 * t + sub) * nv + j) * 64,
+                                       (__m512i)int4_bf16_pairs(four, sub, &lanes[j], table));
+            else
+                for (int sub = 0; sub < 4; sub++)
+                    _mm512_store_si512(to + ((4 * t + sub) * nv + j) * 64,
+                                       _mm512_permutexvar_epi16(_mm512_srli_epi16(four, 4 * sub), table));
         }
 }
 
