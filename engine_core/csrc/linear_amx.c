@@ -56,18 +56,19 @@ static void configure(int mr) {
     _tile_loadconfig(&cfg);
 }
 
-// How far ahead of its widening a chunk prefetches its panel: its own bytes PREFETCH_AHEAD on, which past the
-// panel's end are the next panel's (a thread's panels follow one another in memory), spread over the `parts` steps of
-// the chunk's widening. Prefetching the whole next panel instead, a share per chunk sent at its start, left the
-// widening waiting for memory: SmolLM2's grid linears at one row, one thread, 14.2 -> 11.3 ms (2, 4, 6 and 8 KB
-// ahead all within 10% of that).
-#define PREFETCH_AHEAD 4096
+// What a chunk prefetches as it is widened: its own bytes `ahead` on, which past the panel's end are the next
+// panel's (a thread's panels follow one another in memory), spread over the `parts` steps of its widening. int8 and
+// format 4, whose widening is most of their work, look 4 KB ahead: sending the next panel's share in one burst at
+// each chunk's start had left their widening waiting for memory (SmolLM2's grid linears at one row, one thread,
+// 14.2 -> 11.3 ms; two threads, one row to 16, 8-14% less time than one panel ahead). int4, widened to its exact q in
+// two operations, gets through its bytes sooner and looks a panel ahead (its LM head at one row took 15% less time so).
+#define WIDENED_AHEAD 4096
 typedef struct {
     const char* at;
     int64_t next, end, part;
 } ChunkPrefetch;
-static inline ChunkPrefetch chunk_prefetch(const uint8_t* group, int64_t bytes, int parts) {
-    return (ChunkPrefetch){(const char*)group + PREFETCH_AHEAD, 0, bytes, (bytes + parts - 1) / parts};
+static inline ChunkPrefetch chunk_prefetch(const uint8_t* group, int64_t bytes, int64_t ahead, int parts) {
+    return (ChunkPrefetch){(const char*)group + ahead, 0, bytes, (bytes + parts - 1) / parts};
 }
 // Step i of the widening: the prefetches up to i + 1 parts of the chunk's bytes.
 static inline __attribute__((always_inline)) void prefetch_part(ChunkPrefetch* c, int i) {
@@ -78,13 +79,13 @@ static inline __attribute__((always_inline)) void prefetch_part(ChunkPrefetch* c
 // Chunk g of a quantized panel of nv vectors widened into B tiles at `to` (16 pairs x nv vectors of 64 bytes): int8
 // to bf16(q * scale) and format 4 to bf16(scale * q + min), as csrc/linear.c's tiles widen them, int4 to bf16(q),
 // exact, prefetching ahead on the way (chunk_prefetch).
-static inline __attribute__((always_inline)) void widen_chunk(int format, const char* quant, int nv, int64_t g,
-                                                              char* to) {
+static inline __attribute__((always_inline)) void widen_chunk(int format, const char* quant, int nv, int64_t chunks,
+                                                              int64_t g, char* to) {
     const uint8_t* group = quant_group(quant, format, nv, g);
     const float* sm = quant_scales(group, format, nv);
     const int64_t bytes = nv * quant_group_vec_bytes(format);
     if (format == 1) {
-        ChunkPrefetch fetch = chunk_prefetch(group, bytes, CHUNK_K / 2);
+        ChunkPrefetch fetch = chunk_prefetch(group, bytes, WIDENED_AHEAD, CHUNK_K / 2);
         for (int p = 0; p < CHUNK_K / 2; p++) {
             prefetch_part(&fetch, p);
             for (int j = 0; j < nv; j++)
@@ -96,7 +97,7 @@ static inline __attribute__((always_inline)) void widen_chunk(int format, const 
     const __m512i table = nibble_table();
     GridLanes lanes[NV];
     for (int j = 0; format == 4 && j < nv; j++) lanes[j] = grid_lanes(sm + 16 * j, sm + 16 * (nv + j));
-    ChunkPrefetch fetch = chunk_prefetch(group, bytes, CHUNK_K / 8 * nv);
+    ChunkPrefetch fetch = chunk_prefetch(group, bytes, format == 4 ? WIDENED_AHEAD : chunks * bytes, CHUNK_K / 8 * nv);
     for (int t = 0; t < CHUNK_K / 8; t++)  // four pairs in each 16-bit lane
         for (int j = 0; j < nv; j++) {
             prefetch_part(&fetch, t * nv + j);
@@ -130,11 +131,11 @@ static inline __attribute__((always_inline)) const char* chunk(const Panel* p, i
     if (p->format == 2) *sm = quant_scales(quant_group(p->quant, 2, nv, g), 2, nv);
     if (p->wide) return p->wide + g * (CHUNK_BYTES / NV) * nv;
     if (g == 0) {
-        widen_chunk(p->format, p->quant, nv, 0, p->buf);
-        if (p->chunks > 1) widen_chunk(p->format, p->quant, nv, 1, p->buf + CHUNK_BYTES);
+        widen_chunk(p->format, p->quant, nv, p->chunks, 0, p->buf);
+        if (p->chunks > 1) widen_chunk(p->format, p->quant, nv, p->chunks, 1, p->buf + CHUNK_BYTES);
     }
     if (g + 2 < p->chunks)
-        widen_chunk(p->format, p->quant, nv, g + 2, p->buf + ((g + 2) & 3) * CHUNK_BYTES);
+        widen_chunk(p->format, p->quant, nv, p->chunks, g + 2, p->buf + ((g + 2) & 3) * CHUNK_BYTES);
     return p->buf + (g & 3) * CHUNK_BYTES;
 }
 
@@ -298,7 +299,7 @@ int linear_amx(const uint16_t* x, int64_t ldx, int64_t m_len, const void* packed
                 const PanelItem it = panel_item(packed, item, row_parts, n_len, bytes_per_col);
                 char* to = wide + (item - g0) * wide_bytes;
                 for (int64_t g = 0; g < chunks; g++)
-                    widen_chunk(format, it.panel, it.nv, g, to + g * (CHUNK_BYTES / NV) * it.nv);
+                    widen_chunk(format, it.panel, it.nv, chunks, g, to + g * (CHUNK_BYTES / NV) * it.nv);
             }
             for (int64_t t = 0; t < blocks; t++) {
                 const int64_t m0 = t * BLOCK_ROWS;
