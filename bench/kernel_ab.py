@@ -7,6 +7,7 @@ results are wrong but its work is the same: only the time is compared.
 
 python -m bench.kernel_ab --other /tmp/before [--quantization grid | int8 | int4] [--rows 1,8,16] [--passes 40]
     [--result-json F]
+ROSEINFER_AMX=0 compares the AVX-512 tiles (csrc/linear.c) instead of the AMX ones.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import argparse
 import ctypes
 import importlib.util
 import json
+import os
 import platform
 import statistics
 import time
@@ -84,7 +86,8 @@ def main() -> None:
             print(f"{rows:5d} rows {part:>6}: this {this:7.2f} ms, other {other:7.2f} ms (median of {args.passes}), "
                   f"this / other {this / other:.3f}")  # fmt: skip
     if args.result_json:
-        machine = {"cpu": platform.processor() or platform.machine(), "threads": torch.get_num_threads()}
+        machine = {"cpu": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
+                   "ROSEINFER_AMX": os.environ.get("ROSEINFER_AMX", "1")}  # fmt: skip
         with open(args.result_json, "w") as f:
             json.dump({"other": args.other, "quantization": args.quantization, "machine": machine,
                        "results": results}, f, indent=1)  # fmt: skip
