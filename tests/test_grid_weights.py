@@ -41,6 +41,21 @@ def q4_0(rows: int, k: int, seed: int = 0) -> torch.Tensor:
     return ((q - 8) * d[..., None]).view(rows, k)
 
 
+def q4_k(rows: int, k: int, seed: int = 0) -> torch.Tensor:
+    """As a Q4_K GGUF dequantizes: per 256 of a row fp16 d and dmin, per 32 of them 6-bit sc and m, w = (d sc) q -
+    dmin m, with q short of 15 in most groups (the K quantizer fits each group's scale and min itself): the first
+    fit (range / 15) misses those, the gap fit takes them."""
+    g = torch.Generator().manual_seed(seed)
+    d = (torch.rand(rows, k // 256, 1, generator=g) * 1e-3 + 1e-4).half().float()
+    dmin = (torch.rand(rows, k // 256, 1, generator=g) * 1e-3 + 1e-4).half().float()
+    sc = torch.randint(1, 64, (rows, k // 256, 8), generator=g).float()
+    m = torch.randint(0, 64, (rows, k // 256, 8), generator=g).float()
+    top = torch.randint(5, 16, (rows, k // 256, 8, 1), generator=g)  # the group's largest q
+    q = (torch.rand(rows, k // 256, 8, 32, generator=g) * (top + 1)).floor().clamp(max=top).float()
+    q[..., 0], q[..., 1], q[..., 2] = 0, top[..., 0].float(), 1  # both ends, and two neighbouring levels
+    return ((d * sc)[..., None] * q - (dmin * m)[..., None]).view(rows, k)
+
+
 def q8_0(rows: int, k: int, seed: int = 0) -> torch.Tensor:
     """As a Q8_0 GGUF dequantizes: w = d q, fp16 d per 32, |q| <= 127 with 127 reached."""
     g = torch.Generator().manual_seed(seed)
@@ -53,7 +68,7 @@ def q8_0(rows: int, k: int, seed: int = 0) -> torch.Tensor:
 @needs_grid_kernels
 @pytest.mark.parametrize("make,method,out_features,k", [(q4_1, "int4", 200, 576), (q4_1, "int4", 48, 64),
                                                         (q4_1, "int4", 576, 1536), (q8_0, "int8", 130, 576),
-                                                        (q4_0, "int4", 96, 256)])
+                                                        (q4_0, "int4", 96, 256), (q4_k, "int4", 200, 512)])
 def test_grid_panels_sum_as_their_bf16_weights(make, method, out_features, k) -> None:
     weight = make(out_features, k)
     found = find_grid(weight)

@@ -1,6 +1,7 @@
 """Fitting a weight to our int8 and int4 grids (groups of 32 k of a row, as GGUF's Q8_0 and Q4_1), and back:
 --quantization's int8 and int4 (engine_core/models/quant.py) and the grids a checkpoint's weights already lie on
-(engine_core/models/grid_weights.py, which also fits Q4_0's groups with quantize_q4_0)."""
+(engine_core/models/grid_weights.py, which also fits Q4_0's groups with quantize_q4_0, and Q4_K's with
+quantize_int4's shorter ranges)."""
 
 from __future__ import annotations
 
@@ -37,19 +38,33 @@ def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, scale
 
 
-def quantize_int4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def quantize_int4(
+    weight: torch.Tensor, steps: int | torch.Tensor = 15
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """[N, K] float -> (q: uint8 [N, K] in 0..15, fp32 scales and mins [N, K / g]) with weight ~= scale * q + min
-    of its group: min the group's least weight, scale its range / 15."""
+    of its group: min the group's least weight, scale its range / `steps` (15, the whole grid; fewer, or one count
+    per group [N, K / g], where a checkpoint's quantizer left a group's q short of it, as the K formats' do)."""
     n, k = weight.shape
     q = torch.empty(weight.shape, dtype=torch.uint8, device=weight.device)
     scale = torch.empty((n, k // _group_size(k)), dtype=torch.float32, device=weight.device)
     mins = torch.empty_like(scale)
     for at, rows in _row_slices(weight):
         low = rows.amin(dim=2)
-        s = (rows.amax(dim=2) - low).clamp(min=1e-12) / 15  # a constant group keeps q = 0: w = min
+        span = steps if isinstance(steps, int) else steps[at]
+        s = (rows.amax(dim=2) - low).clamp(min=1e-12) / span  # a constant group keeps q = 0: w = min
         q[at] = torch.round((rows - low[..., None]) / s[..., None]).clamp(0, 15).to(torch.uint8).view(-1, k)
         scale[at], mins[at] = s, low
     return q, scale, mins
+
+
+def steps_by_gaps(weight: torch.Tensor) -> torch.Tensor:
+    """[N, K] float -> [N, K / 32]: how many steps of its smallest gap between distinct values each group's range
+    spans (1 to 15), the grid's steps where the group uses two neighbouring levels anywhere."""
+    groups = weight.float().unflatten(1, (-1, GROUP)).sort(dim=2).values
+    gaps = groups.diff(dim=2)
+    smallest = torch.where(gaps > 0, gaps, torch.inf).amin(dim=2)
+    span = groups[..., -1] - groups[..., 0]
+    return torch.where(smallest.isfinite(), torch.round(span / smallest), 1).clamp(1, 15)
 
 
 def quantize_q4_0(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

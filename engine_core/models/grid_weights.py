@@ -7,8 +7,8 @@ equals bit for bit what our kernels widen from a grid (int4: bf16(fma(q, scale, 
 scale), format 1), the linear keeps the grid's panels beside its bf16 ones, and calls of few rows read them
 (PackedLinear._panels, the decode stack's weight_linear): the kernels sum the very bf16 weights, so the bits are
 the same, from a third of the bytes. The grid is fitted as --quantization fits it, which finds Q4_1 and Q8_0 groups
-(the default model's) exactly, or else as Q4_0's quantizer made it; a weight with a group that neither fit gives
-back (such as the K formats', whose scales and mins are optimized and quantized themselves) stays bf16 only. Each
+(the default model's) exactly, or else as Q4_0's quantizer made it, or over fewer steps than 15 (Q4_K's groups); a
+weight with a group that no fit gives back (Q6_K's, whose scales cover 16 weights) stays bf16 only. Each
 weight is checked whole as the loader reads it (float32, before it is rounded). ROSEINFER_GRID_WEIGHTS=0 keeps no
 grid (to compare them).
 """
@@ -24,10 +24,11 @@ from torch import nn
 from common.gguf_weights import matching_quantization
 from engine_core.cpu_kernels import CpuKernels, cpu_kernels
 from engine_core.linear_packing import GROUP, pack_int4_as_bf16, pack_int8
-from engine_core.models.grid_fit import quantize_int4, quantize_int8, quantize_q4_0
+from engine_core.models.grid_fit import quantize_int4, quantize_int8, quantize_q4_0, steps_by_gaps
 
 Parts = tuple[torch.Tensor, ...]  # int4: (q, scale, min); int8: (q, scale), as grid_fit.quantize_int4/8 make them
-_ROWS = 4080  # rows checked at a time (85 panels), so that a weight off the grid is given up on at its first slice
+_ROWS = 4080  # rows checked at a time (85 panels), after the first _PROBE_ROWS: a weight off the grid is given up on
+_PROBE_ROWS = 96  # there (a Q6_K ffn_down of a 1B Llama had taken 4.7 s to fail on its first 4080 rows)
 
 
 def grids_wanted(model_dir: Path, dtype: torch.dtype, device: torch.device, quantization: str) -> bool:
@@ -42,27 +43,66 @@ def grids_wanted(model_dir: Path, dtype: torch.dtype, device: torch.device, quan
     return kernels is not None and kernels.has_grid_linear
 
 
+# int4's fits after --quantization's own (a group's least weight, its range / 15: Q4_1's groups), for the groups it
+# misses: as Q4_0's quantizer made them, and over as many steps as the group's smallest gap between values spans
+# (Q4_K's groups, whose quantizer leaves q short of 15: their scale d x sc and min dmin x m are exact in fp32, so the
+# range over the q actually used gives them back; every Q4_K weight of a 1B Llama fitted). Where both take a
+# weight's groups, Q4_0's, the cheaper, goes first.
+_INT4_REFITS = [quantize_q4_0, lambda rows: quantize_int4(rows, steps_by_gaps(rows))]
+
+
 def _on_grid(weight: torch.Tensor, method: str, kernels: CpuKernels) -> Parts | None:
     """The weight's parts on `method`'s grid, if the kernel widens every one back to the weight's own bf16. The
     kernel's widening is the check (kernels.widen), so that no rounding of it (one fma, subnormals flushed) has to
-    be imitated here. int8 is fitted as --quantization fits it (a group's largest magnitude / 127); int4 so too (its
-    least weight, and its range / 15: Q4_1's groups), and a group that misses that way as Q4_0 (quantize_q4_0)."""
+    be imitated here. int8 is fitted as --quantization fits it (a group's largest magnitude / 127); int4 so too, and
+    a group that misses that way by _INT4_REFITS in turn, the one that alone takes most of the first slice's misses
+    first (one quantizer made the whole weight: a Q4_K weight's every slice had first paid for the Q4_0 fit)."""
     pack = pack_int4_as_bf16 if method == "int4" else pack_int8
+    refits = list(_INT4_REFITS) if method == "int4" else []
     slices = []
-    for at in range(0, len(weight), _ROWS):
-        rows = weight[at : at + _ROWS]
+    for start, end in _slices(len(weight)):
+        rows = weight[start:end]
         parts = quantize_int4(rows) if method == "int4" else quantize_int8(rows)
         missed = _missed_groups(kernels.widen(pack(*parts, kernels.panel_cols), *rows.shape), rows)
-        if method == "int4" and missed.any():
-            q, scale, mins = parts
-            q0, scale0, mins0 = quantize_q4_0(rows)
-            q = torch.where(missed.repeat_interleave(GROUP, dim=1), q0, q)
-            parts = (q, torch.where(missed, scale0, scale), torch.where(missed, mins0, mins))
-            missed = _missed_groups(kernels.widen(pack(*parts, kernels.panel_cols), *rows.shape), rows)
+        if start == 0 and missed.any():
+            refits.sort(key=lambda refit: int(_refitted(refit, rows, parts, missed, kernels)[1].sum()))
+        for refit in refits:
+            if not missed.any():
+                break
+            parts, missed = _refitted(refit, rows, parts, missed, kernels)
         if missed.any():
             return None
         slices.append(parts)
     return tuple(torch.cat(column) for column in zip(*slices, strict=True))
+
+
+def _refitted(refit, rows: torch.Tensor, parts: Parts, missed: torch.Tensor,
+              kernels: CpuKernels) -> tuple[Parts, torch.Tensor]:  # fmt: skip
+    """int4 parts with `refit`'s q, scale and min in the missed groups it gives back, and the groups still missed;
+    only the rows with a miss are fitted and checked again."""
+    at = missed.any(dim=1).nonzero().squeeze(1)
+    tried = _merged(tuple(p[at] for p in parts), refit(rows[at]), missed[at])
+    still = _missed_groups(kernels.widen(pack_int4_as_bf16(*tried, kernels.panel_cols), len(at), rows.shape[1]),
+                           rows[at])  # fmt: skip
+    took = torch.zeros_like(missed)
+    took[at] = missed[at] & ~still
+    rows_took = tuple(p.clone() for p in parts)
+    for p, t in zip(rows_took, tried, strict=True):
+        p[at] = t
+    return _merged(parts, rows_took, took), missed & ~took
+
+
+def _slices(rows: int) -> list[tuple[int, int]]:
+    """(start, end) of the slices a weight of `rows` rows is checked in: _PROBE_ROWS, then _ROWS at a time."""
+    starts = [0, *range(_PROBE_ROWS, rows, _ROWS)]
+    return [(start, min(end, rows)) for start, end in zip(starts, [*starts[1:], rows], strict=True)]
+
+
+def _merged(parts: Parts, other: Parts, groups: torch.Tensor) -> Parts:
+    """int4 parts taking `other`'s q, scale and min in the groups [N, K / 32] marked True."""
+    q, scale, mins = parts
+    q = torch.where(groups.repeat_interleave(GROUP, dim=1), other[0], q)
+    return q, torch.where(groups, other[1], scale), torch.where(groups, other[2], mins)
 
 
 def _missed_groups(widened: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
