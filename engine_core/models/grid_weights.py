@@ -16,6 +16,7 @@ grid (to compare them).
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -76,7 +77,7 @@ def _on_grid(weight: torch.Tensor, method: str, kernels: CpuKernels) -> Parts | 
     return tuple(torch.cat(column) for column in zip(*slices, strict=True))
 
 
-def _refitted(refit, rows: torch.Tensor, parts: Parts, missed: torch.Tensor,
+def _refitted(refit: Callable[[torch.Tensor], Parts], rows: torch.Tensor, parts: Parts, missed: torch.Tensor,
               kernels: CpuKernels) -> tuple[Parts, torch.Tensor]:  # fmt: skip
     """int4 parts with `refit`'s q, scale and min in the missed groups it gives back, and the groups still missed;
     only the rows with a miss are fitted and checked again."""
@@ -95,7 +96,7 @@ def _refitted(refit, rows: torch.Tensor, parts: Parts, missed: torch.Tensor,
 def _slices(rows: int) -> list[tuple[int, int]]:
     """(start, end) of the slices a weight of `rows` rows is checked in: _PROBE_ROWS, then _ROWS at a time."""
     starts = [0, *range(_PROBE_ROWS, rows, _ROWS)]
-    return [(start, min(end, rows)) for start, end in zip(starts, [*starts[1:], rows], strict=True)]
+    return list(zip(starts, [*starts[1:], rows], strict=True))
 
 
 def _merged(parts: Parts, other: Parts, groups: torch.Tensor) -> Parts:
