@@ -81,6 +81,10 @@ def _refitted(refit: Callable[[torch.Tensor], Parts], rows: torch.Tensor, parts:
               kernels: CpuKernels) -> tuple[Parts, torch.Tensor]:  # fmt: skip
     """int4 parts with `refit`'s q, scale and min in the missed groups it gives back, and the groups still missed;
     only the rows with a miss are fitted and checked again."""
+    if missed.any(dim=1).all():  # every row (a Q4_0 weight's, after the first fit): no copies of the rows
+        tried = _merged(parts, refit(rows), missed)
+        still = _missed_groups(kernels.widen(pack_int4_as_bf16(*tried, kernels.panel_cols), *rows.shape), rows)
+        return _merged(parts, tried, missed & ~still), missed & still
     at = missed.any(dim=1).nonzero().squeeze(1)
     tried = _merged(tuple(p[at] for p in parts), refit(rows[at]), missed[at])
     still = _missed_groups(kernels.widen(pack_int4_as_bf16(*tried, kernels.panel_cols), len(at), rows.shape[1]),
