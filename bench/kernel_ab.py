@@ -23,20 +23,18 @@ import time
 from pathlib import Path
 
 import torch
+from torch import nn
 
 from bench.linear_kernel import HIDDEN, LAYER_SHAPES, LAYERS, VOCAB, pack
-from engine_core.cpu_kernels import cpu_kernels
-from engine_core.huge_pages import zeros
+from engine_core.cpu_kernels import LINEAR_ARGS, cpu_kernels
+from engine_core.huge_pages import move_packed_weights
 from engine_core.kernel_build import build_library
 from engine_core.linear_packing import weight_format
-
-_ARGS = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p,
-         ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64]  # fmt: skip
 
 
 def load(library: Path) -> ctypes.CDLL:
     lib = ctypes.CDLL(str(library))
-    lib.linear.argtypes = _ARGS
+    lib.linear.argtypes = LINEAR_ARGS
     return lib
 
 
@@ -50,15 +48,13 @@ def other_library(checkout: str) -> Path:
 
 
 def on_huge_pages(packed: list[torch.Tensor]) -> list[torch.Tensor]:
-    """The packed weights copied into one buffer on 2 MiB pages, each on a cache line, as the engine keeps them
-    (engine_core/huge_pages.py): on 4 KiB pages the TLB misses added about 10 us to every call of these sizes."""
-    sizes = [p.numel() * p.element_size() for p in packed]
-    arena, at, moved = zeros((sum(-(-n // 64) * 64 for n in sizes),), torch.uint8), 0, []
-    for p, n in zip(packed, sizes, strict=True):
-        moved.append(arena[at : at + n].view(p.dtype))
-        moved[-1].copy_(p)
-        at += -(-n // 64) * 64
-    return moved
+    """The packed weights moved onto 2 MiB pages by the engine's own move (engine_core/huge_pages.py), which takes
+    them from modules: on 4 KiB pages the TLB misses added about 10 us to every call of these sizes."""
+    holders = nn.ModuleList(nn.Module() for _ in packed)
+    for holder, p in zip(holders, packed, strict=True):
+        holder.packed_weight = p
+    move_packed_weights(holders)
+    return [holder.packed_weight for holder in holders]
 
 
 def main() -> None:

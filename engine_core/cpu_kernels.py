@@ -17,6 +17,7 @@ from engine_core.linear_packing import GROUP, weight_format
 
 _SUFFIX = {torch.bfloat16: "bf16", torch.float32: "f32"}
 _P, _I, _I64, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
+LINEAR_ARGS = [_P, _I64, _I64, _P, _I, _P, _P, _I64, _I64, _I64]  # csrc/linear.c's linear (bench/kernel_ab.py too)
 _SIGNATURES = {
     "paged_decode": [_P] * 6 + [_I] * 6 + [_F, _I64],
     "paged_prefill": [_P, _I64, _P, _P, _P, _I, _P, _I, _P] + [_I] * 4 + [_F, _I64],
@@ -57,7 +58,7 @@ class CpuKernels:
         self.has_f32_linear = bool(lib.linear_f32_available())  # fp32 panels, AVX-512 or AVX2 (csrc/linear_f32.c)
         self.has_amx_linear = bool(lib.linear_amx_available())  # every format on AMX where k % 32 == 0 (linear_amx.c)
         self._linear = lib.linear
-        self._linear.argtypes = [_P, _I64, _I64, _P, _I, _P, _P, _I64, _I64, _I64]
+        self._linear.argtypes = LINEAR_ARGS
         self._widen = lib.linear_widen
         self._widen.argtypes = [_P, _I, _I64, _I64, _P]
         self._glu_amx = lib.glu_amx

@@ -80,21 +80,21 @@ def _on_grid(weight: torch.Tensor, method: str, kernels: CpuKernels) -> Parts | 
 def _refitted(refit: Callable[[torch.Tensor], Parts], rows: torch.Tensor, parts: Parts, missed: torch.Tensor,
               kernels: CpuKernels) -> tuple[Parts, torch.Tensor]:  # fmt: skip
     """int4 parts with `refit`'s q, scale and min in the missed groups it gives back, and the groups still missed;
-    only the rows with a miss are fitted and checked again."""
-    if missed.any(dim=1).all():  # every row (a Q4_0 weight's, after the first fit): no copies of the rows
-        tried = _merged(parts, refit(rows), missed)
-        still = _missed_groups(kernels.widen(pack_int4_as_bf16(*tried, kernels.panel_cols), *rows.shape), rows)
-        return _merged(parts, tried, missed & ~still), missed & still
-    at = missed.any(dim=1).nonzero().squeeze(1)
-    tried = _merged(tuple(p[at] for p in parts), refit(rows[at]), missed[at])
-    still = _missed_groups(kernels.widen(pack_int4_as_bf16(*tried, kernels.panel_cols), len(at), rows.shape[1]),
-                           rows[at])  # fmt: skip
-    took = torch.zeros_like(missed)
-    took[at] = missed[at] & ~still
-    rows_took = tuple(p.clone() for p in parts)
-    for p, t in zip(rows_took, tried, strict=True):
-        p[at] = t
-    return _merged(parts, rows_took, took), missed & ~took
+    only the rows with a miss are fitted and checked again (all of them, as after a Q4_0 weight's first fit, as
+    views: no copies)."""
+    with_miss = missed.any(dim=1)
+    at = slice(None) if with_miss.all() else with_miss.nonzero().squeeze(1)
+    some, some_rows, some_missed = tuple(p[at] for p in parts), rows[at], missed[at]
+    tried = _merged(some, refit(some_rows), some_missed)
+    still = _missed_groups(kernels.widen(pack_int4_as_bf16(*tried, kernels.panel_cols), *some_rows.shape), some_rows)
+    kept = _merged(some, tried, some_missed & ~still)
+    if isinstance(at, slice):
+        return kept, some_missed & still
+    whole, left = tuple(p.clone() for p in parts), missed.clone()
+    for p, k in zip(whole, kept, strict=True):
+        p[at] = k
+    left[at] = some_missed & still
+    return whole, left
 
 
 def _slices(rows: int) -> list[tuple[int, int]]:
