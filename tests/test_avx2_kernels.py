@@ -1,6 +1,8 @@
 """The AVX2 + FMA linears (csrc/linear_avx2.c, csrc/linear_quant_avx2.c, and csrc/linear_f32.c's AVX2 half), built
 for x86-64-v3 and loaded beside this machine's own kernels: on an AVX512-BF16 CPU the engine never runs them, so they
-are checked here on any CPU that has AVX2, against the fp32 matmul of the weights each format stands for."""
+are checked here on any CPU that has AVX2, against the fp32 matmul of the weights each format stands for. The bf16
+linear of AVX-512 CPUs without AVX512-BF16 (csrc/linear_avx512.c), built for skylake-avx512, is checked against them
+on any AVX-512 CPU."""
 
 from __future__ import annotations
 
@@ -22,12 +24,22 @@ pytestmark = pytest.mark.skipif(CC is None or not V3_FLAGS.issubset(cpu_flags().
                                 reason="runs x86-64-v3 code (AVX2 + FMA), built with a C compiler")  # fmt: skip
 
 
+# skylake-avx512's: AVX-512 F, CD, BW, DQ and VL besides x86-64-v3's, and the cache-line ones
+SKYLAKE_FLAGS = V3_FLAGS | {"avx512f", "avx512cd", "avx512bw", "avx512dq", "avx512vl", "clflushopt", "clwb"}
+
+
 @pytest.fixture(scope="module")
 def avx2() -> CpuKernels:
     assert CC is not None
     kernels = CpuKernels(ctypes.CDLL(str(build_library(CC, "x86-64-v3"))))
     assert kernels.has_linear and kernels.has_int8_linear and kernels.has_int4_linear and kernels.has_f32_linear
     return kernels
+
+
+@pytest.fixture(scope="module")
+def avx512() -> CpuKernels:
+    assert CC is not None
+    return CpuKernels(ctypes.CDLL(str(build_library(CC, "skylake-avx512"))))
 
 
 def packed_weight(fmt: str, weight: torch.Tensor, cols: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -89,3 +101,20 @@ def test_avx2_fp32_linear_matches_float64_and_avx512_bit_for_bit(avx2, out_featu
     native = cpu_kernels()
     if native is not None and native.has_f32_linear:
         assert torch.equal(native.linear(x, packed, b, out_features), out)
+
+
+@pytest.mark.skipif(not SKYLAKE_FLAGS.issubset(cpu_flags().split()), reason="runs skylake-avx512 code (AVX-512F)")
+@pytest.mark.parametrize("out_features,in_features", [(96, 64), (130, 1536), (20, 64), (100, 576), (40, 4096)])
+def test_avx512_bf16_linear_is_avx2_bit_for_bit(avx2, avx512, out_features, in_features) -> None:
+    """csrc/linear_avx512.c (8-row tiles over whole panels, 16 columns a vector) adds each output's products with
+    the same FMAs in the same order as the AVX2 kernel, so every row count, partial panel (130, 20, 100 columns),
+    L2-sized block of rows (4096 features) and strided row gives the same bits."""
+    assert avx512.lib.linear_avx512_available() == 1 and avx2.lib.linear_avx512_available() == 0
+    torch.manual_seed(in_features - out_features)
+    weight = torch.randn(out_features, in_features, dtype=torch.bfloat16)
+    b = torch.randn(out_features, dtype=torch.bfloat16) if out_features % 20 == 0 else None
+    packed = pack_bf16(weight, avx2.panel_cols)
+    x = torch.randn(300, in_features + 6, dtype=torch.bfloat16)[:, 1 : in_features + 1]
+    for rows in (1, 2, 3, 7, 8, 9, 16, 17, 64, 300):
+        rows_x = x[:rows]
+        assert torch.equal(avx512.linear(rows_x, packed, b, out_features), avx2.linear(rows_x, packed, b, out_features))

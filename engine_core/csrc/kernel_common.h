@@ -657,6 +657,11 @@ void linear_int4(const uint16_t* x, int64_t ldx, int64_t m_len, const void* pack
 // has AVX2 + FMA (and F16C) and no AVX512-BF16; elsewhere these do nothing.
 void linear_avx2(const uint16_t* x, int64_t ldx, int64_t m_len, const void* packed, const uint16_t* bias,
                  uint16_t* out, int64_t ldo, int64_t n_len, int64_t k_len);
+// csrc/linear_avx512.c: linear_avx2's bf16 panels 16 columns a vector, with the same bits, where the CPU has AVX-512F
+// and no AVX512-BF16; elsewhere it does nothing.
+int linear_avx512_available(void);
+void linear_avx512(const uint16_t* x, int64_t ldx, int64_t m_len, const void* packed, const uint16_t* bias,
+                   uint16_t* out, int64_t ldo, int64_t n_len, int64_t k_len);
 int linear_quant_avx2_available(void);
 void linear_quant_avx2(const uint16_t* x, int64_t ldx, int64_t m_len, const void* packed, int format,
                        const uint16_t* bias, uint16_t* out, int64_t ldo, int64_t n_len, int64_t k_len);

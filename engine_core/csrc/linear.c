@@ -2,7 +2,7 @@
 // in bf16, or weight-only int8 with one fp32 scale per 32 weights of a row (--quantization int8; int4 is
 // csrc/linear_int4.c's), or int4 panels widened to bf16 as they go (format 4: a checkpoint's bf16 weights that lie
 // on a 4-bit grid, stored as that grid); with AMX, csrc/linear_amx.c runs them all; without AVX512-BF16,
-// csrc/linear_avx2.c and csrc/linear_quant_avx2.c).
+// csrc/linear_avx512.c or csrc/linear_avx2.c and csrc/linear_quant_avx2.c).
 //
 // A decode step's few rows are bound by reading the weights. The weight is packed once at load into panels of up
 // to 48 output columns, in vdpbf16ps's pair layout: for each pair of k, the panel's columns x 2 values (three
@@ -217,7 +217,8 @@ void linear(const uint16_t* x, int64_t ldx, int64_t m_len, const void* packed, i
     if (format == 2) linear_int4(x, ldx, m_len, packed, bias, out, ldo, n_len, k_len);
     else panel_linear(x, ldx, m_len, packed, format, bias, out, ldo, n_len, k_len);
 #else
-    if (format == 0) linear_avx2(x, ldx, m_len, packed, bias, out, ldo, n_len, k_len);
+    if (format == 0 && linear_avx512_available()) linear_avx512(x, ldx, m_len, packed, bias, out, ldo, n_len, k_len);
+    else if (format == 0) linear_avx2(x, ldx, m_len, packed, bias, out, ldo, n_len, k_len);
     else linear_quant_avx2(x, ldx, m_len, packed, format, bias, out, ldo, n_len, k_len);
 #endif
 }
