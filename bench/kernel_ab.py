@@ -7,6 +7,8 @@ results are wrong but its work is the same: only the time is compared.
 
 python -m bench.kernel_ab --other /tmp/before [--quantization grid | int8 | int4] [--rows 1,8,16] [--passes 40]
     [--result-json F]
+python -m bench.kernel_ab --other-march x86-64-v3 ...: this checkout against itself built for another target (the
+    AVX2 kernels, on an AVX-512 CPU).
 ROSEINFER_AMX=0 compares the AVX-512 tiles (csrc/linear.c) instead of the AMX ones.
 """
 
@@ -59,7 +61,9 @@ def on_huge_pages(packed: list[torch.Tensor]) -> list[torch.Tensor]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--other", required=True, help="another checkout (e.g. a git worktree)")
+    other = parser.add_mutually_exclusive_group(required=True)
+    other.add_argument("--other", help="another checkout (e.g. a git worktree)")
+    other.add_argument("--other-march", help="this checkout compiled for another -march (x86-64-v3: AVX2)")
     parser.add_argument("--quantization", choices=["int8", "int4", "grid"])
     parser.add_argument("--rows", default="1,8,16")
     parser.add_argument("--passes", type=int, default=40)
@@ -67,7 +71,8 @@ def main() -> None:
     args = parser.parse_args()
     kernels = cpu_kernels()
     assert kernels is not None and kernels.has_linear, "needs our compiled linear kernel"
-    libs = {"this": load(build_library("cc")), "other": load(other_library(args.other))}
+    other_lib = other_library(args.other) if args.other else build_library("cc", args.other_march)
+    libs = {"this": load(build_library("cc")), "other": load(other_lib)}
     torch.manual_seed(0)
     weights = [torch.randn(n, k, dtype=torch.bfloat16) / k**0.5 for _ in range(LAYERS) for n, k in LAYER_SHAPES]
     packed = on_huge_pages([pack(kernels, w, args.quantization) for w in weights])
@@ -99,8 +104,8 @@ def main() -> None:
         machine = {"cpu": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
                    "ROSEINFER_AMX": os.environ.get("ROSEINFER_AMX", "1")}  # fmt: skip
         with open(args.result_json, "w") as f:
-            json.dump({"other": args.other, "quantization": args.quantization, "machine": machine,
-                       "results": results}, f, indent=1)  # fmt: skip
+            json.dump({"other": args.other or f"-march={args.other_march}", "quantization": args.quantization,
+                       "machine": machine, "results": results}, f, indent=1)  # fmt: skip
 
 
 if __name__ == "__main__":
