@@ -16,6 +16,7 @@ void rotary_bf16(uint16_t* x, const int64_t* positions, const float* cos, const 
                  int64_t row_stride, int num_heads, int head_dim, int rotary_dim);
 void linear(const uint16_t* x, int64_t ldx, int64_t m_len, const void* packed, int format, const uint16_t* bias,
             uint16_t* out, int64_t ldo, int64_t n_len, int64_t k_len);
+int linear_grid_rows(void);
 void paged_decode_bf16(const uint16_t* q, const uint16_t* k_cache, const uint16_t* v_cache,
                        const int64_t* block_tables, const int64_t* seq_lens, uint16_t* out, int num_seqs,
                        int num_q_heads, int num_kv_heads, int head_dim, int block_size, int max_blocks, float scale,
@@ -30,11 +31,11 @@ typedef struct {
     int64_t few_format;  // theirs: int8, or int4 summed as bf16
 } PackedWeight;
 
-// out = x w^T + bias: from w's grid panels for up to GRID_ROWS rows where it has them, else from its panels (the
-// same bf16 weights, the same bits), as PackedLinear chooses.
+// out = x w^T + bias: from w's grid panels for up to linear_grid_rows() rows where it has them, else from its
+// panels (the same bf16 weights, the same bits), as PackedLinear chooses.
 static void weight_linear(const uint16_t* x, int64_t ldx, int64_t rows, const PackedWeight* w, uint16_t* out,
                           int64_t ldo, int64_t n_len, int64_t k_len) {
-    const int few = w->few && rows <= GRID_ROWS;
+    const int few = w->few && rows <= linear_grid_rows();
     linear(x, ldx, rows, few ? w->few : w->packed, (int)(few ? w->few_format : w->format), w->bias, out, ldo, n_len,
            k_len);
 }
@@ -178,7 +179,8 @@ void decode_stack_bf16(const DecodeLayer* layers, const StackShape* s, const uin
         if (!s->olmo) norm(s, kept ? residual : x, residual, l->post_norm, normed, rows, hidden);
         // One call where AMX runs it on bf16 panels and no adapter changes gate_up, as the Python layers take it
         // (LlamaMLP).
-        if (l->gate_up.format != 0 || (l->gate_up.few && rows <= GRID_ROWS) || lora_applies(l->lora[2], lora) ||
+        if (l->gate_up.format != 0 || (l->gate_up.few && rows <= linear_grid_rows()) ||
+            lora_applies(l->lora[2], lora) ||
             !glu_amx(block_in, hidden, rows, l->gate_up.packed, l->gate_up.bias, act, inter, inter, hidden, s->gemma)) {
             weight_linear(block_in, hidden, rows, &l->gate_up, gate_up, 2 * inter, 2 * inter, hidden);
             add_lora(block_in, hidden, hidden, l->lora[2], lora, gate_up, 2 * inter, 2 * inter);

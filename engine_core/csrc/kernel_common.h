@@ -512,7 +512,7 @@ static inline int64_t linear_row_parts(int64_t panels, int64_t tiles, int thread
 // lanes in the pair layout, format 4's as int4_bf16_pairs reads them), then the 16 columns' fp32 scales, then their
 // mins.
 #define QUANT_GROUP 32
-#define GRID_ROWS 16  // csrc/linear.c's linear_grid_rows
+#define GRID_ROWS 16  // with AMX: csrc/linear.c's linear_grid_rows, which the decode stack asks
 #define INT8_GROUP_VEC_BYTES (QUANT_GROUP / 2 * 32 + 2 * 16 * 4)
 #define INT4_GROUP_VEC_BYTES (QUANT_GROUP / 2 * 16 + 2 * 16 * 4)
 static inline int64_t quant_group_vec_bytes(int format) {

@@ -199,10 +199,13 @@ int linear_grid_available(void) { return 0; }  // AVX2's int8 sums differ from i
 
 int linear_panel_cols(void) { return PANEL_COLS; }
 // Calls of up to this many rows read a linear's grid panels where it has them (engine_core/models/grid_weights.py),
-// more rows its bf16 panels: one AMX block. Few rows wait for the weights' bytes, which the grid cuts to a third;
-// more are bound by the tiles, and the grid's widening (about 8 vector operations per 32 weights) only added to
-// them: SmolLM2's decode step at 32 rows 29.9 -> 31.4 ms, at 16 rows 20.2 -> 16.6.
-int linear_grid_rows(void) { return GRID_ROWS; }
+// more rows its bf16 panels: one AMX block, or without AMX one tile of this file. Few rows wait for the weights'
+// bytes, which the grid cuts to a third; more are bound by the tiles, and the grid's widening (about 8 vector
+// operations per 32 weights) only added to them: on AMX SmolLM2's decode step at 32 rows 29.9 -> 31.4 ms, at 16
+// rows 20.2 -> 16.6. This file widens a panel for more than one tile into a bf16 copy first, which on an AMD EPYC
+// (Zen 5) made SmolLM2's linears at 9-16 rows slower than its bf16 panels (16 rows: 10.4 against 9.0 ms), at 8 rows
+// faster (6.2 against 7.0).
+int linear_grid_rows(void) { return linear_amx_available() ? GRID_ROWS : TILE_ROWS; }
 
 // x: bf16 [m_len, k_len] with row stride ldx; packed: the weight [n_len, k_len] as panels (see the top; the last
 // panel holds the remaining columns rounded up to 16, zero-filled): bf16 (format 0, k_len even), int8 (format 1),
