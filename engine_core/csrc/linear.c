@@ -240,8 +240,8 @@ int linear_panel_cols(void) { return PANEL_COLS; }
 // bytes, which the grid cuts to a third; more are bound by the tiles, and the grid's widening (about 8 vector
 // operations per 32 weights) only added to them: on AMX SmolLM2's decode step at 32 rows 29.9 -> 31.4 ms, at 16
 // rows 20.2 -> 16.6. This file widens a panel for more than one tile into a bf16 copy first, which on an AMD EPYC
-// (Zen 5) made SmolLM2's linears at 9-16 rows slower than its bf16 panels (16 rows: 10.4 against 9.0 ms), at 8 rows
-// faster (6.2 against 7.0).
+// (Zen 5) made SmolLM2's linears and head at 9-16 rows slower than its bf16 panels (16 rows: 10.4-10.6 against
+// 8.9-9.1 ms), at 8 rows faster (6.2 against 7.0-7.5; bench/results/grid_rows_no_amx_2026-12-01.txt).
 int linear_grid_rows(void) { return linear_amx_available() ? GRID_ROWS : TILE_ROWS; }
 
 // x: bf16 [m_len, k_len] with row stride ldx; packed: the weight [n_len, k_len] as panels (see the top; the last
