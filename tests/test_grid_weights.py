@@ -121,11 +121,11 @@ def test_a_packed_linear_reads_its_grid_for_few_rows_only() -> None:
         x = torch.randn(rows, 128, dtype=torch.bfloat16)
         assert torch.equal(grid(x), plain(x)), rows
         assert (grid._panels(x) is grid.packed_few) == (rows <= _KERNELS.grid_rows)
-        fused, unfused = grid.glu(x, "silu"), plain.glu(x, "silu")  # None where the CPU has no fused kernel
-        if rows <= _KERNELS.grid_rows or unfused is None:
+        fused, expected = grid.glu(x, "silu"), plain.glu(x, "silu")  # None where the CPU has no fused kernel
+        if rows <= _KERNELS.grid_rows or expected is None:
             assert fused is None
         else:
-            assert fused is not None and torch.equal(fused, unfused)
+            assert fused is not None and torch.equal(fused, expected)
 
 
 def _greedy() -> tuple[EngineCore, list[tuple[list[int], list[float]]]]:
