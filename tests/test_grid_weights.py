@@ -67,6 +67,7 @@ def q8_0(rows: int, k: int, seed: int = 0) -> torch.Tensor:
 
 @needs_grid_kernels
 @pytest.mark.parametrize("make,method,out_features,k", [(q4_1, "int4", 200, 576), (q4_1, "int4", 48, 64),
+                                                        (q4_1, "int4", 80, 128),
                                                         (q4_1, "int4", 576, 1536), (q8_0, "int8", 130, 576),
                                                         (q4_0, "int4", 96, 256), (q4_k, "int4", 200, 512)])
 def test_grid_panels_sum_as_their_bf16_weights(make, method, out_features, k) -> None:
