@@ -67,27 +67,26 @@ static inline __attribute__((always_inline)) void rows_pair(const uint16_t* cons
     }
 }
 
-// k pair p of a tile: its weights times each row's pair, into the accumulators.
+// k pair p of a tile of bf16 or int8 panels (format 4 goes a group at a time, tile_group): its weights times each
+// row's pair, into the accumulators.
 static inline __attribute__((always_inline)) void tile_pair(const uint16_t* const* xp, int64_t p, int mr,
                                                             const void* panel, int fmt, int nv,
-                                                            GridLanes* lanes, __m512 acc[TILE_ROWS][PANEL_VECS]) {
+                                                            __m512 acc[TILE_ROWS][PANEL_VECS]) {
     __m512bh w[PANEL_VECS];
-    group_lanes(panel, fmt, nv, p, lanes);
-    for (int j = 0; j < nv; j++) w[j] = weights(panel, fmt, nv, p, j, lanes);
+    for (int j = 0; j < nv; j++) w[j] = weights(panel, fmt, nv, p, j, NULL);
     rows_pair(xp, p, mr, nv, w, acc);
 }
 
-// Format 4's group g of a tile (its 16 k pairs, in order, as tile_pair takes them): the group's lanes once, each
-// load of four pairs' nibbles once, and each pair's nibble shift a constant. tile_pair works out a pair's place in
-// its group at every pair; at one row, where a step widens every weight it reads, that bookkeeping took a fifth
-// of the loop's samples.
+// Format 4's group g of a tile (its 16 k pairs, in order): the group's lanes once, each load of four pairs'
+// nibbles once, and each pair's nibble shift a constant. Taken pair by pair through weights(), as widen_panel
+// takes them, a pair's place in its group was worked out at every pair; at one row, where a step widens every
+// weight it reads, that bookkeeping took a fifth of the loop's samples.
 static inline __attribute__((always_inline)) void tile_group(const uint16_t* const* xp, int64_t g, int mr,
                                                              const void* panel, int nv,
                                                              __m512 acc[TILE_ROWS][PANEL_VECS]) {
     const uint8_t* group = quant_group(panel, 4, nv, g);
-    const float* scales = quant_scales(group, 4, nv);
     GridLanes lanes[PANEL_VECS];
-    for (int j = 0; j < nv; j++) lanes[j] = grid_lanes(scales + 16 * j, scales + 16 * (nv + j));
+    group_lanes(panel, 4, nv, g * GROUP_PAIRS, lanes);
     const __m512i table = nibble_table();
     for (int r4 = 0; r4 < GROUP_PAIRS / 4; r4++) {
         __m512i four[PANEL_VECS];
@@ -112,15 +111,16 @@ static inline __attribute__((always_inline)) void tile(const uint16_t* x, int64_
         for (int j = 0; j < nv; j++) acc[i][j] = _mm512_setzero_ps();
     const uint16_t* xp[TILE_ROWS];
     for (int i = 0; i < mr; i++) xp[i] = x + i * ldx;
-    GridLanes lanes[PANEL_VECS];
-    // pf_len > 0 (a call of one tile) spreads the prefetches over the k pairs. A call of more tiles reads each
-    // panel from L2 after its first tile, and checking for prefetches at every pair cost it 5-10% of its speed (a
-    // 2048-row prefill 383-391 -> 410-421 GFLOP/s without), so its loop has none.
-    if (fmt == 4) {  // k a multiple of 32: whole groups
-        const int64_t groups = pairs / GROUP_PAIRS, step = pf_len > 0 ? (pf_len + groups - 1) / groups : 0;
+    // pf_len > 0 (a call of one tile) spreads the prefetches over the k pairs (format 4, which only comes in calls
+    // of one tile, over its groups, k being a multiple of 32; one loop over groups or pairs for both measured 2-3%
+    // slower at 8 rows). A call of more tiles reads each panel from L2 after its first tile, and checking for
+    // prefetches at every pair cost it 5-10% of its speed (a 2048-row prefill 383-391 -> 410-421 GFLOP/s without),
+    // so its loop has none.
+    if (fmt == 4) {
+        const int64_t groups = pairs / GROUP_PAIRS, step = (pf_len + groups - 1) / groups;
         int64_t done = 0;
         for (int64_t g = 0; g < groups; g++) {
-            if (pf_len > 0) prefetch_share(pf, pf_len, step, g, &done);
+            prefetch_share(pf, pf_len, step, g, &done);
             tile_group(xp, g, mr, panel, nv, acc);
         }
     } else if (pf_len > 0) {
@@ -128,10 +128,10 @@ static inline __attribute__((always_inline)) void tile(const uint16_t* x, int64_
         int64_t done = 0;
         for (int64_t p = 0; p < pairs; p++) {
             prefetch_share(pf, pf_len, step, p, &done);
-            tile_pair(xp, p, mr, panel, fmt, nv, lanes, acc);
+            tile_pair(xp, p, mr, panel, fmt, nv, acc);
         }
     } else
-        for (int64_t p = 0; p < pairs; p++) tile_pair(xp, p, mr, panel, fmt, nv, lanes, acc);
+        for (int64_t p = 0; p < pairs; p++) tile_pair(xp, p, mr, panel, fmt, nv, acc);
     store_linear_tile(acc, mr, nv, cols, bias, out, ldo);
 }
 
