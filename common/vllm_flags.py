@@ -37,7 +37,6 @@ class VllmFlags:
                                           "its other keys (and a level alone, 0 to 3) tune torch.compile, which does "
                                           "not run here")  # fmt: skip
     # values this server always runs with
-    kv_cache_dtype: str = flag("auto", "the KV cache is kept in the model's dtype (auto) only", choices=["auto"])
     load_format: str = flag("auto", "weights load from the model's safetensors or GGUF file (auto) only",
                             choices=["auto"])  # fmt: skip
     tokenizer_mode: str = flag("auto", "the model's fast tokenizer (auto) only", choices=["auto"])

@@ -56,6 +56,12 @@ class CpuKernels:
         # read by calls of up to grid_rows rows
         self.has_grid_linear, self.grid_rows = bool(lib.linear_grid_available()), lib.linear_grid_rows()
         self.has_f32_linear = bool(lib.linear_f32_available())  # fp32 panels, AVX-512 or AVX2 (csrc/linear_f32.c)
+        # decode attention over an fp8 (e5m2) KV cache: csrc/decode_bf16.c, which needs AVX512-BF16
+        self.has_fp8_decode = bool(lib.decode_fp8_available())
+        self._decode_fp8 = lib.decode_bf16
+        self._decode_fp8.argtypes = [_P] * 8 + [_I] * 6 + [_F, _I64]
+        self._fp8_from_bf16 = lib.fp8_from_bf16
+        self._fp8_from_bf16.argtypes = [_P, _P, _I64]
         self.has_amx_linear = bool(lib.linear_amx_available())  # every format on AMX where k % 32 == 0 (linear_amx.c)
         self._linear = lib.linear
         self._linear.argtypes = LINEAR_ARGS
@@ -76,9 +82,10 @@ class CpuKernels:
 
     def supports_decode(self, q: torch.Tensor, k_cache: torch.Tensor) -> bool:
         num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
+        fp8 = k_cache.dtype == torch.float8_e5m2 and q.dtype == torch.bfloat16 and self.has_fp8_decode
         return (
             self.handles(q)
-            and k_cache.dtype == q.dtype
+            and (k_cache.dtype == q.dtype or (fp8 and head_dim % 32 == 0))
             and q.shape[1] // num_kv_heads <= self.max_group
             and q.shape[1] <= self.max_heads
             and head_dim <= self.max_dim
@@ -93,11 +100,27 @@ class CpuKernels:
         out = torch.empty_like(q)
         num_seqs, num_q_heads, head_dim = q.shape
         _, block_size, num_kv_heads, _ = k_cache.shape
+        if k_cache.dtype == torch.float8_e5m2:  # widened to bf16 a work item at a time (csrc/kv_fp8.c)
+            done = self._decode_fp8(
+                q.data_ptr(), None, None, k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
+                seq_lens.data_ptr(), out.data_ptr(), num_seqs, num_q_heads, num_kv_heads, head_dim, block_size,
+                block_tables.shape[1], scale, window or 0,
+            )  # fmt: skip
+            assert done, "fp8 KV caches need AVX512-BF16 and head_dim % 32 == 0 (supports_decode)"
+            return out
         self._funcs["paged_decode", q.dtype](
             q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(), seq_lens.data_ptr(),
             out.data_ptr(), num_seqs, num_q_heads, num_kv_heads, head_dim, block_size, block_tables.shape[1], scale,
             window or 0,
         )  # fmt: skip
+        return out
+
+    def fp8_from_bf16(self, x: torch.Tensor) -> torch.Tensor:
+        """x as float8 e5m2, as the decode stack writes its K/V rows (csrc/kv_fp8.c): the tests hold it equal to
+        torch's conversion after the clamp the torch path applies."""
+        x = x.contiguous()
+        out = torch.empty(x.shape, dtype=torch.float8_e5m2)
+        self._fp8_from_bf16(x.data_ptr(), out.data_ptr(), x.numel())
         return out
 
     def supports_prefill(self, q: torch.Tensor, k_cache: torch.Tensor) -> bool:

@@ -20,7 +20,14 @@ from engine_core.attention import AttentionBackend, AttentionMetadata, PrefillCh
 from engine_core.batch import InFlight, SampledTokens, SchedulerOutput
 from engine_core.cpu_kernels import cpu_kernels
 from engine_core.cuda_graphs import DecodeGraphs, graph_rows
-from engine_core.device import padded_size, pick_device, pick_dtype, step_token_budget, tune_cpu_process
+from engine_core.device import (
+    padded_size,
+    pick_device,
+    pick_dtype,
+    pick_kv_cache_dtype,
+    step_token_budget,
+    tune_cpu_process,
+)
 from engine_core.lora import LoraAdapters
 from engine_core.models.cpu_decode import DecodeStack
 from engine_core.models.loader import load_model
@@ -37,6 +44,7 @@ class ModelRunner:
         model_path = source.path
         self.device = pick_device(config.device)
         self.dtype = pick_dtype(config.dtype, self.device)
+        self.kv_dtype = pick_kv_cache_dtype(config.kv_cache_dtype, self.dtype, self.device)
         # Tensor parallel: a worker has joined its group already; rank 0 starts it here (before the model
         # loads: the workers load theirs meanwhile, and sharding needs the rank).
         self.tp = distributed.group()
@@ -77,7 +85,7 @@ class ModelRunner:
         attn = self.model.attention_layers()[0]  # this rank's heads
         self.attn_backend: AttentionBackend = select_backend(
             config.attention_backend, self.device, self.dtype, attn.num_heads, attn.num_kv_heads, attn.head_dim,
-            self.block_size,
+            self.block_size, self.kv_dtype,
         )
         self.decode_graphs: DecodeGraphs | None = None  # captured once the KV cache exists; the profile runs eager
         # More blocks than max_num_seqs full-length requests need would only be idle prefix cache.
@@ -109,7 +117,7 @@ class ModelRunner:
 
     def _bytes_per_block(self) -> int:
         layers = len(self.model.attention_layers())
-        per_token = 2 * layers * self.model.num_kv_heads * self.model.head_dim * self.dtype.itemsize
+        per_token = 2 * layers * self.model.num_kv_heads * self.model.head_dim * self.kv_dtype.itemsize
         return per_token * self.block_size
 
     def _blocks_that_fit(self, start: memory_profile.StartSnapshot | None, max_model_len: int) -> int:
@@ -128,9 +136,9 @@ class ModelRunner:
         shape = (2, len(layers), self.num_blocks + 1, self.block_size, self.model.num_kv_heads, self.model.head_dim)
         self.scratch_slot = self.num_blocks * self.block_size
         if self.device.type == "cpu":
-            self.kv_cache = huge_pages.zeros(shape, self.dtype)
+            self.kv_cache = huge_pages.zeros(shape, self.kv_dtype)
         else:
-            self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+            self.kv_cache = torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
         for i, layer in enumerate(layers):
             layer.k_cache, layer.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
             layer.attn_backend = self.attn_backend

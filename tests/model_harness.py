@@ -14,18 +14,19 @@ class PagedRun:
     engine's automatic choice unless one is given."""
 
     def __init__(self, model, num_seqs: int, max_len: int, dtype=torch.float32,
-                 backend: AttentionBackend | None = None) -> None:  # fmt: skip
+                 backend: AttentionBackend | None = None, kv_dtype: torch.dtype | None = None) -> None:  # fmt: skip
         self.model = model
         self.blocks_per_seq = (max_len + BLOCK_SIZE - 1) // BLOCK_SIZE
         num_blocks = num_seqs * self.blocks_per_seq + 1  # the last one: padding rows' scratch block
         self.scratch_slot = (num_blocks - 1) * BLOCK_SIZE
         shape = (num_blocks, BLOCK_SIZE, model.num_kv_heads, model.head_dim)
         attn = model.attention_layers()[0]
+        kv_dtype = kv_dtype or dtype  # the caches' (an fp8 KV cache: torch.float8_e5m2)
         self.backend = backend or select_backend("auto", torch.device("cpu"), dtype, attn.num_heads,
-                                                 attn.num_kv_heads, attn.head_dim, BLOCK_SIZE)  # fmt: skip
+                                                 attn.num_kv_heads, attn.head_dim, BLOCK_SIZE, kv_dtype)  # fmt: skip
         for layer in model.attention_layers():
-            layer.k_cache = torch.zeros(shape, dtype=dtype)
-            layer.v_cache = torch.zeros(shape, dtype=dtype)
+            layer.k_cache = torch.zeros(shape, dtype=kv_dtype)
+            layer.v_cache = torch.zeros(shape, dtype=kv_dtype)
             layer.attn_backend = self.backend
         # Interleave the blocks of different sequences so that block tables are not trivial.
         self.tables = [

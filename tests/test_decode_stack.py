@@ -18,7 +18,13 @@ from engine_core.lora import LoraAdapters
 from engine_core.models.cpu_decode import DecodeStack
 from engine_core.models.loader import build_model
 from engine_core.models.quant import prepare_linears
-from tests.cpu_features import HAS_LINEAR, needs_int4_kernels, needs_int8_kernels, needs_linear_kernels
+from tests.cpu_features import (
+    HAS_LINEAR,
+    needs_fp8_decode,
+    needs_int4_kernels,
+    needs_int8_kernels,
+    needs_linear_kernels,
+)
 from tests.engine_helpers import greedy_request, run_engine, save_tiny_llama, tokens_of
 from tests.model_harness import PagedRun
 from tests.test_model_parity import tiny_hf_model
@@ -81,10 +87,10 @@ def tiny_llama(variant: str, quantization: str | None = None, window: int | None
     return model
 
 
-def steps(model, stack: bool) -> tuple[list[torch.Tensor], int]:
+def steps(model, stack: bool, kv_dtype: torch.dtype | None = None) -> tuple[list[torch.Tensor], int]:
     """Prefills, a mixed step, decodes of all five sequences, then of the first three: logits, and how many
     steps the stack ran."""
-    run = PagedRun(model, 5, 120, dtype=torch.bfloat16)
+    run = PagedRun(model, 5, 120, dtype=torch.bfloat16, kv_dtype=kv_dtype)
     model.decode_stack = DecodeStack.build(model) if stack else None
     assert (model.decode_stack is not None) == stack
     calls = 0
@@ -145,6 +151,24 @@ def test_the_stack_attends_a_sliding_window_as_the_layers_do() -> None:
     assert calls == 15
     for i, (a, b) in enumerate(zip(ours, reference, strict=True)):
         assert torch.equal(a, b), (i, (a.float() - b.float()).abs().max().item())
+
+
+@needs_linear_kernels
+@needs_fp8_decode
+@pytest.mark.parametrize("variant", ["llama", "qwen3", "gemma", "olmo3"])
+def test_stack_over_an_fp8_kv_cache_gives_the_layers_logits_bit_for_bit(variant: str) -> None:
+    """--kv-cache-dtype fp8: the stack writes its rows' K/V as csrc/kv_fp8.c rounds them and attends them through
+    the same kernel the layers call (Gemma's and OLMo 3's sliding layers included)."""
+    model = tiny_llama(variant)
+    reference, _ = steps(model, stack=False, kv_dtype=torch.float8_e5m2)
+    ours, calls = steps(model, stack=True, kv_dtype=torch.float8_e5m2)
+    assert calls == 15
+    for i, (a, b) in enumerate(zip(ours, reference, strict=True)):
+        assert torch.equal(a, b), (i, (a.float() - b.float()).abs().max().item())
+    bf16, _ = steps(model, stack=True)
+    assert not all(torch.equal(a, b) for a, b in zip(ours, bf16, strict=True))  # the fp8 cache changed something
+    # near them: e5m2 keeps 2 mantissa bits (these random layers' logits moved by 8-15% of their norm)
+    assert all((a.float() - b.float()).norm() < 0.25 * b.float().norm() for a, b in zip(ours, bf16, strict=True))
 
 
 def test_build_declines_what_it_cannot_run() -> None:

@@ -38,7 +38,8 @@ class AttentionBackend(Protocol):
 
 
 def select_backend(choice: str, device: torch.device, dtype: torch.dtype, num_q_heads: int, num_kv_heads: int,
-                   head_dim: int, block_size: int) -> AttentionBackend:  # fmt: skip
+                   head_dim: int, block_size: int, kv_dtype: torch.dtype | None = None) -> AttentionBackend:
+    """kv_dtype: the KV cache's (the model's dtype unless --kv-cache-dtype says otherwise)."""
     if choice == "auto":
         choice = os.environ.get(ENV, "auto")
     if choice not in CHOICES:
@@ -46,10 +47,13 @@ def select_backend(choice: str, device: torch.device, dtype: torch.dtype, num_q_
     backend: AttentionBackend
     if choice == "triton" and device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
         raise ValueError("the Triton attention backend runs on CPU only in Triton's interpreter (TRITON_INTERPRET=1)")
+    if choice == "triton" and kv_dtype not in (None, dtype):
+        raise ValueError(f"the Triton attention backend keeps K/V in the model's dtype, not {kv_dtype}")
     if choice == "triton" or (choice == "auto" and device.type == "cuda"):
         backend = _triton(forced=choice == "triton")
     elif choice == "cpu" or (choice == "auto" and device.type == "cpu"):
-        backend = _cpu(device, dtype, num_q_heads, num_kv_heads, head_dim, block_size, forced=choice == "cpu")
+        backend = _cpu(device, dtype, num_q_heads, num_kv_heads, head_dim, block_size, kv_dtype or dtype,
+                       forced=choice == "cpu")  # fmt: skip
     else:
         backend = TorchBackend()
     detail = f" (kernel prefill: {backend.kernel_prefill})" if isinstance(backend, CpuKernelBackend) else ""
@@ -70,14 +74,15 @@ def _triton(forced: bool) -> AttentionBackend:
 
 
 def _cpu(device: torch.device, dtype: torch.dtype, num_q_heads: int, num_kv_heads: int, head_dim: int,
-         block_size: int, forced: bool) -> AttentionBackend:  # fmt: skip
+         block_size: int, kv_dtype: torch.dtype, forced: bool) -> AttentionBackend:  # fmt: skip
     kernels = cpu_kernels() if device.type == "cpu" else None
     # Tensors of the model's shapes (a qkv-like row layout) to ask the kernels' limits about.
     q = torch.empty(1, num_q_heads, head_dim, dtype=dtype)
-    k_cache = torch.empty(1, block_size, num_kv_heads, head_dim, dtype=dtype)
+    k_cache = torch.empty(1, block_size, num_kv_heads, head_dim, dtype=kv_dtype)
     if kernels is not None and kernels.supports_decode(q, k_cache):
         return CpuKernelBackend(kernels, kernel_prefill=kernels.supports_prefill(q, k_cache))
     why = "not built" if kernels is None else f"no support for {dtype}, {num_q_heads}/{num_kv_heads} x {head_dim}"
+    why += f", a {kv_dtype} KV cache" if kv_dtype != dtype else ""
     if forced:
         raise ValueError(f"the CPU attention kernels cannot run this model on {device}: {why}")
     log.info("CPU attention kernels unusable (%s); using the torch backend", why)

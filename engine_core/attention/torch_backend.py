@@ -14,12 +14,20 @@ import torch.nn.functional as F
 from engine_core.attention.metadata import AttentionMetadata, PrefillChunk
 
 MAX_DECODE_GATHER_BYTES = 256 * 2**20  # K and V gathered by one slice of decode rows
+E5M2_MAX = 57344.0  # the largest finite float8 e5m2: K/V beyond it are stored as it rather than as infinities
+
+
+def to_fp8(x: torch.Tensor) -> torch.Tensor:
+    """x as an fp8 KV cache (--kv-cache-dtype fp8) holds it: float8 e5m2, saturated (as csrc/kv_fp8.c writes)."""
+    return x.clamp(-E5M2_MAX, E5M2_MAX).to(torch.float8_e5m2)
 
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor):
     """k_cache: [num_blocks, block_size, kv_heads, head_dim]; k: [T, kv_heads, head_dim]."""
-    k_cache.view(-1, *k.shape[1:]).index_copy_(0, slots, k)
-    v_cache.view(-1, *v.shape[1:]).index_copy_(0, slots, v)
+    for cache, new in ((k_cache, k), (v_cache, v)):
+        if cache.dtype == torch.float8_e5m2:  # index_copy_ has no float8 kernel on CPU: copied as bytes
+            cache, new = cache.view(torch.uint8), to_fp8(new).view(torch.uint8)
+        cache.view(-1, *new.shape[1:]).index_copy_(0, slots, new)
 
 
 class TorchBackend:
@@ -65,8 +73,8 @@ class TorchBackend:
             if mask is None:
                 out[s:e] = _attend(q[s:e], k[s:e], v[s:e], None, scale, causal=True)
             else:
-                ck = k_cache[chunk.block_ids].flatten(0, 1)[: chunk.context_len]
-                cv = v_cache[chunk.block_ids].flatten(0, 1)[: chunk.context_len]
+                ck = k_cache[chunk.block_ids].flatten(0, 1)[: chunk.context_len].to(q.dtype)  # an fp8 cache widened
+                cv = v_cache[chunk.block_ids].flatten(0, 1)[: chunk.context_len].to(q.dtype)
                 out[s:e] = _attend(q[s:e], ck, cv, mask, scale, causal=False)
 
 
@@ -74,8 +82,8 @@ def _decode_rows(q, k_cache, v_cache, tables: torch.Tensor, mask: torch.Tensor, 
     num_seqs, num_q_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
     # [D, blocks, block_size, Hk, hd] -> [D, Hk, L, hd]
-    keys = k_cache[tables].flatten(1, 2).transpose(1, 2)
-    values = v_cache[tables].flatten(1, 2).transpose(1, 2)
+    keys = k_cache[tables].flatten(1, 2).transpose(1, 2).to(q.dtype)  # an fp8 cache widened
+    values = v_cache[tables].flatten(1, 2).transpose(1, 2).to(q.dtype)
     # Grouped-query attention without expanding K/V: the query heads of one KV head act as its rows.
     group_q = q.view(num_seqs, num_kv_heads, num_q_heads // num_kv_heads, head_dim)
     out = F.scaled_dot_product_attention(group_q, keys, values, attn_mask=mask, scale=scale)

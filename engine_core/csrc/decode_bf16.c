@@ -29,22 +29,6 @@
 #define GROUP_ROWS 8
 #define GROUP_STATE_BYTES 32768
 
-// Lane t of the result = the sum of the 16 lanes of s[t]. Each round adds pairs of vectors after a shuffle that
-// lines up their halves, so a vector holds partial sums of twice as many keys, in key order.
-static inline __m512 sum_lanes16(const __m512* s) {
-    __m512 u[8], v[4], x[2];
-    for (int i = 0; i < 8; i++)  // per 128-bit lane: two partial sums of key 2i and two of 2i + 1
-        u[i] = _mm512_add_ps(_mm512_unpacklo_ps(s[2 * i], s[2 * i + 1]), _mm512_unpackhi_ps(s[2 * i], s[2 * i + 1]));
-    for (int i = 0; i < 4; i++)  // per 128-bit lane: its part of keys 4i .. 4i + 3
-        v[i] = _mm512_add_ps(_mm512_shuffle_ps(u[2 * i], u[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
-                             _mm512_shuffle_ps(u[2 * i], u[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
-    for (int i = 0; i < 2; i++)  // 128-bit lanes: two halves of keys 8i .. 8i + 3, two of 8i + 4 .. 8i + 7
-        x[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0)),
-                             _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)));
-    return _mm512_add_ps(_mm512_shuffle_f32x4(x[0], x[1], _MM_SHUFFLE(2, 0, 2, 0)),
-                         _mm512_shuffle_f32x4(x[0], x[1], _MM_SHUFFLE(3, 1, 3, 1)));
-}
-
 // What a block's work fetches ahead: the same rows of the next block into L1, and this block's share of the
 // blocks of the sequence the thread likely takes next (far) into L2.
 typedef struct {
@@ -217,9 +201,12 @@ static int same_blocks(const int64_t* block_tables, const int64_t* seq_lens, int
 }
 
 // paged_decode_bf16's whole call, with its arguments; returns 0, having done nothing, unless head_dim % 32 == 0.
-int decode_bf16(const uint16_t* q, const uint16_t* k_cache, const uint16_t* v_cache, const int64_t* block_tables,
-                const int64_t* seq_lens, uint16_t* out, int num_seqs, int num_q_heads, int num_kv_heads, int head_dim,
-                int block_size, int max_blocks, float scale, int64_t window) {
+// With k8, v8 (an fp8 cache, csrc/kv_fp8.c; k_cache, v_cache unused) each work item's blocks are first widened to
+// bf16 in its thread's scratch, and attended from there: the same results as from a bf16 cache of the same values.
+int decode_bf16(const uint16_t* q, const uint16_t* k_cache, const uint16_t* v_cache, const uint8_t* k8,
+                const uint8_t* v8, const int64_t* block_tables, const int64_t* seq_lens, uint16_t* out, int num_seqs,
+                int num_q_heads, int num_kv_heads, int head_dim, int block_size, int max_blocks, float scale,
+                int64_t window) {
     if (head_dim % 32 != 0) return 0;
     // A row attends from lo, the block of its first visible key (0 without a sliding window). Its span from there
     // is cut into parts of a fixed size, whatever else runs, so that its result never depends on the batch beside
@@ -259,6 +246,10 @@ int decode_bf16(const uint16_t* q, const uint16_t* k_cache, const uint16_t* v_ca
         }
     const int64_t state = (int64_t)num_q_heads * (head_dim + 2), row = (int64_t)num_q_heads * head_dim;
     float* parts = max_span > part_keys ? malloc(total_parts * state * sizeof(float)) : NULL;
+    const int64_t stride = (int64_t)num_kv_heads * head_dim, wide_elems = 2 * part_keys * stride;
+    uint16_t* wide = k8 ? malloc(threads * wide_elems * sizeof(uint16_t)) : NULL;
+    int64_t* in_order = malloc((part_keys / block_size) * sizeof(int64_t));  // the widened blocks' table
+    for (int64_t b = 0; b < part_keys / block_size; b++) in_order[b] = b;
     _Pragma("omp parallel") {
         _Pragma("omp for schedule(dynamic, 1)") for (int64_t i = 0; i < items; i++) {
             const Item it = item[i];
@@ -274,23 +265,33 @@ int decode_bf16(const uint16_t* q, const uint16_t* k_cache, const uint16_t* v_ca
             const Item far = item[i + threads < items ? i + threads : i];  // dynamic scheduling hands items out in turn
             const int64_t far_from = lo[far.first] + far.k0;
             const int64_t far_len = seq_lens[far.table_row] - far_from < part_keys ? seq_lens[far.table_row] - far_from : part_keys;
-            run_rows(rows, it.count, k_cache, v_cache, block_tables + (int64_t)it.table_row * max_blocks + from / block_size,
-                     num_q_heads, num_kv_heads, head_dim, block_size, scale,
-                     block_tables + (int64_t)far.table_row * max_blocks + far_from / block_size, i + threads < items ? far_len : 0);
+            const int64_t* table = block_tables + (int64_t)it.table_row * max_blocks + from / block_size;
+            const uint16_t *k = k_cache, *v = v_cache;
+            int64_t ahead = i + threads < items ? far_len : 0;
+            if (k8) {  // widened, then read from L2: nothing to fetch ahead
+                uint16_t* wk = wide + omp_get_thread_num() * wide_elems;
+                const int64_t keys = seq_lens[it.table_row] - from < part_keys ? seq_lens[it.table_row] - from : part_keys;
+                bf16_from_fp8_blocks(k8, table, keys, block_size, stride, wk);
+                bf16_from_fp8_blocks(v8, table, keys, block_size, stride, wk + part_keys * stride);
+                k = wk, v = wk + part_keys * stride, table = in_order, ahead = 0;
+            }
+            run_rows(rows, it.count, k, v, table, num_q_heads, num_kv_heads, head_dim, block_size, scale,
+                     block_tables + (int64_t)far.table_row * max_blocks + far_from / block_size, ahead);
         }
         _Pragma("omp for schedule(dynamic, 1)") for (int s = 0; s < num_seqs; s++) {
             const int64_t count = first_part[s + 1] - first_part[s];
             if (count > 1) combine_parts_bf16(parts + first_part[s] * state, count, num_q_heads, head_dim, out + s * row);
         }
     }
-    free(parts), free(first_part), free(lo), free(item);
+    free(parts), free(first_part), free(lo), free(item), free(wide), free(in_order);
     return 1;
 }
 #else
-int decode_bf16(const uint16_t* q, const uint16_t* k_cache, const uint16_t* v_cache, const int64_t* block_tables,
-                const int64_t* seq_lens, uint16_t* out, int num_seqs, int num_q_heads, int num_kv_heads, int head_dim,
-                int block_size, int max_blocks, float scale, int64_t window) {
-    (void)q, (void)k_cache, (void)v_cache, (void)block_tables, (void)seq_lens, (void)out, (void)num_seqs,
+int decode_bf16(const uint16_t* q, const uint16_t* k_cache, const uint16_t* v_cache, const uint8_t* k8,
+                const uint8_t* v8, const int64_t* block_tables, const int64_t* seq_lens, uint16_t* out, int num_seqs,
+                int num_q_heads, int num_kv_heads, int head_dim, int block_size, int max_blocks, float scale,
+                int64_t window) {
+    (void)q, (void)k_cache, (void)v_cache, (void)k8, (void)v8, (void)block_tables, (void)seq_lens, (void)out, (void)num_seqs,
         (void)num_q_heads, (void)num_kv_heads, (void)head_dim, (void)block_size, (void)max_blocks, (void)scale,
         (void)window;
     return 0;

@@ -17,6 +17,7 @@ void rotary_bf16(uint16_t* x, const int64_t* positions, const float* cos, const 
 void linear(const uint16_t* x, int64_t ldx, int64_t m_len, const void* packed, int format, const uint16_t* bias,
             uint16_t* out, int64_t ldo, int64_t n_len, int64_t k_len);
 int linear_grid_rows(void);
+void fp8_from_bf16(const uint16_t* src, uint8_t* dst, int64_t n);
 void paged_decode_bf16(const uint16_t* q, const uint16_t* k_cache, const uint16_t* v_cache,
                        const int64_t* block_tables, const int64_t* seq_lens, uint16_t* out, int num_seqs,
                        int num_q_heads, int num_kv_heads, int head_dim, int block_size, int max_blocks, float scale,
@@ -99,6 +100,7 @@ typedef struct {
                    // before the residual add; q and k each normed as one vector over all their heads
     float eps, scale;
     float residual_mult;  // Granite's residual_multiplier on each attention and MLP output (1 elsewhere)
+    int64_t kv_fp8;  // the KV cache holds fp8 (csrc/kv_fp8.c), else bf16
 } StackShape;
 
 // A norm of `rows` rows of `dim`: Llama's (with residual: residual += x first, then norm(residual)), Gemma's or
@@ -166,12 +168,22 @@ void decode_stack_bf16(const DecodeLayer* layers, const StackShape* s, const uin
                         (int)s->rotary_dim);
         for (int64_t r = 0; r < rows; r++) {  // the new token's K/V into its slot; q made contiguous
             const uint16_t* row = qkv + r * qkv_size;
-            memcpy(l->k_cache + slots[r] * kv_size, row + q_size, kv_size * sizeof(uint16_t));
-            memcpy(l->v_cache + slots[r] * kv_size, row + q_size + kv_size, kv_size * sizeof(uint16_t));
+            if (s->kv_fp8) {
+                fp8_from_bf16(row + q_size, (uint8_t*)l->k_cache + slots[r] * kv_size, kv_size);
+                fp8_from_bf16(row + q_size + kv_size, (uint8_t*)l->v_cache + slots[r] * kv_size, kv_size);
+            } else {
+                memcpy(l->k_cache + slots[r] * kv_size, row + q_size, kv_size * sizeof(uint16_t));
+                memcpy(l->v_cache + slots[r] * kv_size, row + q_size + kv_size, kv_size * sizeof(uint16_t));
+            }
             memcpy(q + r * q_size, row, q_size * sizeof(uint16_t));
         }
-        paged_decode_bf16(q, l->k_cache, l->v_cache, block_tables, seq_lens, attn, (int)rows, (int)s->num_q_heads,
-                          (int)s->num_kv_heads, (int)hd, (int)s->block_size, (int)max_blocks, s->scale, l->window);
+        if (s->kv_fp8)  // DecodeStack.build took fp8 caches only where decode_bf16 reads them
+            decode_bf16(q, NULL, NULL, (const uint8_t*)l->k_cache, (const uint8_t*)l->v_cache, block_tables, seq_lens,
+                        attn, (int)rows, (int)s->num_q_heads, (int)s->num_kv_heads, (int)hd, (int)s->block_size,
+                        (int)max_blocks, s->scale, l->window);
+        else
+            paged_decode_bf16(q, l->k_cache, l->v_cache, block_tables, seq_lens, attn, (int)rows, (int)s->num_q_heads,
+                              (int)s->num_kv_heads, (int)hd, (int)s->block_size, (int)max_blocks, s->scale, l->window);
         weight_linear(attn, q_size, rows, &l->o, x, hidden, hidden, q_size);
         add_lora(attn, q_size, q_size, l->lora[1], lora, x, hidden, hidden);
         scale_rows(s, x, rows);

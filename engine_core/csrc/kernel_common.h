@@ -281,6 +281,23 @@ typedef __m256 vec;
 #endif
 
 #if defined(__AVX512BF16__)
+// csrc/decode_bf16.c's scores: lane t of the result = the sum of the 16 lanes of s[t]. Each round adds pairs of
+// vectors after a shuffle that lines up their halves, so a vector holds partial sums of twice as many keys, in key
+// order.
+static inline __m512 sum_lanes16(const __m512* s) {
+    __m512 u[8], v[4], x[2];
+    for (int i = 0; i < 8; i++)  // per 128-bit lane: two partial sums of key 2i and two of 2i + 1
+        u[i] = _mm512_add_ps(_mm512_unpacklo_ps(s[2 * i], s[2 * i + 1]), _mm512_unpackhi_ps(s[2 * i], s[2 * i + 1]));
+    for (int i = 0; i < 4; i++)  // per 128-bit lane: its part of keys 4i .. 4i + 3
+        v[i] = _mm512_add_ps(_mm512_shuffle_ps(u[2 * i], u[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                             _mm512_shuffle_ps(u[2 * i], u[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+    for (int i = 0; i < 2; i++)  // 128-bit lanes: two halves of keys 8i .. 8i + 3, two of 8i + 4 .. 8i + 7
+        x[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                             _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(x[0], x[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_f32x4(x[0], x[1], _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
 // The values side of the bf16 attention kernels (csrc/decode_bf16.c, csrc/attend_bf16.c): the value rows of keys
 // 2k and 2k + 1 interleaved into the pairs of vdpbf16ps, so that one instruction adds both keys' weighted values.
 // Their accumulators, per 32 dims: lo holds dims 8j + 0..3 of each 128-bit lane j, hi dims 8j + 4..7.
@@ -667,12 +684,16 @@ void linear_quant_avx2(const uint16_t* x, int64_t ldx, int64_t m_len, const void
                        const uint16_t* bias, uint16_t* out, int64_t ldo, int64_t n_len, int64_t k_len);
 
 // csrc/decode_bf16.c: paged_decode_bf16's work 16 keys at a time where the CPU has AVX512-BF16 and head_dim % 32
-// == 0 (see there); returns 0, having done nothing, elsewhere.
+// == 0 (see there), from bf16 caches, or from fp8 ones (k8, v8); returns 0, having done nothing, elsewhere.
 #define DECODE_MAX_GROUP 16
 #define DECODE_MAX_DIM 256
-int decode_bf16(const uint16_t* q, const uint16_t* k_cache, const uint16_t* v_cache, const int64_t* block_tables,
-                const int64_t* seq_lens, uint16_t* out, int num_seqs, int num_q_heads, int num_kv_heads, int head_dim,
-                int block_size, int max_blocks, float scale, int64_t window);
+int decode_bf16(const uint16_t* q, const uint16_t* k_cache, const uint16_t* v_cache, const uint8_t* k8,
+                const uint8_t* v8, const int64_t* block_tables, const int64_t* seq_lens, uint16_t* out, int num_seqs,
+                int num_q_heads, int num_kv_heads, int head_dim, int block_size, int max_blocks, float scale,
+                int64_t window);
+// csrc/kv_fp8.c: the first `keys` rows of an fp8 cache's blocks in `table`, widened to bf16 one after the other.
+void bf16_from_fp8_blocks(const uint8_t* cache, const int64_t* table, int64_t keys, int block_size, int64_t stride,
+                          uint16_t* out);
 // csrc/decode_avx2.c: the same, 8 keys at a time, where the CPU has AVX2 + FMA and no AVX-512, head_dim % 8 == 0
 // and block_size % 8 == 0.
 #define DECLARE_DECODE_AVX2(NAME, T)                                                                                 \

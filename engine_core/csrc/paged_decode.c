@@ -157,7 +157,7 @@ DEFINE_VECTOR_SEQUENCE(vector_sequence_f32, float, vload_f32, F32_STORE)
 #endif
 
 _Static_assert(MAX_GROUP <= DECODE_MAX_GROUP && MAX_DIM <= DECODE_MAX_DIM, "shapes decode_bf16.c cannot hold");
-#define FAST_BF16(...) (decode_bf16(__VA_ARGS__) || decode_avx2_bf16(__VA_ARGS__))
+#define FAST_BF16(q, k, v, ...) (decode_bf16(q, k, v, NULL, NULL, __VA_ARGS__) || decode_avx2_bf16(q, k, v, __VA_ARGS__))
 
 // Sequences longer than this are attended in parts (decode_items, kernel_common.h).
 #define SPLIT_KEYS 512
