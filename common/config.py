@@ -50,9 +50,9 @@ class EngineConfig:
     max_model_len: int | None = flag(None, "context length (default: the model's, capped at 8192)")
     block_size: int = flag(16, "tokens per KV cache block")
     kv_cache_memory: float = flag(2.0, "GiB of KV cache on CPU (the whole tensor-parallel group's)")
-    kv_cache_dtype: str = flag("auto", "auto: K/V kept in the model's dtype; fp8 (or fp8_e5m2): in float8 e5m2, half "
-                               "the memory and the decode reads of bf16, less exact (CPU, bf16 models)",
-                               choices=["auto", "fp8", "fp8_e5m2"])  # fmt: skip
+    kv_cache_dtype: str = flag("auto", "auto: K/V kept in the model's dtype; fp8 (or fp8_e4m3): in float8 e4m3, half "
+                               "the memory of bf16, so twice the tokens, a little less exact (CPU, bf16 models; "
+                               "fp8_e5m2 is not taken)", choices=["auto", "fp8", "fp8_e4m3"])  # fmt: skip
     gpu_memory_utilization: float = flag(0.9, "CUDA: share of the GPU's total memory for this engine (weights, "
                                          "activations, CUDA graphs, KV cache: sized by a profiling step)")
     num_kv_blocks: int | None = flag(None, "exact number of KV blocks (overrides the memory sizing)")

@@ -56,7 +56,7 @@ class CpuKernels:
         # read by calls of up to grid_rows rows
         self.has_grid_linear, self.grid_rows = bool(lib.linear_grid_available()), lib.linear_grid_rows()
         self.has_f32_linear = bool(lib.linear_f32_available())  # fp32 panels, AVX-512 or AVX2 (csrc/linear_f32.c)
-        # decode attention over an fp8 (e5m2) KV cache: csrc/decode_bf16.c, which needs AVX512-BF16
+        # decode attention over an fp8 (e4m3) KV cache: csrc/decode_bf16.c, which needs AVX512-BF16
         self.has_fp8_decode = bool(lib.decode_fp8_available())
         self._decode_fp8 = lib.decode_bf16
         self._decode_fp8.argtypes = [_P] * 8 + [_I] * 6 + [_F, _I64]
@@ -82,7 +82,7 @@ class CpuKernels:
 
     def supports_decode(self, q: torch.Tensor, k_cache: torch.Tensor) -> bool:
         num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
-        fp8 = k_cache.dtype == torch.float8_e5m2 and q.dtype == torch.bfloat16 and self.has_fp8_decode
+        fp8 = k_cache.dtype == torch.float8_e4m3fn and q.dtype == torch.bfloat16 and self.has_fp8_decode
         return (
             self.handles(q)
             and (k_cache.dtype == q.dtype or (fp8 and head_dim % 32 == 0))
@@ -100,7 +100,7 @@ class CpuKernels:
         out = torch.empty_like(q)
         num_seqs, num_q_heads, head_dim = q.shape
         _, block_size, num_kv_heads, _ = k_cache.shape
-        if k_cache.dtype == torch.float8_e5m2:  # widened to bf16 a work item at a time (csrc/kv_fp8.c)
+        if k_cache.dtype == torch.float8_e4m3fn:  # widened to bf16 a work item at a time (csrc/kv_fp8.c)
             done = self._decode_fp8(
                 q.data_ptr(), None, None, k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
                 seq_lens.data_ptr(), out.data_ptr(), num_seqs, num_q_heads, num_kv_heads, head_dim, block_size,
@@ -116,10 +116,10 @@ class CpuKernels:
         return out
 
     def fp8_from_bf16(self, x: torch.Tensor) -> torch.Tensor:
-        """x as float8 e5m2, as the decode stack writes its K/V rows (csrc/kv_fp8.c): the tests hold it equal to
+        """x as float8 e4m3, as the decode stack writes its K/V rows (csrc/kv_fp8.c): the tests hold it equal to
         torch's conversion after the clamp the torch path applies."""
         x = x.contiguous()
-        out = torch.empty(x.shape, dtype=torch.float8_e5m2)
+        out = torch.empty(x.shape, dtype=torch.float8_e4m3fn)
         self._fp8_from_bf16(x.data_ptr(), out.data_ptr(), x.numel())
         return out
 

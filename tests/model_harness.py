@@ -21,7 +21,7 @@ class PagedRun:
         self.scratch_slot = (num_blocks - 1) * BLOCK_SIZE
         shape = (num_blocks, BLOCK_SIZE, model.num_kv_heads, model.head_dim)
         attn = model.attention_layers()[0]
-        kv_dtype = kv_dtype or dtype  # the caches' (an fp8 KV cache: torch.float8_e5m2)
+        kv_dtype = kv_dtype or dtype  # the caches' (an fp8 KV cache: torch.float8_e4m3fn)
         self.backend = backend or select_backend("auto", torch.device("cpu"), dtype, attn.num_heads,
                                                  attn.num_kv_heads, attn.head_dim, BLOCK_SIZE, kv_dtype)  # fmt: skip
         for layer in model.attention_layers():

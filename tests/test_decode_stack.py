@@ -160,14 +160,14 @@ def test_stack_over_an_fp8_kv_cache_gives_the_layers_logits_bit_for_bit(variant:
     """--kv-cache-dtype fp8: the stack writes its rows' K/V as csrc/kv_fp8.c rounds them and attends them through
     the same kernel the layers call (Gemma's and OLMo 3's sliding layers included)."""
     model = tiny_llama(variant)
-    reference, _ = steps(model, stack=False, kv_dtype=torch.float8_e5m2)
-    ours, calls = steps(model, stack=True, kv_dtype=torch.float8_e5m2)
+    reference, _ = steps(model, stack=False, kv_dtype=torch.float8_e4m3fn)
+    ours, calls = steps(model, stack=True, kv_dtype=torch.float8_e4m3fn)
     assert calls == 15
     for i, (a, b) in enumerate(zip(ours, reference, strict=True)):
         assert torch.equal(a, b), (i, (a.float() - b.float()).abs().max().item())
     bf16, _ = steps(model, stack=True)
     assert not all(torch.equal(a, b) for a, b in zip(ours, bf16, strict=True))  # the fp8 cache changed something
-    # near them: e5m2 keeps 2 mantissa bits (these random layers' logits moved by 8-15% of their norm)
+    # near them: e4m3 keeps 3 mantissa bits
     assert all((a.float() - b.float()).norm() < 0.25 * b.float().norm() for a, b in zip(ours, bf16, strict=True))
 
 

@@ -1,7 +1,7 @@
 """The fp8 KV cache (--kv-cache-dtype fp8; engine_core/csrc/kv_fp8.c, torch_backend.to_fp8): K/V stored as float8
-e5m2. The C conversion is torch's after the same saturation; decode attention over an fp8 cache is the bf16 kernel's
-over the same values, bit for bit, and near the bf16 cache's result it stands for; the torch reference reads and
-writes it; the engine sizes twice the blocks in the same memory, and refuses what it cannot run."""
+e4m3. The C conversion is torch's after the same saturation; decode attention over an fp8 cache is the bf16 kernel's
+over the same values (every e4m3 value among them), bit for bit, and near the reference's; the torch reference reads
+and writes it; the engine sizes twice the blocks in the same memory, and refuses what it cannot run."""
 
 from __future__ import annotations
 
@@ -12,14 +12,15 @@ import transformers
 import launch
 from common.config import EngineConfig
 from engine_core.attention import AttentionMetadata, PrefillChunk, TorchBackend
-from engine_core.attention.torch_backend import E5M2_MAX, to_fp8
+from engine_core.attention.cpu_backend import CpuKernelBackend
+from engine_core.attention.torch_backend import FP8_MAX, to_fp8
 from engine_core.core import EngineCore
 from engine_core.cpu_kernels import cpu_kernels
 from engine_core.device import pick_kv_cache_dtype
-from tests.cpu_features import HAS_FP8_DECODE, HAS_LINEAR, needs_fp8_decode
+from tests.cpu_features import HAS_FP8_DECODE, HAS_LINEAR, needs_fp8_decode, needs_prefill_kernel
 from tests.engine_helpers import greedy_request, run_engine, tokens_of
 
-FP8 = torch.float8_e5m2
+FP8 = torch.float8_e4m3fn
 CPU = torch.device("cpu")
 
 
@@ -34,15 +35,19 @@ def test_the_kernels_conversion_is_torchs_for_every_bf16_value() -> None:
 
 
 def test_fp8_saturates_instead_of_overflowing() -> None:
-    x = torch.tensor([1e6, -float("inf"), 60000.0, 3.0, float("nan")], dtype=torch.bfloat16)
-    assert to_fp8(x).float()[:4].tolist() == [E5M2_MAX, -E5M2_MAX, E5M2_MAX, 3.0]
+    x = torch.tensor([1e6, -float("inf"), 460.0, 3.0, float("nan")], dtype=torch.bfloat16)
+    assert to_fp8(x).float()[:4].tolist() == [FP8_MAX, -FP8_MAX, FP8_MAX, 3.0]
     assert to_fp8(x).float()[4].isnan()
 
 
 def _caches(blocks: int, kv_heads: int, head_dim: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random K and V, the K cache's first elements every e4m3 value but NaN (subnormals, zeros, +-448)."""
     g = torch.Generator().manual_seed(seed)
     shape = (blocks, 16, kv_heads, head_dim)
-    return tuple(to_fp8(torch.randn(shape, generator=g).to(torch.bfloat16) * 2) for _ in range(2))  # type: ignore
+    k, v = (to_fp8(torch.randn(shape, generator=g).to(torch.bfloat16) * 2) for _ in range(2))
+    every = torch.arange(256, dtype=torch.uint8)
+    k.view(torch.uint8).view(-1)[:254] = every[(every & 0x7F) != 0x7F]
+    return k, v
 
 
 # (query heads, kv heads, head_dim, sequence lengths, consecutive rows of one sequence, window)
@@ -78,34 +83,39 @@ def test_decode_over_fp8_is_the_bf16_kernel_over_the_same_values(q_heads, kv_hea
     assert (ours.float() - reference.float()).abs().max() < 0.05
 
 
-def test_the_torch_reference_writes_and_reads_an_fp8_cache() -> None:
-    """A prefill chunk over cached context and a decode row: the reference's output over an fp8 cache is its output
-    over a bf16 cache holding the same e5m2 values, bit for bit; the cache holds to_fp8 of what was written."""
+BACKENDS = ["torch", pytest.param("cpu", marks=[needs_fp8_decode, needs_prefill_kernel])]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_prefill_reads_the_cached_context_widened_and_its_own_rows_fresh(backend: str) -> None:
+    """Two prefill chunks over cached context: attended over an fp8 cache, bit for bit what the same backend gives
+    over a bf16 cache holding the widened context, the chunks' own K/V unrounded; the cache holds to_fp8 of them."""
     g = torch.Generator().manual_seed(0)
-    k_new, v_new = (torch.randn(8, 2, 32, generator=g).to(torch.bfloat16) for _ in range(2))
-    q = torch.randn(8, 4, 32, generator=g).to(torch.bfloat16)
-    slots = torch.arange(40, 48)  # the chunk's 8 tokens after 40 cached ones, in blocks 0..2
-    meta = AttentionMetadata(slot_mapping=slots, num_decodes=0, decode_block_tables=None, decode_seq_lens=None,
-                             prefills=[PrefillChunk(0, 8, 48, torch.arange(3))], block_size=16)  # fmt: skip
-    k8, v8 = _caches(4, 2, 32, seed=1)
+    k_new, v_new = (torch.randn(13, 2, 32, generator=g).to(torch.bfloat16) for _ in range(2))
+    q = torch.randn(13, 4, 32, generator=g).to(torch.bfloat16)
+    # 8 tokens after 40 cached ones (blocks 0..2), and 5 after 17 (blocks 3, 4): slots of the chunks' new rows
+    slots = torch.cat([torch.arange(40, 48), torch.arange(3 * 16 + 17, 3 * 16 + 22)])
+    chunks = [PrefillChunk(0, 8, 48, torch.arange(3)), PrefillChunk(8, 5, 22, torch.arange(3, 5))]
+    meta = AttentionMetadata(slot_mapping=slots, prefills=chunks, block_size=16)
+    k8, v8 = _caches(6, 2, 32, seed=1)
     k16, v16 = k8.to(torch.bfloat16), v8.to(torch.bfloat16)
-    ours = TorchBackend().forward(q, k_new, v_new, k8, v8, meta, 0.2)
-    widened = TorchBackend().forward(q, to_fp8(k_new).to(torch.bfloat16), to_fp8(v_new).to(torch.bfloat16), k16, v16,
-                                     meta, 0.2)  # fmt: skip
-    assert torch.equal(k8.flatten(0, 1)[40:48].view(torch.uint8), to_fp8(k_new).view(torch.uint8))
-    assert torch.equal(k8.to(torch.bfloat16), k16)
-    # the chunk's own rows attend their fresh bf16 K/V in both, the cached context through the cache
-    assert (ours.float() - widened.float()).abs().max() < 0.05
+    kernels = cpu_kernels()
+    run = TorchBackend() if backend == "torch" else CpuKernelBackend(kernels, kernel_prefill=True)  # type: ignore
+    ours = run.forward(q, k_new, v_new, k8, v8, meta, 0.2)
+    widened = run.forward(q, k_new, v_new, k16, v16, meta, 0.2)
+    assert torch.equal(ours, widened)
+    assert torch.equal(k8.flatten(0, 1)[slots].view(torch.uint8), to_fp8(k_new).view(torch.uint8))
+    assert torch.equal(v8.flatten(0, 1)[slots].view(torch.uint8), to_fp8(v_new).view(torch.uint8))
 
 
 def test_the_flag_refuses_what_it_cannot_run() -> None:
     assert launch.parse_args(["--kv-cache-dtype", "fp8"])[0].kv_cache_dtype == "fp8"
     assert pick_kv_cache_dtype("auto", torch.float32, CPU) == torch.float32
-    assert pick_kv_cache_dtype("fp8_e5m2", torch.bfloat16, CPU) == FP8
+    assert pick_kv_cache_dtype("fp8_e4m3", torch.bfloat16, CPU) == FP8
     with pytest.raises(ValueError, match="CPU with a bfloat16 model only"):
         pick_kv_cache_dtype("fp8", torch.float32, CPU)
-    with pytest.raises(ValueError, match="not one of auto, fp8, fp8_e5m2"):
-        pick_kv_cache_dtype("fp8_e4m3", torch.bfloat16, CPU)
+    with pytest.raises(ValueError, match="not one of auto, fp8, fp8_e4m3"):
+        pick_kv_cache_dtype("fp8_e5m2", torch.bfloat16, CPU)
 
 
 @pytest.fixture(scope="module")

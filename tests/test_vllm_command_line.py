@@ -41,7 +41,7 @@ def test_vllms_other_names_fold_into_our_settings() -> None:
 
 @pytest.mark.parametrize(("flags", "message"), [
     (["--no-enable-chunked-prefill"], "prompts are always chunked"),
-    (["--kv-cache-dtype", "fp8_e4m3"], "argument --kv-cache-dtype: invalid choice: 'fp8_e4m3'"),
+    (["--kv-cache-dtype", "fp8_e5m2"], "argument --kv-cache-dtype: invalid choice: 'fp8_e5m2'"),
     (["--pipeline-parallel-size", "2"], "argument --pipeline-parallel-size: invalid choice: 2"),
     (["--distributed-executor-backend", "ray"], "invalid choice: 'ray'"),
     (["--task", "embed", "--runner", "generate"], "--task embed contradicts --runner generate"),

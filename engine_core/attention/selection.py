@@ -80,7 +80,8 @@ def _cpu(device: torch.device, dtype: torch.dtype, num_q_heads: int, num_kv_head
     q = torch.empty(1, num_q_heads, head_dim, dtype=dtype)
     k_cache = torch.empty(1, block_size, num_kv_heads, head_dim, dtype=kv_dtype)
     if kernels is not None and kernels.supports_decode(q, k_cache):
-        return CpuKernelBackend(kernels, kernel_prefill=kernels.supports_prefill(q, k_cache))
+        widened = k_cache.to(dtype)  # what prefill reads of an fp8 cache (CpuKernelBackend.prefill)
+        return CpuKernelBackend(kernels, kernel_prefill=kernels.supports_prefill(q, widened))
     why = "not built" if kernels is None else f"no support for {dtype}, {num_q_heads}/{num_kv_heads} x {head_dim}"
     why += f", a {kv_dtype} KV cache" if kv_dtype != dtype else ""
     if forced:

@@ -14,18 +14,18 @@ import torch.nn.functional as F
 from engine_core.attention.metadata import AttentionMetadata, PrefillChunk
 
 MAX_DECODE_GATHER_BYTES = 256 * 2**20  # K and V gathered by one slice of decode rows
-E5M2_MAX = 57344.0  # the largest finite float8 e5m2: K/V beyond it are stored as it rather than as infinities
+FP8_MAX = 448.0  # the largest float8 e4m3: K/V beyond it are stored as it
 
 
 def to_fp8(x: torch.Tensor) -> torch.Tensor:
-    """x as an fp8 KV cache (--kv-cache-dtype fp8) holds it: float8 e5m2, saturated (as csrc/kv_fp8.c writes)."""
-    return x.clamp(-E5M2_MAX, E5M2_MAX).to(torch.float8_e5m2)
+    """x as an fp8 KV cache (--kv-cache-dtype fp8) holds it: float8 e4m3, saturated (as csrc/kv_fp8.c writes)."""
+    return x.clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
 
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor):
     """k_cache: [num_blocks, block_size, kv_heads, head_dim]; k: [T, kv_heads, head_dim]."""
     for cache, new in ((k_cache, k), (v_cache, v)):
-        if cache.dtype == torch.float8_e5m2:  # index_copy_ has no float8 kernel on CPU: copied as bytes
+        if cache.dtype == torch.float8_e4m3fn:  # index_copy_ has no float8 kernel on CPU: copied as bytes
             cache, new = cache.view(torch.uint8), to_fp8(new).view(torch.uint8)
         cache.view(-1, *new.shape[1:]).index_copy_(0, slots, new)
 
@@ -73,8 +73,10 @@ class TorchBackend:
             if mask is None:
                 out[s:e] = _attend(q[s:e], k[s:e], v[s:e], None, scale, causal=True)
             else:
-                ck = k_cache[chunk.block_ids].flatten(0, 1)[: chunk.context_len].to(q.dtype)  # an fp8 cache widened
+                ck = k_cache[chunk.block_ids].flatten(0, 1)[: chunk.context_len].to(q.dtype)  # an fp8 cache widened,
                 cv = v_cache[chunk.block_ids].flatten(0, 1)[: chunk.context_len].to(q.dtype)
+                if k_cache.dtype != q.dtype:  # the chunk's own rows its fresh K/V, as CpuKernelBackend reads them
+                    ck[-chunk.num_tokens :], cv[-chunk.num_tokens :] = k[s:e], v[s:e]
                 out[s:e] = _attend(q[s:e], ck, cv, mask, scale, causal=False)
 
 

@@ -1,45 +1,57 @@
-// The fp8 KV cache (--kv-cache-dtype fp8): keys and values stored as float8 e5m2, one byte each, which is the top
-// byte of their fp16 form. Written here from bf16 (the decode stack's new rows; engine_core/attention/torch_backend.py
-// writes the other rows with torch's conversion, which the tests hold equal to this one), and widened back to bf16
-// here, exactly (every e5m2 value is a bf16 value), for the bf16 decode kernel to attend (csrc/decode_bf16.c).
+// The fp8 KV cache (--kv-cache-dtype fp8): keys and values stored as float8 e4m3 (vLLM's fp8: 4 exponent bits, 3
+// mantissa bits, finite up to 448, no infinities), one byte each. Written here from bf16 (the decode stack's new rows;
+// engine_core/attention/torch_backend.py writes the other rows with torch's conversion, which the tests hold equal to
+// this one), and widened back to bf16 here, exactly (every e4m3 value is a bf16 value), for the bf16 decode kernel
+// to attend (csrc/decode_bf16.c).
 #include "kernel_common.h"
 
-#define E5M2_MAX_BF16 0x4760  // 57344, the largest finite e5m2 value: larger magnitudes saturate to it
+#define E4M3_MAX_BF16 0x43e0  // 448, the largest e4m3 value: larger magnitudes saturate to it
 
-// One bf16 value to e5m2, rounded to nearest even as torch rounds, after the clamp to +-57344 the torch path applies
-// (so no value becomes infinite); NaN stays NaN. Integer arithmetic only: the kernels build with -ffast-math.
-static inline uint8_t e5m2_from_bf16(uint16_t h) {
+// One bf16 value to e4m3, rounded to nearest even as torch rounds, after the clamp to +-448 the torch path applies;
+// NaN stays NaN. Integer arithmetic only: the kernels build with -ffast-math.
+static inline uint8_t e4m3_from_bf16(uint16_t h) {
     const uint8_t sign = (uint8_t)((h >> 8) & 0x80);
     const uint32_t a = h & 0x7fff;  // magnitude: exponent (bias 127) << 7 | 7 mantissa bits
     if (a > 0x7f80) return sign | 0x7f;  // NaN
-    if (a >= E5M2_MAX_BF16) return sign | 0x7b;
-    if (a >= (113u << 7))  // a normal e5m2 (from 2^-14): exponent rebiased to 15, 5 mantissa bits dropped
-        return sign | (uint8_t)((a - (112u << 7) + 0xf + ((a >> 5) & 1)) >> 5);
-    // Below 2^-14: a multiple of e5m2's subnormal step 2^-16, value = mant * 2^(e - 134) = mant >> (118 - e) steps.
-    const uint32_t e = a >> 7, mant = 128 | (a & 0x7f), shift = 118 - e;
-    if (e == 0 || shift > 9) return sign;  // under half a step: 0
+    if (a >= E4M3_MAX_BF16) return sign | 0x7e;
+    if (a >= (121u << 7))  // a normal e4m3 (from 2^-6): exponent rebiased to 7, 4 mantissa bits dropped
+        return sign | (uint8_t)((a - (120u << 7) + 0x7 + ((a >> 4) & 1)) >> 4);
+    // Below 2^-6: a multiple of e4m3's subnormal step 2^-9, value = mant * 2^(e - 134) = mant >> (125 - e) steps.
+    const uint32_t e = a >> 7, mant = 128 | (a & 0x7f), shift = 125 - e;
+    if (e == 0 || shift > 8) return sign;  // at most half a step: 0
     const uint32_t q = mant >> shift, rest = mant & ((1u << shift) - 1), half = 1u << (shift - 1);
     return sign | (uint8_t)(q + (rest > half || (rest == half && (q & 1))));
 }
 
-// dst[i] = e5m2(src[i]) for n values.
+// dst[i] = e4m3(src[i]) for n values.
 void fp8_from_bf16(const uint16_t* src, uint8_t* dst, int64_t n) {
-    for (int64_t i = 0; i < n; i++) dst[i] = e5m2_from_bf16(src[i]);
+    for (int64_t i = 0; i < n; i++) dst[i] = e4m3_from_bf16(src[i]);
 }
 
-// 32 e5m2 values at p widened to bf16 at out: as fp16 (the byte shifted up), to fp32, to bf16, each step exact.
+// The bf16 magnitude of an e4m3 one (7 bits): normal ones rebiased (7 -> 127); subnormal m * 2^-9, normalized.
+static inline uint16_t bf16_magnitude(uint32_t mag) {
+    const uint32_t e = mag >> 3, m = mag & 7;
+    if (mag == 0x7f) return 0x7fc0;  // NaN
+    if (e) return (uint16_t)(((e + 120) << 7) | (m << 4));
+    if (m == 0) return 0;
+    const uint32_t p = m >= 4 ? 2 : m >= 2 ? 1 : 0;  // m = 2^p + the rest
+    return (uint16_t)(((118 + p) << 7) | ((m << (7 - p)) & 0x7f));
+}
+
+// 32 e4m3 values at p widened to bf16 at out.
 static inline void widen32(const uint8_t* p, uint16_t* out) {
 #if defined(__AVX512BF16__)
-    const __m512i h = _mm512_slli_epi16(_mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i*)p)), 8);
-    const __m512 lo = _mm512_cvtph_ps(_mm512_castsi512_si256(h)), hi = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(h, 1));
-    _mm512_storeu_si512((void*)out, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+    static const uint16_t subnormal[32] = {0, 0x3b00, 0x3b80, 0x3bc0, 0x3c00, 0x3c20, 0x3c40, 0x3c60};  // m * 2^-9
+    const __m512i x = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i*)p));
+    const __m512i mag = _mm512_and_si512(x, _mm512_set1_epi16(0x7f));
+    __m512i r = _mm512_add_epi16(_mm512_slli_epi16(mag, 4), _mm512_set1_epi16(120 << 7));
+    r = _mm512_mask_permutexvar_epi16(r, _mm512_cmplt_epu16_mask(mag, _mm512_set1_epi16(8)), mag,
+                                      _mm512_loadu_si512((const void*)subnormal));
+    r = _mm512_mask_mov_epi16(r, _mm512_cmpeq_epi16_mask(mag, _mm512_set1_epi16(0x7f)), _mm512_set1_epi16(0x7fc0));
+    r = _mm512_or_si512(r, _mm512_slli_epi16(_mm512_andnot_si512(mag, x), 8));  // the sign bit, moved up
+    _mm512_storeu_si512((void*)out, r);
 #else
-    for (int i = 0; i < 32; i++) {
-        const uint32_t b = p[i], e = (b >> 2) & 0x1f, m = b & 3;
-        // normal: exponent 15 -> 127; subnormal m * 2^-16: the bf16 of 2^-16 (m = 1), 2^-15 (2), 1.5 * 2^-15 (3)
-        const uint16_t mag = e ? (uint16_t)(((e + 112) << 7) | (m << 5)) : (uint16_t)(m == 0 ? 0 : m == 1 ? 111 << 7 : (112 << 7) | (m == 3 ? 0x40 : 0));
-        out[i] = (uint16_t)((b & 0x80) << 8) | (e == 31 ? (uint16_t)(0x7f80 | (m << 5)) : mag);
-    }
+    for (int i = 0; i < 32; i++) out[i] = (uint16_t)((p[i] & 0x80) << 8) | bf16_magnitude(p[i] & 0x7fu);
 #endif
 }
 

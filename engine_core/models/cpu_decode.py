@@ -122,7 +122,7 @@ class DecodeStack:
                                  attn.head_dim, first.mlp.down_proj.in_features, attn.k_cache.shape[1],
                                  _is_gemma(model), _rotary_dim(model), _is_olmo(model), model.norm.eps, attn.scale,
                                  getattr(first, "residual_multiplier", 1.0),
-                                 attn.k_cache.dtype == torch.float8_e5m2)  # fmt: skip
+                                 attn.k_cache.dtype == torch.float8_e4m3fn)  # fmt: skip
         lib = kernels.lib
         self._work = lib.decode_stack_work
         self._work.argtypes, self._work.restype = [_P, _I64], _I64
@@ -198,7 +198,7 @@ class DecodeStack:
         for i, layer in enumerate(model.layers):
             attn, mlp = layer.self_attn, layer.mlp
             weights = [_weight(m) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
-            caches_ok = attn.k_cache.dtype in (torch.bfloat16, torch.float8_e5m2) and attn.k_cache.is_contiguous()
+            caches_ok = attn.k_cache.dtype in (torch.bfloat16, torch.float8_e4m3fn) and attn.k_cache.is_contiguous()
             q = torch.empty(1, attn.num_heads, attn.head_dim, dtype=torch.bfloat16)
             if None in weights or not isinstance(attn.attn_backend, CpuKernelBackend) or not caches_ok:
                 return None
