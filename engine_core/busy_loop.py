@@ -51,6 +51,8 @@ def run_engine(config: EngineConfig, addresses: ipc.Addresses) -> int:
         start_pulses(core.runner.progress, outputs, epoch, stop)
         runner = core.runner
         dtype = str(runner.dtype).removeprefix("torch.")
+        if runner.kv_dtype != runner.dtype:  # --kv-cache-dtype fp8
+            dtype += f" (KV cache {str(runner.kv_dtype).removeprefix('torch.')})"
         tokens = runner.num_blocks * runner.block_size  # as vLLM says it: how many full-context requests fit at once
         log.info("engine core ready: %s, %s on %s, %d KV blocks (%d tokens; maximum concurrency for %d tokens per "
                  "request: %.2fx)", core.model_name, dtype, runner.device.type, runner.num_blocks, tokens,
