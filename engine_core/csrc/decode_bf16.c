@@ -266,17 +266,18 @@ int decode_bf16(const uint16_t* q, const uint16_t* k_cache, const uint16_t* v_ca
             const int64_t far_from = lo[far.first] + far.k0;
             const int64_t far_len = seq_lens[far.table_row] - far_from < part_keys ? seq_lens[far.table_row] - far_from : part_keys;
             const int64_t* table = block_tables + (int64_t)it.table_row * max_blocks + from / block_size;
+            const int64_t* far_table = block_tables + (int64_t)far.table_row * max_blocks + far_from / block_size;
             const uint16_t *k = k_cache, *v = v_cache;
             int64_t ahead = i + threads < items ? far_len : 0;
-            if (k8) {  // widened, then read from L2: nothing to fetch ahead
+            if (k8) {  // widened, then read from L2, while the far work's fp8 blocks are asked into L2
                 uint16_t* wk = wide + omp_get_thread_num() * wide_elems;
                 const int64_t keys = seq_lens[it.table_row] - from < part_keys ? seq_lens[it.table_row] - from : part_keys;
                 bf16_from_fp8_blocks(k8, table, keys, block_size, stride, wk);
                 bf16_from_fp8_blocks(v8, table, keys, block_size, stride, wk + part_keys * stride);
+                if (ahead) fp8_prefetch_blocks(k8, v8, far_table, ahead, block_size, stride);
                 k = wk, v = wk + part_keys * stride, table = in_order, ahead = 0;
             }
-            run_rows(rows, it.count, k, v, table, num_q_heads, num_kv_heads, head_dim, block_size, scale,
-                     block_tables + (int64_t)far.table_row * max_blocks + far_from / block_size, ahead);
+            run_rows(rows, it.count, k, v, table, num_q_heads, num_kv_heads, head_dim, block_size, scale, far_table, ahead);
         }
         _Pragma("omp for schedule(dynamic, 1)") for (int s = 0; s < num_seqs; s++) {
             const int64_t count = first_part[s + 1] - first_part[s];

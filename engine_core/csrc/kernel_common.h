@@ -694,6 +694,8 @@ int decode_bf16(const uint16_t* q, const uint16_t* k_cache, const uint16_t* v_ca
 // csrc/kv_fp8.c: the first `keys` rows of an fp8 cache's blocks in `table`, widened to bf16 one after the other.
 void bf16_from_fp8_blocks(const uint8_t* cache, const int64_t* table, int64_t keys, int block_size, int64_t stride,
                           uint16_t* out);
+void fp8_prefetch_blocks(const uint8_t* k8, const uint8_t* v8, const int64_t* table, int64_t keys, int block_size,
+                         int64_t stride);
 // csrc/decode_avx2.c: the same, 8 keys at a time, where the CPU has AVX2 + FMA and no AVX-512, head_dim % 8 == 0
 // and block_size % 8 == 0.
 #define DECLARE_DECODE_AVX2(NAME, T)                                                                                 \
