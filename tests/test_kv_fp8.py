@@ -56,6 +56,7 @@ SHAPES = [
     (8, 2, 128, [5, 700, 64], False, None),
     (4, 4, 32, [300, 301, 302, 303], True, None),  # a recompute's rows: one work item over shared blocks
     (9, 3, 64, [40, 90, 700], False, 48),  # a sliding window
+    (6, 3, 32, [5, 37, 70], False, None),  # rows of 96 values: the widening's 64 at a time, then 32
 ]
 
 

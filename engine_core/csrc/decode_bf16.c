@@ -248,8 +248,8 @@ int decode_bf16(const uint16_t* q, const uint16_t* k_cache, const uint16_t* v_ca
     float* parts = max_span > part_keys ? malloc(total_parts * state * sizeof(float)) : NULL;
     const int64_t stride = (int64_t)num_kv_heads * head_dim, wide_elems = 2 * part_keys * stride;
     uint16_t* wide = k8 ? malloc(threads * wide_elems * sizeof(uint16_t)) : NULL;
-    int64_t* in_order = malloc((part_keys / block_size) * sizeof(int64_t));  // the widened blocks' table
-    for (int64_t b = 0; b < part_keys / block_size; b++) in_order[b] = b;
+    int64_t* in_order = k8 ? malloc((part_keys / block_size) * sizeof(int64_t)) : NULL;  // the widened blocks' table
+    for (int64_t b = 0; in_order && b < part_keys / block_size; b++) in_order[b] = b;
     _Pragma("omp parallel") {
         _Pragma("omp for schedule(dynamic, 1)") for (int64_t i = 0; i < items; i++) {
             const Item it = item[i];
