@@ -116,8 +116,8 @@ void fp8_prefetch_blocks(const uint8_t* k8, const uint8_t* v8, const int64_t* ta
     for (int64_t b = 0; b * block_size < keys; b++) {
         const int64_t n = (keys - b * block_size < block_size ? keys - b * block_size : block_size) * stride;
         for (int64_t off = 0; off < n; off += 64)
-            _mm_prefetch((const char*)k8 + table[b] * block_bytes + off, _MM_HINT_T1),
-                _mm_prefetch((const char*)v8 + table[b] * block_bytes + off, _MM_HINT_T1);
+            __builtin_prefetch(k8 + table[b] * block_bytes + off, 0, 2),
+                __builtin_prefetch(v8 + table[b] * block_bytes + off, 0, 2);  // locality 2: into L2
     }
 }
 
