@@ -56,10 +56,12 @@ class CpuKernels:
         # read by calls of up to grid_rows rows
         self.has_grid_linear, self.grid_rows = bool(lib.linear_grid_available()), lib.linear_grid_rows()
         self.has_f32_linear = bool(lib.linear_f32_available())  # fp32 panels, AVX-512 or AVX2 (csrc/linear_f32.c)
-        # decode attention over an fp8 (e4m3) KV cache: csrc/decode_bf16.c, which needs AVX512-BF16
-        self.has_fp8_decode = bool(lib.decode_fp8_available())
-        self._decode_fp8 = lib.decode_bf16
-        self._decode_fp8.argtypes = [_P] * 8 + [_I] * 6 + [_F, _I64]
+        # decode attention over an fp8 (e4m3) KV cache (csrc/kv_fp8.c): AVX512-BF16, or AVX2 + FMA + F16C
+        self._decode_fp8_takes = lib.decode_fp8_takes
+        self._decode_fp8_takes.argtypes = [_I, _I]
+        self.has_fp8_decode = bool(self._decode_fp8_takes(64, 16))
+        self._decode_fp8 = lib.paged_decode_fp8
+        self._decode_fp8.argtypes = [_P] * 6 + [_I] * 6 + [_F, _I64]
         self._fp8_from_bf16 = lib.fp8_from_bf16
         self._fp8_from_bf16.argtypes = [_P, _P, _I64]
         self.has_amx_linear = bool(lib.linear_amx_available())  # every format on AMX where k % 32 == 0 (linear_amx.c)
@@ -82,10 +84,10 @@ class CpuKernels:
 
     def supports_decode(self, q: torch.Tensor, k_cache: torch.Tensor) -> bool:
         num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
-        fp8 = k_cache.dtype == torch.float8_e4m3fn and q.dtype == torch.bfloat16 and self.has_fp8_decode
+        fp8 = k_cache.dtype == torch.float8_e4m3fn and q.dtype == torch.bfloat16
         return (
             self.handles(q)
-            and (k_cache.dtype == q.dtype or (fp8 and head_dim % 32 == 0))
+            and (k_cache.dtype == q.dtype or (fp8 and bool(self._decode_fp8_takes(head_dim, block_size))))
             and q.shape[1] // num_kv_heads <= self.max_group
             and q.shape[1] <= self.max_heads
             and head_dim <= self.max_dim
@@ -100,13 +102,13 @@ class CpuKernels:
         out = torch.empty_like(q)
         num_seqs, num_q_heads, head_dim = q.shape
         _, block_size, num_kv_heads, _ = k_cache.shape
-        if k_cache.dtype == torch.float8_e4m3fn:  # widened to bf16 a work item at a time (csrc/kv_fp8.c)
+        if k_cache.dtype == torch.float8_e4m3fn:  # widened as it is read (csrc/kv_fp8.c)
             done = self._decode_fp8(
-                q.data_ptr(), None, None, k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
-                seq_lens.data_ptr(), out.data_ptr(), num_seqs, num_q_heads, num_kv_heads, head_dim, block_size,
-                block_tables.shape[1], scale, window or 0,
+                q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(), seq_lens.data_ptr(),
+                out.data_ptr(), num_seqs, num_q_heads, num_kv_heads, head_dim, block_size, block_tables.shape[1],
+                scale, window or 0,
             )  # fmt: skip
-            assert done, "fp8 KV caches need AVX512-BF16 and head_dim % 32 == 0 (supports_decode)"
+            assert done, "an fp8 KV cache this build's kernels do not take (supports_decode)"
             return out
         self._funcs["paged_decode", q.dtype](
             q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(), seq_lens.data_ptr(),

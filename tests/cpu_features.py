@@ -30,4 +30,4 @@ needs_f32_linear_kernel = pytest.mark.skipif(not HAS_F32_LINEAR,
                                              reason="our fp32 linear kernel needs AVX-512 or AVX2 + FMA")  # fmt: skip
 HAS_FP8_DECODE = _KERNELS is not None and _KERNELS.has_fp8_decode
 needs_fp8_decode = pytest.mark.skipif(not HAS_FP8_DECODE,
-                                      reason="decode attention over an fp8 KV cache needs AVX512-BF16")  # fmt: skip
+                                      reason="fp8 KV decode attention needs AVX512-BF16 or AVX2")  # fmt: skip

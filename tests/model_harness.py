@@ -14,16 +14,17 @@ class PagedRun:
     engine's automatic choice unless one is given."""
 
     def __init__(self, model, num_seqs: int, max_len: int, dtype=torch.float32,
-                 backend: AttentionBackend | None = None, kv_dtype: torch.dtype | None = None) -> None:  # fmt: skip
-        self.model = model
-        self.blocks_per_seq = (max_len + BLOCK_SIZE - 1) // BLOCK_SIZE
+                 backend: AttentionBackend | None = None, kv_dtype: torch.dtype | None = None,
+                 block_size: int = BLOCK_SIZE) -> None:  # fmt: skip
+        self.model, self.block_size = model, block_size
+        self.blocks_per_seq = (max_len + self.block_size - 1) // self.block_size
         num_blocks = num_seqs * self.blocks_per_seq + 1  # the last one: padding rows' scratch block
-        self.scratch_slot = (num_blocks - 1) * BLOCK_SIZE
-        shape = (num_blocks, BLOCK_SIZE, model.num_kv_heads, model.head_dim)
+        self.scratch_slot = (num_blocks - 1) * self.block_size
+        shape = (num_blocks, self.block_size, model.num_kv_heads, model.head_dim)
         attn = model.attention_layers()[0]
         kv_dtype = kv_dtype or dtype  # the caches' (an fp8 KV cache: torch.float8_e4m3fn)
         self.backend = backend or select_backend("auto", torch.device("cpu"), dtype, attn.num_heads,
-                                                 attn.num_kv_heads, attn.head_dim, BLOCK_SIZE, kv_dtype)  # fmt: skip
+                                                 attn.num_kv_heads, attn.head_dim, block_size, kv_dtype)  # fmt: skip
         for layer in model.attention_layers():
             layer.k_cache = torch.zeros(shape, dtype=kv_dtype)
             layer.v_cache = torch.zeros(shape, dtype=kv_dtype)
@@ -36,7 +37,7 @@ class PagedRun:
 
     def _slots(self, seq: int, start: int, end: int) -> torch.Tensor:
         pos = torch.arange(start, end)
-        return self.tables[seq][pos // BLOCK_SIZE] * BLOCK_SIZE + pos % BLOCK_SIZE
+        return self.tables[seq][pos // self.block_size] * self.block_size + pos % self.block_size
 
     @torch.inference_mode()
     def prefill(self, chunks: list[list[int]], seqs: list[int] | None = None) -> list[torch.Tensor]:
@@ -48,11 +49,11 @@ class PagedRun:
             ids += chunk
             pos += list(range(s, e))
             slots.append(self._slots(seq, s, e))
-            nblocks = (e + BLOCK_SIZE - 1) // BLOCK_SIZE
+            nblocks = (e + self.block_size - 1) // self.block_size
             prefills.append(PrefillChunk(start, len(chunk), e, self.tables[seq][:nblocks]))
             start += len(chunk)
             self.lens[seq] = e
-        meta = AttentionMetadata.build(torch.cat(slots), None, None, prefills, BLOCK_SIZE)
+        meta = AttentionMetadata.build(torch.cat(slots), None, None, prefills, self.block_size)
         hidden = self.model(torch.tensor(ids), torch.tensor(pos), meta)
         logits = self.model.compute_logits(hidden)
         return list(logits.split([len(c) for c in chunks]))
@@ -64,9 +65,9 @@ class PagedRun:
         pos = torch.tensor(self.lens[:n])
         slots = torch.cat([self._slots(i, self.lens[i], self.lens[i] + 1) for i in range(n)])
         self.lens[:n] = [x + 1 for x in self.lens[:n]]
-        max_blocks = max((x + BLOCK_SIZE - 1) // BLOCK_SIZE for x in self.lens[:n])
+        max_blocks = max((x + self.block_size - 1) // self.block_size for x in self.lens[:n])
         tables = torch.stack([t[:max_blocks] for t in self.tables[:n]])
-        meta = AttentionMetadata.build(slots, tables, torch.tensor(self.lens[:n]), [], BLOCK_SIZE)
+        meta = AttentionMetadata.build(slots, tables, torch.tensor(self.lens[:n]), [], self.block_size)
         return self.model.compute_logits(self.model(torch.tensor(tokens), pos, meta))
 
     @torch.inference_mode()
@@ -84,13 +85,13 @@ class PagedRun:
             ids += chunk
             pos += range(s, e)
             slots.append(self._slots(seq, s, e))
-            prefills.append(PrefillChunk(start, len(chunk), e, self.tables[seq][: -(-e // BLOCK_SIZE)]))
+            prefills.append(PrefillChunk(start, len(chunk), e, self.tables[seq][: -(-e // self.block_size)]))
             start, self.lens[seq] = start + len(chunk), e
         slots.append(torch.full((pad,), self.scratch_slot))
         tables = lens = None
         if n:
-            width = max(-(-x // BLOCK_SIZE) for x in self.lens[:n])
+            width = max(-(-x // self.block_size) for x in self.lens[:n])
             tables, lens = torch.stack([t[:width] for t in self.tables[:n]]), torch.tensor(self.lens[:n])
-        meta = AttentionMetadata.build(torch.cat(slots), tables, lens, prefills, BLOCK_SIZE)
+        meta = AttentionMetadata.build(torch.cat(slots), tables, lens, prefills, self.block_size)
         hidden = self.model(torch.tensor(ids + [0] * pad), torch.tensor(pos + [0] * pad), meta)
         return self.model.compute_logits(hidden)

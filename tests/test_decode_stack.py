@@ -90,7 +90,8 @@ def tiny_llama(variant: str, quantization: str | None = None, window: int | None
 def steps(model, stack: bool, kv_dtype: torch.dtype | None = None) -> tuple[list[torch.Tensor], int]:
     """Prefills, a mixed step, decodes of all five sequences, then of the first three: logits, and how many
     steps the stack ran."""
-    run = PagedRun(model, 5, 120, dtype=torch.bfloat16, kv_dtype=kv_dtype)
+    # an fp8 cache in blocks of 8, which the AVX2 kernel takes (csrc/decode_avx2.c)
+    run = PagedRun(model, 5, 120, dtype=torch.bfloat16, kv_dtype=kv_dtype, block_size=8 if kv_dtype else 4)
     model.decode_stack = DecodeStack.build(model) if stack else None
     assert (model.decode_stack is not None) == stack
     calls = 0

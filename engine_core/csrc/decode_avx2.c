@@ -1,7 +1,9 @@
 // Decode attention (one query row per sequence, all heads) over paged bf16 or fp32 K/V on CPUs with AVX2 + FMA and
 // no AVX-512, 8 keys at a time: csrc/decode_bf16.c's plan with fp32 FMAs. paged_decode (csrc/paged_decode.c) hands
 // it the whole call where head_dim % 8 == 0 and block_size % 8 == 0. (Built for AVX-512 without AVX512-BF16, it
-// was no faster than the 16-lane key-at-a-time path there at batch 64, and 7% slower at 512 keys.)
+// was no faster than the 16-lane key-at-a-time path there at batch 64, and 7% slower at 512 keys.) It also reads
+// fp8 caches for bf16 models (csrc/kv_fp8.c's paged_decode_fp8), widening each row to fp32 as it loads it, on
+// AVX-512 CPUs too where decode_bf16 does not take them: the values, so the result, those of a bf16 cache holding them.
 // For each 8-key slice and each KV head:
 //   - the slice's key and value rows are widened to fp32 once, for all the query heads of the group;
 //   - a query head's scores: one partial-sum vector per key (8 independent FMA chains), then sum_lanes8 adds the
@@ -16,7 +18,7 @@
 
 #include "kernel_common.h"
 
-#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 
 #define KEYS 8
 // Each slice's work prefetches the slice AHEAD keys on into L1 (through the block table: a sequence's blocks lie
@@ -36,8 +38,9 @@ static inline __m256 sum_lanes8(const __m256* s) {
     return _mm256_add_ps(_mm256_permute2f128_ps(ab, cd, 0x20), _mm256_permute2f128_ps(ab, cd, 0x31));
 }
 
-#define DEFINE_SEQUENCE(NAME, T, VLOAD, STORE)                                                                   \
-static void NAME(const T* q, const T* k_cache, const T* v_cache, const int64_t* table, int64_t len, T* out,     \
+// T: q's and out's element type; C, CLOAD: the caches' and how 8 of their values are widened.
+#define DEFINE_SEQUENCE(NAME, T, VLOAD, STORE, C, CLOAD)                                                         \
+static void NAME(const T* q, const C* k_cache, const C* v_cache, const int64_t* table, int64_t len, T* out,     \
                  float* part, int num_q_heads, int num_kv_heads, int head_dim, int block_size, float scale,     \
                  int skip) {                                                                                    \
     const int group = num_q_heads / num_kv_heads, nv = head_dim / 8;                                            \
@@ -58,14 +61,14 @@ static void NAME(const T* q, const T* k_cache, const T* v_cache, const int64_t* 
             for (int t = 0; t < KEYS; t++) /* zeros past the last key: 0 x 0, never 0 x garbage */              \
                 for (int j = 0; j < nv; j++) {                                                                  \
                     const int64_t e = at + t * stride + h * head_dim + 8 * j;                                   \
-                    kf[t][j] = t < n ? VLOAD(k_cache + e) : _mm256_setzero_ps();                                \
-                    vf[t][j] = t < n ? VLOAD(v_cache + e) : _mm256_setzero_ps();                                \
+                    kf[t][j] = t < n ? CLOAD(k_cache + e) : _mm256_setzero_ps();                                \
+                    vf[t][j] = t < n ? CLOAD(v_cache + e) : _mm256_setzero_ps();                                \
                 }                                                                                               \
             for (int g = 0; g < group; g++) {                                                                   \
                 const int i = h * group + g;                                                                    \
                 for (int t = i * KEYS / num_q_heads; start + AHEAD < len && t < (i + 1) * KEYS / num_q_heads; t++) \
                     prefetch_rows(k_cache + ahead + t * stride, v_cache + ahead + t * stride,                   \
-                                  stride * (int64_t)sizeof(T));                                                 \
+                                  stride * (int64_t)sizeof(C));                                                 \
                 __m256 dots[KEYS]; /* per key: its products' partial sums */                                   \
                 for (int t = 0; t < KEYS; t++) dots[t] = _mm256_mul_ps(qv[i][0], kf[t][0]);                     \
                 for (int j = 1; j < nv; j++)                                                                    \
@@ -90,18 +93,20 @@ static void NAME(const T* q, const T* k_cache, const T* v_cache, const int64_t* 
     }                                                                                                           \
 }
 
-DEFINE_SEQUENCE(sequence_bf16, uint16_t, vload8_bf16, bf16_store)
-DEFINE_SEQUENCE(sequence_f32, float, vload8_f32, F32_STORE)
+DEFINE_SEQUENCE(sequence_bf16, uint16_t, vload8_bf16, bf16_store, uint16_t, vload8_bf16)
+DEFINE_SEQUENCE(sequence_f32, float, vload8_f32, F32_STORE, float, vload8_f32)
+DEFINE_SEQUENCE(sequence_fp8, uint16_t, vload8_bf16, bf16_store, uint8_t, vload8_fp8)
 
 // Sequences longer than this are attended in parts (decode_items, kernel_common.h): one row of 4096 keys, 30
 // layers, 18 -> 10 ms on 2 cores.
 #define SPLIT_KEYS 512
 
-#define DEFINE_CALL(NAME, T, SEQUENCE, COMBINE)                                                                  \
-int NAME(const T* q, const T* k_cache, const T* v_cache, const int64_t* block_tables, const int64_t* seq_lens,   \
+// TAKEN: whether this build runs it at all.
+#define DEFINE_CALL(NAME, T, C, SEQUENCE, COMBINE, TAKEN)                                                        \
+int NAME(const T* q, const C* k_cache, const C* v_cache, const int64_t* block_tables, const int64_t* seq_lens,   \
          T* out, int num_seqs, int num_q_heads, int num_kv_heads, int head_dim, int block_size, int max_blocks,  \
          float scale, int64_t window) {                                                                         \
-    if (head_dim % 8 || head_dim > DECODE_MAX_DIM || block_size % KEYS) return 0;                               \
+    if (!(TAKEN) || head_dim % 8 || head_dim > DECODE_MAX_DIM || block_size % KEYS) return 0;                   \
     DecodeItems it = decode_items(seq_lens, num_seqs, block_size, SPLIT_KEYS, num_q_heads, head_dim, window);    \
     const int64_t row = (int64_t)num_q_heads * head_dim;                                                        \
     _Pragma("omp parallel") {                                                                                   \
@@ -118,8 +123,8 @@ int NAME(const T* q, const T* k_cache, const T* v_cache, const int64_t* block_ta
     return 1;                                                                                                   \
 }
 #else
-#define DEFINE_CALL(NAME, T, SEQUENCE, COMBINE)                                                                  \
-int NAME(const T* q, const T* k_cache, const T* v_cache, const int64_t* block_tables, const int64_t* seq_lens,   \
+#define DEFINE_CALL(NAME, T, C, SEQUENCE, COMBINE, TAKEN)                                                        \
+int NAME(const T* q, const C* k_cache, const C* v_cache, const int64_t* block_tables, const int64_t* seq_lens,   \
          T* out, int num_seqs, int num_q_heads, int num_kv_heads, int head_dim, int block_size, int max_blocks,  \
          float scale, int64_t window) {                                                                         \
     (void)q, (void)k_cache, (void)v_cache, (void)block_tables, (void)seq_lens, (void)out, (void)num_seqs;      \
@@ -129,5 +134,11 @@ int NAME(const T* q, const T* k_cache, const T* v_cache, const int64_t* block_ta
 }
 #endif
 
-DEFINE_CALL(decode_avx2_bf16, uint16_t, sequence_bf16, combine_parts_bf16)
-DEFINE_CALL(decode_avx2_f32, float, sequence_f32, combine_parts_f32)
+#if defined(__AVX512F__)
+#define WITHOUT_AVX512 0  // the 16-lane paths of csrc/decode_bf16.c and csrc/paged_decode.c serve bf16 and fp32
+#else
+#define WITHOUT_AVX512 1
+#endif
+DEFINE_CALL(decode_avx2_bf16, uint16_t, uint16_t, sequence_bf16, combine_parts_bf16, WITHOUT_AVX512)
+DEFINE_CALL(decode_avx2_f32, float, float, sequence_f32, combine_parts_f32, WITHOUT_AVX512)
+DEFINE_CALL(decode_avx2_fp8, uint16_t, uint8_t, sequence_fp8, combine_parts_bf16, 1)

@@ -177,10 +177,10 @@ void decode_stack_bf16(const DecodeLayer* layers, const StackShape* s, const uin
             }
             memcpy(q + r * q_size, row, q_size * sizeof(uint16_t));
         }
-        if (s->kv_fp8)  // DecodeStack.build took fp8 caches only where decode_bf16 reads them
-            decode_bf16(q, NULL, NULL, (const uint8_t*)l->k_cache, (const uint8_t*)l->v_cache, block_tables, seq_lens,
-                        attn, (int)rows, (int)s->num_q_heads, (int)s->num_kv_heads, (int)hd, (int)s->block_size,
-                        (int)max_blocks, s->scale, l->window);
+        if (s->kv_fp8)  // DecodeStack.build took fp8 caches only where paged_decode_fp8 reads them
+            paged_decode_fp8(q, (const uint8_t*)l->k_cache, (const uint8_t*)l->v_cache, block_tables, seq_lens, attn,
+                             (int)rows, (int)s->num_q_heads, (int)s->num_kv_heads, (int)hd, (int)s->block_size,
+                             (int)max_blocks, s->scale, l->window);
         else
             paged_decode_bf16(q, l->k_cache, l->v_cache, block_tables, seq_lens, attn, (int)rows, (int)s->num_q_heads,
                               (int)s->num_kv_heads, (int)hd, (int)s->block_size, (int)max_blocks, s->scale, l->window);

@@ -209,6 +209,18 @@ static inline __m256 vload8_bf16(const uint16_t* p) {  // 8 bf16 values widened 
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
 }
 static inline __m256 vload8_f32(const float* p) { return _mm256_loadu_ps(p); }
+#if defined(__F16C__)
+// 8 e4m3 values of an fp8 KV cache (csrc/kv_fp8.c) widened to fp32, exactly: each one's sign, 4 exponent bits and 3
+// mantissa bits moved into an fp16's places (its exponent's low 4 bits, its mantissa's top 3) make 2^-8 times the
+// value, subnormals included; F16C widens that, and 256 scales it back. NaN (0x7f) is set apart, else it read 480.
+static inline __m256 vload8_fp8(const uint8_t* p) {
+    const __m128i x = _mm_cvtepi8_epi16(_mm_loadl_epi64((const __m128i*)p));  // sign-extended: bit 15 the sign
+    const __m128i h = _mm_and_si128(_mm_slli_epi16(x, 7), _mm_set1_epi16((short)0xbf80));
+    const __m128i nan = _mm_cmpeq_epi16(_mm_and_si128(x, _mm_set1_epi16(0x7f)), _mm_set1_epi16(0x7f));
+    return _mm256_mul_ps(_mm256_cvtph_ps(_mm_or_si128(h, _mm_and_si128(nan, _mm_set1_epi16(0x7e00)))),
+                         _mm256_set1_ps(256.f));
+}
+#endif
 #if !defined(__AVX512F__)  // the LANES-wide loads of the key-at-a-time paths (AVX-512 has its own above)
 static inline __m256 vload_bf16(const uint16_t* p) { return vload8_bf16(p); }
 static inline __m256 vload_f32(const float* p) { return vload8_f32(p); }
@@ -696,11 +708,15 @@ void bf16_from_fp8_blocks(const uint8_t* cache, const int64_t* table, int64_t ke
                           uint16_t* out);
 void fp8_prefetch_blocks(const uint8_t* k8, const uint8_t* v8, const int64_t* table, int64_t keys, int block_size,
                          int64_t stride);
-// csrc/decode_avx2.c: the same, 8 keys at a time, where the CPU has AVX2 + FMA and no AVX-512, head_dim % 8 == 0
-// and block_size % 8 == 0.
-#define DECLARE_DECODE_AVX2(NAME, T)                                                                                 \
-    int NAME(const T* q, const T* k_cache, const T* v_cache, const int64_t* block_tables, const int64_t* seq_lens,   \
+int paged_decode_fp8(const uint16_t* q, const uint8_t* k8, const uint8_t* v8, const int64_t* block_tables,
+                     const int64_t* seq_lens, uint16_t* out, int num_seqs, int num_q_heads, int num_kv_heads,
+                     int head_dim, int block_size, int max_blocks, float scale, int64_t window);
+// csrc/decode_avx2.c: the same, 8 keys at a time, where the CPU has AVX2 + FMA (+ F16C) and no AVX-512 (fp8 caches:
+// AVX-512 too), head_dim % 8 == 0 and block_size % 8 == 0. C: the caches' element type.
+#define DECLARE_DECODE_AVX2(NAME, T, C)                                                                              \
+    int NAME(const T* q, const C* k_cache, const C* v_cache, const int64_t* block_tables, const int64_t* seq_lens,   \
              T* out, int num_seqs, int num_q_heads, int num_kv_heads, int head_dim, int block_size, int max_blocks, \
              float scale, int64_t window)
-DECLARE_DECODE_AVX2(decode_avx2_bf16, uint16_t);
-DECLARE_DECODE_AVX2(decode_avx2_f32, float);
+DECLARE_DECODE_AVX2(decode_avx2_bf16, uint16_t, uint16_t);
+DECLARE_DECODE_AVX2(decode_avx2_f32, float, float);
+DECLARE_DECODE_AVX2(decode_avx2_fp8, uint16_t, uint8_t);

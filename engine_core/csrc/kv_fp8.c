@@ -2,7 +2,7 @@
 // mantissa bits, finite up to 448, no infinities), one byte each. Written here from bf16 (the decode stack's new rows;
 // engine_core/attention/torch_backend.py writes the other rows with torch's conversion, which the tests hold equal to
 // this one), and widened back to bf16 here, exactly (every e4m3 value is a bf16 value), for the bf16 decode kernel
-// to attend (csrc/decode_bf16.c).
+// to attend (csrc/decode_bf16.c); csrc/decode_avx2.c widens its rows to fp32 itself.
 #include "kernel_common.h"
 
 #define E4M3_MAX_BF16 0x43e0  // 448, the largest e4m3 value: larger magnitudes saturate to it
@@ -121,11 +121,25 @@ void fp8_prefetch_blocks(const uint8_t* k8, const uint8_t* v8, const int64_t* ta
     }
 }
 
-// Whether decode_bf16 (csrc/decode_bf16.c) attends fp8 caches on this build: it needs AVX512-BF16 (and head_dim % 32
-// == 0, which the caller checks).
-int decode_fp8_available(void) {
+// Decode attention over fp8 caches (csrc/paged_decode.c's arguments, bf16 q and out): decode_bf16 where it takes
+// them (AVX512-BF16, head_dim % 32 == 0), else decode_avx2_fp8 (AVX2 + FMA + F16C, head_dim and block_size % 8 ==
+// 0). Returns 0, having done nothing, where neither does: decode_fp8_takes says so beforehand.
+int paged_decode_fp8(const uint16_t* q, const uint8_t* k8, const uint8_t* v8, const int64_t* block_tables,
+                     const int64_t* seq_lens, uint16_t* out, int num_seqs, int num_q_heads, int num_kv_heads,
+                     int head_dim, int block_size, int max_blocks, float scale, int64_t window) {
+    return decode_bf16(q, NULL, NULL, k8, v8, block_tables, seq_lens, out, num_seqs, num_q_heads, num_kv_heads,
+                       head_dim, block_size, max_blocks, scale, window) ||
+           decode_avx2_fp8(q, k8, v8, block_tables, seq_lens, out, num_seqs, num_q_heads, num_kv_heads, head_dim,
+                           block_size, max_blocks, scale, window);
+}
+
+// Whether paged_decode_fp8 runs heads of head_dim in blocks of block_size on this build.
+int decode_fp8_takes(int head_dim, int block_size) {
 #if defined(__AVX512BF16__)
-    return 1;
+    if (head_dim % 32 == 0) return 1;
+#endif
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+    return head_dim % 8 == 0 && head_dim <= DECODE_MAX_DIM && block_size % 8 == 0;
 #else
     return 0;
 #endif
