@@ -18,8 +18,9 @@ FP8_MAX = 448.0  # the largest float8 e4m3: K/V beyond it are stored as it
 
 
 def to_fp8(x: torch.Tensor) -> torch.Tensor:
-    """x as an fp8 KV cache (--kv-cache-dtype fp8) holds it: float8 e4m3, saturated (as csrc/kv_fp8.c writes)."""
-    return x.clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    """x as an fp8 KV cache (--kv-cache-dtype fp8) holds it: float8 e4m3, saturated, NaN as 0 (as csrc/kv_fp8.c
+    writes: with no NaN in the cache, the AVX2 kernel widens without checking for one)."""
+    return x.clamp(-FP8_MAX, FP8_MAX).nan_to_num(0.0).to(torch.float8_e4m3fn)
 
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor):

@@ -38,8 +38,16 @@ static inline __m256 sum_lanes8(const __m256* s) {
     return _mm256_add_ps(_mm256_permute2f128_ps(ab, cd, 0x20), _mm256_permute2f128_ps(ab, cd, 0x31));
 }
 
-// T: q's and out's element type; C, CLOAD: the caches' and how 8 of their values are widened.
-#define DEFINE_SEQUENCE(NAME, T, VLOAD, STORE, C, CLOAD)                                                         \
+// 16 values at p widened to fp32, as two vectors.
+static inline void vload16_bf16(const uint16_t* p, __m256* lo, __m256* hi) {
+    *lo = vload8_bf16(p), *hi = vload8_bf16(p + 8);
+}
+static inline void vload16_f32(const float* p, __m256* lo, __m256* hi) { *lo = vload8_f32(p), *hi = vload8_f32(p + 8); }
+
+// T: q's and out's element type; C, CLOAD8, CLOAD16: the caches' and how 8 or 16 of their values are widened, to
+// 1 / C_SCALE times their values (a power of two: the products with the query and the weights, each scaled by it
+// in turn, are the unscaled ones exactly).
+#define DEFINE_SEQUENCE(NAME, T, VLOAD, STORE, C, CLOAD8, CLOAD16, C_SCALE)                                      \
 static void NAME(const T* q, const C* k_cache, const C* v_cache, const int64_t* table, int64_t len, T* out,     \
                  float* part, int num_q_heads, int num_kv_heads, int head_dim, int block_size, float scale,     \
                  int skip) {                                                                                    \
@@ -49,7 +57,7 @@ static void NAME(const T* q, const C* k_cache, const C* v_cache, const int64_t* 
     float m[num_q_heads], l[num_q_heads], w[KEYS];                                                              \
     for (int i = 0; i < num_q_heads; i++) {                                                                     \
         for (int j = 0; j < nv; j++)                                                                            \
-            qv[i][j] = _mm256_mul_ps(VLOAD(q + i * head_dim + 8 * j), _mm256_set1_ps(scale)),                   \
+            qv[i][j] = _mm256_mul_ps(VLOAD(q + i * head_dim + 8 * j), _mm256_set1_ps(scale * (C_SCALE))),       \
             acc[i][j] = _mm256_setzero_ps();                                                                    \
         m[i] = NO_SCORE, l[i] = 0.f;                                                                            \
     }                                                                                                           \
@@ -58,12 +66,16 @@ static void NAME(const T* q, const C* k_cache, const C* v_cache, const int64_t* 
         const int n = (int)(len - start < KEYS ? len - start : KEYS);                                           \
         const int hidden = start < skip ? (int)(skip - start < KEYS ? skip - start : KEYS) : 0;  /* a window's */ \
         for (int h = 0; h < num_kv_heads; h++) {                                                                \
-            for (int t = 0; t < KEYS; t++) /* zeros past the last key: 0 x 0, never 0 x garbage */              \
-                for (int j = 0; j < nv; j++) {                                                                  \
-                    const int64_t e = at + t * stride + h * head_dim + 8 * j;                                   \
-                    kf[t][j] = t < n ? CLOAD(k_cache + e) : _mm256_setzero_ps();                                \
-                    vf[t][j] = t < n ? CLOAD(v_cache + e) : _mm256_setzero_ps();                                \
-                }                                                                                               \
+            for (int t = 0; t < KEYS; t++) { /* zeros past the last key: 0 x 0, never 0 x garbage */            \
+                const int64_t e = at + t * stride + h * head_dim;                                               \
+                int j = 0;                                                                                      \
+                for (; t < n && j + 2 <= nv; j += 2)                                                            \
+                    CLOAD16(k_cache + e + 8 * j, &kf[t][j], &kf[t][j + 1]),                                     \
+                        CLOAD16(v_cache + e + 8 * j, &vf[t][j], &vf[t][j + 1]);                                 \
+                for (; j < nv; j++)                                                                             \
+                    kf[t][j] = t < n ? CLOAD8(k_cache + e + 8 * j) : _mm256_setzero_ps(),                       \
+                    vf[t][j] = t < n ? CLOAD8(v_cache + e + 8 * j) : _mm256_setzero_ps();                       \
+            }                                                                                                   \
             for (int g = 0; g < group; g++) {                                                                   \
                 const int i = h * group + g;                                                                    \
                 for (int t = i * KEYS / num_q_heads; start + AHEAD < len && t < (i + 1) * KEYS / num_q_heads; t++) \
@@ -76,7 +88,7 @@ static void NAME(const T* q, const C* k_cache, const C* v_cache, const int64_t* 
                 const __m256 c = _mm256_set1_ps(softmax8(sum_lanes8(dots), hidden, n, &m[i], &l[i], w));       \
                 for (int j = 0; j < nv; j++) {                                                                  \
                     __m256 a = _mm256_mul_ps(acc[i][j], c);                                                     \
-                    for (int t = 0; t < KEYS; t++) a = _mm256_fmadd_ps(_mm256_set1_ps(w[t]), vf[t][j], a);      \
+                    for (int t = 0; t < KEYS; t++) a = _mm256_fmadd_ps(_mm256_set1_ps(w[t] * (C_SCALE)), vf[t][j], a); \
                     acc[i][j] = a;                                                                              \
                 }                                                                                               \
             }                                                                                                   \
@@ -93,9 +105,9 @@ static void NAME(const T* q, const C* k_cache, const C* v_cache, const int64_t* 
     }                                                                                                           \
 }
 
-DEFINE_SEQUENCE(sequence_bf16, uint16_t, vload8_bf16, bf16_store, uint16_t, vload8_bf16)
-DEFINE_SEQUENCE(sequence_f32, float, vload8_f32, F32_STORE, float, vload8_f32)
-DEFINE_SEQUENCE(sequence_fp8, uint16_t, vload8_bf16, bf16_store, uint8_t, vload8_fp8)
+DEFINE_SEQUENCE(sequence_bf16, uint16_t, vload8_bf16, bf16_store, uint16_t, vload8_bf16, vload16_bf16, 1.f)
+DEFINE_SEQUENCE(sequence_f32, float, vload8_f32, F32_STORE, float, vload8_f32, vload16_f32, 1.f)
+DEFINE_SEQUENCE(sequence_fp8, uint16_t, vload8_bf16, bf16_store, uint8_t, vload8_fp8_scaled, vload16_fp8_scaled, 256.f)
 
 // Sequences longer than this are attended in parts (decode_items, kernel_common.h): one row of 4096 keys, 30
 // layers, 18 -> 10 ms on 2 cores.

@@ -8,11 +8,12 @@
 #define E4M3_MAX_BF16 0x43e0  // 448, the largest e4m3 value: larger magnitudes saturate to it
 
 // One bf16 value to e4m3, rounded to nearest even as torch rounds, after the clamp to +-448 the torch path applies;
-// NaN stays NaN. Integer arithmetic only: the kernels build with -ffast-math.
+// NaN becomes 0, as there (the cache holds no NaN: csrc/decode_avx2.c reads without checking). Integer arithmetic
+// only: the kernels build with -ffast-math.
 static inline uint8_t e4m3_from_bf16(uint16_t h) {
     const uint8_t sign = (uint8_t)((h >> 8) & 0x80);
     const uint32_t a = h & 0x7fff;  // magnitude: exponent (bias 127) << 7 | 7 mantissa bits
-    if (a > 0x7f80) return sign | 0x7f;  // NaN
+    if (a > 0x7f80) return 0;  // NaN
     if (a >= E4M3_MAX_BF16) return sign | 0x7e;
     if (a >= (121u << 7))  // a normal e4m3 (from 2^-6): exponent rebiased to 7, 4 mantissa bits dropped
         return sign | (uint8_t)((a - (120u << 7) + 0x7 + ((a >> 4) & 1)) >> 4);
