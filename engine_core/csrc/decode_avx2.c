@@ -2,8 +2,9 @@
 // no AVX-512, 8 keys at a time: csrc/decode_bf16.c's plan with fp32 FMAs. paged_decode (csrc/paged_decode.c) hands
 // it the whole call where head_dim % 8 == 0 and block_size % 8 == 0. (Built for AVX-512 without AVX512-BF16, it
 // was no faster than the 16-lane key-at-a-time path there at batch 64, and 7% slower at 512 keys.) It also reads
-// fp8 caches for bf16 models (csrc/kv_fp8.c's paged_decode_fp8), widening each row to fp32 as it loads it, on
-// AVX-512 CPUs too where decode_bf16 does not take them: the values, so the result, those of a bf16 cache holding them.
+// fp8 caches for bf16 models (csrc/kv_fp8.c's paged_decode_fp8), widening each row to fp32 as it loads it: the
+// result that of a bf16 cache holding the same values, as this build's bf16 decode computes it. (So not on AVX-512
+// CPUs, where bf16 runs another plan.)
 // For each 8-key slice and each KV head:
 //   - the slice's key and value rows are widened to fp32 once, for all the query heads of the group;
 //   - a query head's scores: one partial-sum vector per key (8 independent FMA chains), then sum_lanes8 adds the
@@ -18,7 +19,7 @@
 
 #include "kernel_common.h"
 
-#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__) && !defined(__AVX512F__)
 
 #define KEYS 8
 // Each slice's work prefetches the slice AHEAD keys on into L1 (through the block table: a sequence's blocks lie
@@ -113,12 +114,11 @@ DEFINE_SEQUENCE(sequence_fp8, uint16_t, vload8_bf16, bf16_store, uint8_t, vload8
 // layers, 18 -> 10 ms on 2 cores.
 #define SPLIT_KEYS 512
 
-// TAKEN: whether this build runs it at all.
-#define DEFINE_CALL(NAME, T, C, SEQUENCE, COMBINE, TAKEN)                                                        \
+#define DEFINE_CALL(NAME, T, C, SEQUENCE, COMBINE)                                                               \
 int NAME(const T* q, const C* k_cache, const C* v_cache, const int64_t* block_tables, const int64_t* seq_lens,   \
          T* out, int num_seqs, int num_q_heads, int num_kv_heads, int head_dim, int block_size, int max_blocks,  \
          float scale, int64_t window) {                                                                         \
-    if (!(TAKEN) || head_dim % 8 || head_dim > DECODE_MAX_DIM || block_size % KEYS) return 0;                   \
+    if (head_dim % 8 || head_dim > DECODE_MAX_DIM || block_size % KEYS) return 0;                               \
     DecodeItems it = decode_items(seq_lens, num_seqs, block_size, SPLIT_KEYS, num_q_heads, head_dim, window);    \
     const int64_t row = (int64_t)num_q_heads * head_dim;                                                        \
     _Pragma("omp parallel") {                                                                                   \
@@ -135,7 +135,7 @@ int NAME(const T* q, const C* k_cache, const C* v_cache, const int64_t* block_ta
     return 1;                                                                                                   \
 }
 #else
-#define DEFINE_CALL(NAME, T, C, SEQUENCE, COMBINE, TAKEN)                                                        \
+#define DEFINE_CALL(NAME, T, C, SEQUENCE, COMBINE)                                                               \
 int NAME(const T* q, const C* k_cache, const C* v_cache, const int64_t* block_tables, const int64_t* seq_lens,   \
          T* out, int num_seqs, int num_q_heads, int num_kv_heads, int head_dim, int block_size, int max_blocks,  \
          float scale, int64_t window) {                                                                         \
@@ -146,11 +146,6 @@ int NAME(const T* q, const C* k_cache, const C* v_cache, const int64_t* block_ta
 }
 #endif
 
-#if defined(__AVX512F__)
-#define WITHOUT_AVX512 0  // the 16-lane paths of csrc/decode_bf16.c and csrc/paged_decode.c serve bf16 and fp32
-#else
-#define WITHOUT_AVX512 1
-#endif
-DEFINE_CALL(decode_avx2_bf16, uint16_t, uint16_t, sequence_bf16, combine_parts_bf16, WITHOUT_AVX512)
-DEFINE_CALL(decode_avx2_f32, float, float, sequence_f32, combine_parts_f32, WITHOUT_AVX512)
-DEFINE_CALL(decode_avx2_fp8, uint16_t, uint8_t, sequence_fp8, combine_parts_bf16, 1)
+DEFINE_CALL(decode_avx2_bf16, uint16_t, uint16_t, sequence_bf16, combine_parts_bf16)
+DEFINE_CALL(decode_avx2_f32, float, float, sequence_f32, combine_parts_f32)
+DEFINE_CALL(decode_avx2_fp8, uint16_t, uint8_t, sequence_fp8, combine_parts_bf16)

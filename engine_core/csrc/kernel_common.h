@@ -716,8 +716,8 @@ void fp8_prefetch_blocks(const uint8_t* k8, const uint8_t* v8, const int64_t* ta
 int paged_decode_fp8(const uint16_t* q, const uint8_t* k8, const uint8_t* v8, const int64_t* block_tables,
                      const int64_t* seq_lens, uint16_t* out, int num_seqs, int num_q_heads, int num_kv_heads,
                      int head_dim, int block_size, int max_blocks, float scale, int64_t window);
-// csrc/decode_avx2.c: the same, 8 keys at a time, where the CPU has AVX2 + FMA (+ F16C) and no AVX-512 (fp8 caches:
-// AVX-512 too), head_dim % 8 == 0 and block_size % 8 == 0. C: the caches' element type.
+// csrc/decode_avx2.c: the same, 8 keys at a time, where the CPU has AVX2 + FMA + F16C and no AVX-512, head_dim % 8
+// == 0 and block_size % 8 == 0. C: the caches' element type.
 #define DECLARE_DECODE_AVX2(NAME, T, C)                                                                              \
     int NAME(const T* q, const C* k_cache, const C* v_cache, const int64_t* block_tables, const int64_t* seq_lens,   \
              T* out, int num_seqs, int num_q_heads, int num_kv_heads, int head_dim, int block_size, int max_blocks, \

@@ -123,8 +123,10 @@ void fp8_prefetch_blocks(const uint8_t* k8, const uint8_t* v8, const int64_t* ta
 }
 
 // Decode attention over fp8 caches (csrc/paged_decode.c's arguments, bf16 q and out): decode_bf16 where it takes
-// them (AVX512-BF16, head_dim % 32 == 0), else decode_avx2_fp8 (AVX2 + FMA + F16C, head_dim and block_size % 8 ==
-// 0). Returns 0, having done nothing, where neither does: decode_fp8_takes says so beforehand.
+// them (AVX512-BF16, head_dim % 32 == 0), else decode_avx2_fp8 (AVX2 + FMA + F16C without AVX-512, head_dim and
+// block_size % 8 == 0): each where this build's bf16 decode runs the same plan, so the result is the one a bf16
+// cache holding the same values gets. Returns 0, having done nothing, where neither does: decode_fp8_takes says so
+// beforehand (AVX-512 CPUs without AVX512-BF16, and heads AVX512-BF16 does not take, attend with torch).
 int paged_decode_fp8(const uint16_t* q, const uint8_t* k8, const uint8_t* v8, const int64_t* block_tables,
                      const int64_t* seq_lens, uint16_t* out, int num_seqs, int num_q_heads, int num_kv_heads,
                      int head_dim, int block_size, int max_blocks, float scale, int64_t window) {
@@ -139,7 +141,7 @@ int decode_fp8_takes(int head_dim, int block_size) {
 #if defined(__AVX512BF16__)
     if (head_dim % 32 == 0) return 1;
 #endif
-#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__) && !defined(__AVX512F__)
     return head_dim % 8 == 0 && head_dim <= DECODE_MAX_DIM && block_size % 8 == 0;
 #else
     return 0;
