@@ -59,7 +59,7 @@ class CpuKernels:
         # decode attention over an fp8 (e4m3) KV cache (csrc/kv_fp8.c): AVX512-BF16, or AVX2 + FMA + F16C
         self._decode_fp8_takes = lib.decode_fp8_takes
         self._decode_fp8_takes.argtypes = [_I, _I]
-        self.has_fp8_decode = bool(self._decode_fp8_takes(64, 16))
+        self.has_fp8_decode = bool(self._decode_fp8_takes(64, 16))  # for heads of 64 in blocks of 16, at least
         self._decode_fp8 = lib.paged_decode_fp8
         self._decode_fp8.argtypes = [_P] * 6 + [_I] * 6 + [_F, _I64]
         self._fp8_from_bf16 = lib.fp8_from_bf16
