@@ -19,6 +19,16 @@
 
 #include "kernel_common.h"
 
+// Whether this build's decode_avx2_* calls take heads of head_dim in blocks of block_size.
+int decode_avx2_takes(int head_dim, int block_size) {
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__) && !defined(__AVX512F__)
+    return head_dim % 8 == 0 && head_dim <= DECODE_MAX_DIM && block_size % 8 == 0;  // 8 lanes; slices of KEYS = 8
+#else
+    (void)head_dim, (void)block_size;
+    return 0;
+#endif
+}
+
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__) && !defined(__AVX512F__)
 
 #define KEYS 8
@@ -118,7 +128,7 @@ DEFINE_SEQUENCE(sequence_fp8, uint16_t, vload8_bf16, bf16_store, uint8_t, vload8
 int NAME(const T* q, const C* k_cache, const C* v_cache, const int64_t* block_tables, const int64_t* seq_lens,   \
          T* out, int num_seqs, int num_q_heads, int num_kv_heads, int head_dim, int block_size, int max_blocks,  \
          float scale, int64_t window) {                                                                         \
-    if (head_dim % 8 || head_dim > DECODE_MAX_DIM || block_size % KEYS) return 0;                               \
+    if (!decode_avx2_takes(head_dim, block_size)) return 0;                                                     \
     DecodeItems it = decode_items(seq_lens, num_seqs, block_size, SPLIT_KEYS, num_q_heads, head_dim, window);    \
     const int64_t row = (int64_t)num_q_heads * head_dim;                                                        \
     _Pragma("omp parallel") {                                                                                   \

@@ -725,3 +725,4 @@ int paged_decode_fp8(const uint16_t* q, const uint8_t* k8, const uint8_t* v8, co
 DECLARE_DECODE_AVX2(decode_avx2_bf16, uint16_t, uint16_t);
 DECLARE_DECODE_AVX2(decode_avx2_f32, float, float);
 DECLARE_DECODE_AVX2(decode_avx2_fp8, uint16_t, uint8_t);
+int decode_avx2_takes(int head_dim, int block_size);

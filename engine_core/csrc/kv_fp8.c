@@ -141,9 +141,5 @@ int decode_fp8_takes(int head_dim, int block_size) {
 #if defined(__AVX512BF16__)
     if (head_dim % 32 == 0) return 1;
 #endif
-#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__) && !defined(__AVX512F__)
-    return head_dim % 8 == 0 && head_dim <= DECODE_MAX_DIM && block_size % 8 == 0;
-#else
-    return 0;
-#endif
+    return decode_avx2_takes(head_dim, block_size);
 }
