@@ -24,7 +24,7 @@ from common.messages import (
     UtilityCall,
     UtilityResult,
 )
-from common.model_source import ModelSourceError
+from common.model_errors import ConfigError, ModelSourceError
 from engine_core.core import EngineCore
 from engine_core.memory_profile import KvCacheSizeError
 from engine_core.pulse import start_pulses
@@ -62,9 +62,9 @@ def run_engine(config: EngineConfig, addresses: ipc.Addresses) -> int:
     except KeyboardInterrupt:
         code = 0
     except BaseException as exc:  # fatal: tell the frontend before going away
-        # Memory that cannot hold the engine, or a model it cannot serve, is the user's to fix, and the message says
-        # how: no traceback for them.
-        users = isinstance(exc, KvCacheSizeError | ModelSourceError)
+        # Memory that cannot hold the engine, or a model or flags it cannot serve, is the user's to fix, and the
+        # message says how: no traceback for them.
+        users = isinstance(exc, KvCacheSizeError | ModelSourceError | ConfigError)
         log.error("engine core died: %s", exc if users else traceback.format_exc())
         outputs.put(EngineDead(epoch, f"{type(exc).__name__}: {exc}"))
         code = 1

@@ -10,6 +10,7 @@ import os
 
 import torch
 
+from common.model_errors import ConfigError
 from engine_core.cpu_kernels import cpu_kernels
 from engine_core.kernel_build import cpu_flags
 
@@ -62,7 +63,7 @@ def pick_dtype(name: str, device: torch.device) -> torch.dtype:
     names = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
              "half": torch.float16}  # vLLM's --dtype names, its aliases included  # fmt: skip
     if name not in names:  # the command line's choices stop it there; this is for configs built in code (LLM)
-        raise ValueError(f"dtype {name!r} is not one of auto, {', '.join(names)}")
+        raise ConfigError(f"dtype {name!r} is not one of auto, {', '.join(names)}")
     return names[name]
 
 
@@ -74,9 +75,9 @@ def pick_kv_cache_dtype(name: str, dtype: torch.dtype, device: torch.device) -> 
     if name == "auto":
         return dtype
     if name not in ("fp8", "fp8_e4m3"):  # the command line's choices stop it there; this is for configs built in code
-        raise ValueError(f"kv_cache_dtype {name!r} is not one of auto, fp8, fp8_e4m3")
+        raise ConfigError(f"kv_cache_dtype {name!r} is not one of auto, fp8, fp8_e4m3")
     if device.type != "cpu" or dtype != torch.bfloat16:
-        raise ValueError(f"--kv-cache-dtype {name} runs on CPU with a bfloat16 model only (this one: {device.type}, "
+        raise ConfigError(f"--kv-cache-dtype {name} runs on CPU with a bfloat16 model only (this one: {device.type}, "
                          f"{str(dtype).removeprefix('torch.')})")  # fmt: skip
     return torch.float8_e4m3fn
 

@@ -20,6 +20,7 @@ from torch import nn
 
 from common.lora import LoraModule
 from common.messages import LoraRef
+from common.model_errors import ConfigError
 from engine_core.lora_weights import adapter_weights, stack_shards
 from engine_core.models.layers import PackedLinear, can_pack_bf16
 from engine_core.models.llama import LlamaForCausalLM
@@ -124,14 +125,14 @@ class LoraAdapters:
     def add(self, module: LoraModule) -> None:
         """Loads one adapter's weights; ValueError naming the problem, with nothing changed, if they do not fit."""
         if isinstance(self.model, MoeForCausalLM):  # an expert runs a subset of the step's rows, unknown to LoraStep
-            raise ValueError("LoRA adapters are not served on mixtures of experts")
+            raise ConfigError("LoRA adapters are not served on mixtures of experts")
         if not isinstance(self.model, LlamaForCausalLM):  # Gemma 3's layers are the Llama family's
-            raise ValueError(f"LoRA adapters are served on the Llama family and Gemma 3, not "
+            raise ConfigError(f"LoRA adapters are served on the Llama family and Gemma 3, not "
                              f"{type(self.model).__name__}")  # fmt: skip
         shards: dict[str, dict[int, tuple[torch.Tensor, torch.Tensor]]] = {}  # layer -> shard -> A, B
         for target, shard, a, b in adapter_weights(self.model, module, self.model.packed_modules):
             if a.shape[0] > self.max_rank:
-                raise ValueError(f"LoRA adapter {module.name!r}: {target} has rank {a.shape[0]}, above "
+                raise ConfigError(f"LoRA adapter {module.name!r}: {target} has rank {a.shape[0]}, above "
                                  f"--max-lora-rank {self.max_rank}")  # fmt: skip
             shards.setdefault(target, {})[shard] = (a.float(), b.float() * module.config.scale(len(a)))
             self.tick()

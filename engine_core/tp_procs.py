@@ -20,6 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from common.config import EngineConfig, to_cli_args
+from common.model_errors import ConfigError
 from common.python_command import python_module, sigterm_held
 
 log = logging.getLogger("roseinfer.tp")
@@ -45,11 +46,11 @@ def layout(config: EngineConfig) -> Layout:
     """The group's shape from the flags; ValueError on flags that cannot describe one."""
     size, nnodes = config.tensor_parallel_size, config.nnodes
     if size < 1 or nnodes < 1 or size % nnodes:
-        raise ValueError(f"--tensor-parallel-size {size} must be a positive multiple of --nnodes {nnodes}")
+        raise ConfigError(f"--tensor-parallel-size {size} must be a positive multiple of --nnodes {nnodes}")
     if not 0 <= config.node_rank < nnodes:
-        raise ValueError(f"--node-rank {config.node_rank} is not in [0, {nnodes})")
+        raise ConfigError(f"--node-rank {config.node_rank} is not in [0, {nnodes})")
     if nnodes > 1 and not config.master_port:
-        raise ValueError("--nnodes > 1 needs --master-port (and --master-addr: node 0's address)")
+        raise ConfigError("--nnodes > 1 needs --master-port (and --master-addr: node 0's address)")
     return Layout(size, nnodes)
 
 

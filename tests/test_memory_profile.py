@@ -117,12 +117,17 @@ def test_profiling_step_runs_at_the_largest_shapes(tiny_dir: str) -> None:
         assert core.runner.min_rows == (1 if HAS_F32_LINEAR else 8)
 
 
-def test_launch_prints_the_error_and_exits_without_restarting(tmp_path) -> None:
-    server = Server(tmp_path, "--num-kv-blocks", "4", "--max-engine-restarts", "3")
+@pytest.mark.parametrize(("flags", "reason"), [
+    (["--num-kv-blocks", "4"], "--num-kv-blocks 4 cannot hold one request of --max-model-len 2048"),
+    (["--kv-cache-dtype", "fp8", "--dtype", "float32"], "--kv-cache-dtype fp8 runs on CPU with a bfloat16 model only"),
+])  # fmt: skip
+def test_launch_prints_the_error_and_exits_without_restarting(tmp_path, flags: list[str], reason: str) -> None:
+    """Memory that cannot hold the engine, or flags that do not go together: one clear line, no traceback."""
+    server = Server(tmp_path, *flags, "--max-engine-restarts", "3")
     code = server.proc.wait(timeout=180)
     log = server.log_text()
     assert code != 0, log
-    assert "error:" in log and "--num-kv-blocks 4 cannot hold one request of --max-model-len 2048" in log, log
+    assert "error:" in log and reason in log, log
     assert "restart" not in log.lower() and "Traceback" not in log, log
 
 

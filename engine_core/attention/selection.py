@@ -14,6 +14,7 @@ from typing import Protocol
 
 import torch
 
+from common.model_errors import ConfigError
 from engine_core.attention.cpu_backend import CpuKernelBackend
 from engine_core.attention.metadata import AttentionMetadata
 from engine_core.attention.torch_backend import TorchBackend
@@ -43,12 +44,12 @@ def select_backend(choice: str, device: torch.device, dtype: torch.dtype, num_q_
     if choice == "auto":
         choice = os.environ.get(ENV, "auto")
     if choice not in CHOICES:
-        raise ValueError(f"attention backend {choice!r}: expected one of {', '.join(CHOICES)}")
+        raise ConfigError(f"attention backend {choice!r}: expected one of {', '.join(CHOICES)}")
     backend: AttentionBackend
     if choice == "triton" and device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
-        raise ValueError("the Triton attention backend runs on CPU only in Triton's interpreter (TRITON_INTERPRET=1)")
+        raise ConfigError("the Triton attention backend runs on CPU only in Triton's interpreter (TRITON_INTERPRET=1)")
     if choice == "triton" and kv_dtype not in (None, dtype):
-        raise ValueError(f"the Triton attention backend keeps K/V in the model's dtype, not {kv_dtype}")
+        raise ConfigError(f"the Triton attention backend keeps K/V in the model's dtype, not {kv_dtype}")
     if choice == "triton" or (choice == "auto" and device.type == "cuda"):
         backend = _triton(forced=choice == "triton")
     elif choice == "cpu" or (choice == "auto" and device.type == "cpu"):
@@ -85,6 +86,6 @@ def _cpu(device: torch.device, dtype: torch.dtype, num_q_heads: int, num_kv_head
     why = "not built" if kernels is None else f"no support for {dtype}, {num_q_heads}/{num_kv_heads} x {head_dim}"
     why += f", a {kv_dtype} KV cache" if kv_dtype != dtype else ""
     if forced:
-        raise ValueError(f"the CPU attention kernels cannot run this model on {device}: {why}")
+        raise ConfigError(f"the CPU attention kernels cannot run this model on {device}: {why}")
     log.info("CPU attention kernels unusable (%s); using the torch backend", why)
     return TorchBackend()

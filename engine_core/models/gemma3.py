@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from common.model_errors import ConfigError
 from engine_core.attention import AttentionMetadata
 from engine_core.models.layers import GemmaRMSNorm, RotaryEmbedding, StepRotary, gelu_tanh_and_mul
 from engine_core.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP
@@ -37,9 +38,9 @@ class Gemma3DecoderLayer(nn.Module):
 class Gemma3ForCausalLM(LlamaForCausalLM):
     def __init__(self, config, max_positions: int) -> None:
         if getattr(config, "attn_logit_softcapping", None) is not None:  # Gemma 2's: the kernels have no softcap
-            raise ValueError("attention logit softcapping is not supported")
+            raise ConfigError("attention logit softcapping is not supported")
         if getattr(config, "use_bidirectional_attention", False):
-            raise ValueError("bidirectional attention (an embedding model's) is not supported")
+            raise ConfigError("bidirectional attention (an embedding model's) is not supported")
         super().__init__(config, max_positions)
         self.layer_types = list(config.layer_types)
         self.embed_scale = config.hidden_size**0.5

@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from common.model_errors import ConfigError
 from engine_core import distributed
 from engine_core.attention import AttentionBackend, AttentionMetadata, TorchBackend
 from engine_core.models.parallel import (
@@ -54,7 +55,7 @@ class GPT2MLP(nn.Module):
         super().__init__()
         inner = columns[1] - columns[0]  # this rank's share of n_inner
         if config.activation_function not in _GELU_APPROXIMATIONS:
-            raise ValueError(f"unsupported GPT-2 activation {config.activation_function!r}")
+            raise ConfigError(f"unsupported GPT-2 activation {config.activation_function!r}")
         self.approximate = _GELU_APPROXIMATIONS[config.activation_function]
         self.c_fc = nn.Linear(config.hidden_size, inner)
         self.c_proj = RowParallelLinear(inner, config.hidden_size)

@@ -15,6 +15,7 @@ import copy
 
 import torch
 
+from common.model_errors import ConfigError
 from engine_core.attention import AttentionMetadata
 from engine_core.models.layers import StepRotary
 from engine_core.models.llama import LlamaDecoderLayer, LlamaForCausalLM
@@ -51,10 +52,10 @@ class GraniteForCausalLM(LlamaForCausalLM):
 class GraniteHybridForCausalLM(GraniteForCausalLM):
     def __init__(self, config, max_positions: int) -> None:
         if any(kind not in ("attention", "full_attention") for kind in config.layers_block_type):
-            raise ValueError("Granite 4.0's Mamba layers (its -H models) are not supported: only its attention-only "
+            raise ConfigError("Granite 4.0's Mamba layers (its -H models) are not supported: only its attention-only "
                              "models (granite-4.0-micro, -1b, -350m)")  # fmt: skip
         if config.num_local_experts:
-            raise ValueError("Granite 4.0's mixture of experts is not supported: only its dense attention models")
+            raise ConfigError("Granite 4.0's mixture of experts is not supported: only its dense attention models")
         config = copy.copy(config)
         config.intermediate_size = config.shared_intermediate_size  # the MLP Llama's layer builds
         super().__init__(config, max_positions)

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from common.model_errors import ConfigError
 from engine_core import distributed
 from engine_core.attention import AttentionBackend, AttentionMetadata, TorchBackend
 from engine_core.models.layers import (
@@ -55,7 +56,7 @@ class LlamaAttention(nn.Module):
                  rotate: bool = True, qk_norm_whole: bool = False) -> None:  # fmt: skip
         super().__init__()
         if qk_norm_whole and distributed.tp_size() > 1:
-            raise ValueError("q/k norms over all heads (OLMoE's) cannot be split over tensor-parallel ranks")
+            raise ConfigError("q/k norms over all heads (OLMoE's) cannot be split over tensor-parallel ranks")
         self.rotate = rotate
         self.num_heads, self.num_kv_heads = heads.num_heads, heads.num_kv_heads
         self.window = window  # sliding window: each query sees its last `window` keys (None: all)

@@ -13,6 +13,7 @@ from transformers import AutoConfig
 from transformers.initialization import no_init_weights
 
 from common.checkpoint_quant import QuantScheme, read_scheme
+from common.model_errors import ConfigError
 from common.model_source import ModelSourceError, read_config
 from common.pooling import Pooling
 from engine_core.models.gemma3 import Gemma3ForCausalLM
@@ -123,7 +124,7 @@ def model_class(config) -> type[nn.Module]:
     for arch in getattr(config, "architectures", None) or []:
         if arch in ARCHITECTURES:
             return ARCHITECTURES[arch]
-    raise ValueError(f"unsupported architecture {config.architectures}; supported: {', '.join(ARCHITECTURES)}")
+    raise ConfigError(f"unsupported architecture {config.architectures}; supported: {', '.join(ARCHITECTURES)}")
 
 
 def build_model(config, dtype: torch.dtype, device: torch.device, max_positions: int) -> nn.Module:

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from common.model_errors import ConfigError
 from engine_core import distributed
 from engine_core.linear_packing import FORMATS, weight_format
 from engine_core.models.layers import PackedLinear
@@ -177,7 +178,7 @@ class ExpertsInC:
 class MoeForCausalLM(LlamaForCausalLM):
     def __init__(self, config, max_positions: int) -> None:
         if getattr(config, "clip_qkv", None) is not None:  # an OLMoE option its released checkpoints leave off
-            raise ValueError("clip_qkv is not supported")
+            raise ConfigError("clip_qkv is not supported")
         super().__init__(config, max_positions)
 
     @functools.cached_property

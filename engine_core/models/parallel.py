@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from common.model_errors import ConfigError
 from engine_core import distributed
 
 
@@ -45,14 +46,14 @@ def head_split(num_heads: int, num_kv_heads: int, size: int, rank: int) -> HeadS
     along, so no KV head is stored twice; with fewer KV heads than ranks each KV head is replicated on the ranks
     that share its group."""
     if num_heads % num_kv_heads:
-        raise ValueError(f"{num_heads} query heads do not group over {num_kv_heads} KV heads")
+        raise ConfigError(f"{num_heads} query heads do not group over {num_kv_heads} KV heads")
     group = num_heads // num_kv_heads
     if num_kv_heads >= size:
         kv_start, kv_end = split(num_kv_heads, size, rank)
         return HeadSplit(kv_start * group, kv_end * group, kv_start, kv_end)
     ranks_per_kv = size // num_kv_heads
     if size % num_kv_heads or group % ranks_per_kv:
-        raise ValueError(f"{num_heads} query / {num_kv_heads} KV heads cannot be split over {size} ranks")
+        raise ConfigError(f"{num_heads} query / {num_kv_heads} KV heads cannot be split over {size} ranks")
     per_rank = group // ranks_per_kv
     kv = rank // ranks_per_kv
     return HeadSplit(rank * per_rank, (rank + 1) * per_rank, kv, kv + 1)
