@@ -37,6 +37,8 @@ SHAPES: dict[str, tuple[list[int], bool]] = {
     "batch 64 x 192 keys": ([192] * 64, False),
     "batch 64 x 512 keys": ([512] * 64, False),
     "one row, 4096 keys": ([4096], False),
+    "one row, 256 keys": ([256], False),  # a lone stream's step: shorter than a part of SPLIT_KEYS
+    "one row, 500 keys": ([500], False),
 }
 
 
