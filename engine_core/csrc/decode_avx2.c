@@ -61,12 +61,12 @@ static inline void vload16_f32(const float* p, __m256* lo, __m256* hi) { *lo = v
 #define DEFINE_SEQUENCE(NAME, T, VLOAD, STORE, C, CLOAD8, CLOAD16, C_SCALE)                                      \
 static void NAME(const T* q, const C* k_cache, const C* v_cache, const int64_t* table, int64_t len, T* out,     \
                  float* part, int num_q_heads, int num_kv_heads, int head_dim, int block_size, float scale,     \
-                 int skip) {                                                                                    \
-    const int group = num_q_heads / num_kv_heads, nv = head_dim / 8;                                            \
+                 int skip, int kv0, int kv1) {                                                                  \
+    const int group = num_q_heads / num_kv_heads, nv = head_dim / 8, i0 = kv0 * group, i1 = kv1 * group;       \
     const int64_t stride = (int64_t)num_kv_heads * head_dim, block_elems = block_size * stride;                 \
     __m256 qv[num_q_heads][nv], acc[num_q_heads][nv], kf[KEYS][DECODE_MAX_DIM / 8], vf[KEYS][DECODE_MAX_DIM / 8]; \
     float m[num_q_heads], l[num_q_heads], w[KEYS];                                                              \
-    for (int i = 0; i < num_q_heads; i++) {                                                                     \
+    for (int i = i0; i < i1; i++) {                                                                             \
         for (int j = 0; j < nv; j++)                                                                            \
             qv[i][j] = _mm256_mul_ps(VLOAD(q + i * head_dim + 8 * j), _mm256_set1_ps(scale * (C_SCALE))),       \
             acc[i][j] = _mm256_setzero_ps();                                                                    \
@@ -76,7 +76,7 @@ static void NAME(const T* q, const C* k_cache, const C* v_cache, const int64_t* 
         const int64_t at = SLICE_AT(start), ahead = SLICE_AT(start + AHEAD);                                    \
         const int n = (int)(len - start < KEYS ? len - start : KEYS);                                           \
         const int hidden = start < skip ? (int)(skip - start < KEYS ? skip - start : KEYS) : 0;  /* a window's */ \
-        for (int h = 0; h < num_kv_heads; h++) {                                                                \
+        for (int h = kv0; h < kv1; h++) {                                                                       \
             for (int t = 0; t < KEYS; t++) { /* zeros past the last key: 0 x 0, never 0 x garbage */            \
                 const int64_t e = at + t * stride + h * head_dim;                                               \
                 int j = 0;                                                                                      \
@@ -89,9 +89,11 @@ static void NAME(const T* q, const C* k_cache, const C* v_cache, const int64_t* 
             }                                                                                                   \
             for (int g = 0; g < group; g++) {                                                                   \
                 const int i = h * group + g;                                                                    \
-                for (int t = i * KEYS / num_q_heads; start + AHEAD < len && t < (i + 1) * KEYS / num_q_heads; t++) \
-                    prefetch_rows(k_cache + ahead + t * stride, v_cache + ahead + t * stride,                   \
-                                  stride * (int64_t)sizeof(C));                                                 \
+                for (int t = (i - i0) * KEYS / (i1 - i0); start + AHEAD < len && t < (i - i0 + 1) * KEYS / (i1 - i0); \
+                     t++) /* the slice's rows, their part for these heads, spread over the heads */             \
+                    prefetch_rows(k_cache + ahead + t * stride + kv0 * head_dim,                                \
+                                  v_cache + ahead + t * stride + kv0 * head_dim,                                \
+                                  (kv1 - kv0) * head_dim * (int64_t)sizeof(C));                                 \
                 __m256 dots[KEYS]; /* per key: its products' partial sums */                                   \
                 for (int t = 0; t < KEYS; t++) dots[t] = _mm256_mul_ps(qv[i][0], kf[t][0]);                     \
                 for (int j = 1; j < nv; j++)                                                                    \
@@ -105,7 +107,7 @@ static void NAME(const T* q, const C* k_cache, const C* v_cache, const int64_t* 
             }                                                                                                   \
         }                                                                                                       \
     }                                                                                                           \
-    for (int i = 0; i < num_q_heads; i++) {                                                                     \
+    for (int i = i0; i < i1; i++) {                                                                             \
         const float inv = l[i] > 0.f ? 1.f / l[i] : 0.f, *sums = (const float*)acc[i];                          \
         if (part) { /* the state combine_parts (kernel_common.h) reads */                                       \
             float* state = part + i * (head_dim + 2);                                                           \
@@ -123,6 +125,9 @@ DEFINE_SEQUENCE(sequence_fp8, uint16_t, vload8_bf16, bf16_store, uint8_t, vload8
 // Sequences longer than this are attended in parts (decode_items, kernel_common.h): one row of 4096 keys, 30
 // layers, 18 -> 10 ms on 2 cores.
 #define SPLIT_KEYS 512
+// A call of fewer items than threads (a lone short sequence) gives each KV head its own share, so that
+// no thread waits through another's whole attention. Each head's sums are the same whoever computes them: unlike
+// the parts of SPLIT_KEYS, this split may follow the batch.
 
 #define DEFINE_CALL(NAME, T, C, SEQUENCE, COMBINE)                                                               \
 int NAME(const T* q, const C* k_cache, const C* v_cache, const int64_t* block_tables, const int64_t* seq_lens,   \
@@ -131,13 +136,16 @@ int NAME(const T* q, const C* k_cache, const C* v_cache, const int64_t* block_ta
     if (!decode_avx2_takes(head_dim, block_size)) return 0;                                                     \
     DecodeItems it = decode_items(seq_lens, num_seqs, block_size, SPLIT_KEYS, num_q_heads, head_dim, window);    \
     const int64_t row = (int64_t)num_q_heads * head_dim;                                                        \
+    const int heads = it.items < omp_get_max_threads() ? num_kv_heads : 1; /* shares of an item: see above */   \
     _Pragma("omp parallel") {                                                                                   \
-        _Pragma("omp for schedule(dynamic, 1)") for (int64_t i = 0; i < it.items; i++) {                       \
-            const int s = it.seq[i];                                                                            \
+        _Pragma("omp for schedule(dynamic, 1)") for (int64_t ih = 0; ih < it.items * heads; ih++) {            \
+            const int64_t i = ih / heads;                                                                       \
+            const int s = it.seq[i], kv0 = (int)(ih % heads) * num_kv_heads / heads;                           \
             SEQUENCE(q + s * row, k_cache, v_cache,                                                             \
                      block_tables + s * (int64_t)max_blocks + item_start(&it, i) / block_size,                  \
                      item_keys(&it, seq_lens, i), out + s * row, item_state(&it, i), num_q_heads, num_kv_heads, \
-                     head_dim, block_size, scale, item_skip(&it, seq_lens, i, window));                        \
+                     head_dim, block_size, scale, item_skip(&it, seq_lens, i, window), kv0,                    \
+                     kv0 + num_kv_heads / heads);                                                               \
         }                                                                                                       \
         COMBINE_DECODE_ITEMS(COMBINE, it, num_seqs, num_q_heads, head_dim, out);                                \
     }                                                                                                           \
