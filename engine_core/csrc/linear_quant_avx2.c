@@ -20,9 +20,9 @@
 //   first rows. The unpacking of a vector is shared by the tile's rows; the lanes' totals live in memory, touched
 //   once per group. A work item's rows go a tile at a time through all of its panel: the panel stays in L2 while
 //   the rows' x (fp32, widened once per call) is read from L1 or L2.
-// SmolLM2's 120 int4 linears, called from C, against the F16C version (2-core AMD EPYC, Zen 3, 2026-12-02): 1 row
-// 4.6-6.1 ms against 7.3-8.7, 8 rows 24-26 against 34, 64 rows 149-169 against 200, 2048 rows 5.0-5.6 s against
-// 6.5; its int8 head 1.7-1.8 ms against 2.1-2.3 at one row, 31 against 48-51 at 64 rows.
+// Against the F16C version, in turn in one process (bench.kernel_ab, 2-core AMD EPYC, Zen 3, 2026-12-02), the time
+// of SmolLM2's layers in int4: 0.76x at 1 row, 0.72x at 8, 0.87x at 64, 0.99x at 2048; in int8: 0.76x, 0.86x at
+// 64, 0.85x at 2048; its int8 head 0.73x at 1 row, 0.67x at 8, 0.85x at 64.
 #include <omp.h>
 #include <stdlib.h>
 
