@@ -78,7 +78,7 @@ def pick_kv_cache_dtype(name: str, dtype: torch.dtype, device: torch.device) -> 
         raise ConfigError(f"kv_cache_dtype {name!r} is not one of auto, fp8, fp8_e4m3")
     if device.type != "cpu" or dtype != torch.bfloat16:
         raise ConfigError(f"--kv-cache-dtype {name} runs on CPU with a bfloat16 model only (this one: {device.type}, "
-                         f"{str(dtype).removeprefix('torch.')})")  # fmt: skip
+                          f"{str(dtype).removeprefix('torch.')})")  # fmt: skip
     return torch.float8_e4m3fn
 
 

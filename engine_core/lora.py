@@ -128,12 +128,12 @@ class LoraAdapters:
             raise ConfigError("LoRA adapters are not served on mixtures of experts")
         if not isinstance(self.model, LlamaForCausalLM):  # Gemma 3's layers are the Llama family's
             raise ConfigError(f"LoRA adapters are served on the Llama family and Gemma 3, not "
-                             f"{type(self.model).__name__}")  # fmt: skip
+                              f"{type(self.model).__name__}")  # fmt: skip
         shards: dict[str, dict[int, tuple[torch.Tensor, torch.Tensor]]] = {}  # layer -> shard -> A, B
         for target, shard, a, b in adapter_weights(self.model, module, self.model.packed_modules):
             if a.shape[0] > self.max_rank:
                 raise ConfigError(f"LoRA adapter {module.name!r}: {target} has rank {a.shape[0]}, above "
-                                 f"--max-lora-rank {self.max_rank}")  # fmt: skip
+                                  f"--max-lora-rank {self.max_rank}")  # fmt: skip
             shards.setdefault(target, {})[shard] = (a.float(), b.float() * module.config.scale(len(a)))
             self.tick()
         updates = {}

@@ -53,7 +53,7 @@ class GraniteHybridForCausalLM(GraniteForCausalLM):
     def __init__(self, config, max_positions: int) -> None:
         if any(kind not in ("attention", "full_attention") for kind in config.layers_block_type):
             raise ConfigError("Granite 4.0's Mamba layers (its -H models) are not supported: only its attention-only "
-                             "models (granite-4.0-micro, -1b, -350m)")  # fmt: skip
+                              "models (granite-4.0-micro, -1b, -350m)")  # fmt: skip
         if config.num_local_experts:
             raise ConfigError("Granite 4.0's mixture of experts is not supported: only its dense attention models")
         config = copy.copy(config)
