@@ -282,12 +282,12 @@ class Scheduler:
             if self.speculator is not None:
                 self.speculator.count(drafts, kept)
             self.kv.cache_full_blocks(req)
-            error = "sampled token rejected by the grammar" if reason == FinishReason.ERROR else None
+            error, code = req.grammar.failure() if reason == FinishReason.ERROR and req.grammar else (None, None)
             if reason is not None:
                 self.finish(req, reason, error)
             lp = logprobs[0] if len(kept) == 1 else merge_logprobs(logprobs[: len(kept)])
             outputs.append(EngineOutput(req.request_id, kept, reason, req.stop_token_id,
-                                        req.num_cached_tokens, lp, error, take_prompt_logprobs(req)))
+                                        req.num_cached_tokens, lp, error, take_prompt_logprobs(req), error_code=code))
 
     def stats(self, step_time_s: float = 0.0, forward_time_s: float = 0.0) -> SchedulerStats:
         num_running, spec = sum(1 for r in self.running if not r.finished), self.speculator

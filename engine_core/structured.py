@@ -118,6 +118,8 @@ class RequestGrammar:
             if reason is not None:
                 error = None if reason == FinishReason.STOP else "resumed output does not match the grammar"
                 return reason, error, None
+        if not self._allowed().any():  # {"$ref": "#"} compiles, and matches nothing
+            return FinishReason.ERROR, "the structured output constraint matches no text at all", INVALID_CONSTRAINT
         return None
 
     def advance(self, token: int, reason: FinishReason | None) -> FinishReason | None:
@@ -137,13 +139,26 @@ class RequestGrammar:
             return FinishReason.STOP
         return reason
 
-    def _only_stop_allowed(self) -> bool:
-        """Whether the grammar is over: nothing but a stop token may follow (JSON after its last brace)."""
+    def failure(self) -> tuple[str, str | None]:
+        """(error, error code) of a request that advance() failed. A grammar that allows no token where the output
+        stands has no text to finish with (`root ::= "a" x  x ::= x "b"` after "a"): the request's constraint is at
+        fault, a 400 like a compile error. Otherwise the sampler drew a token the mask forbade: ours."""
+        if not self._allowed().any():
+            return "the structured output constraint allows no token after this output: no text completes it", \
+                INVALID_CONSTRAINT  # fmt: skip
+        return "sampled token rejected by the grammar", None
+
+    def _allowed(self) -> torch.Tensor:
+        """[vocab] True for each token the grammar allows next."""
         import xgrammar as xgr
 
         bitmask = xgr.allocate_token_bitmask(1, self.service.vocab_size)
         self.matcher.fill_next_token_bitmask(bitmask)
-        allowed = _unpack(bitmask[0], self.service.vocab_size)
+        return _unpack(bitmask[0], self.service.vocab_size)
+
+    def _only_stop_allowed(self) -> bool:
+        """Whether the grammar is over: nothing but a stop token may follow (JSON after its last brace)."""
+        allowed = self._allowed()
         allowed[self.stop_ids] = False
         return not bool(allowed.any())
 

@@ -86,6 +86,19 @@ def test_compile_error_fails_only_its_request(core: EngineCore):
     assert results["ok"][-1].finish_reason == FinishReason.STOP
 
 
+def test_a_grammar_without_text_fails_its_request_as_the_requests_fault(core: EngineCore):
+    nothing = StructuredOutput("json_schema", json.dumps({"$ref": "#"}))  # compiles, and matches no text
+    dead_end = StructuredOutput("grammar", 'root ::= "a" x\nx ::= x "b"')  # "a", then no token at all
+    results = run_engine(core, [sampled("nothing", 1, nothing), sampled("dead", 1, dead_end), sampled("ok", 3)])
+    out = results["nothing"]
+    assert len(out) == 1 and out[0].finish_reason == FinishReason.ERROR and out[0].new_token_ids == []
+    assert out[0].error_code == INVALID_CONSTRAINT and "matches no text" in out[0].error  # a 400, not a 500
+    dead = results["dead"]
+    assert dead[-1].finish_reason == FinishReason.ERROR and dead[-1].error_code == INVALID_CONSTRAINT
+    assert "allows no token" in dead[-1].error and text(tokens_of(results, ["dead"])[0]).startswith("a")
+    assert results["ok"][-1].finish_reason == FinishReason.STOP
+
+
 def test_unconstrained_neighbours_are_unaffected(core: EngineCore):
     prompts = mixed_prompts()[:6]
     plain = [greedy_request(f"p{i}", p, 12) for i, p in enumerate(prompts)]
