@@ -122,6 +122,14 @@ def test_suffix_is_refused_as_vllm_does(server: Server):
     assert "suffix is not currently supported" in r.json()["error"]["message"]
 
 
+def test_a_request_chat_template_is_refused_not_ignored(server: Server):
+    for path, body in ((CHAT, {"messages": HI, "max_tokens": 2}), ("/tokenize", {"messages": HI})):
+        r = post(server, path, {**body, "chat_template": "{{ messages[0].content }}"})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "chat_template", r.text
+        assert "--chat-template" in r.json()["error"]["message"]
+        assert post(server, path, {**body, "chat_template": None}).status_code == 200  # null: unset
+
+
 def test_continue_final_message_leaves_the_last_message_open(server: Server):
     start = "Hello, my name is"
     messages = [*HI, {"role": "assistant", "content": start}]

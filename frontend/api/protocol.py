@@ -36,6 +36,17 @@ def _valid_text(text: str) -> str:
 
 
 Text = Annotated[str, AfterValidator(_valid_text)]
+
+
+def _no_request_template(template: str | None) -> None:
+    """A chat template is code the server would run: refused (vLLM too, unless started trusting them), never
+    silently left out, which would render the messages otherwise than the client asked."""
+    if template is not None:
+        raise ValueError("a chat template in a request is not accepted; start the server with --chat-template FILE "
+                         "to render with another template")  # fmt: skip
+
+
+RequestTemplate = Annotated[str | None, AfterValidator(_no_request_template)]
 # vLLM's chat_template_kwargs: extra variables for the chat template (e.g. Qwen3's enable_thinking), shallow JSON.
 TemplateScalar = Text | bool | int | float | None
 TemplateKwargs = Annotated[dict[Text, TemplateScalar | list[TemplateScalar] | dict[Text, TemplateScalar]],
@@ -277,6 +288,7 @@ class ChatCompletionRequest(SamplingFields, StructuredFields):
     continue_final_message: bool = False  # vLLM's: the final message is left open for the model to continue
     add_special_tokens: bool = False  # vLLM's: the tokenizer's own (a BOS) around the rendered template too
     echo: bool = False  # vLLM's: a final assistant message's content leads the answer (with continue_final_message)
+    chat_template: RequestTemplate = None  # vLLM's: refused
     chat_template_kwargs: TemplateKwargs | None = None
     tools: list[ToolDefinition] | None = Field(None, max_length=MAX_TOOLS)
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pydantic import Field
 
-from frontend.api.protocol import ApiModel, ChatMessage, SamplingFields, TemplateKwargs, Text
+from frontend.api.protocol import ApiModel, ChatMessage, RequestTemplate, SamplingFields, TemplateKwargs, Text
 
 
 class GenerateRequest(SamplingFields):
@@ -21,6 +21,7 @@ class TokenizeRequest(ApiModel):
     add_special_tokens: bool | None = None  # vLLM's defaults: true for a prompt, false for messages
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    chat_template: RequestTemplate = None  # refused, as in a chat request
     chat_template_kwargs: TemplateKwargs | None = None
     return_token_strs: bool = False  # vLLM's: each id's piece of the vocabulary, as the tokenizer writes it
 
