@@ -130,6 +130,13 @@ def test_a_request_chat_template_is_refused_not_ignored(server: Server):
         assert post(server, path, {**body, "chat_template": None}).status_code == 200  # null: unset
 
 
+def test_beam_search_is_refused_not_answered_with_samples(server: Server):
+    for path, body in ((CHAT, {"messages": HI}), (CMPL, {"prompt": "The sky is"})):
+        r = post(server, path, {**body, "use_beam_search": True, "n": 2, "max_tokens": 2})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "use_beam_search", r.text
+        assert post(server, path, {**body, "use_beam_search": False, "max_tokens": 2}).status_code == 200
+
+
 def test_continue_final_message_leaves_the_last_message_open(server: Server):
     start = "Hello, my name is"
     messages = [*HI, {"role": "assistant", "content": start}]

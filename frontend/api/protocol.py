@@ -47,6 +47,13 @@ def _no_request_template(template: str | None) -> None:
 
 
 RequestTemplate = Annotated[str | None, AfterValidator(_no_request_template)]
+
+
+def _no_beam_search(use: bool) -> bool:
+    """vLLM's beam search: not built here; refused rather than answered with samples the client did not ask for."""
+    if use:
+        raise ValueError("beam search is not supported; sample n completions instead (n, seed, temperature)")
+    return use
 # vLLM's chat_template_kwargs: extra variables for the chat template (e.g. Qwen3's enable_thinking), shallow JSON.
 TemplateScalar = Text | bool | int | float | None
 TemplateKwargs = Annotated[dict[Text, TemplateScalar | list[TemplateScalar] | dict[Text, TemplateScalar]],
@@ -91,6 +98,7 @@ class SamplingFields(ApiModel):
 
     model: Text | None = None
     n: int = Field(1, ge=1, le=MAX_N)
+    use_beam_search: Annotated[bool, AfterValidator(_no_beam_search)] = False  # vLLM's: refused
     temperature: float | None = Field(None, ge=0)
     top_p: float | None = Field(None, gt=0, le=1)
     top_k: int | None = Field(None, ge=-1, le=MAX_TOP_K)  # -1 or 0: off
