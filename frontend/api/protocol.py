@@ -54,6 +54,8 @@ def _no_beam_search(use: bool) -> bool:
     if use:
         raise ValueError("beam search is not supported; sample n completions instead (n, seed, temperature)")
     return use
+
+
 # vLLM's chat_template_kwargs: extra variables for the chat template (e.g. Qwen3's enable_thinking), shallow JSON.
 TemplateScalar = Text | bool | int | float | None
 TemplateKwargs = Annotated[dict[Text, TemplateScalar | list[TemplateScalar] | dict[Text, TemplateScalar]],
