@@ -172,3 +172,36 @@ def test_chat_logprobs_bytes_join_characters_split_over_tokens(server: Server):
     content = choice["logprobs"]["content"]
     assert choice["message"]["content"] == "😀🎉" and any("\ufffd" in e["token"] for e in content), content
     assert b"".join(bytes(e["bytes"]) for e in content) == "😀🎉".encode()
+
+
+def test_return_token_ids_gives_the_ids_behind_the_text(server: Server):
+    """vLLM's return_token_ids: each choice's ids (its stop token too), the prompt's once; streamed, every chunk's
+    ids and the prompt's in the first chunk; the same ids whole and streamed, and none where it is not asked for."""
+    prompt_ids = post(server, "/tokenize", {"prompt": "The capital of France is"}).json()["tokens"]
+    body = {"prompt": "The capital of France is", "max_tokens": 12, "temperature": 0, "n": 2, "return_token_ids": True}
+    r = post(server, CMPL, body).json()
+    for choice in r["choices"]:
+        assert choice["prompt_token_ids"] == prompt_ids, choice
+        text = post(server, "/detokenize", {"tokens": choice["token_ids"]}).json()["prompt"]
+        assert text.startswith(choice["text"]) and len(choice["token_ids"]) == r["usage"]["completion_tokens"] // 2
+    chunks = stream(server, CMPL, body)
+    for index in (0, 1):
+        mine = [c["choices"][0] for c in chunks if c["choices"] and c["choices"][0]["index"] == index]
+        assert mine[0]["prompt_token_ids"] == prompt_ids and all("prompt_token_ids" not in c for c in mine[1:])
+        assert [t for c in mine for t in c["token_ids"]] == r["choices"][index]["token_ids"]
+    plain = post(server, CMPL, {**body, "return_token_ids": False}).json()["choices"][0]
+    assert "token_ids" not in plain and "prompt_token_ids" not in plain
+
+    messages = [{"role": "user", "content": "Say hello."}]
+    chat = {"messages": messages, "max_tokens": 40, "temperature": 0, "return_token_ids": True}
+    r = post(server, CHAT, chat).json()
+    assert r["prompt_token_ids"] == post(server, "/tokenize", {"messages": messages}).json()["tokens"]
+    ids = r["choices"][0]["token_ids"]
+    assert r["choices"][0]["finish_reason"] == "stop" and len(ids) == r["usage"]["completion_tokens"]
+    said = post(server, "/detokenize", {"tokens": ids}).json()["prompt"]
+    assert said == r["choices"][0]["message"]["content"] + "<|im_end|>", said  # the stop token is among them
+    chunks = stream(server, CHAT, chat)
+    assert chunks[0]["prompt_token_ids"] == r["prompt_token_ids"]
+    assert all("prompt_token_ids" not in c for c in chunks[1:])
+    assert [t for c in chunks if c["choices"] for t in c["choices"][0]["token_ids"]] == ids
+    assert "prompt_token_ids" not in post(server, CHAT, {**chat, "return_token_ids": False}).json()

@@ -204,6 +204,7 @@ class CompletionRequest(SamplingFields, StructuredFields):
     echo: bool = False
     logprobs: int | None = Field(None, ge=-1)  # -1: the whole vocabulary (vLLM's), within --max-logprobs
     return_tokens_as_token_ids: bool | None = None  # vLLM's: logprobs name tokens "token_id:{id}" (None: the server's)
+    return_token_ids: bool = False  # vLLM's: the prompt's and the output's token ids beside the text
     prompt_logprobs: int | None = Field(None, ge=-1)  # vLLM's extension; -1 as above
     add_special_tokens: bool = True  # vLLM's: the tokenizer's own special tokens (a BOS) around a text prompt
     suffix: Text | None = None  # not supported: a 400 when given, as vLLM
@@ -293,6 +294,7 @@ class ChatCompletionRequest(SamplingFields, StructuredFields):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=-1)  # -1: the whole vocabulary (vLLM's), within --max-logprobs
     return_tokens_as_token_ids: bool | None = None  # vLLM's: logprobs name tokens "token_id:{id}" (None: the server's)
+    return_token_ids: bool = False  # vLLM's: the prompt's and the output's token ids beside the text
     prompt_logprobs: int | None = Field(None, ge=-1)  # vLLM's extension; -1 as above
     add_generation_prompt: bool = True
     continue_final_message: bool = False  # vLLM's: the final message is left open for the model to continue

@@ -12,7 +12,9 @@ from common.messages import StructuredOutput
 from frontend.api.prompt_logprobs import check_stream, choice_prompt_logprobs, with_prompt_logprobs
 from frontend.api.protocol import ChatCompletionRequest, ChatMessage
 from frontend.api.serving import ServingContext, check_stream_options, clamp, off_loop, respond, token_namer
+from frontend.api.sse import ResponseFormat
 from frontend.api.structured_request import check, with_structured_output
+from frontend.api.token_ids import WithTokenIds
 from frontend.engine.fanout import Choice, FanOut
 from frontend.engine.request_stream import Delta
 from frontend.errors import bad_request
@@ -170,4 +172,5 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
                                  request_id: str) -> Response:  # fmt: skip
     rid = f"chatcmpl-{request_id}"
     fan, tools = await start_chat(ctx, req, rid)
-    return await respond(ctx, raw, fan, ChatFormat(ctx, req, tools, fan.params.structured), rid, req)
+    fmt: ResponseFormat = ChatFormat(ctx, req, tools, fan.params.structured)
+    return await respond(ctx, raw, fan, WithTokenIds(fmt, fan, chat=True) if req.return_token_ids else fmt, rid, req)

@@ -18,6 +18,7 @@ from frontend.api.prompt_logprobs import (
 from frontend.api.protocol import DEFAULT_COMPLETION_TOKENS, CompletionRequest
 from frontend.api.serving import ServingContext, check_stream_options, clamp, off_loop, respond, token_namer
 from frontend.api.structured_request import with_structured_output
+from frontend.api.token_ids import WithTokenIds
 from frontend.engine.fanout import Choice
 from frontend.engine.request_stream import Delta
 from frontend.errors import bad_request
@@ -162,4 +163,4 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest, raw: Re
     rid = f"cmpl-{request_id}"
     fan = await ctx.fan_out(rid, prompts, req, params)
     fmt = CompletionFormat(ctx, req, prompts, texts)
-    return await respond(ctx, raw, fan, fmt, rid, req)
+    return await respond(ctx, raw, fan, WithTokenIds(fmt, fan, chat=False) if req.return_token_ids else fmt, rid, req)

@@ -18,6 +18,7 @@ from frontend.engine.request_stream import Delta
 from frontend.errors import ApiError, sse_error
 
 _encode = msgspec.json.encode  # a str -> its JSON string literal, as json.dumps(ensure_ascii=False) spells it
+CHUNK_FIELDS = "__chunk__"  # a choice's key for fields of its whole chunk, beside `choices` (token_ids.py)
 
 
 def dumps(obj: Any) -> str:
@@ -57,7 +58,8 @@ class ChunkWriter:
             self.affixes.append(None if plain is None else ((start + plain[0]).encode(), (plain[1] + end).encode()))
 
     def chunk(self, choice: dict[str, Any]) -> bytes:
-        body = {**self.head, "object": self.fmt.chunk_object, "choices": [choice]}
+        fields = choice.pop(CHUNK_FIELDS, {})
+        body = {**self.head, "object": self.fmt.chunk_object, **fields, "choices": [choice]}
         if self.prompt_tokens is not None:
             prompt, done = self.prompt_tokens[choice["index"]], self.completion_tokens[choice["index"]]
             body["usage"] = {"prompt_tokens": prompt, "completion_tokens": done, "total_tokens": prompt + done}
