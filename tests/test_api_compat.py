@@ -137,6 +137,14 @@ def test_beam_search_is_refused_not_answered_with_samples(server: Server):
         assert post(server, path, {**body, "use_beam_search": False, "max_tokens": 2}).status_code == 200
 
 
+def test_vllm_extras_that_would_change_the_answer_are_refused(server: Server):
+    for path, body, param in ((CMPL, {"prompt_embeds": "AAAA"}, "prompt_embeds"),
+                              (CMPL, {"prompt": "hi", "prompt_embeds": "AAAA"}, "prompt_embeds"),
+                              (CHAT, {"messages": HI, "logits_processors": ["m.Proc"]}, "logits_processors")):
+        r = post(server, path, {**body, "max_tokens": 2})
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
+
 def test_continue_final_message_leaves_the_last_message_open(server: Server):
     start = "Hello, my name is"
     messages = [*HI, {"role": "assistant", "content": start}]

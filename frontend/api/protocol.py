@@ -38,15 +38,26 @@ def _valid_text(text: str) -> str:
 Text = Annotated[str, AfterValidator(_valid_text)]
 
 
-def _no_request_template(template: str | None) -> None:
-    """A chat template is code the server would run: refused (vLLM too, unless started trusting them), never
-    silently left out, which would render the messages otherwise than the client asked."""
-    if template is not None:
-        raise ValueError("a chat template in a request is not accepted; start the server with --chat-template FILE "
-                         "to render with another template")  # fmt: skip
+def _refused(why: str) -> AfterValidator:
+    """A vLLM request field this server does not do, whose silent omission would change the answer: any value
+    but null is a 400 saying why."""
+
+    def check(value: Any) -> Any:
+        if value is not None:
+            raise ValueError(why)
+        return value
+
+    return AfterValidator(check)
 
 
-RequestTemplate = Annotated[str | None, AfterValidator(_no_request_template)]
+# A chat template is code the server would run: refused (vLLM too, unless started trusting them), never silently
+# left out, which would render the messages otherwise than the client asked.
+RequestTemplate = Annotated[str | None, _refused("a chat template in a request is not accepted; start the "
+                                                  "server with --chat-template FILE to render with another one")]
+# vLLM's prompt_embeds (with --enable-prompt-embeds) and per-request logits_processors: not built here
+PromptEmbeds = Annotated[Any, _refused("prompt_embeds is not supported: send the prompt as text or token ids")]
+LogitsProcessors = Annotated[Any, _refused("per-request logits_processors are not supported (logit_bias, "
+                                           "allowed_token_ids and bad_words are)")]  # fmt: skip
 
 
 def _no_beam_search(use: bool) -> bool:
@@ -100,6 +111,7 @@ class SamplingFields(ApiModel):
 
     model: Text | None = None
     n: int = Field(1, ge=1, le=MAX_N)
+    logits_processors: LogitsProcessors = None  # vLLM's: refused
     use_beam_search: Annotated[bool, AfterValidator(_no_beam_search)] = False  # vLLM's: refused
     temperature: float | None = Field(None, ge=0)
     top_p: float | None = Field(None, gt=0, le=1)
@@ -198,6 +210,7 @@ class StructuredFields(ApiModel):
 
 
 class CompletionRequest(SamplingFields, StructuredFields):
+    prompt_embeds: PromptEmbeds = None  # vLLM's: refused (first, so that its error is the one given without prompt)
     prompt: Text | list[Text] | list[int] | list[list[int]]
     # null: the default, not "the whole context"; 0 scores the prompt (echo + logprobs) and generates nothing
     max_tokens: int | None = Field(DEFAULT_COMPLETION_TOKENS, ge=0)
