@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
 from common.messages import MAX_BAD_WORDS, MAX_LOGIT_BIAS, MAX_TOP_K, SamplingParams
+from frontend.api.refused_fields import BeamSearch, LogitsProcessors, PromptEmbeds, RequestTemplate
 from frontend.tools.tool_parsers import no_constant
 
 if TYPE_CHECKING:  # sampling_defaults checks its values with SamplingFields' own bounds
@@ -36,35 +37,6 @@ def _valid_text(text: str) -> str:
 
 
 Text = Annotated[str, AfterValidator(_valid_text)]
-
-
-def _refused(why: str) -> AfterValidator:
-    """A vLLM request field this server does not do, whose silent omission would change the answer: any value
-    but null is a 400 saying why."""
-
-    def check(value: Any) -> Any:
-        if value is not None:
-            raise ValueError(why)
-        return value
-
-    return AfterValidator(check)
-
-
-# A chat template is code the server would run: refused (vLLM too, unless started trusting them), never silently
-# left out, which would render the messages otherwise than the client asked.
-RequestTemplate = Annotated[str | None, _refused("a chat template in a request is not accepted; start the "
-                                                  "server with --chat-template FILE to render with another one")]
-# vLLM's prompt_embeds (with --enable-prompt-embeds) and per-request logits_processors: not built here
-PromptEmbeds = Annotated[Any, _refused("prompt_embeds is not supported: send the prompt as text or token ids")]
-LogitsProcessors = Annotated[Any, _refused("per-request logits_processors are not supported (logit_bias, "
-                                           "allowed_token_ids and bad_words are)")]  # fmt: skip
-
-
-def _no_beam_search(use: bool) -> bool:
-    """vLLM's beam search: not built here; refused rather than answered with samples the client did not ask for."""
-    if use:
-        raise ValueError("beam search is not supported; sample n completions instead (n, seed, temperature)")
-    return use
 
 
 # vLLM's chat_template_kwargs: extra variables for the chat template (e.g. Qwen3's enable_thinking), shallow JSON.
@@ -112,7 +84,7 @@ class SamplingFields(ApiModel):
     model: Text | None = None
     n: int = Field(1, ge=1, le=MAX_N)
     logits_processors: LogitsProcessors = None  # vLLM's: refused
-    use_beam_search: Annotated[bool, AfterValidator(_no_beam_search)] = False  # vLLM's: refused
+    use_beam_search: BeamSearch = False  # vLLM's: refused
     temperature: float | None = Field(None, ge=0)
     top_p: float | None = Field(None, gt=0, le=1)
     top_k: int | None = Field(None, ge=-1, le=MAX_TOP_K)  # -1 or 0: off

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from pydantic import Field
 
-from frontend.api.protocol import ApiModel, ChatMessage, RequestTemplate, SamplingFields, TemplateKwargs, Text
+from frontend.api.protocol import ApiModel, ChatMessage, SamplingFields, TemplateKwargs, Text
+from frontend.api.refused_fields import RequestTemplate
 
 
 class GenerateRequest(SamplingFields):
