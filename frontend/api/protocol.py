@@ -37,8 +37,6 @@ def _valid_text(text: str) -> str:
 
 
 Text = Annotated[str, AfterValidator(_valid_text)]
-
-
 # vLLM's chat_template_kwargs: extra variables for the chat template (e.g. Qwen3's enable_thinking), shallow JSON.
 TemplateScalar = Text | bool | int | float | None
 TemplateKwargs = Annotated[dict[Text, TemplateScalar | list[TemplateScalar] | dict[Text, TemplateScalar]],
