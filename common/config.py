@@ -146,8 +146,9 @@ class ServerConfig:
         "top_p, top_k, min_p, repetition_penalty; its max_new_tokens caps every request), vllm (none), or a folder",
     )
     override_generation_config: str | None = flag(
-        None, 'JSON laid over those defaults, in generation_config.json\'s names: \'{"temperature": 0.6}\'',
-    )
+        None, 'JSON laid over those defaults, in generation_config.json\'s names: \'{"temperature": 0.6}\'')
+    responses_store_mib: int = flag(256, "MiB of /v1/responses' stored responses (store: true) kept in memory for "
+                                    "previous_response_id and GET, least recently used out first (0: none kept)")
     tool_call_parser: str | None = flag(
         None, "read tool calls in the model's own format for tool_choice auto (hermes: <tool_call>{...}</tool_call>, "
         "Qwen2.5 and Hermes models; llama3_json: {\"name\": ..., \"parameters\": {...}}, Llama 3.1-3.3; pythonic: "

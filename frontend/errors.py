@@ -76,6 +76,8 @@ def from_validation_errors(errors: list[dict[str, Any]]) -> ApiError:
     same_field = [e for e in errors if tuple(e.get("loc", ()))[:2] == tuple(first.get("loc", ()))[:2]]
     first = next((e for e in same_field if not str(e.get("type", "")).endswith("_type")), first)
     loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    if len(loc) > 1 and loc[0] in ("query", "path"):  # a URL's parameter, as FastAPI places it
+        loc = loc[1:]
     if first.get("type") == "json_invalid":
         return bad_request(f"request body is not valid JSON: {first.get('ctx', {}).get('error', '')}".rstrip(": "),
                            None, "invalid_json")  # fmt: skip

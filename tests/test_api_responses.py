@@ -69,7 +69,7 @@ def test_text_whole_and_streamed(client: openai.OpenAI):
     assert (whole.instructions, whole.max_output_tokens, whole.temperature, whole.top_p) == (
         kw["instructions"], 40, 0, 1)  # fmt: skip
     assert (whole.metadata, whole.user, whole.tool_choice, whole.tools) == ({"run": "test"}, "u1", "auto", [])
-    assert whole.parallel_tool_calls is True and whole.text.format.type == "text" and whole.store is False
+    assert whole.parallel_tool_calls is True and whole.text.format.type == "text" and whole.store is True
 
     events = events_of(client.responses.create(**kw, stream=True))
     types = [e.type for e in events]
@@ -241,7 +241,7 @@ def test_explicit_nulls_mean_the_default(server: Server):
 
 
 BAD = [
-    ({"previous_response_id": "resp_123"}, "previous_response_id", "send the whole conversation as input"),
+    ({"previous_response_id": "resp_123"}, "previous_response_id", "Previous response with id 'resp_123' not found"),
     ({"conversation": "conv_1"}, "conversation", "send the whole conversation"),
     ({"tools": [{"type": "web_search"}]}, "tools", "'web_search' are not supported"),
     ({"tools": [{"type": "file_search", "vector_store_ids": ["x"]}]}, "tools", "'file_search'"),

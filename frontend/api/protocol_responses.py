@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BeforeValidator, Discriminator, Field, Tag, ValidationError
+from pydantic import BeforeValidator, Discriminator, Field, Tag, TypeAdapter, ValidationError
 from pydantic_core import PydanticCustomError
 
 from frontend.api.protocol import (
@@ -158,14 +158,15 @@ class ResponsesRequest(ApiModel):
     user: Text | None = None
     priority: int = Field(0, ge=-(2**31), le=2**31 - 1)  # vLLM's, as on chat (--scheduling-policy priority)
     cache_salt: CacheSalt | None = None  # vLLM's, as on chat
-    store: bool = True  # accepted, but nothing is stored: the response says store false
-    # Server-side state, which this server does not keep: refused with a 400 saying what to send instead.
-    previous_response_id: Text | None = None
+    store: bool = True  # kept for previous_response_id and GET (responses_store.py) unless --responses-store-mib 0
+    previous_response_id: Text | None = None  # continue that stored response: its conversation comes before input
+    # Server-side state that this server does not keep: refused with a 400 saying what to send instead.
     conversation: Any = None
     background: bool = False
 
-    def echo(self, d: SamplingDefaults) -> dict[str, Any]:
-        """The request's settings as OpenAI echoes them in the response object (`d`: the server's defaults)."""
+    def echo(self, d: SamplingDefaults, stored: bool) -> dict[str, Any]:
+        """The request's settings as OpenAI echoes them in the response object (`d`: the server's defaults;
+        `stored`: whether the response is kept)."""
         choice = self.tool_choice
         fmt = self.text.format if self.text is not None and self.text.format is not None else TextFormat(type="text")
         return {"instructions": self.instructions, "max_output_tokens": self.max_output_tokens,
@@ -175,14 +176,17 @@ class ResponsesRequest(ApiModel):
                 "tool_choice": "auto" if choice is None else choice if isinstance(choice, str) else choice.model_dump(),
                 "parallel_tool_calls": self.parallel_tool_calls,
                 "text": {"format": fmt.model_dump(by_alias=True, exclude_none=True)},
-                "metadata": self.metadata or {}, "user": self.user, "store": False, "previous_response_id": None,
+                "metadata": self.metadata or {}, "user": self.user, "store": stored,
+                "previous_response_id": self.previous_response_id,
                 "reasoning": None, "truncation": "disabled", "background": False}  # fmt: skip
 
 
-def _refuse_state(req: ResponsesRequest) -> None:
-    if req.previous_response_id is not None:
-        raise bad_request("previous_response_id is not supported: this server stores no responses; send the whole "
-                          "conversation as input instead", "previous_response_id", "unsupported_parameter")  # fmt: skip
+def refuse_state(req: ResponsesRequest, keeps_responses: bool) -> None:
+    """400s for the server-side state this server does not keep (with --responses-store-mib 0, no responses)."""
+    if req.previous_response_id is not None and not keeps_responses:
+        raise bad_request("previous_response_id is not supported: this server keeps no responses "
+                          "(--responses-store-mib 0); send the whole conversation as input instead",
+                          "previous_response_id", "unsupported_parameter")  # fmt: skip
     if req.conversation is not None:
         raise bad_request("conversation is not supported: this server stores no conversations; send the whole "
                           "conversation as input instead", "conversation", "unsupported_parameter")  # fmt: skip
@@ -191,11 +195,32 @@ def _refuse_state(req: ResponsesRequest) -> None:
                           "unsupported_parameter")  # fmt: skip
 
 
-def _messages(req: ResponsesRequest) -> list[ChatMessage]:
-    """instructions first, then the input; a function_call item joins the assistant message just before it (the
-    text and the calls of one turn), as chat spells a turn's parallel calls."""
+def own_items(req: ResponsesRequest) -> list[InputItem]:
+    """The request's input as items (a string is one user message)."""
+    return [MessageItem(role="user", content=req.input)] if isinstance(req.input, str) else list(req.input)
+
+
+def stored_items(req: ResponsesRequest) -> list[dict[str, Any]]:
+    """The request's input items as a stored response keeps and lists them: message text as content parts."""
+    out = []
+    for item in own_items(req):
+        dumped = item.model_dump()
+        if isinstance(item, MessageItem) and isinstance(item.content, str):
+            kind = "output_text" if item.role == "assistant" else "input_text"
+            dumped["content"] = [{"type": kind, "text": item.content}]
+        out.append(dumped)
+    return out
+
+
+HISTORY: TypeAdapter[list[InputItem]] = TypeAdapter(list[InputItem])
+
+
+def _messages(req: ResponsesRequest, history: list[dict[str, Any]]) -> list[ChatMessage]:
+    """instructions first, then the conversation continued (a stored chain's items; its instructions are not
+    carried over, as OpenAI's are not), then the input; a function_call item joins the assistant message just
+    before it (the text and the calls of one turn), as chat spells a turn's parallel calls."""
     out = [ChatMessage(role="system", content=req.instructions)] if req.instructions is not None else []
-    for item in [MessageItem(role="user", content=req.input)] if isinstance(req.input, str) else req.input:
+    for item in [*HISTORY.validate_python(history), *own_items(req)]:
         if isinstance(item, MessageItem):
             out.append(ChatMessage(role=item.role, content=_text(item.content)))
         elif isinstance(item, FunctionCallItem):
@@ -224,9 +249,9 @@ def _response_format(text: TextConfig | None) -> ResponseFormat | None:
     return ResponseFormat(type="json_schema", json_schema=spec)
 
 
-def chat_request(req: ResponsesRequest) -> ChatCompletionRequest:
-    """The chat completions request that does what `req` asks (400s for what it cannot)."""
-    _refuse_state(req)
+def chat_request(req: ResponsesRequest, history: list[dict[str, Any]]) -> ChatCompletionRequest:
+    """The chat completions request that does what `req` asks after the items of `history` (400s for what it
+    cannot)."""
     choice = req.tool_choice
     named = NamedToolChoice(type="function", function=NamedFunction(name=choice.name)) \
         if isinstance(choice, FunctionChoice) else choice  # fmt: skip
@@ -234,7 +259,7 @@ def chat_request(req: ResponsesRequest) -> ChatCompletionRequest:
              for t in req.tools or []]
     try:
         return ChatCompletionRequest.model_validate({
-            "model": req.model, "messages": _messages(req), "max_completion_tokens": req.max_output_tokens,
+            "model": req.model, "messages": _messages(req, history), "max_completion_tokens": req.max_output_tokens,
             "temperature": req.temperature, "top_p": req.top_p, "seed": req.seed, "user": req.user,
             "stream": req.stream, "tools": tools or None, "tool_choice": named, "priority": req.priority,
             "cache_salt": req.cache_salt,

@@ -12,12 +12,13 @@ import msgspec
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from common.config import DEFAULT_MAX_LOGPROBS
+from common.config import DEFAULT_MAX_LOGPROBS, ServerConfig
 from common.messages import LoraRef, SamplingParams
 from common.pooling import Pooling
 from common.structured import INVALID_CONSTRAINT
 from frontend.api.lora_adapters import LoraRegistry
 from frontend.api.protocol import SamplingFields
+from frontend.api.responses_store import ResponseStore
 from frontend.api.sampling_defaults import SamplingDefaults
 from frontend.api.sse import ResponseFormat, sse_stream
 from frontend.engine.engine_client import AsyncEngineClient, EngineUnavailable, QueueFull
@@ -53,6 +54,8 @@ class ServingContext:
     prompt_tokens_details: bool = False  # --enable-prompt-tokens-details: usage says how many prompt tokens were cached
     max_logprobs: int = DEFAULT_MAX_LOGPROBS  # --max-logprobs, resolved: the most alternatives a request may ask for
     tokens_as_ids: bool = False  # --return-tokens-as-token-ids: what a request that does not say takes
+    # /v1/responses' stored responses (previous_response_id, GET): --responses-store-mib
+    responses: ResponseStore = field(default_factory=lambda: ResponseStore(ServerConfig.responses_store_mib << 20))
 
     @property
     def base_names(self) -> tuple[str, ...]:

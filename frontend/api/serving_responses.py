@@ -1,7 +1,8 @@
 """POST /v1/responses (OpenAI's Responses API) on the chat path: the request is translated into a chat request
-(protocol_responses.py), which start_chat checks, admits, renders and sends; the engine's text goes through the chat
-path's parsers (reasoning, tool calls) into output items (responses_output.py), returned whole or streamed as
-Responses events."""
+(protocol_responses.py), after the stored conversation it continues (previous_response_id), which start_chat checks,
+admits, renders and sends; the engine's text goes through the chat path's parsers (reasoning, tool calls) into
+output items (responses_output.py), returned whole or streamed as Responses events, and the finished response is
+stored (responses_store.py) for GET /v1/responses/{id}, its input_items and the next turn."""
 
 from __future__ import annotations
 
@@ -13,8 +14,15 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from frontend.api.protocol_responses import ResponsesRequest, chat_request, in_responses_terms
+from frontend.api.protocol_responses import (
+    ResponsesRequest,
+    chat_request,
+    in_responses_terms,
+    refuse_state,
+    stored_items,
+)
 from frontend.api.responses_output import OutputBuilder
+from frontend.api.responses_store import with_id
 from frontend.api.serving import ClosingStreamingResponse, ServingContext, collect
 from frontend.api.serving_chat import start_chat
 from frontend.api.sse import dumps
@@ -39,12 +47,16 @@ def usage(fan: FanOut) -> dict[str, Any]:
 
 
 class Envelope:
-    """The response object around the output: its id, the request's settings echoed, status and usage."""
+    """The response object around the output: its id, the request's settings echoed, status and usage; `final`
+    builds the last one and stores it where the request asked (store, the default)."""
 
     def __init__(self, ctx: ServingContext, req: ResponsesRequest, rid: str) -> None:
         self.head = {"id": rid, "object": "response", "created_at": int(time.time()),
                      "model": ctx.served_name(req.model)}  # fmt: skip
-        self.echo = req.echo(ctx.sampling_defaults)
+        self.store = ctx.responses if req.store and ctx.responses.enabled else None
+        self.echo = req.echo(ctx.sampling_defaults, self.store is not None)
+        self.items = [with_id(item) for item in stored_items(req)] if self.store is not None else []
+        self.previous = req.previous_response_id
 
     def body(self, status: str, output: list[dict[str, Any]], usage: dict[str, Any] | None,
              error: dict[str, Any] | None = None) -> dict[str, Any]:  # fmt: skip
@@ -52,6 +64,13 @@ class Envelope:
         completed_at = int(time.time()) if status == "completed" else None
         return {**self.head, "status": status, "completed_at": completed_at, "error": error,
                 "incomplete_details": incomplete, "output": output, "usage": usage, **self.echo}  # fmt: skip
+
+    def final(self, status: str, output: list[dict[str, Any]], usage: dict[str, Any],
+              error: dict[str, Any] | None = None) -> dict[str, Any]:  # fmt: skip
+        body = self.body(status, output, usage, error)
+        if self.store is not None:
+            self.store.put(self.head["id"], body, self.items, self.previous)
+        return body
 
 
 async def _events(ctx: ServingContext, fan: FanOut, parser: ToolParser | None,
@@ -72,8 +91,8 @@ async def _events(ctx: ServingContext, fan: FanOut, parser: ToolParser | None,
             if delta.finish_reason == "error":
                 err = ctx.failure(delta.error, delta.error_code)
                 error = {"code": err.code or "server_error", "message": err.message}
-                yield sse({"type": "response.failed", "response": envelope.body("failed", builder.output(),
-                                                                               usage(fan), error)})  # fmt: skip
+                yield sse({"type": "response.failed", "response": envelope.final("failed", builder.output(),
+                                                                                usage(fan), error)})  # fmt: skip
                 return
             events = builder.feed(parser_events(parser, delta.text, delta.finish_reason is not None))
             if delta.finish_reason is not None:
@@ -82,15 +101,17 @@ async def _events(ctx: ServingContext, fan: FanOut, parser: ToolParser | None,
             if events:
                 yield b"".join(sse(e) for e in events)
         status = status_of(finish)
-        yield sse({"type": f"response.{status}", "response": envelope.body(status, builder.output(), usage(fan))})
+        yield sse({"type": f"response.{status}", "response": envelope.final(status, builder.output(), usage(fan))})
     finally:
         fan.abort()
 
 
 async def create_response(ctx: ServingContext, req: ResponsesRequest, raw: Request, request_id: str) -> Response:
     rid = f"resp_{request_id}"
+    refuse_state(req, ctx.responses.enabled)
+    history = ctx.responses.conversation(req.previous_response_id) if req.previous_response_id is not None else []
     try:
-        fan, tools = await start_chat(ctx, chat_request(req), rid)
+        fan, tools = await start_chat(ctx, chat_request(req, history), rid)
     except ApiError as exc:
         raise in_responses_terms(exc) from None
     make_parser = with_reasoning(ctx.reasoning_parser, tools.make_parser(), fan.params.structured)
@@ -106,4 +127,26 @@ async def create_response(ctx: ServingContext, req: ResponsesRequest, raw: Reque
     builder = OutputBuilder()
     builder.feed(parser_events(parser, result.text, True))
     builder.finish(status)
-    return JSONResponse(envelope.body(status, builder.output(), usage(fan)))
+    return JSONResponse(envelope.final(status, builder.output(), usage(fan)))
+
+
+def delete_response(ctx: ServingContext, rid: str) -> dict[str, Any]:
+    ctx.responses.get(rid)  # a 404 if it is not stored
+    ctx.responses.delete(rid)
+    return {"id": rid, "object": "response", "deleted": True}
+
+
+def list_input_items(ctx: ServingContext, rid: str, after: str | None, limit: int, order: str) -> dict[str, Any]:
+    """GET /v1/responses/{rid}/input_items: a page of the items the response was made from, newest first unless
+    order is asc (as OpenAI's), from the item after `after`."""
+    items = ctx.responses.input_items(rid)
+    if order == "desc":
+        items.reverse()
+    if after is not None:
+        ids = [item["id"] for item in items]
+        if after not in ids:
+            raise ApiError(400, f"No input item with id '{after}' in response '{rid}'.", "after", "invalid_value")
+        items = items[ids.index(after) + 1:]
+    page = items[:limit]
+    return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
+            "last_id": page[-1]["id"] if page else None, "has_more": len(items) > limit}  # fmt: skip
