@@ -1,9 +1,13 @@
 """Stored responses (frontend/api/responses_store.py): previous_response_id continues a stored response exactly as
 the chat request holding the whole conversation would (text turns, a function call and its result, a streamed turn),
-GET /v1/responses/{id} and its input_items return what was stored, DELETE forgets it; store false keeps nothing; the
+GET /v1/responses/{id} and its input_items return what was stored, DELETE forgets it; store false keeps nothing;
+background responses are polled and cancelled; the
 store's memory bound evicts the least recently used responses, never an ancestor before the responses continuing it."""
 
 from __future__ import annotations
+
+import time
+from typing import Any
 
 import httpx
 import openai
@@ -14,6 +18,7 @@ from frontend.api.responses_store import ResponseStore
 from frontend.errors import ApiError
 from tests.conftest import Server
 from tests.test_api_responses import ASK, MODEL, TOOLS, chat, events_of
+from tests.test_api_streaming import assert_engine_idle_within
 
 
 @pytest.fixture(scope="module")
@@ -105,6 +110,41 @@ def test_store_false_keeps_nothing(server: Server, client: openai.OpenAI):
         client.responses.create(model=MODEL, input="More?", previous_response_id=r.id, max_output_tokens=2)
     bad = httpx.get(f"{server.url}/v1/responses/{r.id}/input_items", params={"limit": 0})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "limit"
+
+
+def poll(client: openai.OpenAI, rid: str, seconds: float) -> Any:
+    start = time.monotonic()
+    while (r := client.responses.retrieve(rid)).status == "in_progress":
+        assert time.monotonic() - start < seconds, f"{rid} still in progress after {seconds} s"
+        time.sleep(0.1)
+    return r
+
+
+def test_background_responses_are_polled_and_cancelled(server: Server, client: openai.OpenAI):
+    kw = {"model": MODEL, "input": "Name three colours.", "max_output_tokens": 24, "temperature": 0}
+    started = client.responses.create(**kw, background=True)
+    assert (started.status, started.background, started.output) == ("in_progress", True, [])
+    done = poll(client, started.id, 120)
+    assert done.status in ("completed", "incomplete") and done.background is True
+    assert done.output_text == client.responses.create(**kw).output_text != ""  # greedy: the same text
+
+    # A response whose grammar holds it to 400 numbers runs long enough to be cancelled while in progress.
+    many = {"type": "json_schema", "name": "many", "schema": {"type": "array", "minItems": 400,
+                                                             "items": {"type": "integer"}}}  # fmt: skip
+    long = client.responses.create(model=MODEL, input="Numbers:", max_output_tokens=2000, text={"format": many},
+                                   background=True)  # fmt: skip
+    cancelled = httpx.post(f"{server.url}/v1/responses/{long.id}/cancel", timeout=30).json()
+    assert cancelled["status"] == "cancelled" and client.responses.retrieve(long.id).status == "cancelled"
+    again = httpx.post(f"{server.url}/v1/responses/{long.id}/cancel", timeout=30)
+    assert again.status_code == 400 and "cancelled" in again.json()["error"]["message"]
+    assert_engine_idle_within(server, 10)  # the engine's request was aborted, its blocks freed
+    deleted = client.responses.create(model=MODEL, input="Numbers:", max_output_tokens=2000, text={"format": many},
+                                      background=True)  # fmt: skip
+    client.responses.delete(deleted.id)  # deleting a running response cancels it
+    assert_engine_idle_within(server, 10)
+    for extra in ({"store": False}, {"stream": True}):
+        refused = httpx.post(f"{server.url}/v1/responses", json={**kw, "background": True, **extra}, timeout=30)
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == "background"
 
 
 def stored(store: ResponseStore, rid: str, text: str, previous: str | None = None) -> None:

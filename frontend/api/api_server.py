@@ -28,7 +28,7 @@ from frontend.api.serving_completion import create_completion
 from frontend.api.serving_embeddings import create_embedding
 from frontend.api.serving_messages import count_tokens, create_message
 from frontend.api.serving_pooling import EMBEDDINGS_ROUTE, SCORE_ROUTES
-from frontend.api.serving_responses import create_response, delete_response, list_input_items
+from frontend.api.serving_responses import cancel_response, create_response, delete_response, list_input_items
 from frontend.api.serving_scores import create_classify, create_rerank, create_score
 from frontend.errors import ApiError, bad_request, from_validation_errors
 from frontend.metrics import Metrics
@@ -118,6 +118,10 @@ def create_app(ctx: ServingContext, config: ServerConfig, metrics: Metrics) -> F
     @app.delete("/v1/responses/{response_id}")
     async def remove_response(response_id: str) -> dict:
         return delete_response(ctx, response_id)
+
+    @app.post("/v1/responses/{response_id}/cancel")
+    async def cancel(response_id: str) -> dict:
+        return cancel_response(ctx, response_id)
 
     @app.get("/v1/responses/{response_id}/input_items")
     async def response_input_items(response_id: str, after: str | None = None,

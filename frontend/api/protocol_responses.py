@@ -160,9 +160,9 @@ class ResponsesRequest(ApiModel):
     cache_salt: CacheSalt | None = None  # vLLM's, as on chat
     store: bool = True  # kept for previous_response_id and GET (responses_store.py) unless --responses-store-mib 0
     previous_response_id: Text | None = None  # continue that stored response: its conversation comes before input
+    background: bool = False  # answered at once, in_progress; the client polls GET (needs store)
     # Server-side state that this server does not keep: refused with a 400 saying what to send instead.
     conversation: Any = None
-    background: bool = False
 
     def echo(self, d: SamplingDefaults, stored: bool) -> dict[str, Any]:
         """The request's settings as OpenAI echoes them in the response object (`d`: the server's defaults;
@@ -178,7 +178,7 @@ class ResponsesRequest(ApiModel):
                 "text": {"format": fmt.model_dump(by_alias=True, exclude_none=True)},
                 "metadata": self.metadata or {}, "user": self.user, "store": stored,
                 "previous_response_id": self.previous_response_id,
-                "reasoning": None, "truncation": "disabled", "background": False}  # fmt: skip
+                "reasoning": None, "truncation": "disabled", "background": self.background}  # fmt: skip
 
 
 def refuse_state(req: ResponsesRequest, keeps_responses: bool) -> None:
@@ -190,8 +190,11 @@ def refuse_state(req: ResponsesRequest, keeps_responses: bool) -> None:
     if req.conversation is not None:
         raise bad_request("conversation is not supported: this server stores no conversations; send the whole "
                           "conversation as input instead", "conversation", "unsupported_parameter")  # fmt: skip
-    if req.background:
-        raise bad_request("background responses are not supported (nothing is stored to poll)", "background",
+    if req.background and not (req.store and keeps_responses):
+        raise bad_request("background responses need store true (and a server that keeps responses) to be polled",
+                          "background", "unsupported_parameter")  # fmt: skip
+    if req.background and req.stream:
+        raise bad_request("background responses are not streamed here: poll GET /v1/responses/{id}", "background",
                           "unsupported_parameter")  # fmt: skip
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,6 +37,7 @@ class ResponseStore:
         self.max_bytes = max_bytes
         self.bytes = 0
         self._entries: OrderedDict[str, Stored] = OrderedDict()
+        self.running: dict[str, Callable[[], dict[str, Any]]] = {}  # background responses: how to cancel each
 
     @property
     def enabled(self) -> bool:

@@ -6,7 +6,9 @@ stored (responses_store.py) for GET /v1/responses/{id}, its input_items and the 
 
 from __future__ import annotations
 
+import asyncio
 import itertools
+import logging
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -30,6 +32,8 @@ from frontend.engine.fanout import FanOut
 from frontend.errors import ApiError
 from frontend.tools.reasoning import with_reasoning
 from frontend.tools.tool_parsers import ToolParser, parser_events
+
+log = logging.getLogger("roseinfer.api")
 
 
 def status_of(finish_reason: str | None) -> str:
@@ -106,6 +110,47 @@ async def _events(ctx: ServingContext, fan: FanOut, parser: ToolParser | None,
         fan.abort()
 
 
+def whole_output(parser: ToolParser | None, result: Any) -> tuple[str, list[dict[str, Any]]]:
+    """A finished choice's status and output items."""
+    status = status_of(result.finish_reason)
+    builder = OutputBuilder()
+    builder.feed(parser_events(parser, result.text, True))
+    builder.finish(status)
+    return status, builder.output()
+
+
+def run_in_background(ctx: ServingContext, fan: FanOut, parser: ToolParser | None, envelope: Envelope) -> None:
+    """background: the request runs on while its client polls GET (the stored response, in_progress until it
+    ends); POST .../cancel aborts it (the store's `running` holds how)."""
+    rid = envelope.head["id"]
+
+    async def run() -> None:
+        try:
+            result = (await fan.collect())[0].result
+            if result.finish_reason == "error":
+                err = ctx.failure(result.error, result.error_code)
+                envelope.final("failed", [], usage(fan), {"code": err.code or "server_error", "message": err.message})
+            else:
+                envelope.final(*whole_output(parser, result), usage(fan))
+        except Exception as exc:  # never left in_progress for its client to poll forever
+            log.exception("background response %s failed", rid)
+            envelope.final("failed", [], None, {"code": "server_error", "message": f"internal error: {exc}"})
+        finally:
+            fan.abort()
+            ctx.responses.running.pop(rid, None)
+
+    task = asyncio.ensure_future(run())
+
+    def cancel() -> dict[str, Any]:
+        task.cancel()
+        fan.abort()
+        ctx.responses.running.pop(rid, None)
+        return envelope.final("cancelled", [], usage(fan))
+
+    ctx.responses.running[rid] = cancel
+    envelope.final("in_progress", [], None)
+
+
 async def create_response(ctx: ServingContext, req: ResponsesRequest, raw: Request, request_id: str) -> Response:
     rid = f"resp_{request_id}"
     refuse_state(req, ctx.responses.enabled)
@@ -117,21 +162,31 @@ async def create_response(ctx: ServingContext, req: ResponsesRequest, raw: Reque
     make_parser = with_reasoning(ctx.reasoning_parser, tools.make_parser(), fan.params.structured)
     parser = make_parser() if make_parser is not None else None
     envelope = Envelope(ctx, req, rid)
+    if req.background:
+        run_in_background(ctx, fan, parser, envelope)
+        return JSONResponse(ctx.responses.get(rid).response)
     if req.stream:
         return ClosingStreamingResponse(_events(ctx, fan, parser, envelope), fan.abort, "text/event-stream")
     choices = await collect(ctx, raw, fan)
     if choices is None:
         return Response(status_code=499)  # the client left; its request was aborted
-    result = choices[0].result
-    status = status_of(result.finish_reason)
-    builder = OutputBuilder()
-    builder.feed(parser_events(parser, result.text, True))
-    builder.finish(status)
-    return JSONResponse(envelope.final(status, builder.output(), usage(fan)))
+    return JSONResponse(envelope.final(*whole_output(parser, choices[0].result), usage(fan)))
+
+
+def cancel_response(ctx: ServingContext, rid: str) -> dict[str, Any]:
+    """POST /v1/responses/{rid}/cancel: a background response still running ends as cancelled."""
+    cancel = ctx.responses.running.get(rid)
+    if cancel is None:
+        status = ctx.responses.get(rid).response["status"]  # a 404 if it is not stored
+        raise ApiError(400, f"Response '{rid}' is {status}: only a background response in progress can be "
+                       "cancelled.", "response_id", "invalid_value")  # fmt: skip
+    return cancel()
 
 
 def delete_response(ctx: ServingContext, rid: str) -> dict[str, Any]:
     ctx.responses.get(rid)  # a 404 if it is not stored
+    if rid in ctx.responses.running:  # a background response still running: it is cancelled first
+        ctx.responses.running[rid]()
     ctx.responses.delete(rid)
     return {"id": rid, "object": "response", "deleted": True}
 
