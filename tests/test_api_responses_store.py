@@ -173,6 +173,8 @@ def test_the_store_keeps_to_its_bound_and_never_drops_an_ancestor_first():
     assert store.delete("a") and not store.delete("a") and store.bytes == 3 * size
     with pytest.raises(ApiError, match="'a' not found"):
         store.conversation("b")
+    stored(store, "huge", "s" * 5 * 1000)  # larger than the whole store: not kept, and nothing else lost for it
+    assert len(store) == 3 and "huge" not in store._entries
 
 
 def test_no_store_refuses_previous_response_id():

@@ -49,6 +49,8 @@ class ResponseStore:
     def put(self, rid: str, response: dict[str, Any], items: list[dict[str, Any]], previous: str | None) -> None:
         size = len(json.dumps(response)) + len(json.dumps(items))
         self.delete(rid)
+        if size > self.max_bytes:  # larger than the whole store: kept nowhere, rather than emptying it for nothing
+            return
         self._entries[rid] = Stored(response, items, previous, size)
         self.bytes += size
         self._refresh(rid)

@@ -119,9 +119,10 @@ def whole_output(parser: ToolParser | None, result: Any) -> tuple[str, list[dict
     return status, builder.output()
 
 
-def run_in_background(ctx: ServingContext, fan: FanOut, parser: ToolParser | None, envelope: Envelope) -> None:
+def run_in_background(ctx: ServingContext, fan: FanOut, parser: ToolParser | None,
+                      envelope: Envelope) -> dict[str, Any]:  # fmt: skip
     """background: the request runs on while its client polls GET (the stored response, in_progress until it
-    ends); POST .../cancel aborts it (the store's `running` holds how)."""
+    ends); POST .../cancel aborts it (the store's `running` holds how). Returns the response as it starts."""
     rid = envelope.head["id"]
 
     async def run() -> None:
@@ -148,7 +149,7 @@ def run_in_background(ctx: ServingContext, fan: FanOut, parser: ToolParser | Non
         return envelope.final("cancelled", [], usage(fan))
 
     ctx.responses.running[rid] = cancel
-    envelope.final("in_progress", [], None)
+    return envelope.final("in_progress", [], None)
 
 
 async def create_response(ctx: ServingContext, req: ResponsesRequest, raw: Request, request_id: str) -> Response:
@@ -163,8 +164,7 @@ async def create_response(ctx: ServingContext, req: ResponsesRequest, raw: Reque
     parser = make_parser() if make_parser is not None else None
     envelope = Envelope(ctx, req, rid)
     if req.background:
-        run_in_background(ctx, fan, parser, envelope)
-        return JSONResponse(ctx.responses.get(rid).response)
+        return JSONResponse(run_in_background(ctx, fan, parser, envelope))
     if req.stream:
         return ClosingStreamingResponse(_events(ctx, fan, parser, envelope), fan.abort, "text/event-stream")
     choices = await collect(ctx, raw, fan)
