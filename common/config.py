@@ -154,8 +154,9 @@ class ServerConfig:
         "Qwen2.5 and Hermes models; llama3_json: {\"name\": ..., \"parameters\": {...}}, Llama 3.1-3.3; pythonic: "
         "[f(a=1), g()], Llama 4 and Llama 3.2 under vLLM's pythonic template; mistral: [TOOL_CALLS] then a JSON "
         "list of calls or name[ARGS]{...}, Mistral's models; functiongemma: <start_function_call>call:f{...}"
-        "<end_function_call>, FunctionGemma; granite: <|tool_call|> then a JSON list of calls, Granite 3)",
-        choices=["hermes", "llama3_json", "pythonic", "mistral", "functiongemma", "granite"],
+        "<end_function_call>, FunctionGemma; granite: <|tool_call|> then a JSON list of calls, Granite 3; qwen3_coder: "
+        "<tool_call><function=f><parameter=p>value</parameter></function></tool_call>, Qwen3-Coder)",
+        choices=["hermes", "llama3_json", "pythonic", "mistral", "functiongemma", "granite", "qwen3_coder"],
     )
     reasoning_parser: str | None = flag(
         None, "return a thinking model's <think> part of chat answers as `reasoning` (vLLM's field): qwen3 (Qwen3's "

@@ -29,6 +29,7 @@ from frontend.tools.functiongemma_parser import FunctionGemmaParser
 from frontend.tools.granite_parser import GraniteParser
 from frontend.tools.mistral_parser import MistralParser
 from frontend.tools.pythonic_parser import PythonicParser
+from frontend.tools.qwen3_coder_parser import Qwen3CoderParser
 from frontend.tools.tool_forced import ForcedCallsParser, NamedCallParser
 from frontend.tools.tool_parsers import CLOSE, OPEN, HermesParser, Llama3JsonParser, ToolParser
 
@@ -36,7 +37,8 @@ from frontend.tools.tool_parsers import CLOSE, OPEN, HermesParser, Llama3JsonPar
 PARSERS: dict[str, Callable[[int | None], ToolParser]] = {"hermes": HermesParser, "llama3_json": Llama3JsonParser,
                                                           "pythonic": PythonicParser, "mistral": MistralParser,
                                                           "functiongemma": FunctionGemmaParser,
-                                                          "granite": GraniteParser}  # fmt: skip
+                                                          "granite": GraniteParser,
+                                                          "qwen3_coder": Qwen3CoderParser}  # fmt: skip
 _EMPTY_PARAMETERS = {"type": "object", "properties": {}}  # OpenAI: no parameters is a function without arguments
 
 Mode = Literal["none", "auto", "required", "named"]
@@ -73,6 +75,9 @@ class ToolPlan:
             return ForcedCallsParser
         if self.mode == "auto" and self.parser is not None:
             parser, max_calls = PARSERS[self.parser], None if self.parallel else 1
+            if parser is Qwen3CoderParser:  # its values are written bare: each is typed by its parameter's schema
+                schemas = {t["function"]["name"]: t["function"]["parameters"] for t in self.template_tools or []}
+                return lambda: Qwen3CoderParser(max_calls, schemas)
             return lambda: parser(max_calls)
         return None
 
