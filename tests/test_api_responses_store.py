@@ -84,6 +84,23 @@ def test_turns_continue_the_stored_conversation(server: Server, client: openai.O
     assert len(client.responses.input_items.list(third.id, order="asc").data) == 3  # what is left of the chain
 
 
+def test_response_ids_are_the_servers_whatever_x_request_id_says(server: Server):
+    """A client's X-Request-Id (a proxy may send the same one twice) never names a stored response: the second
+    request with the same header, continuing the first, had replaced it with a response that continued itself, and
+    the next walk of that chain never ended (the API process hung)."""
+    body = {"model": MODEL, "input": "hi", "max_output_tokens": 2}
+    headers = {"X-Request-Id": "same"}
+    first = httpx.post(f"{server.url}/v1/responses", json=body, headers=headers, timeout=60).json()
+    second = httpx.post(f"{server.url}/v1/responses", json={**body, "previous_response_id": first["id"]},
+                        headers=headers, timeout=60).json()  # fmt: skip
+    third = httpx.post(f"{server.url}/v1/responses", json={**body, "previous_response_id": second["id"]},
+                       headers=headers, timeout=60)  # fmt: skip
+    assert third.status_code == 200 and len({first["id"], second["id"], third.json()["id"]}) == 3
+    assert third.headers["x-request-id"] == "same"
+    items = httpx.get(f"{server.url}/v1/responses/{third.json()['id']}/input_items", timeout=10).json()["data"]
+    assert len(items) == 5  # two turns of input and output, then its own input
+
+
 def test_a_function_call_continued_with_its_result(server: Server, client: openai.OpenAI):
     call_turn = client.responses.create(model=MODEL, input=ASK, tools=TOOLS, max_output_tokens=64, temperature=0,
                                         tool_choice={"type": "function", "name": "get_weather"})  # fmt: skip

@@ -109,7 +109,7 @@ def create_app(ctx: ServingContext, config: ServerConfig, metrics: Metrics) -> F
 
     @app.post("/v1/responses", dependencies=generates)
     async def responses(req: ResponsesRequest, raw: Request) -> Response:
-        return await create_response(ctx, req, raw, raw.state.request_id)
+        return await create_response(ctx, req, raw)
 
     @app.get("/v1/responses/{response_id}")
     async def retrieve_response(response_id: str) -> dict:

@@ -10,6 +10,7 @@ import asyncio
 import itertools
 import logging
 import time
+import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -152,8 +153,10 @@ def run_in_background(ctx: ServingContext, fan: FanOut, parser: ToolParser | Non
     return envelope.final("in_progress", [], None)
 
 
-async def create_response(ctx: ServingContext, req: ResponsesRequest, raw: Request, request_id: str) -> Response:
-    rid = f"resp_{request_id}"
+async def create_response(ctx: ServingContext, req: ResponsesRequest, raw: Request) -> Response:
+    # The id names a stored object, so the server makes it: one from a client's X-Request-Id could replace another
+    # response, or continue itself (a chain without an end).
+    rid = f"resp_{uuid.uuid4().hex}"
     refuse_state(req, ctx.responses.enabled)
     history = ctx.responses.conversation(req.previous_response_id) if req.previous_response_id is not None else []
     try:
