@@ -31,6 +31,7 @@ from common.vllm_flags import VllmFlags
 from engine_core.tp_procs import layout as tp_layout
 from engine_core.tp_procs import run_node_agent
 from frontend.api.api_server import create_app
+from frontend.api.conversations import ConversationStore
 from frontend.api.http_options import check_http_flags, http_options
 from frontend.api.lora_adapters import LoraRegistry, runtime_updates_allowed
 from frontend.api.responses_store import ResponseStore
@@ -233,7 +234,8 @@ class Launch:
                              prompt_tokens_details=self.config.enable_prompt_tokens_details,
                              max_logprobs=self.engine_config.logprobs_limit(ready.vocab_size),
                              tokens_as_ids=self.config.return_tokens_as_token_ids,
-                             responses=ResponseStore(self.config.responses_store_mib << 20))  # fmt: skip
+                             responses=ResponseStore(self.config.responses_store_mib << 20),
+                             conversations=ConversationStore(self.config.responses_store_mib << 20))  # fmt: skip
         app = create_app(ctx, self.config, metrics)
         self.server = _Server(uvicorn.Config(app, host=self.config.host, port=self.config.port, lifespan="off",
                                              timeout_graceful_shutdown=int(self.config.drain_timeout) + 5,

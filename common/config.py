@@ -147,8 +147,8 @@ class ServerConfig:
     )
     override_generation_config: str | None = flag(
         None, 'JSON laid over those defaults, in generation_config.json\'s names: \'{"temperature": 0.6}\'')
-    responses_store_mib: int = flag(256, "MiB of /v1/responses' stored responses (store: true) kept in memory for "
-                                    "previous_response_id and GET, least recently used out first (0: none kept)")
+    responses_store_mib: int = flag(256, "MiB of stored responses (store: true; previous_response_id, GET), and as "
+                                    "much of conversations, kept in memory, least recently used out first (0: none)")
     tool_call_parser: str | None = flag(
         None, "read tool calls in the model's own format for tool_choice auto (hermes: <tool_call>{...}</tool_call>, "
         "Qwen2.5 and Hermes models; llama3_json: {\"name\": ..., \"parameters\": {...}}, Llama 3.1-3.3; pythonic: "

@@ -242,7 +242,7 @@ def test_explicit_nulls_mean_the_default(server: Server):
 
 BAD = [
     ({"previous_response_id": "resp_123"}, "previous_response_id", "Previous response with id 'resp_123' not found"),
-    ({"conversation": "conv_1"}, "conversation", "send the whole conversation"),
+    ({"conversation": "conv_1", "previous_response_id": "resp_1"}, "conversation", "not both"),
     ({"tools": [{"type": "web_search"}]}, "tools", "'web_search' are not supported"),
     ({"tools": [{"type": "file_search", "vector_store_ids": ["x"]}]}, "tools", "'file_search'"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "https://x/y.png"}]}]}, "input",

@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import importlib.metadata
 import time
-from typing import Annotated, Literal
 
-from fastapi import Depends, FastAPI, Query, Request
+from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
@@ -28,8 +27,9 @@ from frontend.api.serving_completion import create_completion
 from frontend.api.serving_embeddings import create_embedding
 from frontend.api.serving_messages import count_tokens, create_message
 from frontend.api.serving_pooling import EMBEDDINGS_ROUTE, SCORE_ROUTES
-from frontend.api.serving_responses import cancel_response, create_response, delete_response, list_input_items
+from frontend.api.serving_responses import create_response
 from frontend.api.serving_scores import create_classify, create_rerank, create_score
+from frontend.api.stored_routes import stored_routes
 from frontend.errors import ApiError, bad_request, from_validation_errors
 from frontend.metrics import Metrics
 
@@ -110,24 +110,6 @@ def create_app(ctx: ServingContext, config: ServerConfig, metrics: Metrics) -> F
     @app.post("/v1/responses", dependencies=generates)
     async def responses(req: ResponsesRequest, raw: Request) -> Response:
         return await create_response(ctx, req, raw)
-
-    @app.get("/v1/responses/{response_id}")
-    async def retrieve_response(response_id: str) -> dict:
-        return ctx.responses.get(response_id).response
-
-    @app.delete("/v1/responses/{response_id}")
-    async def remove_response(response_id: str) -> dict:
-        return delete_response(ctx, response_id)
-
-    @app.post("/v1/responses/{response_id}/cancel")
-    async def cancel(response_id: str) -> dict:
-        return cancel_response(ctx, response_id)
-
-    @app.get("/v1/responses/{response_id}/input_items")
-    async def response_input_items(response_id: str, after: str | None = None,
-                                   limit: Annotated[int, Query(ge=1, le=100)] = 20,
-                                   order: Literal["asc", "desc"] = "desc") -> dict:  # fmt: skip
-        return list_input_items(ctx, response_id, after, limit, order)
 
     @app.post("/v1/messages", dependencies=generates)  # Anthropic's Messages API
     async def messages(req: MessagesRequest, raw: Request) -> Response:
@@ -216,6 +198,7 @@ def create_app(ctx: ServingContext, config: ServerConfig, metrics: Metrics) -> F
         params = ctx.sampling_params(req, ctx.max_tokens(len(prompt), req.max_tokens, "max_tokens"), None)
         return stream_text(await ctx.fan_out(f"gen-{raw.state.request_id}", [prompt], req, params))
 
+    app.include_router(stored_routes(ctx))
     start_time = time.time()
     app.add_middleware(HttpGuard, config=config)
     if config.allowed_origins:  # outermost, so preflight requests need no API key

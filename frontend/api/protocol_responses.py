@@ -141,6 +141,10 @@ class TextConfig(ApiModel):
     format: TextFormat | None = None
 
 
+class ConversationRef(ApiModel):
+    id: Text
+
+
 class ResponsesRequest(ApiModel):
     model: Text | None = None
     input: Text | list[InputItem]
@@ -161,8 +165,11 @@ class ResponsesRequest(ApiModel):
     store: bool = True  # kept for previous_response_id and GET (responses_store.py) unless --responses-store-mib 0
     previous_response_id: Text | None = None  # continue that stored response: its conversation comes before input
     background: bool = False  # answered at once, in_progress; the client polls GET (needs store)
-    # Server-side state that this server does not keep: refused with a 400 saying what to send instead.
-    conversation: Any = None
+    conversation: Text | ConversationRef | None = None  # its items come before input; input and output join them
+
+    @property
+    def conversation_id(self) -> str | None:
+        return self.conversation.id if isinstance(self.conversation, ConversationRef) else self.conversation
 
     def echo(self, d: SamplingDefaults, stored: bool) -> dict[str, Any]:
         """The request's settings as OpenAI echoes them in the response object (`d`: the server's defaults;
@@ -178,18 +185,18 @@ class ResponsesRequest(ApiModel):
                 "text": {"format": fmt.model_dump(by_alias=True, exclude_none=True)},
                 "metadata": self.metadata or {}, "user": self.user, "store": stored,
                 "previous_response_id": self.previous_response_id,
-                "reasoning": None, "truncation": "disabled", "background": self.background}  # fmt: skip
+                "reasoning": None, "truncation": "disabled", "background": self.background,
+                "conversation": {"id": self.conversation_id} if self.conversation is not None else None}  # fmt: skip
 
 
 def refuse_state(req: ResponsesRequest, keeps_responses: bool) -> None:
-    """400s for the server-side state this server does not keep (with --responses-store-mib 0, no responses)."""
+    """400s for the server-side state a request cannot have here (with --responses-store-mib 0, none is kept)."""
     if req.previous_response_id is not None and not keeps_responses:
         raise bad_request("previous_response_id is not supported: this server keeps no responses "
                           "(--responses-store-mib 0); send the whole conversation as input instead",
                           "previous_response_id", "unsupported_parameter")  # fmt: skip
-    if req.conversation is not None:
-        raise bad_request("conversation is not supported: this server stores no conversations; send the whole "
-                          "conversation as input instead", "conversation", "unsupported_parameter")  # fmt: skip
+    if req.conversation is not None and req.previous_response_id is not None:
+        raise bad_request("give conversation or previous_response_id, not both", "conversation")
     if req.background and not (req.store and keeps_responses):
         raise bad_request("background responses need store true (and a server that keeps responses) to be polled",
                           "background", "unsupported_parameter")  # fmt: skip
@@ -203,10 +210,10 @@ def own_items(req: ResponsesRequest) -> list[InputItem]:
     return [MessageItem(role="user", content=req.input)] if isinstance(req.input, str) else list(req.input)
 
 
-def stored_items(req: ResponsesRequest) -> list[dict[str, Any]]:
-    """The request's input items as a stored response keeps and lists them: message text as content parts."""
+def item_dumps(items: list[InputItem]) -> list[dict[str, Any]]:
+    """Input items as stored responses and conversations keep and list them: message text as content parts."""
     out = []
-    for item in own_items(req):
+    for item in items:
         dumped = item.model_dump()
         if isinstance(item, MessageItem) and isinstance(item.content, str):
             kind = "output_text" if item.role == "assistant" else "input_text"

@@ -16,6 +16,7 @@ from common.config import DEFAULT_MAX_LOGPROBS, ServerConfig
 from common.messages import LoraRef, SamplingParams
 from common.pooling import Pooling
 from common.structured import INVALID_CONSTRAINT
+from frontend.api.conversations import ConversationStore
 from frontend.api.lora_adapters import LoraRegistry
 from frontend.api.protocol import SamplingFields
 from frontend.api.responses_store import ResponseStore
@@ -30,6 +31,7 @@ from frontend.text.tokenizer import Tokenizer
 from frontend.tools.reasoning import ReasoningTokens
 
 T = TypeVar("T")
+STORE_BYTES = ServerConfig.responses_store_mib << 20
 R = TypeVar("R", bound=SamplingFields)
 
 
@@ -54,8 +56,9 @@ class ServingContext:
     prompt_tokens_details: bool = False  # --enable-prompt-tokens-details: usage says how many prompt tokens were cached
     max_logprobs: int = DEFAULT_MAX_LOGPROBS  # --max-logprobs, resolved: the most alternatives a request may ask for
     tokens_as_ids: bool = False  # --return-tokens-as-token-ids: what a request that does not say takes
-    # /v1/responses' stored responses (previous_response_id, GET): --responses-store-mib
-    responses: ResponseStore = field(default_factory=lambda: ResponseStore(ServerConfig.responses_store_mib << 20))
+    # /v1/responses' stored responses (previous_response_id, GET) and /v1/conversations: --responses-store-mib
+    responses: ResponseStore = field(default_factory=lambda: ResponseStore(STORE_BYTES))
+    conversations: ConversationStore = field(default_factory=lambda: ConversationStore(STORE_BYTES))
 
     @property
     def base_names(self) -> tuple[str, ...]:

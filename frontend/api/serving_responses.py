@@ -21,8 +21,9 @@ from frontend.api.protocol_responses import (
     ResponsesRequest,
     chat_request,
     in_responses_terms,
+    item_dumps,
+    own_items,
     refuse_state,
-    stored_items,
 )
 from frontend.api.responses_output import OutputBuilder
 from frontend.api.responses_store import with_id
@@ -60,8 +61,9 @@ class Envelope:
                      "model": ctx.served_name(req.model)}  # fmt: skip
         self.store = ctx.responses if req.store and ctx.responses.enabled else None
         self.echo = req.echo(ctx.sampling_defaults, self.store is not None)
-        self.items = [with_id(item) for item in stored_items(req)] if self.store is not None else []
+        self.items = [with_id(item) for item in item_dumps(own_items(req))]
         self.previous = req.previous_response_id
+        self.conversation, self.conversations = req.conversation_id, ctx.conversations
 
     def body(self, status: str, output: list[dict[str, Any]], usage: dict[str, Any] | None,
              error: dict[str, Any] | None = None) -> dict[str, Any]:  # fmt: skip
@@ -75,6 +77,8 @@ class Envelope:
         body = self.body(status, output, usage, error)
         if self.store is not None:
             self.store.put(self.head["id"], body, self.items, self.previous)
+        if status in ("completed", "incomplete") and self.conversation in self.conversations:  # the turn joins it
+            self.conversations.add(self.conversation, [*self.items, *output])
         return body
 
 
@@ -158,7 +162,12 @@ async def create_response(ctx: ServingContext, req: ResponsesRequest, raw: Reque
     # response, or continue itself (a chain without an end).
     rid = f"resp_{uuid.uuid4().hex}"
     refuse_state(req, ctx.responses.enabled)
-    history = ctx.responses.conversation(req.previous_response_id) if req.previous_response_id is not None else []
+    if req.conversation_id is not None:
+        history = ctx.conversations.get(req.conversation_id).items
+    elif req.previous_response_id is not None:
+        history = ctx.responses.conversation(req.previous_response_id)
+    else:
+        history = []
     try:
         fan, tools = await start_chat(ctx, chat_request(req, history), rid)
     except ApiError as exc:
@@ -192,19 +201,3 @@ def delete_response(ctx: ServingContext, rid: str) -> dict[str, Any]:
         ctx.responses.running[rid]()
     ctx.responses.delete(rid)
     return {"id": rid, "object": "response", "deleted": True}
-
-
-def list_input_items(ctx: ServingContext, rid: str, after: str | None, limit: int, order: str) -> dict[str, Any]:
-    """GET /v1/responses/{rid}/input_items: a page of the items the response was made from, newest first unless
-    order is asc (as OpenAI's), from the item after `after`."""
-    items = ctx.responses.input_items(rid)
-    if order == "desc":
-        items.reverse()
-    if after is not None:
-        ids = [item["id"] for item in items]
-        if after not in ids:
-            raise ApiError(400, f"No input item with id '{after}' in response '{rid}'.", "after", "invalid_value")
-        items = items[ids.index(after) + 1:]
-    page = items[:limit]
-    return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
-            "last_id": page[-1]["id"] if page else None, "has_more": len(items) > limit}  # fmt: skip
