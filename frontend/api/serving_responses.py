@@ -1,8 +1,9 @@
 """POST /v1/responses (OpenAI's Responses API) on the chat path: the request is translated into a chat request
-(protocol_responses.py), after the stored conversation it continues (previous_response_id), which start_chat checks,
-admits, renders and sends; the engine's text goes through the chat path's parsers (reasoning, tool calls) into
-output items (responses_output.py), returned whole or streamed as Responses events, and the finished response is
-stored (responses_store.py) for GET /v1/responses/{id}, its input_items and the next turn."""
+(protocol_responses.py), after the items it continues (a stored response's chain, previous_response_id, or a
+conversation's), which start_chat checks, admits, renders and sends; the engine's text goes through the chat path's
+parsers (reasoning, tool calls) into output items (responses_output.py), returned whole, streamed as Responses
+events, or kept for polling (background); the finished response is stored (responses_store.py) for GET, its
+input_items and the next turn, and added to its conversation (conversations.py)."""
 
 from __future__ import annotations
 
@@ -72,7 +73,7 @@ class Envelope:
         return {**self.head, "status": status, "completed_at": completed_at, "error": error,
                 "incomplete_details": incomplete, "output": output, "usage": usage, **self.echo}  # fmt: skip
 
-    def final(self, status: str, output: list[dict[str, Any]], usage: dict[str, Any],
+    def final(self, status: str, output: list[dict[str, Any]], usage: dict[str, Any] | None,
               error: dict[str, Any] | None = None) -> dict[str, Any]:  # fmt: skip
         body = self.body(status, output, usage, error)
         if self.store is not None:
