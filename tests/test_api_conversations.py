@@ -104,3 +104,25 @@ def test_the_store_keeps_to_its_bound():
     assert store.bytes == old.size == len(json.dumps(old.items[0]))
     with pytest.raises(ApiError, match="not kept"):
         ConversationStore(0).create(CreateConversation())
+
+
+def test_truncation_auto_drops_the_oldest_items_that_do_not_fit(server: Server, client: openai.OpenAI):
+    """A conversation past the context (20 items of ~900 tokens): without truncation the request is a 400; with
+    truncation auto the fewest oldest items are dropped, as /tokenize measures the prompts they would make."""
+    context = httpx.get(server.url + "/v1/models", timeout=10).json()["data"][0]["max_model_len"]
+    items = [{"role": "user" if i % 2 == 0 else "assistant", "content": f"item{i} " * 300} for i in range(20)]
+    conv = client.conversations.create(items=items)
+    kw = {"model": MODEL, "conversation": conv.id, "input": "Summarize.", "max_output_tokens": 8, "temperature": 0}
+    with pytest.raises(openai.BadRequestError, match="maximum context length"):
+        client.responses.create(**kw)
+    r = client.responses.create(**kw, truncation="auto")
+    assert r.truncation == "auto" and r.status in ("completed", "incomplete")
+    turn = [*items, {"role": "user", "content": "Summarize."}]
+
+    def prompt_tokens(dropped: int) -> int:
+        body = {"model": MODEL, "messages": turn[dropped:], "add_generation_prompt": True}
+        return httpx.post(server.url + "/tokenize", json=body, timeout=60).json()["count"]
+
+    kept = next(k for k in range(len(turn)) if prompt_tokens(k) <= context - 8)
+    assert kept > 0 and r.usage.input_tokens == prompt_tokens(kept) > context - 8 - 1000
+    assert len(client.conversations.items.list(conv.id, limit=100).data) == 22  # the conversation keeps them all

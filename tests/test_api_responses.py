@@ -259,6 +259,7 @@ BAD = [
     ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "objectx"}}}}, "text",
      "text.format"),
     ({"max_output_tokens": 0}, "max_output_tokens", "greater than or equal to 1"),
+    ({"truncation": "middle"}, "truncation", "'auto' or 'disabled'"),
     ({"max_output_tokens": 5000}, "max_output_tokens", "maximum context length"),
     ({"temperature": -1}, "temperature", "greater than or equal to 0"),
     ({"top_p": 0}, "top_p", "greater than 0"),

@@ -166,6 +166,7 @@ class ResponsesRequest(ApiModel):
     previous_response_id: Text | None = None  # continue that stored response: its conversation comes before input
     background: bool = False  # answered at once, in_progress; the client polls GET (needs store)
     conversation: Text | ConversationRef | None = None  # its items come before input; input and output join them
+    truncation: Literal["auto", "disabled"] = "disabled"  # auto: the oldest items dropped where the context is short
 
     @property
     def conversation_id(self) -> str | None:
@@ -185,7 +186,7 @@ class ResponsesRequest(ApiModel):
                 "text": {"format": fmt.model_dump(by_alias=True, exclude_none=True)},
                 "metadata": self.metadata or {}, "user": self.user, "store": stored,
                 "previous_response_id": self.previous_response_id,
-                "reasoning": None, "truncation": "disabled", "background": self.background,
+                "reasoning": None, "truncation": self.truncation, "background": self.background,
                 "conversation": {"id": self.conversation_id} if self.conversation is not None else None}  # fmt: skip
 
 
@@ -222,15 +223,20 @@ def item_dumps(items: list[InputItem]) -> list[dict[str, Any]]:
     return out
 
 
-HISTORY: TypeAdapter[list[InputItem]] = TypeAdapter(list[InputItem])
+STORED_ITEMS: TypeAdapter[list[InputItem]] = TypeAdapter(list[InputItem])
 
 
-def _messages(req: ResponsesRequest, history: list[dict[str, Any]]) -> list[ChatMessage]:
-    """instructions first, then the conversation continued (a stored chain's items; its instructions are not
-    carried over, as OpenAI's are not), then the input; a function_call item joins the assistant message just
-    before it (the text and the calls of one turn), as chat spells a turn's parallel calls."""
+def turn_items(req: ResponsesRequest, history: list[dict[str, Any]]) -> list[InputItem]:
+    """The items a response is made from: those it continues (a stored chain's or a conversation's, as stored;
+    a continued response's instructions are not carried over, as OpenAI's are not), then its own input."""
+    return [*STORED_ITEMS.validate_python(history), *own_items(req)]
+
+
+def _messages(req: ResponsesRequest, items: list[InputItem]) -> list[ChatMessage]:
+    """instructions first, then the items; a function_call item joins the assistant message just before it (the
+    text and the calls of one turn), as chat spells a turn's parallel calls."""
     out = [ChatMessage(role="system", content=req.instructions)] if req.instructions is not None else []
-    for item in [*HISTORY.validate_python(history), *own_items(req)]:
+    for item in items:
         if isinstance(item, MessageItem):
             out.append(ChatMessage(role=item.role, content=_text(item.content)))
         elif isinstance(item, FunctionCallItem):
@@ -259,9 +265,8 @@ def _response_format(text: TextConfig | None) -> ResponseFormat | None:
     return ResponseFormat(type="json_schema", json_schema=spec)
 
 
-def chat_request(req: ResponsesRequest, history: list[dict[str, Any]]) -> ChatCompletionRequest:
-    """The chat completions request that does what `req` asks after the items of `history` (400s for what it
-    cannot)."""
+def chat_request(req: ResponsesRequest, items: list[InputItem]) -> ChatCompletionRequest:
+    """The chat completions request that does what `req` asks with these items (400s for what it cannot)."""
     choice = req.tool_choice
     named = NamedToolChoice(type="function", function=NamedFunction(name=choice.name)) \
         if isinstance(choice, FunctionChoice) else choice  # fmt: skip
@@ -269,7 +274,7 @@ def chat_request(req: ResponsesRequest, history: list[dict[str, Any]]) -> ChatCo
              for t in req.tools or []]
     try:
         return ChatCompletionRequest.model_validate({
-            "model": req.model, "messages": _messages(req, history), "max_completion_tokens": req.max_output_tokens,
+            "model": req.model, "messages": _messages(req, items), "max_completion_tokens": req.max_output_tokens,
             "temperature": req.temperature, "top_p": req.top_p, "seed": req.seed, "user": req.user,
             "stream": req.stream, "tools": tools or None, "tool_choice": named, "priority": req.priority,
             "cache_salt": req.cache_salt,

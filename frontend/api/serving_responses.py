@@ -19,21 +19,25 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from frontend.api.protocol_responses import (
+    FunctionCallOutputItem,
+    InputItem,
     ResponsesRequest,
     chat_request,
     in_responses_terms,
     item_dumps,
     own_items,
     refuse_state,
+    turn_items,
 )
 from frontend.api.responses_output import OutputBuilder
 from frontend.api.responses_store import with_id
-from frontend.api.serving import ClosingStreamingResponse, ServingContext, collect
-from frontend.api.serving_chat import start_chat
+from frontend.api.serving import ClosingStreamingResponse, ServingContext, collect, off_loop
+from frontend.api.serving_chat import chat_prompt, start_chat
 from frontend.api.sse import dumps
 from frontend.engine.fanout import FanOut
 from frontend.errors import ApiError
 from frontend.tools.reasoning import with_reasoning
+from frontend.tools.tool_calls import plan_tools
 from frontend.tools.tool_parsers import ToolParser, parser_events
 
 log = logging.getLogger("roseinfer.api")
@@ -116,6 +120,33 @@ async def _events(ctx: ServingContext, fan: FanOut, parser: ToolParser | None,
         fan.abort()
 
 
+async def fitted(ctx: ServingContext, req: ResponsesRequest, items: list[InputItem]) -> list[InputItem]:
+    """truncation auto: the items less the fewest oldest ones that let the prompt and max_output_tokens (at least
+    one token) fit the context, as OpenAI drops them; the newest is always kept (if it alone is too long, the
+    request's 400 says so). Each candidate is rendered as the request would be, halving the range each time."""
+    room = ctx.max_model_len - (req.max_output_tokens or 1)
+
+    def tail(k: int) -> list[InputItem]:  # a call's output whose call was dropped goes with it
+        rest = items[k:]
+        while len(rest) > 1 and isinstance(rest[0], FunctionCallOutputItem):
+            rest = rest[1:]
+        return rest
+
+    async def fits(k: int) -> bool:
+        chat = chat_request(req, tail(k))
+        tools = await off_loop(plan_tools, chat, ctx.tool_call_parser)
+        prompt = await off_loop(chat_prompt, ctx, chat.messages, True, tools.template_tools)
+        return len(prompt) <= room
+
+    if await fits(0):
+        return items
+    low, high = 1, len(items) - 1  # the fewest dropped that may fit, and the most there is to drop
+    while low < high:
+        middle = (low + high) // 2
+        low, high = (low, middle) if await fits(middle) else (middle + 1, high)
+    return tail(low)
+
+
 def whole_output(parser: ToolParser | None, result: Any) -> tuple[str, list[dict[str, Any]]]:
     """A finished choice's status and output items."""
     status = status_of(result.finish_reason)
@@ -169,8 +200,11 @@ async def create_response(ctx: ServingContext, req: ResponsesRequest, raw: Reque
         history = ctx.responses.conversation(req.previous_response_id)
     else:
         history = []
+    items = turn_items(req, history)
     try:
-        fan, tools = await start_chat(ctx, chat_request(req, history), rid)
+        if req.truncation == "auto":
+            items = await fitted(ctx, req, items)
+        fan, tools = await start_chat(ctx, chat_request(req, items), rid)
     except ApiError as exc:
         raise in_responses_terms(exc) from None
     make_parser = with_reasoning(ctx.reasoning_parser, tools.make_parser(), fan.params.structured)
