@@ -175,6 +175,19 @@ def tool_servers(tmp_path_factory: pytest.TempPathFactory):
         server.assert_clean_exit()
 
 
+@pytest.fixture(scope="session")
+def hermes_server(tool_servers: dict[str, Server]) -> Server:
+    """test_api_responses' server (hermes tool calls), which the stored-state tests share."""
+    return tool_servers["hermes"]
+
+
+@pytest.fixture(scope="session")
+def hermes_client(hermes_server: Server):
+    import openai  # only these tests need it at import
+
+    return openai.OpenAI(base_url=hermes_server.url + "/v1", api_key="unused", max_retries=0, timeout=300)
+
+
 def launch_children(server: Server) -> list[int]:
     """Every live child of launch.py right now: its engine cores and their spares (not one killed and not yet
     reaped: its supervisor looks every 0.1 s)."""

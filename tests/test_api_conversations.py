@@ -16,21 +16,12 @@ from tests.conftest import Server
 from tests.test_api_responses import MODEL, chat
 
 
-@pytest.fixture(scope="module")
-def server(tool_servers: dict[str, Server]) -> Server:
-    return tool_servers["hermes"]
-
-
-@pytest.fixture(scope="module")
-def client(server: Server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=300)
-
-
 def texts(items: list) -> list[tuple[str, str]]:
     return [(i.role, "".join(p.text for p in i.content)) for i in items]
 
 
-def test_responses_continue_a_conversation_and_add_their_turns(server: Server, client: openai.OpenAI):
+def test_responses_continue_a_conversation_and_add_their_turns(hermes_server: Server, hermes_client: openai.OpenAI):
+    server, client = hermes_server, hermes_client
     conv = client.conversations.create(items=[{"role": "developer", "content": "Be terse."},
                                               {"role": "user", "content": "Name a colour."}],
                                        metadata={"topic": "colours"})  # fmt: skip
@@ -88,7 +79,8 @@ def test_responses_continue_a_conversation_and_add_their_turns(server: Server, c
     ("/v1/conversations", {"items": [{"type": "input_image"}]}, "items"),
     ("/v1/conversations", {"metadata": {f"k{i}": "v" for i in range(17)}}, "metadata"),
 ])  # fmt: skip
-def test_bad_conversation_requests(server: Server, path: str, body: dict, param: str):
+def test_bad_conversation_requests(hermes_server: Server, path: str, body: dict, param: str):
+    server = hermes_server
     r = httpx.post(server.url + path, json=body, timeout=30)
     assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
 
@@ -106,9 +98,10 @@ def test_the_store_keeps_to_its_bound():
         ConversationStore(0).create(CreateConversation())
 
 
-def test_truncation_auto_drops_the_oldest_items_that_do_not_fit(server: Server, client: openai.OpenAI):
+def test_truncation_auto_drops_the_oldest_items_that_do_not_fit(hermes_server: Server, hermes_client: openai.OpenAI):
     """A conversation past the context (20 items of ~900 tokens): without truncation the request is a 400; with
     truncation auto the fewest oldest items are dropped, as /tokenize measures the prompts they would make."""
+    server, client = hermes_server, hermes_client
     context = httpx.get(server.url + "/v1/models", timeout=10).json()["data"][0]["max_model_len"]
     items = [{"role": "user" if i % 2 == 0 else "assistant", "content": f"item{i} " * 300} for i in range(20)]
     conv = client.conversations.create(items=items)

@@ -21,17 +21,8 @@ from tests.test_api_responses import ASK, MODEL, TOOLS, chat, events_of
 from tests.test_api_streaming import assert_engine_idle_within
 
 
-@pytest.fixture(scope="module")
-def server(tool_servers: dict[str, Server]) -> Server:
-    return tool_servers["hermes"]
-
-
-@pytest.fixture(scope="module")
-def client(server: Server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=300)
-
-
-def test_turns_continue_the_stored_conversation(server: Server, client: openai.OpenAI):
+def test_turns_continue_the_stored_conversation(hermes_server: Server, hermes_client: openai.OpenAI):
+    server, client = hermes_server, hermes_client
     first = client.responses.create(model=MODEL, input="Name a colour.", instructions="Be terse.",
                                     max_output_tokens=16, temperature=0)  # fmt: skip
     assert first.store is True and first.previous_response_id is None and first.output_text != ""
@@ -84,10 +75,11 @@ def test_turns_continue_the_stored_conversation(server: Server, client: openai.O
     assert len(client.responses.input_items.list(third.id, order="asc").data) == 3  # what is left of the chain
 
 
-def test_response_ids_are_the_servers_whatever_x_request_id_says(server: Server):
+def test_response_ids_are_the_servers_whatever_x_request_id_says(hermes_server: Server):
     """A client's X-Request-Id (a proxy may send the same one twice) never names a stored response: the second
     request with the same header, continuing the first, had replaced it with a response that continued itself, and
     the next walk of that chain never ended (the API process hung)."""
+    server = hermes_server
     body = {"model": MODEL, "input": "hi", "max_output_tokens": 2}
     headers = {"X-Request-Id": "same"}
     first = httpx.post(f"{server.url}/v1/responses", json=body, headers=headers, timeout=60).json()
@@ -101,7 +93,8 @@ def test_response_ids_are_the_servers_whatever_x_request_id_says(server: Server)
     assert len(items) == 5  # two turns of input and output, then its own input
 
 
-def test_a_function_call_continued_with_its_result(server: Server, client: openai.OpenAI):
+def test_a_function_call_continued_with_its_result(hermes_server: Server, hermes_client: openai.OpenAI):
+    server, client = hermes_server, hermes_client
     call_turn = client.responses.create(model=MODEL, input=ASK, tools=TOOLS, max_output_tokens=64, temperature=0,
                                         tool_choice={"type": "function", "name": "get_weather"})  # fmt: skip
     [call] = call_turn.output
@@ -119,7 +112,8 @@ def test_a_function_call_continued_with_its_result(server: Server, client: opena
     assert back.output_text == (reference["choices"][0]["message"]["content"] or "")
 
 
-def test_store_false_keeps_nothing(server: Server, client: openai.OpenAI):
+def test_store_false_keeps_nothing(hermes_server: Server, hermes_client: openai.OpenAI):
+    server, client = hermes_server, hermes_client
     r = client.responses.create(model=MODEL, input="hi", max_output_tokens=2, store=False)
     assert r.store is False
     assert httpx.get(f"{server.url}/v1/responses/{r.id}").status_code == 404
@@ -137,7 +131,8 @@ def poll(client: openai.OpenAI, rid: str, seconds: float) -> Any:
     return r
 
 
-def test_background_responses_are_polled_and_cancelled(server: Server, client: openai.OpenAI):
+def test_background_responses_are_polled_and_cancelled(hermes_server: Server, hermes_client: openai.OpenAI):
+    server, client = hermes_server, hermes_client
     kw = {"model": MODEL, "input": "Name three colours.", "max_output_tokens": 24, "temperature": 0}
     started = client.responses.create(**kw, background=True)
     assert (started.status, started.background, started.output) == ("in_progress", True, [])
