@@ -119,3 +119,6 @@ def test_truncation_auto_drops_the_oldest_items_that_do_not_fit(hermes_server: S
     kept = next(k for k in range(len(turn)) if prompt_tokens(k) <= context - 8)
     assert kept > 0 and r.usage.input_tokens == prompt_tokens(kept) > context - 8 - 1000
     assert len(client.conversations.items.list(conv.id, limit=100).data) == 22  # the conversation keeps them all
+    # A lone input too long for the context: the usual 400, not one about an empty input.
+    with pytest.raises(openai.BadRequestError, match="maximum context length"):
+        client.responses.create(model=MODEL, input="word " * 3 * context, max_output_tokens=8, truncation="auto")

@@ -138,7 +138,7 @@ async def fitted(ctx: ServingContext, req: ResponsesRequest, items: list[InputIt
         prompt = await off_loop(chat_prompt, ctx, chat.messages, True, tools.template_tools)
         return len(prompt) <= room
 
-    if await fits(0):
+    if len(items) < 2 or await fits(0):
         return items
     low, high = 1, len(items) - 1  # the fewest dropped that may fit, and the most there is to drop
     while low < high:
