@@ -114,7 +114,8 @@ def test_a_function_call_continued_with_its_result(hermes_server: Server, hermes
 
 def test_store_false_keeps_nothing(hermes_server: Server, hermes_client: openai.OpenAI):
     server, client = hermes_server, hermes_client
-    r = client.responses.create(model=MODEL, input="hi", max_output_tokens=2, store=False)
+    r = client.responses.create(model=MODEL, input="hi", max_output_tokens=2, store=False, top_logprobs=0,
+                                include=["reasoning.encrypted_content"])  # asks for nothing this server has
     assert r.store is False
     assert httpx.get(f"{server.url}/v1/responses/{r.id}").status_code == 404
     with pytest.raises(openai.BadRequestError, match="previous_response_not_found|not found"):

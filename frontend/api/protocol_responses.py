@@ -27,6 +27,7 @@ from frontend.api.protocol import (
     ToolCall,
     ToolDefinition,
 )
+from frontend.api.refused_fields import HostedPrompt, Include, TopLogprobs
 from frontend.api.sampling_defaults import SamplingDefaults
 from frontend.errors import ApiError, bad_request, from_validation_errors
 
@@ -167,6 +168,9 @@ class ResponsesRequest(ApiModel):
     background: bool = False  # answered at once, in_progress; the client polls GET (needs store)
     conversation: Text | ConversationRef | None = None  # its items come before input; input and output join them
     truncation: Literal["auto", "disabled"] = "disabled"  # auto: the oldest items dropped where the context is short
+    prompt: HostedPrompt = None  # refused, and so are logprobs:
+    top_logprobs: TopLogprobs = None
+    include: Include = None
 
     @property
     def conversation_id(self) -> str | None:

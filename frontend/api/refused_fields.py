@@ -1,5 +1,6 @@
-"""vLLM request fields this server does not do, and whose silent omission would change the answer: any value but
-null (for beam search: but false) is a 400 naming the field and saying why, instead of an answer other than asked."""
+"""Request fields (vLLM's, and the Responses API's) this server does not do, and whose silent omission would change
+the answer: any value but null (for beam search: but false; for logprobs: but 0) is a 400 naming the field and
+saying why, instead of an answer other than asked."""
 
 from __future__ import annotations
 
@@ -32,3 +33,27 @@ PromptEmbeds = Annotated[Any, _refused("prompt_embeds is not supported: send the
 LogitsProcessors = Annotated[Any, _refused("per-request logits_processors are not supported (logit_bias, "
                                            "allowed_token_ids and bad_words are)")]  # fmt: skip
 BeamSearch = Annotated[bool, AfterValidator(_no_beam_search)]
+
+
+def _refuse_logprobs(asked: bool) -> None:
+    if asked:
+        raise ValueError("logprobs are not served on /v1/responses; /v1/chat/completions gives them (logprobs, "
+                         "top_logprobs)")
+
+
+def _no_top_logprobs(value: Any) -> Any:
+    _refuse_logprobs(value not in (None, 0))
+    return value
+
+
+def _no_logprobs_included(value: Any) -> Any:
+    _refuse_logprobs(isinstance(value, list) and "message.output_text.logprobs" in value)
+    return value
+
+
+# /v1/responses: OpenAI's stored prompt templates, and logprobs of the output text (top_logprobs, or include's
+# "message.output_text.logprobs"; the include's other values ask for nothing this server has, and are ignored)
+HostedPrompt = Annotated[Any, _refused("prompt (a stored prompt template) is not supported: send instructions and "
+                                       "input instead")]  # fmt: skip
+TopLogprobs = Annotated[Any, AfterValidator(_no_top_logprobs)]
+Include = Annotated[Any, AfterValidator(_no_logprobs_included)]
