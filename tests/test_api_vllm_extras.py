@@ -205,3 +205,17 @@ def test_return_token_ids_gives_the_ids_behind_the_text(server: Server):
     assert all("prompt_token_ids" not in c for c in chunks[1:])
     assert [t for c in chunks if c["choices"] for t in c["choices"][0]["token_ids"]] == ids
     assert "prompt_token_ids" not in post(server, CHAT, {**chat, "return_token_ids": False}).json()
+
+
+def test_documents_reach_the_chat_template(hermes_server: Server):
+    """vLLM's `documents` go to the template as its `documents` variable (RAG templates show them; the tool servers'
+    test template writes them in a system turn), so a request with them is the one with that turn written out."""
+    ask = {"role": "user", "content": "What is the capital of France?"}
+    docs = [{"title": "Paris", "text": "Paris is the capital of France."}, {"title": "Rome", "text": "Not here."}]
+    body = {"model": MODEL, "max_tokens": 16, "temperature": 0}
+    with_docs = post(hermes_server, CHAT, {**body, "messages": [ask], "documents": docs}).json()
+    turn = {"role": "system", "content": "Documents:\n[Paris] Paris is the capital of France.\n[Rome] Not here.\n"}
+    written = post(hermes_server, CHAT, {**body, "messages": [turn, ask]}).json()
+    plain = post(hermes_server, CHAT, {**body, "messages": [ask]}).json()
+    assert with_docs["usage"]["prompt_tokens"] == written["usage"]["prompt_tokens"] > plain["usage"]["prompt_tokens"]
+    assert with_docs["choices"][0]["message"] == written["choices"][0]["message"]

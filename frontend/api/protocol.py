@@ -285,6 +285,7 @@ class ChatCompletionRequest(SamplingFields, StructuredFields):
     echo: bool = False  # vLLM's: a final assistant message's content leads the answer (with continue_final_message)
     chat_template: RequestTemplate = None  # vLLM's: refused
     chat_template_kwargs: TemplateKwargs | None = None
+    documents: list[dict[Text, Text]] | None = Field(None, max_length=MAX_TOOLS)  # vLLM's: RAG templates' `documents`
     tools: list[ToolDefinition] | None = Field(None, max_length=MAX_TOOLS)
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True

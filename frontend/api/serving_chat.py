@@ -148,8 +148,10 @@ async def start_chat(ctx: ServingContext, req: ChatCompletionRequest, rid: str,
         stop = req.stop_strings
         req = req.model_copy(update={"stop": [*stop, *(s for s in tools.stop if s not in stop)]})
     await ctx.admit(req.n)
+    kwargs = req.chat_template_kwargs if req.documents is None else {**(req.chat_template_kwargs or {}),
+                                                                     "documents": req.documents}  # fmt: skip
     prompt = await off_loop(chat_prompt, ctx, req.messages, req.add_generation_prompt, tools.template_tools,
-                            req.continue_final_message, req.chat_template_kwargs, req.truncate_prompt_tokens,
+                            req.continue_final_message, kwargs, req.truncate_prompt_tokens,
                             req.add_special_tokens)  # fmt: skip
     requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
