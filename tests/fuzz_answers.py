@@ -8,7 +8,7 @@ from collections.abc import Iterator
 
 import httpx
 
-from tests.fuzz_request_strategies import CHAT, CMPL, DETOK, GEN, MSGS, RESP, TOK, Req
+from tests.fuzz_request_strategies import CHAT, CMPL, CONV, DETOK, GEN, MSGS, RESP, TOK, Req
 
 ERROR_KEYS = {"message", "type", "param", "code"}
 FINISH = {"stop", "length", "function_call"}  # function_call: a legacy `functions` request
@@ -52,6 +52,9 @@ def _bad_200(req: Req, ctype: str, text: str) -> str | None:
         return _bad_response(ctype, text)
     if req.path == MSGS:
         return _bad_message(ctype, text)
+    if req.path == CONV:
+        answer = json.loads(text)
+        return None if answer["object"] == "conversation" and answer["id"].startswith("conv_") else "not a conversation"
     if ctype.startswith("text/event-stream"):
         events = list(sse_events(text))
         if not events or events[-1] != "[DONE]":

@@ -203,7 +203,18 @@ RESPONSES_FIELDS: dict[str, SearchStrategy[Any]] = {
     "store": BOOL,
     "user": TEXT,
     "previous_response_id": TEXT,
+    "conversation": weighted((3, TEXT), (1, st.fixed_dictionaries({"id": field(TEXT)}))),
+    "truncation": st.sampled_from(["auto", "disabled", "middle"]),
+    "top_logprobs": ints(0, 20),
+    "include": st.lists(st.sampled_from(["reasoning.encrypted_content", "message.output_text.logprobs", "x"]),
+                        max_size=2),
+    "prompt": st.sampled_from([{"id": "pmpt_1"}, {}]),
     "unknown_field": JUNK,
+}
+# /v1/conversations (frontend/api/conversations.py): a conversation's first items and metadata.
+CONVERSATION_FIELDS: dict[str, SearchStrategy[Any]] = {
+    "items": weighted((4, st.lists(INPUT_ITEM, max_size=3)), (1, st.lists(INPUT_ITEM, min_size=21, max_size=21))),
+    "metadata": st.dictionaries(TEXT, TEXT, max_size=3),
 }
 
 # /v1/messages (frontend/api/protocol_messages.py): Anthropic's content blocks and the fields chat does not have.

@@ -19,6 +19,7 @@ from tests.fuzz_field_strategies import (
     CLEAN_MESSAGES,
     CLEAN_MODEL,
     CLEAN_PROMPT,
+    CONVERSATION_FIELDS,
     IDS,
     INPUT,
     JUNK,
@@ -40,7 +41,7 @@ from tests.fuzz_field_strategies import (
 )
 
 CMPL, CHAT, GEN, TOK, DETOK = "/v1/completions", "/v1/chat/completions", "/generate", "/tokenize", "/detokenize"
-RESP, MSGS = "/v1/responses", "/v1/messages"
+RESP, MSGS, CONV = "/v1/responses", "/v1/messages", "/v1/conversations"
 
 
 @dataclass(frozen=True)
@@ -137,6 +138,7 @@ ANTHROPIC = body(  # model and max_tokens are required here
      "max_tokens": MAX_TOKENS_FIELD},
     MESSAGES_FIELDS,
 )  # fmt: skip
+CONVERSATION = body({}, CONVERSATION_FIELDS)
 DETOKENIZE = body(
     {"model": MODEL_FIELD, "tokens": (IDS, field(st.one_of(IDS, LONG_IDS, st.lists(IDS, max_size=2))))}, {}
 )
@@ -155,7 +157,7 @@ def encoded(path: str | SearchStrategy[str], bodies: SearchStrategy[Any]) -> Sea
 
 SCHEMA_REQS = st.one_of(encoded(CMPL, COMPLETION), encoded(CHAT, CHAT_BODY), encoded(GEN, GENERATE),
                         encoded(TOK, TOKENIZE), encoded(DETOK, DETOKENIZE), encoded(RESP, RESPONSES),
-                        encoded(MSGS, ANTHROPIC))  # fmt: skip
+                        encoded(MSGS, ANTHROPIC), encoded(CONV, CONVERSATION))  # fmt: skip
 RANDOM_JSON = st.recursive(
     st.none() | st.booleans() | st.integers() | st.floats(allow_subnormal=False) | st.text(max_size=8),
     lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
