@@ -6,6 +6,7 @@ store's memory bound evicts the least recently used responses, never an ancestor
 
 from __future__ import annotations
 
+import json
 import time
 from typing import Any
 
@@ -155,9 +156,41 @@ def test_background_responses_are_polled_and_cancelled(hermes_server: Server, he
                                       background=True)  # fmt: skip
     client.responses.delete(deleted.id)  # deleting a running response cancels it
     assert_engine_idle_within(server, 10)
-    for extra in ({"store": False}, {"stream": True}):
-        refused = httpx.post(f"{server.url}/v1/responses", json={**kw, "background": True, **extra}, timeout=30)
-        assert refused.status_code == 400 and refused.json()["error"]["param"] == "background"
+    refused = httpx.post(f"{server.url}/v1/responses", json={**kw, "background": True, "store": False}, timeout=30)
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "background"
+
+
+def sse_events(lines: Any, count: int | None = None) -> list[dict[str, Any]]:
+    """The events of an SSE response's lines (the first `count` of them, or all)."""
+    events = []
+    for line in lines:
+        if line.startswith("data: "):
+            events.append(json.loads(line[6:]))
+            if len(events) == count:
+                break
+    return events
+
+
+def test_a_streamed_background_response_is_resumed_where_its_client_left(hermes_server: Server):
+    many = {"type": "json_schema", "name": "many", "schema": {"type": "array", "minItems": 100,
+                                                             "items": {"type": "integer"}}}  # fmt: skip
+    body = {"model": MODEL, "input": "Numbers:", "max_output_tokens": 300, "text": {"format": many},
+            "background": True, "stream": True}  # fmt: skip
+    url = f"{hermes_server.url}/v1/responses"
+    with httpx.stream("POST", url, json=body, timeout=60) as r:  # the client leaves after five events
+        first = sse_events(r.iter_lines(), 5)
+    rid = first[0]["response"]["id"]
+    assert [e["sequence_number"] for e in first] == list(range(5)) and first[0]["response"]["background"] is True
+    with httpx.stream("GET", f"{url}/{rid}", params={"stream": "true", "starting_after": 4}, timeout=120) as r:
+        rest = sse_events(r.iter_lines())
+    events = first + rest
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    assert events[-1]["type"] in ("response.completed", "response.incomplete")
+    text = "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta")
+    final = httpx.get(f"{url}/{rid}", timeout=10).json()
+    assert final == events[-1]["response"] and final["output"][0]["content"][0]["text"] == text
+    over = httpx.get(f"{url}/{rid}", params={"stream": "true"}, timeout=10)  # over: no stream to resume
+    assert over.status_code == 400 and over.json()["error"]["param"] == "stream"
 
 
 def stored(store: ResponseStore, rid: str, text: str, previous: str | None = None) -> None:

@@ -205,9 +205,6 @@ def refuse_state(req: ResponsesRequest, keeps_responses: bool) -> None:
     if req.background and not (req.store and keeps_responses):
         raise bad_request("background responses need store true (and a server that keeps responses) to be polled",
                           "background", "unsupported_parameter")  # fmt: skip
-    if req.background and req.stream:
-        raise bad_request("background responses are not streamed here: poll GET /v1/responses/{id}", "background",
-                          "unsupported_parameter")  # fmt: skip
 
 
 def own_items(req: ResponsesRequest) -> list[InputItem]:

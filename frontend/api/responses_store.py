@@ -7,9 +7,10 @@ before the responses that continue it."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,6 +23,38 @@ ID_PREFIXES = {"message": "msg", "function_call": "fc", "function_call_output": 
 def with_id(item: dict[str, Any]) -> dict[str, Any]:
     """An input item as stored and listed, with an id of its own."""
     return {"id": item_id(ID_PREFIXES.get(item["type"], "item")), **item}
+
+
+class Replay:
+    """A streamed background response's events while it runs: the client that started it reads them from the
+    first, one that resumes (GET ?stream=true&starting_after=N) from N + 1, each then waiting for the next."""
+
+    def __init__(self) -> None:
+        self.events: list[bytes] = []  # the event with sequence number i at i
+        self.done = False
+        self._changed = asyncio.Event()
+
+    def add(self, event: bytes) -> None:
+        self.events.append(event)
+        self._wake()
+
+    def finish(self) -> None:
+        self.done = True
+        self._wake()
+
+    def _wake(self) -> None:
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+    async def follow(self, after: int) -> AsyncIterator[bytes]:
+        at = max(after + 1, 0)
+        while True:
+            while at < len(self.events):
+                yield self.events[at]
+                at += 1
+            if self.done:
+                return
+            await self._changed.wait()
 
 
 @dataclass
@@ -38,6 +71,7 @@ class ResponseStore:
         self.bytes = 0
         self._entries: OrderedDict[str, Stored] = OrderedDict()
         self.running: dict[str, Callable[[], dict[str, Any]]] = {}  # background responses: how to cancel each
+        self.replays: dict[str, Replay] = {}  # those streamed: their events so far, for clients that resume
 
     @property
     def enabled(self) -> bool:

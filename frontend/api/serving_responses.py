@@ -12,11 +12,11 @@ import itertools
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from frontend.api.protocol_responses import (
     FunctionCallOutputItem,
@@ -30,7 +30,7 @@ from frontend.api.protocol_responses import (
     turn_items,
 )
 from frontend.api.responses_output import OutputBuilder
-from frontend.api.responses_store import with_id
+from frontend.api.responses_store import Replay, with_id
 from frontend.api.serving import ClosingStreamingResponse, ServingContext, collect, off_loop
 from frontend.api.serving_chat import chat_prompt, start_chat
 from frontend.api.sse import dumps
@@ -87,15 +87,18 @@ class Envelope:
         return body
 
 
-async def _events(ctx: ServingContext, fan: FanOut, parser: ToolParser | None,
-                  envelope: Envelope) -> AsyncIterator[bytes]:  # fmt: skip
+async def _events(ctx: ServingContext, fan: FanOut, parser: ToolParser | None, envelope: Envelope,
+                  record: Callable[[bytes], None] | None = None) -> AsyncIterator[bytes]:  # fmt: skip
     """created, in_progress, the output items' events as the text comes, then completed or incomplete (with the
-    whole response); a failure in the engine ends the stream with response.failed."""
+    whole response); a failure in the engine ends the stream with response.failed. `record` sees each event."""
     numbers = itertools.count()
 
     def sse(event: dict[str, Any]) -> bytes:
         event = {"type": event["type"], "sequence_number": next(numbers), **event}
-        return f"event: {event['type']}\ndata: {dumps(event)}\n\n".encode()
+        data = f"event: {event['type']}\ndata: {dumps(event)}\n\n".encode()
+        if record is not None:
+            record(data)
+        return data
 
     builder, finish = OutputBuilder(), None
     try:
@@ -156,14 +159,20 @@ def whole_output(parser: ToolParser | None, result: Any) -> tuple[str, list[dict
     return status, builder.output()
 
 
-def run_in_background(ctx: ServingContext, fan: FanOut, parser: ToolParser | None,
-                      envelope: Envelope) -> dict[str, Any]:  # fmt: skip
-    """background: the request runs on while its client polls GET (the stored response, in_progress until it
-    ends); POST .../cancel aborts it (the store's `running` holds how). Returns the response as it starts."""
+def run_in_background(ctx: ServingContext, fan: FanOut, parser: ToolParser | None, envelope: Envelope,
+                      stream: bool) -> Response:  # fmt: skip
+    """background: the request runs on, whoever listens, while its client polls GET (the stored response,
+    in_progress until it ends) or reads its events (stream: from a Replay, which a client that lost the stream
+    resumes with GET ?stream=true); POST .../cancel aborts it (the store's `running` holds how)."""
     rid = envelope.head["id"]
+    replay = Replay() if stream else None
 
     async def run() -> None:
         try:
+            if replay is not None:
+                async for _ in _events(ctx, fan, parser, envelope, replay.add):
+                    pass
+                return
             result = (await fan.collect())[0].result
             if result.finish_reason == "error":
                 err = ctx.failure(result.error, result.error_code)
@@ -176,6 +185,9 @@ def run_in_background(ctx: ServingContext, fan: FanOut, parser: ToolParser | Non
         finally:
             fan.abort()
             ctx.responses.running.pop(rid, None)
+            if replay is not None:
+                ctx.responses.replays.pop(rid, None)
+                replay.finish()
 
     task = asyncio.ensure_future(run())
 
@@ -186,7 +198,11 @@ def run_in_background(ctx: ServingContext, fan: FanOut, parser: ToolParser | Non
         return envelope.final("cancelled", [], usage(fan))
 
     ctx.responses.running[rid] = cancel
-    return envelope.final("in_progress", [], None)
+    started = envelope.final("in_progress", [], None)
+    if replay is None:
+        return JSONResponse(started)
+    ctx.responses.replays[rid] = replay
+    return StreamingResponse(replay.follow(-1), media_type="text/event-stream")  # a client gone stops nothing
 
 
 async def create_response(ctx: ServingContext, req: ResponsesRequest, raw: Request) -> Response:
@@ -211,7 +227,7 @@ async def create_response(ctx: ServingContext, req: ResponsesRequest, raw: Reque
     parser = make_parser() if make_parser is not None else None
     envelope = Envelope(ctx, req, rid)
     if req.background:
-        return JSONResponse(run_in_background(ctx, fan, parser, envelope))
+        return run_in_background(ctx, fan, parser, envelope, req.stream)
     if req.stream:
         return ClosingStreamingResponse(_events(ctx, fan, parser, envelope), fan.abort, "text/event-stream")
     choices = await collect(ctx, raw, fan)

@@ -6,11 +6,13 @@ from __future__ import annotations
 from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Query
+from fastapi.responses import StreamingResponse
 
 from frontend.api.conversations import AddItems, CreateConversation, UpdateConversation, page
 from frontend.api.protocol_responses import item_dumps
 from frontend.api.serving import ServingContext
 from frontend.api.serving_responses import cancel_response, delete_response
+from frontend.errors import bad_request
 
 Limit = Annotated[int, Query(ge=1, le=100)]
 Order = Literal["asc", "desc"]
@@ -20,9 +22,18 @@ def stored_routes(ctx: ServingContext) -> APIRouter:
     router = APIRouter()
     conversations = ctx.conversations
 
-    @router.get("/v1/responses/{response_id}")
-    async def retrieve_response(response_id: str) -> dict[str, Any]:
-        return ctx.responses.get(response_id).response
+    @router.get("/v1/responses/{response_id}", response_model=None)
+    async def retrieve_response(response_id: str, stream: bool = False,
+                                starting_after: int = -1) -> dict[str, Any] | StreamingResponse:  # fmt: skip
+        """The stored response; with stream, a streamed background response's events after `starting_after`."""
+        stored = ctx.responses.get(response_id)
+        replay = ctx.responses.replays.get(response_id)
+        if not stream:
+            return stored.response
+        if replay is None:
+            raise bad_request(f"Response '{response_id}' is not a streamed background response in progress (it is "
+                              f"{stored.response['status']}): GET it without stream", "stream")  # fmt: skip
+        return StreamingResponse(replay.follow(starting_after), media_type="text/event-stream")
 
     @router.delete("/v1/responses/{response_id}")
     async def remove_response(response_id: str) -> dict[str, Any]:
