@@ -57,6 +57,11 @@ class Replay:
             await self._changed.wait()
 
 
+def _turns(chain: list[Stored]) -> list[dict[str, Any]]:
+    """A chain's items, turn by turn: each response's input items, then its output."""
+    return [item for stored in chain for item in (*stored.items, *stored.response["output"])]
+
+
 @dataclass
 class Stored:
     response: dict[str, Any]  # the response object, as it was returned
@@ -111,14 +116,14 @@ class ResponseStore:
             raise ApiError(400, f"Previous response with id '{missing}' not found.", "previous_response_id",
                            "previous_response_not_found")  # fmt: skip
         self._refresh(rid)
-        return [item for stored in chain for item in (*stored.items, *stored.response["output"])]
+        return _turns(chain)
 
     def input_items(self, rid: str) -> list[dict[str, Any]]:
         """What GET /v1/responses/{rid}/input_items lists, oldest first: the conversation it continued, from the
         first of its responses still stored (a client may have deleted one), then its own input."""
         stored = self.get(rid)
         chain, _ = self._chain(stored.previous)
-        return [*(item for s in chain for item in (*s.items, *s.response["output"])), *stored.items]
+        return [*_turns(chain), *stored.items]
 
     def _chain(self, rid: str | None) -> tuple[list[Stored], str | None]:
         """The stored responses that end at `rid`, oldest first, and the id of the first one missing (or None)."""

@@ -127,7 +127,11 @@ async def fitted(ctx: ServingContext, req: ResponsesRequest, items: list[InputIt
     """truncation auto: the items less the fewest oldest ones that let the prompt and max_output_tokens (at least
     one token) fit the context, as OpenAI drops them; the newest is always kept (if it alone is too long, the
     request's 400 says so). Each candidate is rendered as the request would be, halving the range each time."""
+    if len(items) < 2:
+        return items
     room = ctx.max_model_len - (req.max_output_tokens or 1)
+    # The tools the template shows do not depend on the items: planned once (their schemas checked once).
+    template_tools = (await off_loop(plan_tools, chat_request(req, items), ctx.tool_call_parser)).template_tools
 
     def tail(k: int) -> list[InputItem]:  # a call's output whose call was dropped goes with it
         rest = items[k:]
@@ -136,12 +140,10 @@ async def fitted(ctx: ServingContext, req: ResponsesRequest, items: list[InputIt
         return rest
 
     async def fits(k: int) -> bool:
-        chat = chat_request(req, tail(k))
-        tools = await off_loop(plan_tools, chat, ctx.tool_call_parser)
-        prompt = await off_loop(chat_prompt, ctx, chat.messages, True, tools.template_tools)
+        prompt = await off_loop(chat_prompt, ctx, chat_request(req, tail(k)).messages, True, template_tools)
         return len(prompt) <= room
 
-    if len(items) < 2 or await fits(0):
+    if await fits(0):
         return items
     low, high = 1, len(items) - 1  # the fewest dropped that may fit, and the most there is to drop
     while low < high:
